@@ -1,0 +1,237 @@
+"""One Kronecker block: a layer's two factors, their statistics and its preconditioner.
+
+Owns: pending statistics (sums since the last fold, with their counts), running factors, their
+decompositions, and turning a layer's gradient into the preconditioned direction.
+Must not know: hooks, param groups, ranks, loss scaling (callers pass plain scales).
+
+Conventions (DESIGN §3), for a layer with joint weight ``[W | b]`` of shape ``(out, in [+1])``:
+  ``A = (1/(N·R)) Σ a aᵀ``: ``(in [+1], in [+1])``, ``a`` the input rows with a trailing 1 for a bias;
+  ``G = (1/N) Σ ĝ ĝᵀ``: ``(out, out)``, ``ĝ = N·g`` for a mean-reduced loss (``ĝ = g`` for "sum"),
+over the N·R rows of N samples since the last fold.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from kfac_optim import linalg
+
+logger = logging.getLogger(__name__)
+
+FactorName = Literal["A", "G"]
+Method = Literal["eigen", "inverse"]
+
+
+class Factor:
+    """One symmetric Kronecker factor ``(dim, dim)``: pending sum, running average, decomposition.
+
+    The running average only changes through device-side selects, so folding a batch needs no
+    host sync: a non-finite batch leaves the factor as it was and counts one discard.
+    """
+
+    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.dim = dim
+        self.pending = torch.zeros(dim, dim, dtype=dtype, device=device)
+        self.pending_rows = 0
+        self.running = torch.zeros(dim, dim, dtype=dtype, device=device)
+        self.initialized = torch.zeros((), dtype=torch.bool, device=device)
+        self.discarded = torch.zeros((), dtype=torch.int64, device=device)
+        self.reported_discards = 0
+        self.version = 0
+        self.decomposition: linalg.Eigen | Tensor | None = None
+        self.decomposed_key: tuple[int, float] | None = None
+
+    def add_gram(self, rows: Tensor, append_ones: bool = False) -> None:
+        """Accumulate ``rowsᵀ rows`` for ``rows: (R, dim[-1])`` (a trailing 1 when ``append_ones``)."""
+        n = rows.shape[1]
+        self.pending[:n, :n].addmm_(rows.T, rows)
+        if append_ones:
+            column = rows.sum(dim=0)
+            self.pending[:n, n] += column
+            self.pending[n, :n] += column
+            self.pending[n, n] += rows.shape[0]
+        self.pending_rows += rows.shape[0]
+
+    def clear_pending(self) -> None:
+        self.pending.zero_()
+        self.pending_rows = 0
+
+    def fold(self, scale: float | Tensor, decay: float) -> None:
+        """``F ← decay·F + (1−decay)·scale·pending`` (``F ← scale·pending`` on the first fold)."""
+        batch = self.pending.mul_(scale)
+        finite = torch.isfinite(batch).all()
+        averaged = torch.where(self.initialized, self.running * decay + batch * (1 - decay), batch)
+        self.running = torch.where(finite, averaged, self.running)
+        self.initialized |= finite
+        self.discarded += ~finite
+        self.version += 1
+        self.clear_pending()
+
+    def decompose(self, method: Method, shift: float, dtype: torch.dtype) -> bool:
+        """Refresh the decomposition unless the factor and shift are unchanged since the last one.
+
+        ``eigen``: ``Q diag(d) Qᵀ`` (the shift is applied at preconditioning time);
+        ``inverse``: ``(F + shift·I)⁻¹``. Returns False when it failed (the old one is kept).
+        """
+        key = (self.version, shift if method == "inverse" else 0.0)
+        if key == self.decomposed_key:
+            return True
+        if method == "eigen":
+            result = linalg.symmetric_eigen(self.running, dtype)
+        else:
+            result = linalg.damped_inverse(self.running, shift, dtype)
+        if result is None:
+            return False
+        self.decomposition = result
+        self.decomposed_key = key
+        return True
+
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running factor, its health counters and its decomposition (None if none yet)."""
+        decomposition = self.decomposition
+        if isinstance(decomposition, linalg.Eigen):
+            decomposition = {"Q": decomposition.Q, "d": decomposition.d}
+        return {
+            "running": self.running,
+            "initialized": self.initialized,
+            "discarded": self.discarded,
+            "version": self.version,
+            "decomposition": decomposition,
+            "decomposed_key": self.decomposed_key,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (tensors move to this factor's device and dtypes)."""
+        device, dtype = self.running.device, self.running.dtype
+        self.running = state["running"].to(device, dtype, copy=True)
+        self.initialized = state["initialized"].to(device, copy=True)
+        self.discarded = state["discarded"].to(device, copy=True)
+        self.reported_discards = int(self.discarded)
+        self.version = int(state["version"])
+        decomposition = state["decomposition"]
+        if isinstance(decomposition, dict):
+            decomposition = linalg.Eigen(Q=decomposition["Q"].to(device), d=decomposition["d"].to(device))
+        elif decomposition is not None:
+            decomposition = decomposition.to(device)
+        self.decomposition = decomposition
+        key = state["decomposed_key"]
+        self.decomposed_key = None if key is None or decomposition is None else tuple(key)
+        self.clear_pending()
+
+
+class KroneckerBlock(ABC):
+    """K-FAC block of one module with a ``weight`` (and optional ``bias``) parameter."""
+
+    def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
+        self.name = name
+        self.module = module
+        self.weight: nn.Parameter = module.weight
+        self.bias: nn.Parameter | None = module.bias if include_bias else None
+        out_dim = self.weight.shape[0]
+        in_dim = self.weight[0].numel() + (self.bias is not None)
+        device = self.weight.device
+        self.factors: dict[FactorName, Factor] = {
+            "A": Factor(in_dim, factor_dtype, device),
+            "G": Factor(out_dim, factor_dtype, device),
+        }
+        self.pending_samples = 0
+        self.failures = 0
+
+    @abstractmethod
+    def input_rows(self, inputs: Tensor) -> Tensor:
+        """The layer input as rows ``(N·R, in)`` without the bias column."""
+
+    @abstractmethod
+    def output_grad_rows(self, grad_output: Tensor) -> Tensor:
+        """The output-gradient as rows ``(N·R, out)``."""
+
+    @abstractmethod
+    def sample_count(self, inputs: Tensor) -> int:
+        """N, the number of samples in a (possibly unbatched) input."""
+
+    @property
+    def A(self) -> Factor:  # noqa: N802 (the paper's name)
+        return self.factors["A"]
+
+    @property
+    def G(self) -> Factor:  # noqa: N802
+        return self.factors["G"]
+
+    def accumulate(self, inputs: Tensor, grad_output: Tensor) -> None:
+        """Add one (input, output-gradient) pair of a forward/backward to the pending sums."""
+        dtype = self.A.pending.dtype
+        with torch.autocast(inputs.device.type, enabled=False):
+            self.A.add_gram(self.input_rows(inputs).to(dtype), append_ones=self.bias is not None)
+            self.G.add_gram(self.output_grad_rows(grad_output).to(dtype))
+        self.pending_samples += self.sample_count(inputs)
+
+    def clear_pending(self) -> None:
+        for factor in self.factors.values():
+            factor.clear_pending()
+        self.pending_samples = 0
+
+    def fold(self, decay: float, loss_reduction: str, grad_scale: float | Tensor = 1.0) -> None:
+        """Fold pending statistics into the running factors (no-op when none were captured).
+
+        ``grad_scale`` multiplies the captured output-gradients' Gram matrix, e.g. ``scale⁻²``
+        for gradients captured under a loss scale.
+        """
+        if self.pending_samples == 0:
+            return
+        n = self.pending_samples
+        self.A.fold(1.0 / self.A.pending_rows, decay)
+        sample_scale = n if loss_reduction == "mean" else 1.0 / n
+        self.G.fold(grad_scale * sample_scale, decay)
+        self.pending_samples = 0
+
+    def shifts(self, method: Method, damping: float) -> dict[FactorName, float]:
+        """Per-factor damping shifts: none for eigen (exact damping), ``π√λ`` / ``√λ/π`` for inverse."""
+        if method == "eigen":
+            return {"A": 0.0, "G": 0.0}
+        pi = linalg.pi_correction(self.A.running, self.G.running)
+        root = damping**0.5
+        return {"A": pi * root, "G": root / pi}
+
+    def grad_matrix(self) -> Tensor | None:
+        """The joint gradient ``[∇W | ∇b]``: ``(out, in [+1])``, or None if ``W`` has no grad."""
+        weight_grad = self.weight.grad
+        if weight_grad is None:
+            return None
+        matrix = weight_grad.reshape(weight_grad.shape[0], -1)
+        if self.bias is None:
+            return matrix
+        bias_grad = self.bias.grad if self.bias.grad is not None else torch.zeros_like(self.bias)
+        return torch.cat([matrix, bias_grad.unsqueeze(1)], dim=1)
+
+    def precondition(self, grad: Tensor, method: Method, damping: float) -> Tensor | None:
+        """The preconditioned ``(out, in [+1])`` direction, or None before any decomposition."""
+        a, g = self.A.decomposition, self.G.decomposition
+        if a is None or g is None:
+            return None
+        work = grad.to(a.Q.dtype if isinstance(a, linalg.Eigen) else a.dtype)
+        if isinstance(a, linalg.Eigen):
+            return linalg.eigen_precondition(work, a, g, damping)
+        return linalg.inverse_precondition(work, a, g)
+
+    def split(self, direction: Tensor) -> list[tuple[nn.Parameter, Tensor]]:
+        """Cut a joint ``(out, in [+1])`` direction into per-parameter directions."""
+        weight_part = direction[:, : self.weight[0].numel()]
+        pieces = [(self.weight, weight_part.reshape(self.weight.shape).to(self.weight.dtype))]
+        if self.bias is not None:
+            pieces.append((self.bias, direction[:, -1].to(self.bias.dtype).contiguous()))
+        return pieces
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"factors": {name: factor.state_dict() for name, factor in self.factors.items()}, "failures": self.failures}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, factor in self.factors.items():
+            factor.load_state_dict(state["factors"][name])
+        self.failures = int(state["failures"])
+        self.pending_samples = 0

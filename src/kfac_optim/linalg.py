@@ -1,0 +1,107 @@
+"""Damped eigen/inverse math for symmetric positive semi-definite Kronecker factors.
+
+Owns: the eigendecomposition and inverse of one factor (with a float64 retry), the damped
+Kronecker solves of DESIGN §3, and packing a symmetric matrix to its upper triangle.
+Must not know: layers, modules, ranks or optimizer state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Eigen:
+    """``F = Q diag(d) Qᵀ`` with eigenvalues clamped at 0. ``Q: (n, n)``, ``d: (n,)``."""
+
+    Q: Tensor
+    d: Tensor
+
+
+def _all_finite(*tensors: Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def symmetric_eigen(factor: Tensor, dtype: torch.dtype) -> Eigen | None:
+    """Eigendecomposition of a symmetric factor ``(n, n)``, returned in ``dtype``.
+
+    Tries ``factor``'s own precision first, then float64 if ``eigh`` raises or returns
+    non-finite values. Returns ``None`` when both attempts fail (the caller keeps its last good
+    decomposition).
+    """
+    for work_dtype in dict.fromkeys((factor.dtype, torch.float64)):
+        try:
+            d, Q = torch.linalg.eigh(factor.to(work_dtype))
+        except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
+            continue
+        if _all_finite(d, Q):
+            return Eigen(Q=Q.to(dtype), d=d.clamp(min=0).to(dtype))
+    return None
+
+
+def damped_inverse(factor: Tensor, shift: float, dtype: torch.dtype) -> Tensor | None:
+    """``(F + shift·I)⁻¹`` of a symmetric factor ``(n, n)`` via Cholesky, returned in ``dtype``.
+
+    Retries in float64 like :func:`symmetric_eigen`; ``None`` when both attempts fail.
+    """
+    for work_dtype in dict.fromkeys((factor.dtype, torch.float64)):
+        shifted = factor.to(work_dtype)
+        shifted = shifted + shift * torch.eye(len(shifted), dtype=work_dtype, device=shifted.device)
+        cholesky, info = torch.linalg.cholesky_ex(shifted)
+        if int(info) != 0:
+            continue
+        inverse = torch.cholesky_inverse(cholesky)
+        if _all_finite(inverse):
+            return inverse.to(dtype)
+    return None
+
+
+def pi_correction(a_factor: Tensor, g_factor: Tensor) -> float:
+    """Martens & Grosse's ``π = sqrt((tr A / dim A) / (tr G / dim G))``; 1 if either trace is 0."""
+    a_mean = float(torch.trace(a_factor)) / len(a_factor)
+    g_mean = float(torch.trace(g_factor)) / len(g_factor)
+    if a_mean <= 0 or g_mean <= 0:
+        return 1.0
+    return (a_mean / g_mean) ** 0.5
+
+
+def eigen_precondition(grad: Tensor, eig_a: Eigen, eig_g: Eigen, damping: float) -> Tensor:
+    """``(G ⊗ A + λI)⁻¹ vec(∇W)`` for ``grad: (out, in)``, ``A: (in, in)``, ``G: (out, out)``.
+
+    ``V = Q_G [(Q_Gᵀ ∇W Q_A) / (d_G d_Aᵀ + λ)] Q_Aᵀ``, the exact damped Kronecker inverse.
+    """
+    rotated = eig_g.Q.T @ grad @ eig_a.Q
+    rotated /= torch.outer(eig_g.d, eig_a.d).add_(damping)
+    return eig_g.Q @ rotated @ eig_a.Q.T
+
+
+def inverse_precondition(grad: Tensor, a_inverse: Tensor, g_inverse: Tensor) -> Tensor:
+    """``V = (G + (√λ/π) I)⁻¹ ∇W (A + π√λ I)⁻¹`` from precomputed damped inverses."""
+    return g_inverse @ grad @ a_inverse
+
+
+def triu_size(n: int) -> int:
+    """Number of entries in the upper triangle (diagonal included) of an ``(n, n)`` matrix."""
+    return n * (n + 1) // 2
+
+
+def pack_symmetric(matrix: Tensor) -> Tensor:
+    """Upper triangle of a symmetric ``(n, n)`` matrix, row-major, as a flat ``(n(n+1)/2,)``."""
+    rows, cols = torch.triu_indices(len(matrix), len(matrix), device=matrix.device)
+    return matrix[rows, cols]
+
+
+def unpack_symmetric(packed: Tensor, n: int, out: Tensor | None = None) -> Tensor:
+    """Inverse of :func:`pack_symmetric`: the full symmetric ``(n, n)`` matrix (into ``out``)."""
+    if out is None:
+        out = packed.new_empty(n, n)
+    rows, cols = torch.triu_indices(n, n, device=packed.device)
+    out[rows, cols] = packed
+    out[cols, rows] = packed
+    return out

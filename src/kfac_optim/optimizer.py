@@ -1,0 +1,429 @@
+"""``KFAC``: a ``torch.optim.Optimizer`` whose ``step()`` is the whole K-FAC update.
+
+Owns: argument checks, param groups, the order of work inside ``step()``, ``state_dict``.
+Delegates: capture (hooks), layers (factor math), linalg (decompositions), schedules.
+
+One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient ``∇W``
+(DESIGN §4; ``k`` is the step counter, ``λ`` the damping at ``k``)::
+
+    if k % factor_update_steps(k) == 0:  A, G ← decay·(A, G) + (1 − decay)·(batch A, batch G)
+    if k % inv_update_steps(k) == 0:     refresh eig(A), eig(G)   (or the π-damped inverses)
+    V   = (G ⊗ A + λI)⁻¹ ∇W                               (per layer)
+    ν   = min(1, sqrt(kl_clip / |Σ_layers lr² ⟨V, ∇W⟩|))
+    d   = ν·V  for K-FAC parameters,  ∇p  for every other parameter
+    then exactly torch.optim.SGD on d: weight decay, momentum/dampening/nesterov, p ← p − lr·d
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.optim.optimizer import Optimizer, ParamsT
+from torch.optim.sgd import sgd
+
+from kfac_optim.capture import StatisticsCapture
+from kfac_optim.layers import Conv2dBlock, KroneckerBlock, block_kind
+from kfac_optim.schedules import resolve
+
+logger = logging.getLogger(__name__)
+
+IntSchedule = int | Callable[[int], int]
+FloatSchedule = float | Callable[[int], float]
+SkipLayers = Sequence[str | type[nn.Module]]
+
+
+@dataclass(frozen=True)
+class KFACOptions:
+    """The K-FAC hyperparameters (the SGD ones live in ``param_groups``), validated on creation.
+
+    ``damping``: λ, in Fisher units of a per-sample loss (DESIGN §3), so it keeps its meaning at
+    any batch size. ``kl_clip``: the trust-region size ν is computed from (None: no clipping).
+    ``factor_decay``: weight of the old factor in the running average (0: no averaging).
+    """
+
+    damping: FloatSchedule = 1e-3
+    kl_clip: float | None = 1e-3
+    factor_decay: float = 0.95
+    factor_update_steps: IntSchedule = 1
+    inv_update_steps: IntSchedule = 10
+    method: Literal["eigen", "inverse"] = "eigen"
+    loss_reduction: Literal["mean", "sum"] = "mean"
+    factor_dtype: torch.dtype = torch.float32
+    inv_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if not callable(self.damping):
+            check_damping(self.damping)
+        if self.kl_clip is not None and not self.kl_clip > 0:
+            raise ValueError(f"kl_clip must be > 0 or None, got {self.kl_clip}")
+        if not 0 <= self.factor_decay < 1:
+            raise ValueError(f"factor_decay must be in [0, 1), got {self.factor_decay}")
+        for name in ("factor_update_steps", "inv_update_steps"):
+            value = getattr(self, name)
+            if not callable(value):
+                check_interval(name, value)
+        if self.method not in ("eigen", "inverse"):
+            raise ValueError(f"method must be 'eigen' or 'inverse', got {self.method!r}")
+        if self.loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        for name in ("factor_dtype", "inv_dtype"):
+            if getattr(self, name) not in (torch.float32, torch.float64):
+                raise ValueError(f"{name} must be torch.float32 or torch.float64, got {getattr(self, name)}")
+
+
+def check_damping(value: float) -> float:
+    if not value > 0:
+        raise ValueError(f"damping must be > 0, got {value}")
+    return value
+
+
+def check_interval(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module that owns the layers: ``model.module`` for DDP / DataParallel wrappers."""
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    return model.module if isinstance(model, wrappers) else model
+
+
+def _is_skipped(name: str, module: nn.Module, skip_layers: SkipLayers) -> bool:
+    for rule in skip_layers:
+        if isinstance(rule, str):
+            if re.fullmatch(rule, name) or re.fullmatch(rule, type(module).__name__):
+                return True
+        elif isinstance(module, rule):
+            return True
+    return False
+
+
+def discover_blocks(
+    model: nn.Module,
+    trainable: set[Tensor],
+    skip_layers: SkipLayers,
+    factor_dtype: torch.dtype,
+) -> list[KroneckerBlock]:
+    """One block per supported module whose weight is among ``trainable``, in model order."""
+    blocks: list[KroneckerBlock] = []
+    claimed: set[Tensor] = set()
+    grouped_convs: list[str] = []
+    for name, module in model.named_modules():
+        kind = block_kind(module)
+        if kind is None or _is_skipped(name, module, skip_layers):
+            continue
+        if kind is Conv2dBlock and module.groups != 1:
+            grouped_convs.append(name)
+            continue
+        if module.weight not in trainable or module.weight in claimed:
+            continue
+        claimed.add(module.weight)
+        bias = module.bias
+        include_bias = bias is not None and bias in trainable and bias not in claimed
+        if include_bias:
+            claimed.add(bias)
+        blocks.append(kind(name, module, include_bias, factor_dtype))
+    if grouped_convs:
+        warnings.warn(
+            f"K-FAC supports Conv2d with groups=1 only; {len(grouped_convs)} grouped conv layer(s) "
+            f"take the SGD path: {', '.join(grouped_convs)}",
+            stacklevel=3,
+        )
+    return blocks
+
+
+class KFAC(Optimizer):
+    """K-FAC natural-gradient descent with SGD's update rule, as one optimizer.
+
+    Replaces ``torch.optim.SGD(model.parameters(), lr, momentum, dampening, weight_decay,
+    nesterov)`` by ``KFAC(model, lr, momentum, dampening, weight_decay, nesterov, ...)``. Layers
+    of supported kinds (``nn.Linear``, ``nn.Conv2d`` with groups=1) are preconditioned by their
+    Kronecker-factored Fisher; every other parameter follows SGD exactly.
+
+    Args:
+        model: the model being trained (plain or wrapped in DistributedDataParallel); hooks are
+            registered on its supported layers.
+        lr, momentum, dampening, weight_decay, nesterov, maximize, foreach: as torch.optim.SGD.
+        damping: λ, a float > 0 or a callable ``step -> float``.
+        kl_clip: bound on the KL-divergence estimate of the update (None disables clipping).
+        factor_decay: running-average weight of the old factors, in [0, 1).
+        factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable).
+        inv_update_steps: refresh decompositions every this many steps (int ≥ 1 or callable).
+        method: "eigen" (exact damping of ``G ⊗ A``) or "inverse" (π-factored damping).
+        loss_reduction: "mean" or "sum", how the loss reduces over the batch.
+        skip_layers: module-name regexes (full match against the name or the class name) or
+            module types whose layers take the SGD path.
+        factor_dtype, inv_dtype: float32 or float64 for factors and decompositions.
+        params: param groups (all parameters must belong to ``model``); default: every trainable
+            parameter of ``model`` in one group.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float | Tensor = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        damping: FloatSchedule = KFACOptions.damping,
+        kl_clip: float | None = KFACOptions.kl_clip,
+        factor_decay: float = KFACOptions.factor_decay,
+        factor_update_steps: IntSchedule = KFACOptions.factor_update_steps,
+        inv_update_steps: IntSchedule = KFACOptions.inv_update_steps,
+        method: Literal["eigen", "inverse"] = KFACOptions.method,
+        loss_reduction: Literal["mean", "sum"] = KFACOptions.loss_reduction,
+        skip_layers: SkipLayers = (),
+        factor_dtype: torch.dtype = KFACOptions.factor_dtype,
+        inv_dtype: torch.dtype = KFACOptions.inv_dtype,
+        params: ParamsT | None = None,
+        maximize: bool = False,
+        foreach: bool | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("lr must be a float or a 1-element tensor")
+        if lr < 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if momentum < 0:
+            raise ValueError(f"momentum must be >= 0, got {momentum}")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov requires momentum > 0 and dampening = 0")
+        if isinstance(skip_layers, (str, type)):
+            raise TypeError("skip_layers must be a sequence of name patterns or module types")
+        self.options = KFACOptions(
+            damping=damping,
+            kl_clip=kl_clip,
+            factor_decay=factor_decay,
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            method=method,
+            loss_reduction=loss_reduction,
+            factor_dtype=factor_dtype,
+            inv_dtype=inv_dtype,
+        )
+        self.model = unwrap_model(model)
+        model_params = set(self.model.parameters())
+        if params is None:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "maximize": maximize,
+            "foreach": foreach,
+        }
+        super().__init__(params, defaults)
+        trainable = {p for group in self.param_groups for p in group["params"]}
+        if not trainable <= model_params:
+            raise ValueError("params must all be parameters of model")
+
+        self.blocks = discover_blocks(self.model, trainable, skip_layers, factor_dtype)
+        if not self.blocks:
+            warnings.warn(
+                "model has no supported layer (nn.Linear, nn.Conv2d) to precondition: KFAC behaves as SGD",
+                stacklevel=2,
+            )
+        self._capture = StatisticsCapture(self.blocks)
+        self._steps = 0
+        self._arm_for(self._steps)
+        logger.info("KFAC preconditions %d layers: %s", len(self.blocks), [b.name for b in self.blocks])
+
+    # -- schedules ---------------------------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (skipped overflow steps excluded)."""
+        return self._steps
+
+    def damping_at(self, step: int) -> float:
+        return check_damping(resolve(self.options.damping, step))
+
+    def is_factor_step(self, step: int) -> bool:
+        interval = check_interval("factor_update_steps", resolve(self.options.factor_update_steps, step))
+        return step % interval == 0
+
+    def is_inverse_step(self, step: int) -> bool:
+        interval = check_interval("inv_update_steps", resolve(self.options.inv_update_steps, step))
+        return step % interval == 0
+
+    def _arm_for(self, step: int) -> None:
+        self._capture.armed = bool(self.blocks) and self.is_factor_step(step)
+
+    # -- public helpers ----------------------------------------------------------------------
+
+    def remove_hooks(self) -> None:
+        """Detach the capture hooks from the model (the optimizer then never updates factors)."""
+        self._capture.remove()
+
+    def discard_pending_statistics(self) -> None:
+        """Forget statistics captured since the last step (e.g. of a step that will not happen)."""
+        for block in self.blocks:
+            block.clear_pending()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``Optimizer.zero_grad``; also drops statistics of backward passes no step consumed."""
+        self.discard_pending_statistics()
+        super().zero_grad(set_to_none=set_to_none)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one K-FAC step (see the module docstring for the order of work)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        step = self._steps
+        damping = self.damping_at(step)
+        if self.is_factor_step(step):
+            for block in self.blocks:
+                block.fold(self.options.factor_decay, self.options.loss_reduction)
+        else:
+            self.discard_pending_statistics()
+        if self.is_inverse_step(step):
+            self._update_decompositions(damping)
+
+        directions = self._preconditioned_directions(damping)
+        if self.options.kl_clip is not None and directions:
+            self._clip_to_trust_region(directions)
+        self._sgd_update(directions)
+
+        self._steps += 1
+        self._arm_for(self._steps)
+        return loss
+
+    def _update_decompositions(self, damping: float) -> None:
+        """Refresh every initialized factor's decomposition; report discards and failures."""
+        method, inv_dtype = self.options.method, self.options.inv_dtype
+        factors = [(block, name, factor) for block in self.blocks for name, factor in block.factors.items()]
+        if not factors:
+            return
+        # One host sync per decomposition step for the device-side health flags.
+        health = torch.stack([torch.stack([f.initialized.long(), f.discarded]) for _, _, f in factors]).tolist()
+        for (block, name, factor), (initialized, discarded) in zip(factors, health):
+            if discarded > factor.reported_discards:
+                warnings.warn(
+                    f"K-FAC layer '{block.name}': {discarded - factor.reported_discards} non-finite "
+                    f"batch(es) of {name} statistics discarded; the factor keeps its previous value",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                factor.reported_discards = discarded
+            if not initialized:
+                continue
+            shift = block.shifts(method, damping)[name]
+            if not factor.decompose(method, shift, inv_dtype):
+                block.failures += 1
+                logger.warning("decomposition of %s of layer %s failed (%d so far)", name, block.name, block.failures)
+                warnings.warn(
+                    f"K-FAC layer '{block.name}': the {method} decomposition of {name} failed in float32 and "
+                    "float64; the last good decomposition is kept",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+    def _preconditioned_directions(self, damping: float) -> dict[Tensor, Tensor]:
+        """Per-parameter update directions of the K-FAC layers that have a decomposition."""
+        directions: dict[Tensor, Tensor] = {}
+        for block in self.blocks:
+            grad = block.grad_matrix()
+            if grad is None:
+                continue
+            preconditioned = block.precondition(grad, self.options.method, damping)
+            if preconditioned is not None:
+                directions.update(block.split(preconditioned))
+        return directions
+
+    def _clip_to_trust_region(self, directions: dict[Tensor, Tensor]) -> None:
+        """Scale every direction by ``ν = min(1, sqrt(kl_clip / |Σ lr² ⟨d, ∇p⟩|))`` in place."""
+        lr_of = {p: group["lr"] for group in self.param_groups for p in group["params"]}
+        terms = [
+            (direction * param.grad.to(direction.dtype)).sum() * lr_of[param] ** 2
+            for param, direction in directions.items()
+            if param.grad is not None
+        ]
+        kl_estimate = torch.stack(terms).sum().abs()
+        nu = (self.options.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
+        torch._foreach_mul_(list(directions.values()), nu)
+
+    def _sgd_update(self, directions: dict[Tensor, Tensor]) -> None:
+        """``torch.optim.SGD``'s update, per group, on the (possibly preconditioned) directions."""
+        for group in self.param_groups:
+            params: list[Tensor] = []
+            grads: list[Tensor] = []
+            momentum_buffers: list[Tensor | None] = []
+            has_sparse_grad = False
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                params.append(p)
+                grads.append(directions.get(p, p.grad))
+                has_sparse_grad |= p.grad.is_sparse
+                if group["momentum"] != 0:
+                    momentum_buffers.append(self.state[p].get("momentum_buffer"))
+            sgd(
+                params,
+                grads,
+                momentum_buffers,
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                lr=group["lr"],
+                dampening=group["dampening"],
+                nesterov=group["nesterov"],
+                maximize=group["maximize"],
+                has_sparse_grad=has_sparse_grad,
+                foreach=group["foreach"],
+            )
+            if group["momentum"] != 0:
+                for p, buffer in zip(params, momentum_buffers, strict=True):
+                    self.state[p]["momentum_buffer"] = buffer
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``Optimizer.state_dict()`` plus ``"kfac"``: the step and every block's factors by module name."""
+        state = super().state_dict()
+        state["kfac"] = {
+            "steps": self._steps,
+            "blocks": {block.name: block.state_dict() for block in self.blocks},
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        kfac_state = state_dict.pop("kfac", None)
+        super().load_state_dict(state_dict)
+        if kfac_state is None:
+            return
+        self._steps = int(kfac_state["steps"])
+        saved = kfac_state["blocks"]
+        missing = [block.name for block in self.blocks if block.name not in saved]
+        unknown = sorted(set(saved) - {block.name for block in self.blocks})
+        if missing or unknown:
+            warnings.warn(
+                f"K-FAC checkpoint does not match the model: layers without saved factors {missing} "
+                f"start fresh; saved layers not in the model {unknown} are ignored",
+                stacklevel=2,
+            )
+        for block in self.blocks:
+            if block.name in saved:
+                block.load_state_dict(saved[block.name])
+        self._arm_for(self._steps)
+
