@@ -323,7 +323,7 @@ class KFAC(Optimizer):
                     f"K-FAC layer '{block.name}': {discarded - factor.reported_discards} non-finite "
                     f"batch(es) of {name} statistics discarded; the factor keeps its previous value",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
                 factor.reported_discards = discarded
             if not initialized:
@@ -336,7 +336,7 @@ class KFAC(Optimizer):
                     f"K-FAC layer '{block.name}': the {method} decomposition of {name} failed in float32 and "
                     "float64; the last good decomposition is kept",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
 
     def _preconditioned_directions(self, damping: float) -> dict[Tensor, Tensor]:
