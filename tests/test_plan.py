@@ -428,7 +428,8 @@ def test_memory_per_rank_counts_factors_everywhere_and_decompositions_on_grad_wo
 
 def test_memory_rejects_unknown_method() -> None:
     with pytest.raises(ValueError, match="method"):
-        memory_per_rank(make_plan(work_items({"a": (2, 2)}), 1), "cholesky")  # type: ignore[arg-type]
+        plan = make_plan(work_items({"a": (2, 2)}), 1)
+        memory_per_rank(plan, "cholesky")  # type: ignore[arg-type]
 
 
 def test_summary_names_the_rank_and_its_decompositions() -> None:

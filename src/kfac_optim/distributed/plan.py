@@ -207,7 +207,9 @@ class BlockPlan:
         if len(self.owners) != len(FACTORS):
             raise ValueError(f"owners must hold one rank per factor {FACTORS}, got {self.owners}")
         if not self.grad_workers or list(self.grad_workers) != sorted(set(self.grad_workers)):
-            raise ValueError(f"grad_workers must be ascending distinct ranks, got {self.grad_workers}")
+            raise ValueError(
+                f"grad_workers must be ascending distinct ranks, got {self.grad_workers}"
+            )
         if not set(self.owners) <= set(self.grad_workers):
             raise ValueError(
                 f"owners {self.owners} of block {self.block!r} must be among its "

@@ -1,0 +1,128 @@
+"""Load balance and per-rank memory of the distributed work plan on a torchvision model's layers.
+
+For each world size and grad-worker fraction, prints one table row and writes all rows as JSON:
+max/mean load (decomposition cost ~ dim**3 per factor), the lower bound on any assignment over the
+mean, the plan's max load over that bound (1.0 is optimal), the same for plain LPT without the
+refinement, the number of process groups, and per-rank memory of factors and decompositions.
+No data and no training: the layer shapes come from the model's Conv2d/Linear modules.
+
+    python benchmarks/plan_report.py --out plan_report.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+from kfac_optim.distributed.plan import (
+    STRATEGIES,
+    eigh_cost,
+    imbalance,
+    make_plan,
+    memory_per_rank,
+    work_items,
+)
+
+MIB = 2**20
+
+
+def kfac_block_dims(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """``{name: (dim_A, dim_G)}`` of every Conv2d and Linear: A = in*kh*kw (+1 bias), G = out."""
+    dims = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Conv2d):
+            kh, kw = module.kernel_size
+            fan_in = module.in_channels // module.groups * kh * kw
+            dims[name] = (fan_in + (module.bias is not None), module.out_channels)
+        elif isinstance(module, nn.Linear):
+            dims[name] = (module.in_features + (module.bias is not None), module.out_features)
+    return dims
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="resnet50", help="torchvision.models builder name")
+    parser.add_argument(
+        "--worlds",
+        type=int,
+        nargs="+",
+        default=[8, 16, 32, 64, 128, 256, 512, 1024],
+        help="world sizes to plan for",
+    )
+    parser.add_argument(
+        "--fractions",
+        nargs="+",
+        default=["comm-opt", "mem-opt"],
+        help=f"grad_worker_fraction values: numbers in (0, 1] or names {STRATEGIES}",
+    )
+    parser.add_argument(
+        "--method", choices=["eigen", "inverse"], default="eigen", help="decomposition kind"
+    )
+    parser.add_argument("--out", type=Path, default=Path("plan_report.json"), help="JSON path")
+    return parser.parse_args()
+
+
+def fraction_arg(text: str) -> float | str:
+    return text if text in STRATEGIES else float(text)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    dims = kfac_block_dims(getattr(torchvision.models, args.model)())
+    items = work_items(dims)
+    costs = sorted(((eigh_cost(it.dim), f"{it.block}.{it.factor}") for it in items), reverse=True)
+    total = math.fsum(c for c, _ in costs)
+    largest = ", ".join(f"{name} ({c / total:.1%})" for c, name in costs[:3])
+    print(f"{args.model}: {len(dims)} blocks, {len(items)} factors; largest cost shares: {largest}")
+
+    header = (
+        f"{'world':>5} {'f':>10} {'gw':>4} {'max/mean':>9} {'bound/mean':>10} {'max/bound':>9} "
+        f"{'LPT max/bound':>13} {'groups':>6} {'factors MiB':>11} {'decomp MiB min..max':>19}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for world in args.worlds:
+        for text in args.fractions:
+            plan = make_plan(items, world, fraction_arg(text))
+            loads = plan.loads()
+            mean = math.fsum(loads) / world
+            bound = plan.lower_bound()
+            lpt_max = max(make_plan(items, world, fraction_arg(text), refine=False).loads())
+            memory = memory_per_rank(plan, args.method)
+            decomp = [m.decompositions / MIB for m in memory]
+            row = {
+                "world_size": world,
+                "grad_worker_fraction": text,
+                "grad_workers": plan.grad_workers,
+                "max_over_mean": imbalance(loads),
+                "bound_over_mean": bound / mean,
+                "max_over_bound": max(loads) / bound,
+                "lpt_max_over_bound": lpt_max / bound,
+                "groups": len(plan.groups),
+                "factors_mib": memory[0].factors / MIB,
+                "decompositions_mib_min": min(decomp),
+                "decompositions_mib_max": max(decomp),
+                "total_mib_max": max(m.total for m in memory) / MIB,
+            }
+            rows.append(row)
+            print(
+                f"{world:>5} {text:>10} {plan.grad_workers:>4} {row['max_over_mean']:>9.3f} "
+                f"{row['bound_over_mean']:>10.3f} {row['max_over_bound']:>9.4f} "
+                f"{row['lpt_max_over_bound']:>13.4f} {row['groups']:>6} "
+                f"{row['factors_mib']:>11.1f} {min(decomp):>9.1f}..{max(decomp):<9.1f}"
+            )
+    report = {"model": args.model, "method": args.method, "blocks": len(dims), "rows": rows}
+    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
