@@ -427,8 +427,8 @@ def test_memory_per_rank_counts_factors_everywhere_and_decompositions_on_grad_wo
 
 
 def test_memory_rejects_unknown_method() -> None:
+    plan = make_plan(work_items({"a": (2, 2)}), 1)
     with pytest.raises(ValueError, match="method"):
-        plan = make_plan(work_items({"a": (2, 2)}), 1)
         memory_per_rank(plan, "cholesky")  # type: ignore[arg-type]
 
 
