@@ -24,7 +24,7 @@ def _apex_module_names() -> list[str]:
 
 
 def install_fake_apex(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """Import a fresh stand-in as ``apex`` and return its ``apex.amp``; undone by ``monkeypatch``."""
+    """Import a fresh stand-in as ``apex``; return its ``apex.amp``. ``monkeypatch`` undoes it."""
     for name in _apex_module_names():
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.syspath_prepend(str(STANDIN_ROOT))

@@ -28,9 +28,9 @@ Modelled, each in the module named after the Apex file it follows:
 - ``scaler.py``: ``LossScaler`` with the fused-kernel semantics (every grad unscaled, one overflow
   flag read in ``update_scale``, checked only for dynamic scaling); halve on overflow (floored at
   ``min_loss_scale``), double after 2000 clean steps (capped at ``max_loss_scale``).
-- ``amp.py``: O1's patching of ``torch``, ``torch.nn.functional`` and ``torch.Tensor`` functions from
-  Apex's FP16/FP32 lists (cast wrappers, in-place type matching, in-place fp32 functions refusing
-  fp16), active while ``_amp_state.handle.is_active()``.
+- ``amp.py``: O1's patching of ``torch``, ``torch.nn.functional`` and ``torch.Tensor`` functions
+  from Apex's FP16/FP32 lists (cast wrappers, in-place type matching, in-place fp32 functions
+  refusing fp16), active while ``_amp_state.handle.is_active()``.
 
 Substitutions (CPU instead of CUDA): tensor types are tested by dtype, so CPU fp16/fp32 tensors
 stand for ``torch.cuda.HalfTensor``/``FloatTensor``; O1 casts CPU tensors (Apex casts only CUDA

@@ -162,8 +162,10 @@ def _amp_lazy_init(self: torch.optim.Optimizer) -> None:
         self._amp_stash.lazy_init_called = True
 
 
-def _process_optimizer(optimizer: torch.optim.Optimizer, properties: Any) -> torch.optim.Optimizer:
-    """Attach ``_amp_stash`` and the backward hooks; with master weights patch step and zero_grad."""
+def _process_optimizer(
+    optimizer: torch.optim.Optimizer, properties: Any
+) -> torch.optim.Optimizer:
+    """Attach ``_amp_stash`` and the backward hooks; for master weights patch step, zero_grad."""
     if hasattr(optimizer, "_amp_stash"):
         raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
     optimizer._amp_stash = AmpOptimizerState()

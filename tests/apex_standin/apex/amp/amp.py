@@ -40,7 +40,8 @@ _TORCH_CASTS = ["addcdiv", "addcmul", "atan2", "cross", "add", "div", "mul", "eq
 # Tensor methods: Apex adds every torch-list name that Tensor also has; "cpu" (a CUDA->host cast
 # in Apex) is left out on CPU.
 _TENSOR_FP16 = ["__matmul__", *(n for n in _TORCH_FP16 if hasattr(torch.Tensor, n))]
-_TENSOR_FP32 = ["__ipow__", "__pow__", "__rpow__", *(n for n in _TORCH_FP32 if hasattr(torch.Tensor, n))]
+_TENSOR_FP32 = ["__ipow__", "__pow__", "__rpow__",
+                *(n for n in _TORCH_FP32 if hasattr(torch.Tensor, n))]
 _TENSOR_CASTS = [n for n in _TORCH_CASTS if hasattr(torch.Tensor, n)]
 
 
@@ -103,7 +104,9 @@ def _err_if_any_half(handle: AmpHandle, orig: Callable[..., Any]) -> Callable[..
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if any(isinstance(a, torch.Tensor) and a.dtype == torch.float16
                for a in (*args, *kwargs.values())):
-            raise NotImplementedError(f"Cannot call in-place function {orig.__name__} with fp16 arguments.")
+            raise NotImplementedError(
+                f"Cannot call in-place function {orig.__name__} with fp16 arguments."
+            )
         return orig(*args, **kwargs)
 
     return wrapper
@@ -115,7 +118,9 @@ def _err_if_arg0_half(handle: AmpHandle, orig: Callable[..., Any]) -> Callable[.
     @functools.wraps(orig)
     def wrapper(arg0: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if arg0.dtype == torch.float16:
-            raise NotImplementedError(f"Cannot call in-place method {orig.__name__} on fp16 Tensors.")
+            raise NotImplementedError(
+                f"Cannot call in-place method {orig.__name__} on fp16 Tensors."
+            )
         new_args = [_cast(maybe_float, a) for a in args]
         return orig(arg0, *new_args, **{k: _cast(maybe_float, v) for k, v in kwargs.items()})
 

@@ -1,4 +1,4 @@
-"""``amp.scale_loss``, ``amp.disable_casts`` and the O1 cast handle (follows ``apex/amp/handle.py``)."""
+"""``scale_loss``, ``disable_casts`` and O1's cast handle (follows ``apex/amp/handle.py``)."""
 
 from __future__ import annotations
 
