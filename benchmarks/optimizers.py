@@ -1,0 +1,117 @@
+"""Optimizers and schedules built from a run's `optim` and `schedule` sections.
+
+`sgd` and `adamw` are torch's; `kfac` is `kfac_optim.KFAC`, imported only when a run asks for it
+(so the SGD and AdamW paths work with any build of the package). Schedules are expressed in
+epochs in the config and converted to optimizer steps here, once `steps_per_epoch` is known.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+from benchmarks.config import OptimConfig, ScheduleConfig, SetupError
+
+_SCHEDULE_KEYS = frozenset({"initial", "epochs", "factor"})
+
+
+def kfac_class() -> type[Optimizer]:
+    """`kfac_optim.KFAC`, or a SetupError that says it is not in this build of the package."""
+    try:
+        from kfac_optim import KFAC
+    except ImportError as err:
+        raise SetupError(
+            f"optim.name=kfac needs kfac_optim.KFAC, which the installed kfac_optim does not provide ({err}); "
+            "choose another run (--runs) or optimizer (--set optim.name=sgd)"
+        ) from err
+    return KFAC
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """A value of the optimizer step: `initial`, multiplied by `factor` at each step in `milestones`.
+
+    With `integer`, the value is rounded (update intervals). Used for K-FAC's update intervals and
+    damping, e.g. intervals 10/100 that grow 10x at given epochs (KAISA's update decoupling).
+    """
+
+    initial: float
+    milestones: tuple[int, ...]
+    factor: float
+    integer: bool
+
+    def __call__(self, step: int) -> float | int:
+        value = self.initial * self.factor ** sum(step >= m for m in self.milestones)
+        return max(1, round(value)) if self.integer else value
+
+
+def kfac_kwargs(options: dict[str, Any], steps_per_epoch: int) -> dict[str, Any]:
+    """Config values -> KFAC keyword arguments: schedules to callables, dtype names to dtypes."""
+    kwargs: dict[str, Any] = {}
+    for key, value in options.items():
+        if value is None:
+            raise SetupError(f"optim.kfac.{key} is null: give it a value, or delete the key to use KFAC's default")
+        if isinstance(value, dict):
+            if set(value) != _SCHEDULE_KEYS:
+                raise SetupError(f"optim.kfac.{key}: a schedule has exactly the keys {sorted(_SCHEDULE_KEYS)}; "
+                                 f"got {sorted(value)}")
+            value = StepSchedule(
+                initial=value["initial"],
+                milestones=tuple(round(e * steps_per_epoch) for e in value["epochs"]),
+                factor=value["factor"],
+                integer=key.endswith("_steps"),
+            )
+        elif key.endswith("_dtype"):
+            value = getattr(torch, value)
+        elif key == "skip_layers":
+            value = tuple(value)
+        kwargs[key] = value
+    return kwargs
+
+
+def build_optimizer(cfg: OptimConfig, model: nn.Module, steps_per_epoch: int) -> Optimizer:
+    """The optimizer of `cfg` over `model` (unwrapped: K-FAC hooks its layers by module name)."""
+    if cfg.kfac and cfg.name != "kfac":
+        raise SetupError(f"optim.kfac options are only for optim.name=kfac (this run uses {cfg.name})")
+    if cfg.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,
+                               weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay)
+    return kfac_class()(model, lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,
+                        weight_decay=cfg.weight_decay, nesterov=cfg.nesterov,
+                        **kfac_kwargs(cfg.kfac, steps_per_epoch))
+
+
+@dataclass(frozen=True)
+class LRFactor:
+    """The LR multiplier of the optimizer step: linear warmup, then constant, step or cosine decay."""
+
+    cfg: ScheduleConfig
+    steps_per_epoch: int
+    epochs: int
+
+    def __call__(self, step: int) -> float:
+        cfg, per_epoch = self.cfg, self.steps_per_epoch
+        warmup = round(cfg.warmup_epochs * per_epoch)
+        if step < warmup:
+            return cfg.warmup_start + (1.0 - cfg.warmup_start) * (step + 1) / warmup
+        if cfg.kind == "step":
+            return cfg.gamma ** sum(step >= round(m * per_epoch) for m in cfg.milestones)
+        if cfg.kind == "cosine":
+            total = max(1, self.epochs * per_epoch - warmup)
+            progress = min(1.0, (step - warmup) / total)
+            return cfg.min_factor + (1.0 - cfg.min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+
+def build_lr_scheduler(cfg: ScheduleConfig, optimizer: Optimizer, steps_per_epoch: int, epochs: int) -> LambdaLR:
+    """A `LambdaLR` stepped once per optimizer step."""
+    return LambdaLR(optimizer, LRFactor(cfg, steps_per_epoch, epochs))
