@@ -48,7 +48,7 @@ class KFACOptions:
     ``factor_decay``: weight of the old factor in the running average (0: no averaging).
     """
 
-    damping: FloatSchedule = 1e-3
+    damping: FloatSchedule = 0.1
     kl_clip: float | None = 1e-3
     factor_decay: float = 0.95
     factor_update_steps: IntSchedule = 1
@@ -323,7 +323,7 @@ class KFAC(Optimizer):
                     f"K-FAC layer '{block.name}': {discarded - factor.reported_discards} non-finite "
                     f"batch(es) of {name} statistics discarded; the factor keeps its previous value",
                     RuntimeWarning,
-                    stacklevel=4,
+                    stacklevel=5,
                 )
                 factor.reported_discards = discarded
             if not initialized:
@@ -336,7 +336,7 @@ class KFAC(Optimizer):
                     f"K-FAC layer '{block.name}': the {method} decomposition of {name} failed in float32 and "
                     "float64; the last good decomposition is kept",
                     RuntimeWarning,
-                    stacklevel=4,
+                    stacklevel=5,
                 )
 
     def _preconditioned_directions(self, damping: float) -> dict[Tensor, Tensor]:
