@@ -92,7 +92,7 @@ class OptimConfig:
         {},
         "kfac: keyword arguments of kfac_optim.KFAC (damping, kl_clip, factor_decay, "
         "factor_update_steps, inv_update_steps, method, ...); a value {initial: x, epochs: [e1, ...], "
-        "factor: f} is a schedule: x, multiplied by f at each epoch e_i",
+        "gamma: g} is a schedule: x, multiplied by g at each epoch e_i (ints stay ints)",
     )
 
     def __post_init__(self) -> None:

@@ -2,7 +2,8 @@
 
 `sgd` and `adamw` are torch's; `kfac` is `kfac_optim.KFAC`, imported only when a run asks for it
 (so the SGD and AdamW paths work with any build of the package). Schedules are expressed in
-epochs in the config and converted to optimizer steps here, once `steps_per_epoch` is known.
+epochs in the config and converted to optimizer steps here, once `steps_per_epoch` is known:
+K-FAC's `{initial, epochs, gamma}` values become `kfac_optim.schedules.MilestoneSchedule`s.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from benchmarks.config import OptimConfig, ScheduleConfig, SetupError
 
-_SCHEDULE_KEYS = frozenset({"initial", "epochs", "factor"})
+_SCHEDULE_KEYS = frozenset({"initial", "epochs", "gamma"})
 
 
 def kfac_class() -> type[Optimizer]:
@@ -33,24 +34,6 @@ def kfac_class() -> type[Optimizer]:
     return KFAC
 
 
-@dataclass(frozen=True)
-class StepSchedule:
-    """A value of the optimizer step: `initial`, multiplied by `factor` at each step in `milestones`.
-
-    With `integer`, the value is rounded (update intervals). Used for K-FAC's update intervals and
-    damping, e.g. intervals 10/100 that grow 10x at given epochs (KAISA's update decoupling).
-    """
-
-    initial: float
-    milestones: tuple[int, ...]
-    factor: float
-    integer: bool
-
-    def __call__(self, step: int) -> float | int:
-        value = self.initial * self.factor ** sum(step >= m for m in self.milestones)
-        return max(1, round(value)) if self.integer else value
-
-
 def kfac_kwargs(options: dict[str, Any], steps_per_epoch: int) -> dict[str, Any]:
     """Config values -> KFAC keyword arguments: schedules to callables, dtype names to dtypes."""
     kwargs: dict[str, Any] = {}
@@ -61,12 +44,10 @@ def kfac_kwargs(options: dict[str, Any], steps_per_epoch: int) -> dict[str, Any]
             if set(value) != _SCHEDULE_KEYS:
                 raise SetupError(f"optim.kfac.{key}: a schedule has exactly the keys {sorted(_SCHEDULE_KEYS)}; "
                                  f"got {sorted(value)}")
-            value = StepSchedule(
-                initial=value["initial"],
-                milestones=tuple(round(e * steps_per_epoch) for e in value["epochs"]),
-                factor=value["factor"],
-                integer=key.endswith("_steps"),
-            )
+            from kfac_optim.schedules import MilestoneSchedule
+
+            value = MilestoneSchedule(value["initial"], tuple(round(e * steps_per_epoch) for e in value["epochs"]),
+                                      value["gamma"])
         elif key.endswith("_dtype"):
             value = getattr(torch, value)
         elif key == "skip_layers":
