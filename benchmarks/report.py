@@ -71,10 +71,10 @@ def summarize(run: str, records: Sequence[Record], metric: str, target: float | 
     )
 
 
-def format_table(summaries: Sequence[Summary], metric: str, target: float | None) -> str:
-    """A Markdown table, one row per run; time ratios are relative to the first run."""
+def format_table(summaries: Sequence[Summary], metric: str, target: float | None, baseline: str | None = None) -> str:
+    """A Markdown table, one row per run; time ratios are relative to the first row (named `baseline`)."""
     goal = f" to {metric} {target:g}" if target is not None else ""
-    head = ["run", "epochs", f"time{goal} (s)", f"epochs{goal}", f"vs {summaries[0].run}",
+    head = ["run", "epochs", f"time{goal} (s)", f"epochs{goal}", f"vs {baseline or summaries[0].run}",
             f"final {metric}", f"best {metric}", "mean step (ms)", "train time (s)"]
     base = summaries[0].time_to_target_s
     rows = []
@@ -82,7 +82,7 @@ def format_table(summaries: Sequence[Summary], metric: str, target: float | None
         ratio = f"{s.time_to_target_s / base:.2f}x" if s.time_to_target_s is not None and base else "-"
         rows.append([
             s.run, str(s.epochs),
-            f"{s.time_to_target_s:.2f}" if s.time_to_target_s is not None else "not reached",
+            f"{s.time_to_target_s:.2f}" if s.time_to_target_s is not None else "not reached" if target else "-",
             str(s.epochs_to_target) if s.epochs_to_target is not None else "-",
             ratio, f"{s.final:.4f}", f"{s.best:.4f}", f"{1e3 * s.mean_step_s:.1f}", f"{s.train_time_s:.2f}",
         ])
