@@ -92,20 +92,25 @@ def kron_solve(G: torch.Tensor, A: torch.Tensor, grad: torch.Tensor, damping: fl
     return torch.linalg.solve(dense, grad.reshape(-1)).reshape(grad.shape)
 
 
+def assert_one_step_matches_reference(
+    layer: nn.Module, x: torch.Tensor, target: torch.Tensor, A_ref: torch.Tensor, G_ref: torch.Tensor, damping: float
+) -> None:
+    """One K-FAC step builds exactly A_ref and G_ref and moves by (G_ref ⊗ A_ref + λI)⁻¹ ∇W."""
+    layer.zero_grad()
+    optimizer, grad, direction = one_kfac_step(layer, x, target, damping=damping)
+    block = optimizer.blocks[0]
+    torch.testing.assert_close(block.A.running, A_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block.G.running, G_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(direction, kron_solve(G_ref, A_ref, grad, damping), rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_with_leading_dims_matches_dense_reference(bias: bool) -> None:
     layer = nn.Linear(5, 3, bias=bias)
     x, target = torch.randn(4, 6, 5), torch.randn(4, 6, 3)
     g_hat = per_sample_output_grads(layer, x, target).reshape(-1, 3)
     A_ref, G_ref = reference_factors(with_bias_column(x.reshape(-1, 5), bias), g_hat, n_samples=4)
-    layer.zero_grad()
-
-    optimizer, grad, direction = one_kfac_step(layer, x, target, damping=0.1)
-
-    block = optimizer.blocks[0]
-    torch.testing.assert_close(block.A.running, A_ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(block.G.running, G_ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(direction, kron_solve(G_ref, A_ref, grad, 0.1), rtol=1e-9, atol=1e-12)
+    assert_one_step_matches_reference(layer, x, target, A_ref, G_ref, damping=0.1)
 
 
 @pytest.mark.parametrize(
@@ -122,14 +127,7 @@ def test_conv2d_matches_dense_reference(conv_args: dict) -> None:
     target = torch.randn_like(layer(x))
     g_hat = per_sample_output_grads(layer, x, target).permute(0, 2, 3, 1).reshape(-1, 3)
     A_ref, G_ref = reference_factors(with_bias_column(conv_patches_by_slicing(layer, x), conv_args["bias"]), g_hat, 3)
-    layer.zero_grad()
-
-    optimizer, grad, direction = one_kfac_step(layer, x, target, damping=0.05)
-
-    block = optimizer.blocks[0]
-    torch.testing.assert_close(block.A.running, A_ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(block.G.running, G_ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(direction, kron_solve(G_ref, A_ref, grad, 0.05), rtol=1e-9, atol=1e-12)
+    assert_one_step_matches_reference(layer, x, target, A_ref, G_ref, damping=0.05)
 
 
 @pytest.mark.parametrize(
