@@ -117,7 +117,8 @@ def test_lr_schedule_warms_up_linearly_then_steps_or_follows_a_cosine() -> None:
 def test_one_epoch_sgd_run_writes_json_lines_a_plot_and_a_summary(tmp_path: Path) -> None:
     assert run_main("--runs", "sgd", "--epochs", 1, "--out-dir", tmp_path) == 0
     (record,) = records(tmp_path, "sgd")
-    assert record["epoch"] == 1 and record["step"] == 1437 // 64
+    batch = load_experiment(DIGITS).runs[0].train.batch_size
+    assert record["epoch"] == 1 and record["step"] == 1437 // batch
     assert {"train_loss", "test_loss", "test_acc", "time_s", "images_per_s", "lr"} <= set(record)
     assert record["test_acc"] > 0.5  # one epoch of SGD learns the digits well beyond chance
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
