@@ -24,6 +24,15 @@ class Eigen:
     d: Tensor
 
 
+def nbytes(decomposition: Eigen | Tensor | None) -> int:
+    """Bytes held by a decomposition (``Q`` and ``d``, an inverse, or none)."""
+    if decomposition is None:
+        return 0
+    if isinstance(decomposition, Eigen):
+        return decomposition.Q.nbytes + decomposition.d.nbytes
+    return decomposition.nbytes
+
+
 def _all_finite(*tensors: Tensor) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 

@@ -24,11 +24,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.optimizer import Optimizer, ParamsT
 from torch.optim.sgd import sgd
 
+from kfac_optim import linalg
 from kfac_optim.capture import StatisticsCapture
+from kfac_optim.distributed.sharding import Sharding
 from kfac_optim.layers import Conv2dBlock, KroneckerBlock, block_kind
 from kfac_optim.schedules import resolve
 
@@ -162,6 +165,12 @@ class KFAC(Optimizer):
         skip_layers: module-name regexes (full match against the name or the class name) or
             module types whose layers take the SGD path.
         factor_dtype, inv_dtype: float32 or float64 for factors and decompositions.
+        grad_worker_fraction: distributed strategy (DESIGN §5), KAISA's ``f`` in (0, 1] or
+            "comm-opt" (f = 1: every rank holds every decomposition), "mem-opt" (f = 1/world:
+            one rank per layer holds them and broadcasts its preconditioned gradient) or
+            "hybrid-opt"; ``f·world`` must divide the world size. Ignored on one process.
+        process_group: the group to run on (default: the whole job when ``torch.distributed``
+            is initialized with more than one rank; otherwise a single process).
         params: param groups (all parameters must belong to ``model``); default: every trainable
             parameter of ``model`` in one group.
     """
@@ -185,6 +194,8 @@ class KFAC(Optimizer):
         skip_layers: SkipLayers = (),
         factor_dtype: torch.dtype = KFACOptions.factor_dtype,
         inv_dtype: torch.dtype = KFACOptions.inv_dtype,
+        grad_worker_fraction: float | str = 1.0,
+        process_group: dist.ProcessGroup | None = None,
         params: ParamsT | None = None,
         maximize: bool = False,
         foreach: bool | None = None,
@@ -239,6 +250,7 @@ class KFAC(Optimizer):
                 stacklevel=2,
             )
         self._capture = StatisticsCapture(self.blocks)
+        self._sharding = Sharding(self.blocks, grad_worker_fraction, process_group)
         self._steps = 0
         self._arm_for(self._steps)
         logger.info("KFAC preconditions %d layers: %s", len(self.blocks), [b.name for b in self.blocks])
@@ -292,13 +304,16 @@ class KFAC(Optimizer):
 
         step = self._steps
         damping = self.damping_at(step)
+        if self._sharding.decompositions_missing:  # a loaded checkpoint lacks some: from its factors
+            self._decomposition_step(damping, only_missing=True)
         if self.is_factor_step(step):
             for block in self.blocks:
                 block.fold(self.options.factor_decay, self.options.loss_reduction)
+            self._sharding.factors_folded()
         else:
             self.discard_pending_statistics()
         if self.is_inverse_step(step):
-            self._update_decompositions(damping)
+            self._decomposition_step(damping)
 
         directions = self._preconditioned_directions(damping)
         if self.options.kl_clip is not None and directions:
@@ -309,8 +324,15 @@ class KFAC(Optimizer):
         self._arm_for(self._steps)
         return loss
 
-    def _update_decompositions(self, damping: float) -> None:
-        """Refresh every initialized factor's decomposition; report discards and failures."""
+    def _decomposition_step(self, damping: float, only_missing: bool = False) -> None:
+        """Make the factors global (lazy reduction), decompose what this rank owns, share them."""
+        self._sharding.synchronize_factors()
+        self._update_decompositions(damping, only_missing)
+        self._sharding.share_decompositions(self.options.method, self.options.inv_dtype)
+
+    def _update_decompositions(self, damping: float, only_missing: bool = False) -> None:
+        """Refresh the decompositions of the initialized factors this rank owns (every factor on
+        one process; with ``only_missing`` only those without one); report discards and failures."""
         method, inv_dtype = self.options.method, self.options.inv_dtype
         factors = [(block, name, factor) for block in self.blocks for name, factor in block.factors.items()]
         if not factors:
@@ -326,7 +348,9 @@ class KFAC(Optimizer):
                     stacklevel=5,
                 )
                 factor.reported_discards = discarded
-            if not initialized:
+            if not initialized or not self._sharding.decomposes(block.name, name):
+                continue
+            if only_missing and factor.decomposition is not None:
                 continue
             shift = block.shifts(method, damping)[name]
             if not factor.decompose(method, shift, inv_dtype):
@@ -341,14 +365,19 @@ class KFAC(Optimizer):
 
     def _preconditioned_directions(self, damping: float) -> dict[Tensor, Tensor]:
         """Per-parameter update directions of the K-FAC layers that have a decomposition."""
-        directions: dict[Tensor, Tensor] = {}
+        joint: dict[str, Tensor] = {}
         for block in self.blocks:
             grad = block.grad_matrix()
             if grad is None:
                 continue
             preconditioned = block.precondition(grad, self.options.method, damping)
             if preconditioned is not None:
-                directions.update(block.split(preconditioned))
+                joint[block.name] = preconditioned
+        joint = self._sharding.share_directions(joint, self.options.inv_dtype)
+        directions: dict[Tensor, Tensor] = {}
+        for block in self.blocks:
+            if block.name in joint:
+                directions.update(block.split(joint[block.name]))
         return directions
 
     def _clip_to_trust_region(self, directions: dict[Tensor, Tensor]) -> None:
@@ -398,7 +427,15 @@ class KFAC(Optimizer):
     # -- checkpoints -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """``Optimizer.state_dict()`` plus ``"kfac"``: the step and every block's factors by module name."""
+        """``Optimizer.state_dict()`` plus ``"kfac"``: the step and every block's factors by module name.
+
+        Distributed: the factors saved are the global ones, made so here by
+        :meth:`synchronize_factors`, a collective: call ``state_dict()`` on every rank, then save on
+        one. Decompositions are those this rank holds; a checkpoint saved under
+        ``grad_worker_fraction < 1`` lacks the others, and whoever loads it recomputes them from
+        the saved factors at its first step.
+        """
+        self.synchronize_factors()
         state = super().state_dict()
         state["kfac"] = {
             "steps": self._steps,
@@ -425,5 +462,34 @@ class KFAC(Optimizer):
         for block in self.blocks:
             if block.name in saved:
                 block.load_state_dict(saved[block.name])
+        self._sharding.loaded()
         self._arm_for(self._steps)
+
+    # -- distributed -------------------------------------------------------------------------
+
+    def synchronize_factors(self) -> None:
+        """Make every rank's running factors the global ones now: a collective, call it on every rank.
+
+        ``step()`` does this lazily, right before decomposition steps, and ``state_dict()`` before
+        saving; calling it after every step gives eager reduction (the same factors). A no-op on
+        one process and when no factor step happened since the last reduction.
+        """
+        self._sharding.synchronize_factors()
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes of K-FAC state on this rank, by category, and their ``"total"``.
+
+        ``"factors"``: running A and G of every layer (every rank keeps all of them);
+        ``"pending"``: statistics captured since the last fold; ``"decompositions"``: the
+        eigendecompositions or inverses this rank holds (all layers with ``f = 1``, about
+        ``f`` of them otherwise). Momentum buffers are SGD's and not counted.
+        """
+        factors = [factor for block in self.blocks for factor in block.factors.values()]
+        usage = {
+            "factors": sum(f.running.nbytes for f in factors),
+            "pending": sum(f.pending.nbytes for f in factors),
+            "decompositions": sum(linalg.nbytes(f.decomposition) for f in factors),
+        }
+        usage["total"] = sum(usage.values())
+        return usage
 

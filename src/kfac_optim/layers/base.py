@@ -91,6 +91,23 @@ class Factor:
         self.decomposed_key = key
         return True
 
+    def set_global(self, total: Tensor, ranks: Tensor) -> None:
+        """Become the mean of several ranks' running factors (distributed training).
+
+        ``total``: ``(dim, dim)``, the sum of the ranks' running factors, where a rank whose
+        factor is not initialized contributed zeros; ``ranks``: 0-dim, how many were initialized.
+        The result is initialized if any was, and counts as a new version of the factor.
+        """
+        self.running = total.div_(ranks.clamp(min=1))
+        self.initialized = ranks > 0
+        self.version += 1
+
+    def adopt(self, decomposition: linalg.Eigen | Tensor | None, shift: float) -> None:
+        """Hold ``decomposition`` of the current running factor, computed elsewhere with ``shift``
+        (None: hold none)."""
+        self.decomposition = decomposition
+        self.decomposed_key = None if decomposition is None else (self.version, shift)
+
 
     def state_dict(self) -> dict[str, Any]:
         """The running factor, its health counters and its decomposition (None if none yet)."""

@@ -1,0 +1,233 @@
+"""Collectives of distributed K-FAC: bucketed asynchronous all-reduce and broadcasts of tensors.
+
+Owns: the process groups a :class:`~kfac_optim.distributed.plan.Plan` asks for (created once, at
+construction, in the plan's order, on every rank), packing tensors into flat buffers of bounded
+size ("buckets"), launching the collectives asynchronously and unpacking their results.
+
+Must not know: layers, what a factor means, the optimizer. It knows tensors and ranks.
+
+Conventions:
+- Ranks are ranks *within* the communicator's group, ``0 .. world_size - 1`` (the plan's ranks).
+- A symmetric ``(n, n)`` matrix travels as its upper triangle (``linalg.pack_symmetric``,
+  ``n(n+1)/2`` entries), about half the bytes, and is unpacked whole on arrival.
+- Sums are ``SUM`` all-reduces; callers divide (gloo's ``AVG`` is not safe to rely on).
+- Buffers keep the tensors' dtype and device: fp32 factors travel as fp32, CUDA tensors over
+  NCCL, CPU tensors over gloo; nothing here assumes a backend.
+- Every operation is a no-op with one rank (no process group, or a group of one): ``wait()``
+  hands back the tensors it was given.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from kfac_optim import linalg
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""Upper bound on one flat buffer (a tensor larger than this travels alone in its own)."""
+
+
+def group_rank_and_size(process_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(rank, world_size)`` of this process in ``process_group`` (default: the whole job).
+
+    ``(0, 1)`` when ``torch.distributed`` is not initialized.
+
+    Raises:
+        ValueError: ``process_group`` given while ``torch.distributed`` is not initialized, or
+            this process is not a member of it.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise ValueError("process_group given but torch.distributed is not initialized")
+        return 0, 1
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError("process_group: this process is not a member of the group")
+    return rank, dist.get_world_size(process_group)
+
+
+class Pending:
+    """Collectives in flight. :meth:`wait` completes them and returns the results once."""
+
+    def __init__(self, works: Sequence[dist.Work], finish: Callable[[], list[Tensor]]) -> None:
+        self._works = list(works)
+        self._finish = finish
+
+    @classmethod
+    def done(cls, tensors: Sequence[Tensor]) -> Pending:
+        """Nothing to wait for: ``wait()`` returns ``tensors``."""
+        result = list(tensors)
+        return cls((), lambda: result)
+
+    def wait(self) -> list[Tensor]:
+        """Block until the collectives finished (CUDA: until queued on the current stream)."""
+        for work in self._works:
+            work.wait()
+        return self._finish()
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """One flat buffer holding the flattened tensors ``indices`` back to back."""
+
+    indices: tuple[int, ...]
+    sizes: tuple[int, ...]
+    buffer: Tensor
+
+
+class Communicator:
+    """Collectives over one process group and the sub-groups a plan needs.
+
+    Args:
+        process_group: the group K-FAC runs on (None: the whole job, when initialized).
+        group_ranks: rank tuples (ranks of ``process_group``) that need a group of their own, in
+            the order every rank must create them (``Plan.groups``). A tuple of every rank uses
+            ``process_group`` itself; tuples of one rank need none.
+        bucket_bytes: upper bound on one flat buffer.
+
+    Raises:
+        ValueError: as :func:`group_rank_and_size`; ``bucket_bytes < 1``; sub-groups asked for
+            while ``process_group`` covers only part of the job (``dist.new_group`` must then be
+            entered by processes outside it, which do not run this code).
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        group_ranks: Sequence[tuple[int, ...]] = (),
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        self.rank, self.world_size = group_rank_and_size(process_group)
+        self.group = process_group
+        self.bucket_bytes = bucket_bytes
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        if self.active:
+            self._create_groups(group_ranks)
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anyone to talk to (more than one rank)."""
+        return self.world_size > 1
+
+    def _create_groups(self, group_ranks: Sequence[tuple[int, ...]]) -> None:
+        everyone = tuple(range(self.world_size))
+        subgroups = [ranks for ranks in group_ranks if len(ranks) > 1 and ranks != everyone]
+        if subgroups and self.world_size != dist.get_world_size():
+            raise ValueError(
+                "process_group covers part of the job, but this grad_worker_fraction needs "
+                "sub-groups, which every process of the job would have to create; use "
+                "grad_worker_fraction 1 or 1/world_size with a partial process_group"
+            )
+        for ranks in group_ranks:
+            if ranks == everyone:
+                self._groups[ranks] = self.group
+            elif len(ranks) > 1:
+                parent = self.group if self.group is not None else dist.group.WORLD
+                global_ranks = [dist.get_global_rank(parent, r) for r in ranks]
+                group = dist.new_group(global_ranks)  # entered by every rank, in the same order
+                if self.rank in ranks:
+                    self._groups[ranks] = group
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def all_reduce_sum(self, tensors: Sequence[Tensor], *, symmetric: bool = False) -> Pending:
+        """Sum ``tensors`` over all ranks, asynchronously; every rank must call with like shapes.
+
+        ``wait()`` returns new tensors holding the sums (the inputs are not modified). With
+        ``symmetric`` every tensor is a symmetric ``(n, n)`` matrix and only its upper triangle
+        travels. One rank: ``wait()`` returns ``tensors`` themselves.
+        """
+        if not self.active or not tensors:
+            return Pending.done(tensors)
+        buckets = self._pack(tensors, symmetric)
+        works = [
+            dist.all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            for b in buckets
+        ]
+        shapes = [t.shape for t in tensors]
+        return Pending(works, lambda: self._unpack(buckets, shapes, symmetric, outputs=None))
+
+    def broadcast(
+        self, tensors: Sequence[Tensor], src: int, ranks: tuple[int, ...], *, symmetric: bool = False
+    ) -> Pending:
+        """Send ``src``'s ``tensors`` to every rank of ``ranks``, asynchronously.
+
+        Only the ranks in ``ranks`` (one of the ``group_ranks`` given at construction, or a
+        single rank) call this, in the same order. On ``src``, ``tensors`` are the data; on the
+        others, buffers of the same shapes and dtypes that ``wait()`` overwrites and returns.
+        ``symmetric``: as in :meth:`all_reduce_sum`.
+        """
+        if len(ranks) == 1 or not tensors:
+            return Pending.done(tensors)
+        if self.rank not in ranks or src not in ranks:
+            raise ValueError(f"rank {self.rank} and src {src} must be among {ranks}")
+        group = self._groups[ranks]
+        group_src = ranks.index(src)  # groups list their members ascending
+        buckets = self._pack(tensors, symmetric)
+        works = [
+            dist.broadcast(b.buffer, group=group, group_src=group_src, async_op=True)
+            for b in buckets
+        ]
+        if self.rank == src:
+            return Pending(works, lambda: list(tensors))
+        shapes = [t.shape for t in tensors]
+        return Pending(works, lambda: self._unpack(buckets, shapes, symmetric, outputs=tensors))
+
+    # -- buckets -----------------------------------------------------------------------------
+
+    def _pack(self, tensors: Sequence[Tensor], symmetric: bool) -> list[_Bucket]:
+        """Flatten ``tensors`` (triangles when ``symmetric``) into buckets of one dtype and device."""
+        flats = [linalg.pack_symmetric(t) if symmetric else t.reshape(-1) for t in tensors]
+        buckets: list[_Bucket] = []
+        members: list[int] = []
+        size = 0
+
+        def close() -> None:
+            if members:
+                parts = [flats[i] for i in members]
+                buffer = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+                buckets.append(_Bucket(tuple(members), tuple(p.numel() for p in parts), buffer))
+
+        for index, flat in enumerate(flats):
+            nbytes = flat.numel() * flat.element_size()
+            first = flats[members[0]] if members else None
+            if first is not None and (
+                size + nbytes > self.bucket_bytes
+                or (flat.dtype, flat.device) != (first.dtype, first.device)
+            ):
+                close()
+                members, size = [], 0
+            members.append(index)
+            size += nbytes
+        close()
+        return buckets
+
+    @staticmethod
+    def _unpack(
+        buckets: Sequence[_Bucket],
+        shapes: Sequence[torch.Size],
+        symmetric: bool,
+        outputs: Sequence[Tensor] | None,
+    ) -> list[Tensor]:
+        """The tensors in ``buckets``, written into ``outputs`` when given, else new tensors."""
+        results: list[Tensor | None] = [None] * len(shapes)
+        for bucket in buckets:
+            for index, part in zip(bucket.indices, bucket.buffer.split(bucket.sizes), strict=True):
+                out = None if outputs is None else outputs[index]
+                if symmetric:
+                    results[index] = linalg.unpack_symmetric(part, shapes[index][0], out=out)
+                elif out is None:
+                    results[index] = part.view(shapes[index])
+                else:
+                    results[index] = out.copy_(part.view(shapes[index]))
+        return results  # type: ignore[return-value]  (every index lies in one bucket)

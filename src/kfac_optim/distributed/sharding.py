@@ -1,0 +1,260 @@
+"""Runs the distributed work plan for the optimizer's blocks, on one rank.
+
+Owns: when running factors are made global, which decompositions this rank computes and holds,
+and sharing decompositions and preconditioned gradients as the plan's strategy says (DESIGN §5).
+Must not know: how factors, decompositions or directions are computed (the blocks and ``linalg``
+do that), schedules, param groups. It moves the blocks' tensors between ranks.
+
+With one rank (no process group) every method is a no-op or trivially true, so the optimizer
+calls the same seams in every setting.
+
+**Lazy factor reduction.** Each rank folds its own statistics into its own running factors. The
+running average is linear, so averaging the ranks' running factors right before a decomposition
+(or a checkpoint) gives the same factors as averaging the batch statistics at every factor step,
+as long as every rank folds on the same steps. A rank whose layer saw no input since the last
+reduction folds nothing: its factor keeps its value (as a single process does for a batch
+without that layer). A rank whose factor was never initialized (the layer never saw input there,
+or every batch was non-finite) takes part with zeros and is not counted: the global factor is the
+mean over the ranks that have one, and is initialized if any rank's is. After the reduction every
+rank holds the global factor, so from then on all ranks agree on ``initialized`` and the running
+average's first-update rule. Exactly equal to reducing at every factor step (and to one process
+on the concatenated batch, with equal per-rank batches) when every rank folds every layer on
+every factor step; with layers idle on some ranks it is the stated weighted mean instead.
+
+**Decompositions.** Only the plan's owner computes a decomposition. On every decomposition step
+the ranks agree, in one small all-reduce, on which decompositions their owners hold (a first
+decomposition can fail) and with which damping shift; owners then broadcast them over the
+block's gradient workers (``f > 1/world``). A rank that is not a gradient worker of a block holds
+no decomposition for it. Gradient workers precondition; with ``f < 1`` the gradient worker of
+each row broadcasts the preconditioned gradient over its row, so every rank ends the step with
+the same directions and the same KL-clip sum.
+
+Every rank's DDP-averaged gradients are identical, so whether a block has a gradient is the same
+on every rank; that is what lets receivers know what to expect without asking.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from kfac_optim import linalg
+from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES, Communicator, Pending, group_rank_and_size
+from kfac_optim.distributed.plan import FACTORS, Plan, make_plan, work_items
+
+if TYPE_CHECKING:
+    from kfac_optim.layers import Factor, KroneckerBlock
+
+logger = logging.getLogger(__name__)
+
+Method = Literal["eigen", "inverse"]
+
+
+class Sharding:
+    """This rank's part of the distributed plan for ``blocks``.
+
+    Args:
+        blocks: the optimizer's Kronecker blocks (unique names; the same on every rank).
+        grad_worker_fraction: KAISA's ``f`` in ``(0, 1]`` or a strategy name, see
+            :func:`~kfac_optim.distributed.plan.resolve_grad_workers`.
+        process_group: the group K-FAC runs on (None: the whole job when ``torch.distributed``
+            is initialized; a single process otherwise).
+        bucket_bytes: upper bound on one flat communication buffer.
+
+    Raises:
+        ValueError: a bad ``grad_worker_fraction`` for this world size (the message names it),
+            or a ``process_group`` that cannot be used (see :class:`Communicator`).
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[KroneckerBlock],
+        grad_worker_fraction: float | str = 1.0,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        self.rank, world_size = group_rank_and_size(process_group)
+        self.plan: Plan = make_plan(
+            work_items({b.name: (b.A.dim, b.G.dim) for b in blocks}), world_size, grad_worker_fraction
+        )
+        self.comm = Communicator(process_group, self.plan.groups, bucket_bytes)
+        by_name = {b.name: b for b in blocks}
+        self.blocks: dict[str, KroneckerBlock] = {bp.block: by_name[bp.block] for bp in self.plan.blocks}
+        self.decompositions_missing = False
+        self._folded = False
+        self._ready: set[str] = set()
+        if blocks:
+            logger.info("K-FAC plan: %s", self.plan.summary(self.rank))
+
+    @property
+    def active(self) -> bool:
+        """Whether K-FAC runs on more than one rank."""
+        return self.comm.active
+
+    def decomposes(self, block: str, factor: str) -> bool:
+        """Whether this rank computes the decomposition of ``factor`` of ``block``."""
+        return self.plan.block(block).owner(factor) == self.rank
+
+    # -- factors -----------------------------------------------------------------------------
+
+    def factors_folded(self) -> None:
+        """Record a factor step: the ranks' running factors may now differ."""
+        self._folded = True
+
+    def synchronize_factors(self) -> None:
+        """Replace every rank's running factors by the global ones (a collective on all ranks).
+
+        Runs only if a factor step happened since the last time; every rank takes the same
+        factor steps, so all ranks agree on whether to communicate.
+        """
+        if not (self.active and self._folded):
+            self._folded = False
+            return
+        factors = self._factors()
+        sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=True)
+        initialized = torch.stack([f.initialized for f in factors]).to(factors[0].running.dtype)
+        counts = self.comm.all_reduce_sum([initialized])
+        (ranks,) = counts.wait()
+        for factor, total, count in zip(factors, sums.wait(), ranks, strict=True):
+            factor.set_global(total, count)
+        self._folded = False
+
+    # -- decompositions ----------------------------------------------------------------------
+
+    def share_decompositions(self, method: Method, dtype: torch.dtype) -> None:
+        """After owners decomposed: agree on what exists, broadcast to gradient workers.
+
+        ``method`` and ``dtype`` (the decompositions' dtype) shape the receive buffers.
+        """
+        self.decompositions_missing = False
+        if not self.active or not self.blocks:
+            return
+        items = self.plan.items
+        device = self._device()
+        local = []
+        for item in items:
+            factor = self.blocks[item.block].factors[item.factor]
+            held = self.decomposes(item.block, item.factor) and factor.decomposition is not None
+            key = factor.decomposed_key
+            local.append((1.0, float("nan") if key is None else key[1]) if held else (0.0, 0.0))
+        (flags,) = self.comm.all_reduce_sum([torch.tensor(local, dtype=torch.float64, device=device)]).wait()
+        available = {(item.block, item.factor): (held > 0, shift) for item, (held, shift) in zip(items, flags.tolist())}
+        self._ready = {
+            name for name in self.blocks if all(available[(name, f)][0] for f in FACTORS)
+        }
+        if not self.plan.broadcasts_decompositions:
+            return
+        sends: dict[tuple[tuple[int, ...], int], list[tuple[Factor, float]]] = defaultdict(list)
+        for item in items:
+            block_plan = self.plan.block(item.block)
+            held, shift = available[(item.block, item.factor)]
+            if held and self.rank in block_plan.grad_workers:
+                factor = self.blocks[item.block].factors[item.factor]
+                sends[(block_plan.grad_workers, block_plan.owner(item.factor))].append((factor, shift))
+        pending: list[tuple[int, list[tuple[Factor, float]], Pending]] = []
+        for (workers, src), members in sorted(sends.items(), key=lambda kv: kv[0]):
+            if src == self.rank:
+                tensors = [t for factor, _ in members for t in _as_tensors(factor.decomposition)]
+            else:
+                tensors = [t for factor, _ in members for t in _buffers(factor.dim, method, dtype, device)]
+            pending.append((src, members, self.comm.broadcast(tensors, src, workers, symmetric=method == "inverse")))
+        per_factor = 2 if method == "eigen" else 1
+        for src, members, work in pending:
+            received = work.wait()
+            if src == self.rank:
+                continue
+            for index, (factor, shift) in enumerate(members):
+                parts = received[index * per_factor : (index + 1) * per_factor]
+                factor.adopt(_from_tensors(parts, method), shift)
+
+    # -- directions --------------------------------------------------------------------------
+
+    def share_directions(self, directions: Mapping[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+        """Every block's preconditioned ``(out, in [+1])`` gradient, from its gradient workers.
+
+        ``directions``: the ones this rank computed (as a gradient worker), by block name.
+        Returns them plus, with ``f < 1``, those received from the gradient worker of this
+        rank's row; ``dtype`` is theirs. Blocks without a gradient or without decompositions
+        at their owners have none (they take the SGD path on every rank).
+        """
+        if not (self.active and self.plan.broadcasts_gradients):
+            return dict(directions)
+        row = self.plan.receiver_group(self.rank)
+        by_source: dict[int, list[str]] = defaultdict(list)
+        for name, block in self.blocks.items():
+            if name in self._ready and block.weight.grad is not None:
+                by_source[self.plan.grad_source(name, self.rank)].append(name)
+        device = self._device()
+        pending = []
+        for src in sorted(by_source):
+            names = by_source[src]
+            if src == self.rank:
+                tensors = [directions[name] for name in names]
+            else:
+                tensors = [
+                    torch.empty(self.blocks[n].G.dim, self.blocks[n].A.dim, dtype=dtype, device=device)
+                    for n in names
+                ]
+            pending.append((names, self.comm.broadcast(tensors, src, row)))
+        shared = dict(directions)
+        for names, work in pending:
+            shared.update(zip(names, work.wait(), strict=True))
+        return shared
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def loaded(self) -> None:
+        """After the blocks loaded a checkpoint (the same one on every rank).
+
+        Drops decompositions of blocks this rank is not a gradient worker of, and asks for a
+        decomposition pass at the next step when the checkpoint lacks a decomposition of an
+        initialized factor (saved by a rank that did not hold it, e.g. under ``f < 1``).
+        """
+        self._folded = False
+        factors = self._factors()
+        initialized = torch.stack([f.initialized for f in factors]).tolist() if factors else []
+        self.decompositions_missing = any(
+            init and f.decomposition is None for f, init in zip(factors, initialized, strict=True)
+        )
+        self._ready = {
+            name for name, block in self.blocks.items()
+            if all(f.decomposition is not None for f in block.factors.values())
+        }
+        for name, block in self.blocks.items():
+            if not self.plan.is_grad_worker(name, self.rank):
+                for factor in block.factors.values():
+                    factor.adopt(None, 0.0)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _factors(self) -> list[Factor]:
+        return [block.factors[f] for block in self.blocks.values() for f in FACTORS]
+
+    def _device(self) -> torch.device:
+        return next(iter(self.blocks.values())).weight.device
+
+
+def _as_tensors(decomposition: linalg.Eigen | Tensor | None) -> list[Tensor]:
+    if isinstance(decomposition, linalg.Eigen):
+        return [decomposition.Q, decomposition.d]
+    assert decomposition is not None
+    return [decomposition]
+
+
+def _buffers(dim: int, method: Method, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    """Receive buffers for one factor's decomposition: ``Q (dim, dim)``, ``d (dim,)`` or ``(dim, dim)``."""
+    if method == "eigen":
+        return [torch.empty(dim, dim, dtype=dtype, device=device), torch.empty(dim, dtype=dtype, device=device)]
+    return [torch.empty(dim, dim, dtype=dtype, device=device)]
+
+
+def _from_tensors(parts: Sequence[Tensor], method: Method) -> linalg.Eigen | Tensor:
+    if method == "eigen":
+        return linalg.Eigen(Q=parts[0], d=parts[1])
+    return parts[0]
