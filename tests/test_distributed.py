@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kfac_optim import KFAC
+from kfac_optim.distributed.comm import Communicator
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -113,6 +114,13 @@ def saved_factors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     }
 
 
+def symmetric_matrices(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    matrices = [torch.randn(n, n, generator=generator) for n in (5, 1, 9)]
+    matrices.append(torch.randn(4, 4, generator=generator, dtype=torch.float64))
+    return [m + m.T for m in matrices]
+
+
 def ddp_run(
     rank: int, world: int, fraction: float | str, steps: range = range(STEPS), **kwargs: Any
 ) -> tuple[DDP, KFAC]:
@@ -149,6 +157,11 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     train(model, optimizer, range(STEPS), rank, world)
     results["params unused"] = parameters(model)
     results["factors unused"] = saved_factors(optimizer.state_dict())
+
+    communicator = Communicator(bucket_bytes=64)  # a few entries per bucket: many buckets
+    results["comm sums"] = communicator.all_reduce_sum(symmetric_matrices(rank), symmetric=True).wait()
+    sent = [torch.full((2, 3), float(rank)), torch.full((5,), float(rank), dtype=torch.float64)]
+    results["comm broadcast"] = communicator.broadcast(sent, src=1, ranks=(0, 1)).wait()
 
     model, optimizer = ddp_run(rank, world, "mem-opt", steps=range(SAVE_AT))
     state = optimizer.state_dict()  # on every rank: it makes the factors global
@@ -265,6 +278,29 @@ def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
     assert actual.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], **(tolerance or TOLERANCE), msg=key)
+
+
+def test_bucketed_all_reduce_of_packed_matrices_sums_them_whole(two_ranks) -> None:
+    expected = [a + b for a, b in zip(symmetric_matrices(0), symmetric_matrices(1), strict=True)]
+    for results in two_ranks:
+        assert len(results["comm sums"]) == len(expected)
+        for actual, want in zip(results["comm sums"], expected, strict=True):
+            assert actual.dtype == want.dtype
+            torch.testing.assert_close(actual, want, rtol=0, atol=0)
+
+
+def test_broadcast_fills_every_rank_with_the_source_tensors(two_ranks) -> None:
+    for results in two_ranks:
+        matrix, vector = results["comm broadcast"]
+        assert (matrix == 1).all() and (vector == 1).all() and vector.dtype == torch.float64
+
+
+def test_communicator_is_a_no_op_on_one_process() -> None:
+    communicator = Communicator()
+    tensors = symmetric_matrices(0)
+    assert not communicator.active and (communicator.rank, communicator.world_size) == (0, 1)
+    assert all(a is b for a, b in zip(communicator.all_reduce_sum(tensors, symmetric=True).wait(), tensors))
+    assert all(a is b for a, b in zip(communicator.broadcast(tensors, src=0, ranks=(0,)).wait(), tensors))
 
 
 @pytest.mark.parametrize("fraction", [1.0, "mem-opt"], ids=["comm-opt", "mem-opt"])

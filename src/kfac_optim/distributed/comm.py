@@ -89,8 +89,8 @@ class Communicator:
     Args:
         process_group: the group K-FAC runs on (None: the whole job, when initialized).
         group_ranks: rank tuples (ranks of ``process_group``) that need a group of their own, in
-            the order every rank must create them (``Plan.groups``). A tuple of every rank uses
-            ``process_group`` itself; tuples of one rank need none.
+            the order every rank must create them (``Plan.groups``). The tuple of every rank is
+            always available and uses ``process_group`` itself; tuples of one rank need none.
         bucket_bytes: upper bound on one flat buffer.
 
     Raises:
@@ -128,10 +128,9 @@ class Communicator:
                 "sub-groups, which every process of the job would have to create; use "
                 "grad_worker_fraction 1 or 1/world_size with a partial process_group"
             )
+        self._groups[everyone] = self.group
         for ranks in group_ranks:
-            if ranks == everyone:
-                self._groups[ranks] = self.group
-            elif len(ranks) > 1:
+            if len(ranks) > 1 and ranks != everyone:
                 parent = self.group if self.group is not None else dist.group.WORLD
                 global_ranks = [dist.get_global_rank(parent, r) for r in ranks]
                 group = dist.new_group(global_ranks)  # entered by every rank, in the same order
