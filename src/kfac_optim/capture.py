@@ -18,7 +18,7 @@ pair is handed to the block. Nothing is computed in the forward pass, so:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -28,12 +28,24 @@ from kfac_optim.layers import KroneckerBlock
 
 logger = logging.getLogger(__name__)
 
+Accumulate = Callable[[KroneckerBlock, Tensor, Tensor], None]
+
+
+def accumulate_plainly(block: KroneckerBlock, inputs: Tensor, grad_output: Tensor) -> None:
+    """The default hand-off: ``block.accumulate(inputs, grad_output)``."""
+    block.accumulate(inputs, grad_output)
+
 
 class StatisticsCapture:
-    """Forward hooks on every block's module; statistics flow only while ``armed`` is True."""
+    """Forward hooks on every block's module; statistics flow only while ``armed`` is True.
 
-    def __init__(self, blocks: Iterable[KroneckerBlock]) -> None:
+    ``accumulate(block, input, output_grad)`` receives each captured pair (the optimizer passes
+    one that handles loss scaling, see ``precision``).
+    """
+
+    def __init__(self, blocks: Iterable[KroneckerBlock], accumulate: Accumulate = accumulate_plainly) -> None:
         self.armed = False
+        self._accumulate = accumulate
         self._handles: list[RemovableHandle] = [
             block.module.register_forward_hook(self._forward_hook(block)) for block in blocks
         ]
@@ -45,7 +57,8 @@ class StatisticsCapture:
             if not isinstance(output, Tensor) or not output.requires_grad:
                 return
             layer_input = inputs[0].detach()
-            output.register_hook(lambda grad_output: block.accumulate(layer_input, grad_output))
+            accumulate = self._accumulate
+            output.register_hook(lambda grad_output: accumulate(block, layer_input, grad_output))
 
         return hook
 

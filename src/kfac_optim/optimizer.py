@@ -33,6 +33,7 @@ from kfac_optim import linalg
 from kfac_optim.capture import StatisticsCapture
 from kfac_optim.distributed.sharding import Sharding
 from kfac_optim.layers import Conv2dBlock, KroneckerBlock, block_kind
+from kfac_optim.precision import MixedPrecision
 from kfac_optim.schedules import resolve
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,18 @@ class KFAC(Optimizer):
             is initialized with more than one rank; otherwise a single process).
         params: param groups (all parameters must belong to ``model``); default: every trainable
             parameter of ``model`` in one group.
+        grad_scaler: the ``torch.amp.GradScaler`` of a loop that calls ``scaler.unscale_(optimizer)``
+            before ``scaler.step(optimizer)`` (gradient clipping): its scale corrects the K-FAC
+            statistics then. Not needed otherwise (``scaler.step`` passes the scale); see ``precision``.
+
+    Mixed precision: ``scaler.step(optimizer)`` with a ``torch.amp.GradScaler`` skips the whole
+    step on inf/nan gradients (factors, momentum, step count and parameters untouched) and
+    otherwise unscales the gradients here; under NVIDIA Apex amp (O1/O2) pass the optimizer
+    through ``amp.initialize`` as any other.
     """
+
+    # torch.amp.GradScaler.step: call step() with ``grad_scale``/``found_inf`` set, unscaling left to us.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -199,6 +211,7 @@ class KFAC(Optimizer):
         params: ParamsT | None = None,
         maximize: bool = False,
         foreach: bool | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -249,7 +262,8 @@ class KFAC(Optimizer):
                 "model has no supported layer (nn.Linear, nn.Conv2d) to precondition: KFAC behaves as SGD",
                 stacklevel=2,
             )
-        self._capture = StatisticsCapture(self.blocks)
+        self._precision = MixedPrecision(self, grad_scaler)
+        self._capture = StatisticsCapture(self.blocks, self._precision.accumulate)
         self._sharding = Sharding(self.blocks, grad_worker_fraction, process_group)
         self._steps = 0
         self._arm_for(self._steps)
@@ -302,13 +316,22 @@ class KFAC(Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
+        if self._precision.skip_step():
+            self.discard_pending_statistics()
+            return loss
+        statistics_scale = self._precision.unscale(p for group in self.param_groups for p in group["params"])
+        if statistics_scale is None:  # captured under a loss scale nobody told us
+            self.discard_pending_statistics()
+            statistics_scale = 1.0
+        self._precision.bind_master_params(self.blocks)
+
         step = self._steps
         damping = self.damping_at(step)
         if self._sharding.decompositions_missing:  # a loaded checkpoint lacks some: from its factors
             self._decomposition_step(damping, only_missing=True)
         if self.is_factor_step(step):
             for block in self.blocks:
-                block.fold(self.options.factor_decay, self.options.loss_reduction)
+                block.fold(self.options.factor_decay, self.options.loss_reduction, statistics_scale)
             self._sharding.factors_folded()
         else:
             self.discard_pending_statistics()
@@ -423,6 +446,18 @@ class KFAC(Optimizer):
             if group["momentum"] != 0:
                 for p, buffer in zip(params, momentum_buffers, strict=True):
                     self.state[p]["momentum_buffer"] = buffer
+
+    # -- NVIDIA Apex amp ---------------------------------------------------------------------
+
+    @property
+    def most_recent_scale(self) -> float:
+        """Apex amp's hook into optimizers: 1.0 (``KFAC`` reads Apex's loss scale itself)."""
+        return 1.0
+
+    @most_recent_scale.setter
+    def most_recent_scale(self, value: float) -> None:
+        """Apex sets this exactly when it skips a step on overflow: drop that backward's statistics."""
+        self.discard_pending_statistics()
 
     # -- checkpoints -------------------------------------------------------------------------
 

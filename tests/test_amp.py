@@ -1,0 +1,276 @@
+"""Native mixed precision (DESIGN §6): ``torch.amp.GradScaler("cpu")`` with fp16 autocast, bf16.
+
+Every test compares a run with a control run (another loss scale, fp32, plain SGD, or one process
+on the concatenated batch) instead of numbers copied from a previous run.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from kfac_optim import KFAC
+
+OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, inv_update_steps=2)
+BATCH = 16
+
+
+class Net(nn.Module):
+    """Conv → ReLU → Linear → tanh → Linear on 1×8×8 inputs: three K-FAC blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3, padding=1)
+        self.fc1 = nn.Linear(3 * 8 * 8, 16)
+        self.fc2 = nn.Linear(16, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(torch.tanh(self.fc1(F.relu(self.conv(x)).flatten(1))))
+
+
+def make_model() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch(step: int, size: int = BATCH) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(size, 1, 8, 8, generator=generator), torch.randint(0, 10, (size,), generator=generator)
+
+
+def run(
+    steps: int,
+    *,
+    dtype: torch.dtype | None = torch.float16,
+    init_scale: float | None = 2.0**16,
+    unscale_first: bool = False,
+    pass_scaler: bool = False,
+    inject_inf_at: int | None = None,
+    model: nn.Module | None = None,
+    make_optimizer: Callable[..., torch.optim.Optimizer] = KFAC,
+) -> tuple[nn.Module, Any, torch.amp.GradScaler | None]:
+    """Train ``steps`` batches; ``dtype``: autocast dtype (None: fp32); ``init_scale`` None: no scaler."""
+    model = model or make_model()
+    scaler = None if init_scale is None else torch.amp.GradScaler("cpu", init_scale=init_scale)
+    extra = {"grad_scaler": scaler} if pass_scaler else {}
+    optimizer = make_optimizer(model, **OPTIONS, **extra) if make_optimizer is KFAC else make_optimizer(model)
+    input_dtype = next(model.parameters()).dtype
+    for step in range(steps):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = F.cross_entropy(model(x.to(input_dtype)).float(), y)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+            continue
+        scaler.scale(loss).backward()
+        if step == inject_inf_at:
+            model.fc1.weight.grad[0, 0] = float("inf")
+        if unscale_first:
+            scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e6)
+        scaler.step(optimizer)
+        scaler.update()
+    return model, optimizer, scaler
+
+
+def snapshot(model: nn.Module, optimizer: KFAC) -> dict[str, Any]:
+    """Everything a step may change: parameters, momentum, factors, decompositions, step count."""
+    state: dict[str, Any] = {f"param.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for p, s in optimizer.state.items():
+        state[f"momentum.{id(p)}"] = s["momentum_buffer"].clone()
+    for block in optimizer.blocks:
+        for name, factor in block.factors.items():
+            state[f"{block.name}.{name}"] = factor.running.clone()
+            state[f"{block.name}.{name}.initialized"] = factor.initialized.clone()
+            if factor.decomposition is not None:
+                state[f"{block.name}.{name}.Q"] = factor.decomposition.Q.clone()
+    state["steps"] = optimizer.steps
+    return state
+
+
+def factors(optimizer: KFAC) -> dict[str, Tensor]:
+    return {f"{b.name}.{n}": f.running for b in optimizer.blocks for n, f in b.factors.items()}
+
+
+def params(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_factors_and_the_update_do_not_depend_on_the_initial_loss_scale() -> None:
+    model_low, opt_low, _ = run(4, init_scale=2.0**8)
+    model_high, opt_high, _ = run(4, init_scale=2.0**16)
+    assert opt_high.steps == opt_low.steps == 4
+    torch.testing.assert_close(factors(opt_low), factors(opt_high), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(params(model_low), params(model_high), rtol=1e-5, atol=1e-7)
+
+
+def test_fp16_autocast_with_a_scaler_is_close_to_fp32_without_one() -> None:
+    model_fp16, opt_fp16, _ = run(4)
+    model_fp32, opt_fp32, _ = run(4, dtype=None, init_scale=None)
+    for name, factor in factors(opt_fp16).items():
+        assert factor.dtype is torch.float32
+        torch.testing.assert_close(factor, factors(opt_fp32)[name], rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(params(model_fp16), params(model_fp32), rtol=2e-2, atol=2e-3)
+
+
+def test_an_injected_inf_skips_the_step_leaves_all_state_untouched_and_halves_the_scale() -> None:
+    model, optimizer, scaler = run(3)
+    before, scale = snapshot(model, optimizer), scaler.get_scale()
+    x, y = batch(3)
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    model.fc1.weight.grad[0, 0] = float("nan")
+    scaler.step(optimizer)
+    scaler.update()
+    torch.testing.assert_close(snapshot(model, optimizer), before, rtol=0, atol=0)
+    assert all(block.pending_samples == 0 for block in optimizer.blocks)
+    assert scaler.get_scale() == scale / 2
+
+
+def test_a_skipped_overflow_step_leaves_no_stale_statistics_for_the_next_step() -> None:
+    model, optimizer, _ = run(5, inject_inf_at=2)  # batches 0, 1, (2 skipped), 3, 4
+    control_model = make_model()
+    control = KFAC(control_model, **OPTIONS)
+    scaler = torch.amp.GradScaler("cpu")
+    for step in (0, 1, 3, 4):
+        x, y = batch(step)
+        control.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(control_model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(control)
+        scaler.update()
+    assert optimizer.steps == control.steps == 4
+    torch.testing.assert_close(factors(optimizer), factors(control), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(params(model), params(control_model), rtol=1e-5, atol=1e-7)
+
+
+def test_unscale_first_with_grad_scaler_equals_letting_scaler_step_unscale() -> None:
+    model_clip, opt_clip, _ = run(4, unscale_first=True, pass_scaler=True)
+    model_plain, opt_plain, _ = run(4)
+    torch.testing.assert_close(factors(opt_clip), factors(opt_plain), rtol=0, atol=0)
+    torch.testing.assert_close(params(model_clip), params(model_plain), rtol=0, atol=0)
+
+
+def test_unscale_first_without_grad_scaler_warns_and_drops_the_statistics() -> None:
+    with pytest.warns(RuntimeWarning, match="grad_scaler=scaler"):
+        _, optimizer, _ = run(2, unscale_first=True)
+    assert optimizer.steps == 2
+    assert not any(bool(f.initialized) for b in optimizer.blocks for f in b.factors.values())
+
+
+def test_with_kfac_off_the_update_is_sgd_with_grad_scaler_bit_for_bit() -> None:
+    def kfac_without_blocks(model: nn.Module) -> KFAC:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return KFAC(model, lr=0.05, momentum=0.9, weight_decay=1e-3, skip_layers=[nn.Linear, nn.Conv2d])
+
+    def sgd(model: nn.Module) -> torch.optim.SGD:
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+    model_kfac, _, _ = run(4, inject_inf_at=1, make_optimizer=kfac_without_blocks)
+    model_sgd, _, _ = run(4, inject_inf_at=1, make_optimizer=sgd)
+    torch.testing.assert_close(params(model_kfac), params(model_sgd), rtol=0, atol=0)
+
+
+def test_bf16_autocast_is_close_to_fp32_with_fp32_factors() -> None:
+    model_bf16, opt_bf16, _ = run(4, dtype=torch.bfloat16, init_scale=None)
+    model_fp32, opt_fp32, _ = run(4, dtype=None, init_scale=None)
+    for name, factor in factors(opt_bf16).items():
+        assert factor.dtype is torch.float32
+        torch.testing.assert_close(factor, factors(opt_fp32)[name], rtol=5e-2, atol=1e-2)
+    torch.testing.assert_close(params(model_bf16), params(model_fp32), rtol=5e-2, atol=1e-2)
+
+
+def test_bf16_parameters_keep_their_dtype_while_factors_stay_fp32() -> None:
+    model = make_model().to(torch.bfloat16)
+    reference = copy.deepcopy(model).float()
+    model, optimizer, _ = run(3, dtype=None, init_scale=None, model=model)
+    reference, _, _ = run(3, dtype=None, init_scale=None, model=reference)
+    assert all(p.dtype is torch.bfloat16 for p in model.parameters())
+    assert all(f.dtype is torch.float32 for f in factors(optimizer).values())
+    for name, param in params(model).items():
+        torch.testing.assert_close(param.float(), params(reference)[name], rtol=5e-2, atol=2e-2)
+
+
+def test_grad_scaler_must_be_a_torch_amp_grad_scaler() -> None:
+    with pytest.raises(TypeError, match="grad_scaler"):
+        KFAC(make_model(), grad_scaler=object())
+
+
+def test_the_deprecated_torch_cuda_amp_grad_scaler_is_accepted() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated; disabled without CUDA
+        scaler = torch.cuda.amp.GradScaler()
+    model, optimizer, _ = run(2, dtype=None, init_scale=None, make_optimizer=KFAC)
+    reference = copy.deepcopy(model)
+    optimizer = KFAC(model, **OPTIONS, grad_scaler=scaler)
+    for step in range(2):  # a disabled scaler: scale(), step() and the statistics are plain
+        x, y = batch(step)
+        optimizer.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        scaler.step(optimizer)
+    control = KFAC(reference, **OPTIONS)
+    for step in range(2):
+        x, y = batch(step)
+        control.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        control.step()
+    torch.testing.assert_close(params(model), params(reference), rtol=0, atol=0)
+
+
+# -- DDP + GradScaler on 2 gloo ranks -------------------------------------------------------------
+
+WORLD = 2
+DDP_STEPS = 4
+
+
+def _ddp_rank(rank: int, init_file: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = make_model()
+        ddp = DDP(model)
+        optimizer = KFAC(ddp, **OPTIONS)
+        scaler = torch.amp.GradScaler("cpu")
+        size = BATCH // WORLD
+        for step in range(DDP_STEPS):
+            x, y = batch(step)
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(ddp(x[rank * size : (rank + 1) * size]), y[rank * size : (rank + 1) * size])
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.synchronize_factors()
+        if rank == 0:
+            torch.save({"params": params(model), "factors": factors(optimizer), "steps": optimizer.steps}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_with_grad_scaler_on_two_gloo_ranks_matches_one_process_on_the_whole_batch(tmp_path: Path) -> None:
+    out = tmp_path / "rank0.pt"
+    mp.start_processes(_ddp_rank, args=(str(tmp_path / "init"), str(out)), nprocs=WORLD, start_method="spawn")
+    result = torch.load(out)
+    model, optimizer, _ = run(DDP_STEPS)
+    assert result["steps"] == optimizer.steps == DDP_STEPS
+    torch.testing.assert_close(result["factors"], factors(optimizer), rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(result["params"], params(model), rtol=1e-3, atol=1e-4)
