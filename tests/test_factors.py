@@ -212,3 +212,17 @@ def test_kl_clip_scales_the_direction_by_nu() -> None:
     nu = min(1.0, (kl_clip / abs(lr**2 * float((unclipped * grad).sum()))) ** 0.5)
     assert nu < 1
     torch.testing.assert_close(applied, nu * unclipped, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows, dim", [(300, 130), (260, 517), (40, 130), (300, 20)])
+def test_gram_accumulates_rows_product_into_a_view(rows: int, dim: int) -> None:
+    """``linalg.add_gram_`` (blocked upper triangle + mirror for large sizes) adds ``rowsᵀ rows``."""
+    from kfac_optim import linalg
+
+    first, second = torch.randn(rows, dim), torch.randn(rows, dim)
+    buffer = torch.zeros(dim + 1, dim + 1)  # the bias layout: the Gram goes into a strided view
+    linalg.add_gram_(buffer[:dim, :dim], first)
+    linalg.add_gram_(buffer[:dim, :dim], second)
+    torch.testing.assert_close(buffer[:dim, :dim], first.T @ first + second.T @ second, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(buffer, buffer.T, rtol=1e-12, atol=1e-12)
+    assert not buffer[dim].any()

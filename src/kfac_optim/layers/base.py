@@ -49,7 +49,7 @@ class Factor:
     def add_gram(self, rows: Tensor, append_ones: bool = False) -> None:
         """Accumulate ``rowsᵀ rows`` for ``rows: (R, dim[-1])`` (a trailing 1 when ``append_ones``)."""
         n = rows.shape[1]
-        self.pending[:n, :n].addmm_(rows.T, rows)
+        linalg.add_gram_(self.pending[:n, :n], rows)
         if append_ones:
             column = rows.sum(dim=0)
             self.pending[:n, n] += column
@@ -63,10 +63,14 @@ class Factor:
 
     def fold(self, scale: float | Tensor, decay: float) -> None:
         """``F ← decay·F + (1−decay)·scale·pending`` (``F ← scale·pending`` on the first fold)."""
-        batch = self.pending.mul_(scale)
-        finite = torch.isfinite(batch).all()
-        averaged = torch.where(self.initialized, self.running * decay + batch * (1 - decay), batch)
-        self.running = torch.where(finite, averaged, self.running)
+        # In place, no n×n temporaries (fresh CPU pages cost more than the arithmetic; isfinite,
+        # where and lerp with a tensor weight are slow on CPU): pending ← (1−w)·scale·pending + w·F,
+        # w = decay once initialized, else 0. Any nan/inf entry makes the sum non-finite (F itself
+        # always is finite); F takes the result only then, by a 0/1 weight after zeroing non-finites.
+        weight = self.initialized.to(self.pending.dtype) * decay
+        averaged = self.pending.mul_((1 - weight) * scale).addcmul_(self.running, weight)
+        finite = torch.isfinite(averaged.sum())
+        self.running.lerp_(averaged.nan_to_num_(0.0, 0.0, 0.0), finite.to(averaged.dtype))
         self.initialized |= finite
         self.discarded += ~finite
         self.version += 1

@@ -1,0 +1,434 @@
+"""Where the milliseconds of a K-FAC step go, each part next to its floor.
+
+Usage: ``python benchmarks/step_time.py [--model resnet18|resnet50|mlp] [--threads 1] ...``
+(``--help`` lists every flag). Prints a table and writes JSON (``--json``).
+
+Method: each part of the K-FAC step is timed **in isolation** by calling the optimizer's own
+internals on one captured batch (median over repeats), then **amortized analytically** over the
+factor / inverse intervals (``--factor-interval``, ``--inverse-interval``):
+
+    step = fwd+bwd (plain) + hooks·(1 − 1/f) + (statistics + fold)/f + decompositions/i
+           + preconditioning + KL clip & update
+
+Parts and their floors (the bare torch calls of the same shapes, timed in the same process):
+  hooks (non-factor steps)  fwd+bwd with the capture hooks registered but unarmed, minus plain
+                            fwd+bwd (interleaved A/B); floor 0, reported as % of an SGD step
+  statistics (factor steps) ``block.accumulate`` on the captured (input, output-grad) of every
+                            block (unfold, row copies, bias column, Gram products); floor:
+                            ``torch.matmul(rowsᵀ, rows, out=)`` on contiguous rows of the same
+                            shapes (a full product: the blocked symmetric one can beat it)
+  fold                      ``block.fold``; floor: ``running.lerp_(pending)`` + ``pending.zero_()``
+  decompositions            ``factor.decompose`` (cache key reset); floor ``torch.linalg.eigh``
+                            (eigen) or ``cholesky`` + ``cholesky_inverse`` (inverse) of the same
+                            factor. Timed once per distinct factor size (eigh of a 4608² factor
+                            takes seconds), multiplied by how many factors have that size.
+  preconditioning           ``optimizer._preconditioned_directions``; floor: the 4 (eigen) or 2
+                            (inverse) bare ``torch.matmul`` calls per block
+  KL clip + update          ``_clip_to_trust_region`` + ``_sgd_update``; floor: a
+                            ``torch.optim.SGD`` step on the same parameters + one dot per block
+
+Knows the optimizer's internals on purpose (it is their benchmark); the package knows nothing
+of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from kfac_optim import KFAC  # noqa: E402
+from kfac_optim.capture import StatisticsCapture  # noqa: E402
+from kfac_optim.layers import LinearBlock  # noqa: E402
+
+MODELS = {
+    # name: (image size, batch size)
+    "resnet18": (32, 64),
+    "resnet50": (64, 32),
+    "mlp": (16, 64),
+}
+
+
+def build_model(name: str, image_size: int, num_classes: int = 10) -> nn.Module:
+    if name == "mlp":
+        return nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(3 * image_size * image_size, 1024),
+            nn.ReLU(),
+            nn.Linear(1024, 512),
+            nn.ReLU(),
+            nn.Linear(512, num_classes),
+        )
+    from torchvision import models
+
+    return getattr(models, name)(weights=None, num_classes=num_classes)
+
+
+@dataclasses.dataclass
+class Timing:
+    """Median seconds over ``n`` repeats; ``spread`` = (max − min) / median."""
+
+    median: float
+    spread: float
+    n: int
+
+    @classmethod
+    def of(cls, samples: list[float]) -> Timing:
+        median = statistics.median(samples)
+        return cls(median, (max(samples) - min(samples)) / median if median > 0 else 0.0, len(samples))
+
+
+def timeit(fn: Callable[[], Any], repeats: int, budget_s: float, warmup: int = 1) -> Timing:
+    """Median of up to ``repeats`` calls, fewer (at least one) once ``budget_s`` is spent."""
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < repeats and (not samples or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return Timing.of(samples)
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, budget_s: float) -> dict[str, Timing]:
+    """Time several functions alternately (A B A B ...) so load changes hit them alike."""
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    start = time.perf_counter()
+    for r in range(repeats):
+        if r and time.perf_counter() - start > budget_s:
+            break
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: Timing.of(s) for name, s in samples.items()}
+
+
+def capture_batch(opt: KFAC, forward_backward: Callable[[], None]) -> dict[str, tuple[Tensor, Tensor]]:
+    """(input, output-grad) of every block's module from one forward/backward."""
+    captured: dict[str, list[Tensor]] = {}
+    handles = []
+    for block in opt.blocks:
+        def hook(module, inputs, output, name=block.name):
+            captured[name] = [inputs[0].detach()]
+            output.register_hook(lambda grad: captured[name].append(grad.detach()))
+
+        handles.append(block.module.register_forward_hook(hook))
+    forward_backward()
+    for handle in handles:
+        handle.remove()
+    return {name: (pair[0], pair[1]) for name, pair in captured.items()}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(0)
+    image_size = args.image_size or MODELS[args.model][0]
+    batch = args.batch_size or MODELS[args.model][1]
+    model = build_model(args.model, image_size)
+    model.train()
+    x = torch.randn(batch, 3, image_size, image_size)
+    y = torch.randint(0, 10, (batch,))
+    decay, reduction, damping = 0.95, "mean", args.damping
+    budget = args.budget
+
+    def forward_backward() -> None:
+        model.zero_grad(set_to_none=False)
+        F.cross_entropy(model(x), y).backward()
+
+    progress = tqdm(total=10, desc=f"{args.model} b{batch} {image_size}px", file=sys.stderr, leave=False)
+    out: dict[str, Any] = {}
+
+    opt = KFAC(model, lr=1e-4, momentum=0.9, weight_decay=5e-4, damping=damping,
+               factor_decay=decay, factor_update_steps=args.factor_interval,
+               inv_update_steps=args.inverse_interval, kl_clip=1e-3)
+    opt._capture.armed = False
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9, weight_decay=5e-4)
+
+    def without_hooks(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            opt._capture.remove()
+            fn()
+            opt._capture = StatisticsCapture(opt.blocks)
+
+        return run
+
+    def sgd_step() -> None:
+        forward_backward()
+        sgd.step()
+
+    def armed() -> None:
+        opt._capture.armed = True
+        forward_backward()
+        opt._capture.armed = False
+        opt.discard_pending_statistics()
+
+    # SGD step, fwd+bwd without hooks, with unarmed hooks (non-factor steps), armed: interleaved.
+    runs = interleaved({"sgd": without_hooks(sgd_step), "plain": without_hooks(forward_backward),
+                        "unarmed": forward_backward, "armed": armed}, args.repeats, 4 * budget)
+    out["sgd_step"], out["fwd_bwd_plain"] = runs["sgd"], runs["plain"]
+    out["fwd_bwd_unarmed"], out["fwd_bwd_armed"] = runs["unarmed"], runs["armed"]
+    progress.update()
+
+    # The same hooks measured directly (the A/B difference above is below the noise): the cost of
+    # an unarmed capture hook per module call, on a 1x1 Linear, times the number of blocks.
+    tiny, tiny_input = nn.Linear(1, 1), torch.randn(1, 1)
+    tiny_capture = StatisticsCapture([LinearBlock("tiny", tiny, True, torch.float32)])
+    calls = 2000
+
+    def tiny_calls() -> None:
+        for _ in range(calls):
+            tiny(tiny_input)
+
+    def tiny_calls_plain() -> None:
+        tiny_capture.remove()
+        tiny_calls()
+
+    hooked = timeit(tiny_calls, args.repeats, budget)
+    plain = timeit(tiny_calls_plain, args.repeats, budget)
+    out["hook_per_call"] = Timing((hooked.median - plain.median) / calls, max(hooked.spread, plain.spread), hooked.n)
+    progress.update()
+
+    # Statistics on factor steps, on one captured batch.
+    pairs = capture_batch(opt, forward_backward)
+    blocks = [b for b in opt.blocks if b.name in pairs]
+
+    def statistics_part() -> None:
+        for block in blocks:
+            block.accumulate(*pairs[block.name])
+
+    def clear() -> None:
+        opt.discard_pending_statistics()
+
+    rows = {}
+    for block in blocks:
+        inputs, grads = pairs[block.name]
+        a = block.input_rows(inputs)
+        if block.bias is not None:
+            a = torch.cat([a, torch.ones(len(a), 1)], 1)
+        rows[block.name] = (a.contiguous(), block.output_grad_rows(grads).contiguous())
+
+    grams = {name: (a.new_empty(a.shape[1], a.shape[1]), g.new_empty(g.shape[1], g.shape[1]))
+             for name, (a, g) in rows.items()}
+
+    def statistics_floor() -> None:
+        for name, (a, g) in rows.items():
+            torch.matmul(a.T, a, out=grams[name][0])
+            torch.matmul(g.T, g, out=grams[name][1])
+
+    stats = interleaved({"part": statistics_part, "floor": statistics_floor}, args.repeats, budget)
+    out["statistics"], out["statistics_floor"] = stats["part"], stats["floor"]
+    progress.update()
+
+    # Fold: pending from the real batch, then fold repeatedly (content does not change the cost).
+    clear()
+    statistics_part()
+    counts = {b.name: (b.pending_samples, b.A.pending_rows, b.G.pending_rows) for b in blocks}
+    for block in blocks:
+        block.fold(decay, reduction)
+    factors = [f for b in blocks for f in b.factors.values()]
+    pending_ones = {id(f): torch.ones_like(f.running) for f in factors}
+
+    def fold_part() -> None:
+        for block in blocks:
+            block.pending_samples, block.A.pending_rows, block.G.pending_rows = counts[block.name]
+            block.fold(decay, reduction)
+
+    def fold_floor() -> None:
+        for f in factors:
+            f.running.lerp_(pending_ones[id(f)], 1 - decay)
+            f.pending.zero_()
+
+    folds = interleaved({"part": fold_part, "floor": fold_floor}, args.repeats, budget)
+    out["fold"], out["fold_floor"] = folds["part"], folds["floor"]
+    progress.update()
+
+    # Decompositions, once per distinct factor size; the result is shared by same-size factors
+    # (for the preconditioning timings below, content does not matter).
+    by_dim: dict[int, list] = {}
+    for block in blocks:
+        for name, factor in block.factors.items():
+            by_dim.setdefault(factor.dim, []).append((block, name, factor))
+    torch.linalg.eigh(torch.eye(8))
+    for method in ("eigen", "inverse"):
+        part_total = floor_total = 0.0
+        worst = 0.0
+        for dim, members in sorted(by_dim.items()):
+            block, name, factor = members[0]
+            shift = block.shifts(method, damping)[name]
+
+            def part() -> None:
+                factor.decomposed_key = None
+                factor.decompose(method, shift, torch.float32)
+
+            def floor() -> None:
+                if method == "eigen":
+                    torch.linalg.eigh(factor.running)
+                else:
+                    shifted = factor.running + shift * torch.eye(dim)
+                    torch.cholesky_inverse(torch.linalg.cholesky(shifted))
+
+            reps = args.repeats if dim <= 1024 else max(1, args.repeats // 4)
+            timed = interleaved({"part": part, "floor": floor}, reps, budget)
+            part_total += timed["part"].median * len(members)
+            floor_total += timed["floor"].median * len(members)
+            worst = max(worst, timed["part"].spread, timed["floor"].spread)
+            for _, _, other in members[1:]:
+                other.decomposition, other.decomposed_key = factor.decomposition, factor.decomposed_key
+        out[f"decomposition_{method}"] = Timing(part_total, worst, 0)
+        out[f"decomposition_{method}_floor"] = Timing(floor_total, worst, 0)
+        progress.update()
+
+        # Preconditioning with this method's decompositions.
+        opt.options = dataclasses.replace(opt.options, method=method)
+        shapes = [(b.G.dim, b.A.dim) for b in blocks]
+        mats = [(torch.randn(o, o), torch.randn(o, i), torch.randn(i, i)) for o, i in shapes]
+
+        def precondition_floor_matmuls() -> None:
+            for q_g, grad, q_a in mats:
+                if method == "eigen":
+                    torch.matmul(torch.matmul(q_g, torch.matmul(torch.matmul(q_g.T, grad), q_a)), q_a.T)
+                else:
+                    torch.matmul(torch.matmul(q_g, grad), q_a)
+
+        timed = interleaved({"part": lambda: opt._preconditioned_directions(damping),
+                             "floor": precondition_floor_matmuls}, args.repeats, budget)
+        out[f"precondition_{method}"], out[f"precondition_{method}_floor"] = timed["part"], timed["floor"]
+        progress.update()
+
+    # KL clip + update, with the last method's directions.
+    directions = opt._preconditioned_directions(damping)
+    kfac_params = list(directions)
+    floor_sgd = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9, weight_decay=5e-4)
+    floor_sgd.step()
+
+    def update_part() -> None:
+        opt._clip_to_trust_region(directions)
+        opt._sgd_update(directions)
+
+    def update_floor() -> None:
+        for p in kfac_params:
+            torch.dot(directions[p].reshape(-1), p.grad.reshape(-1))
+        floor_sgd.step()
+
+    with torch.no_grad():
+        timed = interleaved({"part": update_part, "floor": update_floor}, args.repeats, budget)
+    out["clip_update"], out["clip_update_floor"] = timed["part"], timed["floor"]
+    progress.update()
+    progress.close()
+
+    shape_counts = Counter((b.G.dim, b.A.dim) for b in blocks)
+    return {
+        "timings": {k: dataclasses.asdict(v) for k, v in out.items()},
+        "blocks": len(blocks),
+        "factor_dims": {str(d): len(m) for d, m in sorted(by_dim.items())},
+        "repeated_block_shapes": {f"{o}x{i}": n for (o, i), n in shape_counts.items() if n > 1},
+        "batch_size": batch,
+        "image_size": image_size,
+    }
+
+
+def table(result: dict[str, Any], args: argparse.Namespace) -> tuple[list[list[str]], dict[str, float]]:
+    t = {k: v["median"] * 1e3 for k, v in result["timings"].items()}
+    spread = {k: v["spread"] for k, v in result["timings"].items()}
+    f, i = args.factor_interval, args.inverse_interval
+    hooks = t["fwd_bwd_unarmed"] - t["fwd_bwd_plain"]
+    hooks_direct = t["hook_per_call"] * result["blocks"]
+    rows = []
+
+    def row(part: str, per_event: float, every: str, amortized: float, floor: float | None, key: str) -> None:
+        ratio = f"{per_event / floor:.2f}" if floor else "-"
+        rows.append([part, f"{per_event:.2f}", every, f"{amortized:.2f}",
+                     f"{floor:.2f}" if floor is not None else "-", ratio, f"{100 * spread.get(key, 0):.0f}%"])
+
+    row("SGD step (fwd+bwd+update)", t["sgd_step"], "1", t["sgd_step"], None, "sgd_step")
+    row("fwd+bwd, no hooks", t["fwd_bwd_plain"], "1", t["fwd_bwd_plain"], None, "fwd_bwd_plain")
+    row("hooks, non-factor steps (A/B)", hooks, f"{f - 1}/{f}", hooks * (f - 1) / f, 0.0, "fwd_bwd_unarmed")
+    row("hooks, non-factor steps (direct)", hooks_direct, f"{f - 1}/{f}", hooks_direct * (f - 1) / f, 0.0, "hook_per_call")
+    row("armed fwd+bwd - plain (check)", t["fwd_bwd_armed"] - t["fwd_bwd_plain"], "-", 0.0, None, "fwd_bwd_armed")
+    row("statistics (factor steps)", t["statistics"], f"1/{f}", t["statistics"] / f, t["statistics_floor"], "statistics")
+    row("fold", t["fold"], f"1/{f}", t["fold"] / f, t["fold_floor"], "fold")
+    totals = {}
+    common = t["fwd_bwd_plain"] + hooks_direct * (f - 1) / f + (t["statistics"] + t["fold"]) / f + t["clip_update"]
+    for method in ("eigen", "inverse"):
+        d, p = t[f"decomposition_{method}"], t[f"precondition_{method}"]
+        row(f"decompositions ({method})", d, f"1/{i}", d / i, t[f"decomposition_{method}_floor"], f"decomposition_{method}")
+        row(f"preconditioning ({method})", p, "1", p, t[f"precondition_{method}_floor"], f"precondition_{method}")
+        totals[method] = common + d / i + p
+    row("KL clip + update", t["clip_update"], "1", t["clip_update"], t["clip_update_floor"], "clip_update")
+    for method, total in totals.items():
+        rows.append([f"KFAC step ({method}), amortized", "-", "-", f"{total:.2f}", "-",
+                     f"{total / t['sgd_step']:.2f}x SGD", "-"])
+    goals = {
+        "hooks_pct_of_sgd_ab": 100 * hooks / t["sgd_step"],
+        "hooks_pct_of_sgd_direct": 100 * hooks_direct / t["sgd_step"],
+        "inverse_over_eigen_preconditioning": t["precondition_inverse"] / t["precondition_eigen"],
+        **{f"kfac_{m}_over_sgd": v / t["sgd_step"] for m, v in totals.items()},
+    }
+    return rows, goals
+
+
+def render(rows: list[list[str]]) -> str:
+    header = ["part", "ms/event", "events/step", "ms/step", "floor ms/event", "part/floor", "spread"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet18")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: 64 (resnet18, mlp), 32 (resnet50)")
+    parser.add_argument("--image-size", type=int, default=None, help="default: 32 (resnet18), 64 (resnet50), 16 (mlp)")
+    parser.add_argument("--factor-interval", type=int, default=10)
+    parser.add_argument("--inverse-interval", type=int, default=100)
+    parser.add_argument("--damping", type=float, default=0.1)
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per part (median)")
+    parser.add_argument("--budget", type=float, default=3.0, help="seconds per part before fewer repeats are taken")
+    parser.add_argument("--json", type=Path, default=None, help="default: runs/step_time_<model>.json")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    result = measure(args)
+    rows, goals = table(result, args)
+    print(f"{args.model}, batch {result['batch_size']}, {result['image_size']}px, {result['blocks']} K-FAC blocks, "
+          f"factor/inverse interval {args.factor_interval}/{args.inverse_interval}, {args.threads} thread(s), "
+          f"torch {torch.__version__}")
+    print(render(rows))
+    print("goals: " + ", ".join(f"{k}={v:.3g}" for k, v in goals.items()))
+    result.update(args={k: str(v) for k, v in vars(args).items()}, goals=goals, table=rows,
+                  torch=torch.__version__, machine=platform.machine(), cpus=os.cpu_count(),
+                  wall_s=time.perf_counter() - start)
+    path = args.json or Path("runs") / f"step_time_{args.model}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path} ({result['wall_s']:.0f} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
