@@ -113,10 +113,10 @@ class Sharding:
         Runs only if a factor step happened since the last time; every rank takes the same
         factor steps, so all ranks agree on whether to communicate.
         """
-        if not (self.active and self._folded):
+        factors = self._factors()
+        if not (self.active and self._folded and factors):
             self._folded = False
             return
-        factors = self._factors()
         sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=True)
         initialized = torch.stack([f.initialized for f in factors]).to(factors[0].running.dtype)
         counts = self.comm.all_reduce_sum([initialized])
@@ -183,7 +183,7 @@ class Sharding:
         rank's row; ``dtype`` is theirs. Blocks without a gradient or without decompositions
         at their owners have none (they take the SGD path on every rank).
         """
-        if not (self.active and self.plan.broadcasts_gradients):
+        if not (self.active and self.plan.broadcasts_gradients and self.blocks):
             return dict(directions)
         row = self.plan.receiver_group(self.rank)
         by_source: dict[int, list[str]] = defaultdict(list)
