@@ -1,0 +1,217 @@
+"""``KFAC`` under NVIDIA Apex legacy amp (O1, O2), against the CPU stand-in in ``tests/apex_standin``.
+
+The stand-in's docstring lists the Apex behaviours it models. Each test compares an Apex run with
+a control: plain fp32 ``KFAC``, or an Apex run without the disturbance under test.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from conftest_apex import fake_apex  # noqa: F401  (a fixture)
+from kfac_optim import KFAC
+
+OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, inv_update_steps=2)
+LEVELS = ["O1", "O2"]
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def batch(step: int) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(10 + step)
+    x = torch.randn(32, 8, generator=generator)
+    return x, (x @ torch.randn(8, 3, generator=generator)).argmax(dim=1)
+
+
+def apex_setup(amp: ModuleType, opt_level: str) -> tuple[nn.Module, KFAC]:
+    model = make_model()
+    return amp.initialize(model, KFAC(model, **OPTIONS), opt_level=opt_level, verbosity=0)
+
+
+def apex_step(amp: ModuleType, model: nn.Module, optimizer: KFAC, x: Tensor, y: Tensor) -> float:
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def end_apex(amp: ModuleType) -> None:
+    """Undo O1's patching of torch functions (an Apex run is over; a control or a new run follows).
+
+    Apex itself is initialized once per process; a test that runs twice must tear down in between.
+    """
+    handle = getattr(amp._amp_state, "handle", None)
+    if handle is not None:
+        handle._deactivate()
+        del amp._amp_state.handle
+
+
+def fp32_control(steps: list[int]) -> tuple[nn.Module, KFAC]:
+    model = make_model()
+    optimizer = KFAC(model, **OPTIONS)
+    for step in steps:
+        x, y = batch(step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def factors(optimizer: KFAC) -> dict[str, Tensor]:
+    return {f"{b.name}.{n}": f.running for b in optimizer.blocks for n, f in b.factors.items()}
+
+
+def owned_params(optimizer: KFAC) -> list[Tensor]:
+    """The parameters the optimizer updates (O2: the fp32 masters), in param_groups order."""
+    return [p.detach() for group in optimizer.param_groups for p in group["params"]]
+
+
+@pytest.mark.parametrize("opt_level", LEVELS)
+def test_training_follows_fp32_kfac(fake_apex: ModuleType, opt_level: str) -> None:
+    model, optimizer = apex_setup(fake_apex, opt_level)
+    losses = [apex_step(fake_apex, model, optimizer, *batch(step)) for step in range(6)]
+    end_apex(fake_apex)
+    control_model, control = fp32_control(list(range(6)))
+    assert optimizer.steps == 6
+    assert all(f.dtype is torch.float32 for f in factors(optimizer).values())
+    torch.testing.assert_close(factors(optimizer), factors(control), rtol=3e-2, atol=1e-3)
+    torch.testing.assert_close(owned_params(optimizer), owned_params(control), rtol=2e-2, atol=2e-3)
+    first_model, _ = fp32_control([])
+    with torch.no_grad():
+        control_losses = [F.cross_entropy(m(batch(k)[0]), batch(k)[1]).item() for m, k in ((first_model, 0), (control_model, 6))]
+    x, y = batch(6)
+    losses.append(F.cross_entropy(model(x), y).item())
+    torch.testing.assert_close([losses[0], losses[6]], control_losses, rtol=2e-2, atol=0)
+
+
+def test_o2_preconditions_the_fp32_master_gradients(fake_apex: ModuleType) -> None:
+    model, optimizer = apex_setup(fake_apex, "O2")
+    for step in range(3):
+        apex_step(fake_apex, model, optimizer, *batch(step))
+    stash = optimizer._amp_stash
+    for block in optimizer.blocks:
+        assert block.weight.dtype is torch.float32 and block.module.weight.dtype is torch.float16
+        assert any(block.weight is m for m in stash.all_fp32_from_fp16_params)
+        torch.testing.assert_close(block.module.weight, block.weight.half(), rtol=0, atol=0)
+    # The same steps in fp32 with K-FAC, and with the same settings but no preconditioning (SGD):
+    # Apex O2 must land next to the former, far from the latter.
+    _, control = fp32_control([0, 1, 2])
+    sgd_model = make_model()
+    sgd = torch.optim.SGD(sgd_model.parameters(), lr=OPTIONS["lr"], momentum=0.9, weight_decay=1e-3)
+    for step in range(3):
+        x, y = batch(step)
+        sgd.zero_grad()
+        F.cross_entropy(sgd_model(x), y).backward()
+        sgd.step()
+    ours, kfac_ref, sgd_ref = (torch.cat([p.flatten() for p in ps]) for ps in (
+        owned_params(optimizer), owned_params(control), [p.detach() for p in sgd_model.parameters()]))
+    assert (ours - kfac_ref).norm() < 0.05 * (sgd_ref - kfac_ref).norm()
+
+
+@pytest.mark.parametrize("opt_level", LEVELS)
+def test_statistics_do_not_depend_on_apex_loss_scale(fake_apex: ModuleType, opt_level: str) -> None:
+    results = []
+    for scale in (2.0**8, 2.0**16):
+        model, optimizer = apex_setup(fake_apex, opt_level)
+        fake_apex._amp_state.loss_scalers[0]._loss_scale = scale
+        for step in range(3):
+            apex_step(fake_apex, model, optimizer, *batch(step))
+        results.append((factors(optimizer), owned_params(optimizer)))
+        end_apex(fake_apex)
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-8)
+
+
+def test_the_scale_in_force_during_backward_is_used_when_apex_doubles_it_before_step(
+    fake_apex: ModuleType,
+) -> None:
+    model, optimizer = apex_setup(fake_apex, "O2")
+    scaler = fake_apex._amp_state.loss_scalers[0]
+    apex_step(fake_apex, model, optimizer, *batch(0))
+    scaler._unskipped = scaler._scale_seq_len - 1  # the next scale_loss exit doubles the scale
+    apex_step(fake_apex, model, optimizer, *batch(1))
+    assert scaler.loss_scale() == 2.0**17
+    control_model, control = apex_setup(fake_apex, "O2")
+    for step in range(2):
+        apex_step(fake_apex, control_model, control, *batch(step))
+    torch.testing.assert_close(factors(optimizer), factors(control), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("opt_level", LEVELS)
+def test_an_overflow_step_is_skipped_and_leaves_no_stale_statistics(fake_apex: ModuleType, opt_level: str) -> None:
+    model, optimizer = apex_setup(fake_apex, opt_level)
+    scaler = fake_apex._amp_state.loss_scalers[0]
+    for step in range(2):
+        apex_step(fake_apex, model, optimizer, *batch(step))
+    x, y = batch(99)
+    x[0, 0] = float("inf")
+    apex_step(fake_apex, model, optimizer, x, y)  # Apex skips our step
+    assert optimizer.steps == 2 and scaler.loss_scale() == 2.0**15
+    assert all(block.pending_samples == 0 for block in optimizer.blocks)
+    for step in range(2, 4):
+        apex_step(fake_apex, model, optimizer, *batch(step))
+    end_apex(fake_apex)
+    control_model, control = apex_setup(fake_apex, opt_level)
+    for step in range(4):
+        apex_step(fake_apex, control_model, control, *batch(step))
+    assert optimizer.steps == control.steps == 4
+    torch.testing.assert_close(factors(optimizer), factors(control), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(owned_params(optimizer), owned_params(control), rtol=1e-5, atol=1e-7)
+
+
+def test_o1_hook_math_runs_with_apex_casts_disabled(fake_apex: ModuleType) -> None:
+    model, optimizer = apex_setup(fake_apex, "O1")
+    block = optimizer.blocks[1]
+    seen: list[tuple[bool, torch.dtype]] = []
+    original = block.accumulate
+
+    def spy(inputs: Tensor, grad_output: Tensor) -> None:
+        seen.append((fake_apex._amp_state.handle.is_active(), grad_output.dtype))
+        original(inputs, grad_output)
+
+    block.accumulate = spy
+    apex_step(fake_apex, model, optimizer, *batch(0))
+    assert seen == [(False, torch.float32)]
+    assert fake_apex._amp_state.handle.is_active()
+
+
+@pytest.mark.parametrize("opt_level", LEVELS)
+def test_state_dict_round_trips_while_factors_are_empty_and_after_training(
+    fake_apex: ModuleType, opt_level: str
+) -> None:
+    model, optimizer = apex_setup(fake_apex, opt_level)
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert not any(bool(f.initialized) for b in optimizer.blocks for f in b.factors.values())
+    for step in range(3):
+        apex_step(fake_apex, model, optimizer, *batch(step))
+    before = factors(optimizer)
+    before = {k: v.clone() for k, v in before.items()}
+    optimizer.load_state_dict(optimizer.state_dict())
+    torch.testing.assert_close(factors(optimizer), before, rtol=0, atol=0)
+    apex_step(fake_apex, model, optimizer, *batch(3))
+    assert optimizer.steps == 4
+
+
+def test_importing_and_using_kfac_never_needs_apex() -> None:
+    code = (
+        "import sys; sys.modules['apex'] = None\n"  # any `import apex` now raises ImportError
+        "import torch, kfac_optim\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "opt = kfac_optim.KFAC(model, lr=0.1)\n"
+        "model(torch.randn(8, 4)).square().mean().backward()\n"
+        "opt.step()\n"
+        "assert opt.steps == 1\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
