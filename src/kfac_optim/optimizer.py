@@ -1,11 +1,14 @@
 """``KFAC``: a ``torch.optim.Optimizer`` whose ``step()`` is the whole K-FAC update.
 
 Owns: argument checks, param groups, the order of work inside ``step()``, ``state_dict``.
-Delegates: capture (hooks), layers (factor math), linalg (decompositions), schedules.
+Delegates: capture (hooks), layers (factor math), linalg (decompositions), schedules,
+precision (GradScaler and Apex loss scaling), distributed (sharding).
 
 One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient ``∇W``
 (DESIGN §4; ``k`` is the step counter, ``λ`` the damping at ``k``)::
 
+    if GradScaler found inf/nan:         drop this backward's statistics, return   (see precision)
+    ∇ ← ∇ / s under GradScaler;          batch G ← batch G / s²                    (loss scale s)
     if k % factor_update_steps(k) == 0:  A, G ← decay·(A, G) + (1 − decay)·(batch A, batch G)
     if k % inv_update_steps(k) == 0:     refresh eig(A), eig(G)   (or the π-damped inverses)
     V   = (G ⊗ A + λI)⁻¹ ∇W                               (per layer)
