@@ -144,7 +144,7 @@ class MixedPrecision:
                 "given the scaler: the K-FAC statistics carry an unknown loss scale and are dropped "
                 "(the factors are not updated). Pass KFAC(..., grad_scaler=scaler).",
                 RuntimeWarning,
-                stacklevel=5,
+                stacklevel=6,  # unscale, step, torch's step wrappers, GradScaler.step, the caller
             )
             self._warned_unscaled = True
         return None
