@@ -410,7 +410,7 @@ class KFAC(Optimizer):
         """Scale every direction by ``ν = min(1, sqrt(kl_clip / |Σ lr² ⟨d, ∇p⟩|))`` in place."""
         lr_of = {p: group["lr"] for group in self.param_groups for p in group["params"]}
         terms = [
-            (direction * param.grad.to(direction.dtype)).sum() * lr_of[param] ** 2
+            torch.vdot(direction.reshape(-1), param.grad.to(direction.dtype).reshape(-1)) * lr_of[param] ** 2
             for param, direction in directions.items()
             if param.grad is not None
         ]

@@ -63,14 +63,14 @@ class Factor:
 
     def fold(self, scale: float | Tensor, decay: float) -> None:
         """``F ← decay·F + (1−decay)·scale·pending`` (``F ← scale·pending`` on the first fold)."""
-        # In place, no n×n temporaries (fresh CPU pages cost more than the arithmetic; isfinite,
-        # where and lerp with a tensor weight are slow on CPU): pending ← (1−w)·scale·pending + w·F,
-        # w = decay once initialized, else 0. Any nan/inf entry makes the sum non-finite (F itself
-        # always is finite); F takes the result only then, by a 0/1 weight after zeroing non-finites.
-        weight = self.initialized.to(self.pending.dtype) * decay
-        averaged = self.pending.mul_((1 - weight) * scale).addcmul_(self.running, weight)
-        finite = torch.isfinite(averaged.sum())
-        self.running.lerp_(averaged.nan_to_num_(0.0, 0.0, 0.0), finite.to(averaged.dtype))
+        # In place, no n×n temporaries (fresh CPU pages cost more than the arithmetic; isfinite
+        # and where are slow on CPU): F ← F + w·(batch − F) with w = 1 − decay once initialized,
+        # 1 before (exactly batch), 0 for a non-finite batch (zeroed first so 0·nan cannot leak).
+        # A sum of Gram matrices is finite iff its diagonal is (|F_ij| ≤ √(F_ii F_jj)): O(n) check.
+        batch = self.pending.mul_(scale)
+        finite = torch.isfinite(batch.diagonal().sum())
+        weight = finite.to(batch.dtype) * (1 - self.initialized.to(batch.dtype) * decay)
+        self.running.lerp_(batch.nan_to_num_(0.0, 0.0, 0.0), weight)
         self.initialized |= finite
         self.discarded += ~finite
         self.version += 1

@@ -1,0 +1,59 @@
+"""``KFAC.memory_usage()`` against the theoretical size of factors and decompositions (one process).
+
+Per factor of dimension n, in the element size of its dtype: the running factor and the pending
+statistics are n² each; an eigendecomposition is n² + n (Q and d); an inverse is n².
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac_optim import KFAC
+
+
+def model() -> nn.Module:
+    # Factor dims: conv A = 2·3·3 = 18 (no bias), G = 4; linear A = 4·6·6 + 1 = 145, G = 3.
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+DIMS = (18, 4, 145, 3)
+
+
+def one_step(optimizer: KFAC, net: nn.Module) -> None:
+    optimizer.zero_grad()
+    F.cross_entropy(net(torch.randn(5, 2, 6, 6)), torch.tensor([0, 1, 2, 0, 1])).backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.float64])
+def test_factors_and_pending_are_n_squared_before_any_decomposition(factor_dtype: torch.dtype) -> None:
+    optimizer = KFAC(model(), factor_dtype=factor_dtype)
+    size = torch.finfo(factor_dtype).bits // 8
+    usage = optimizer.memory_usage()
+    assert usage["factors"] == sum(n * n for n in DIMS) * size
+    assert usage["pending"] == sum(n * n for n in DIMS) * size
+    assert usage["decompositions"] == 0
+    assert usage["total"] == usage["factors"] + usage["pending"] + usage["decompositions"]
+
+
+@pytest.mark.parametrize(
+    "method, inv_dtype, per_factor",
+    [
+        ("eigen", torch.float32, lambda n: n * n + n),
+        ("eigen", torch.float64, lambda n: n * n + n),
+        ("inverse", torch.float32, lambda n: n * n),
+        ("inverse", torch.float64, lambda n: n * n),
+    ],
+)
+def test_decompositions_are_q_and_d_or_one_inverse_per_factor(method, inv_dtype, per_factor) -> None:
+    net = model()
+    optimizer = KFAC(net, lr=0.01, method=method, inv_dtype=inv_dtype)
+    one_step(optimizer, net)
+    size = torch.finfo(inv_dtype).bits // 8
+    usage = optimizer.memory_usage()
+    assert usage["decompositions"] == sum(per_factor(n) for n in DIMS) * size
+    assert usage["factors"] == sum(n * n for n in DIMS) * 4
+    assert usage["total"] == usage["factors"] + usage["pending"] + usage["decompositions"]
