@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import time
 
 import torch
@@ -24,8 +23,6 @@ from torch import Tensor
 
 from benchmarks.models import DigitsCNN
 from kfac_optim import KFAC
-
-logger = logging.getLogger(__name__)
 
 KFAC_OPTIONS = dict(lr=0.1, momentum=0.9, weight_decay=5e-4, damping=0.03, kl_clip=1e-3,
                     factor_update_steps=5, inv_update_steps=50, method="inverse")

@@ -209,6 +209,32 @@ def test_bf16_parameters_keep_their_dtype_while_factors_stay_fp32() -> None:
         torch.testing.assert_close(param.float(), params(reference)[name], rtol=5e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_statistics_under_autocast_are_grams_of_the_upcast_captured_tensors(dtype: torch.dtype) -> None:
+    model = make_model()
+    optimizer = KFAC(model, **OPTIONS)
+    block = optimizer.blocks[-1]  # fc2: its output, hence its output-gradient, is in ``dtype``
+    captured: list[tuple[Tensor, Tensor]] = []
+    original = block.accumulate
+
+    def spy(inputs: Tensor, grad_output: Tensor) -> None:
+        captured.append((inputs, grad_output))
+        original(inputs, grad_output)
+
+    block.accumulate = spy
+    x, y = batch(0)
+    with torch.autocast("cpu", dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    (inputs, grad_output), = captured
+    assert inputs.dtype is dtype and grad_output.dtype is dtype
+    a = torch.cat([inputs.float(), torch.ones(len(inputs), 1)], dim=1)
+    g = grad_output.float()
+    assert block.A.pending.dtype is block.G.pending.dtype is torch.float32
+    torch.testing.assert_close(block.A.pending, a.T @ a, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(block.G.pending, g.T @ g, rtol=1e-6, atol=1e-12)
+
+
 def test_grad_scaler_must_be_a_torch_amp_grad_scaler() -> None:
     with pytest.raises(TypeError, match="grad_scaler"):
         KFAC(make_model(), grad_scaler=object())
