@@ -76,7 +76,7 @@ def train(fp16: bool, args: argparse.Namespace) -> dict[str, object]:
         "skipped": len(skipped_at),
         "skipped_at": skipped_at,
         "final_scale": scaler.get_scale() if fp16 else None,
-        "train_loss_last10": round(sum(losses[-10:]) / 10, 4),
+        "train_loss_last10": round(sum(losses[-10:]) / len(losses[-10:]), 4),
         "test_loss": round(F.cross_entropy(logits, y_test).item(), 4),
         "test_acc": round((logits.argmax(1) == y_test).float().mean().item(), 4),
         "seconds": round(seconds, 1),
