@@ -226,3 +226,26 @@ def test_gram_accumulates_rows_product_into_a_view(rows: int, dim: int) -> None:
     torch.testing.assert_close(buffer[:dim, :dim], first.T @ first + second.T @ second, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(buffer, buffer.T, rtol=1e-12, atol=1e-12)
     assert not buffer[dim].any()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv2d_with_many_positions_matches_dense_reference(bias: bool) -> None:
+    """≥ 64 output positions per sample: A comes from the batched Gram of the unfolded patches."""
+    layer = nn.Conv2d(2, 3, kernel_size=3, padding=1, bias=bias)
+    x = torch.randn(2, 2, 9, 8)
+    target = torch.randn_like(layer(x))
+    g_hat = per_sample_output_grads(layer, x, target).permute(0, 2, 3, 1).reshape(-1, 3)
+    A_ref, G_ref = reference_factors(with_bias_column(conv_patches_by_slicing(layer, x), bias), g_hat, 2)
+    assert_one_step_matches_reference(layer, x, target, A_ref, G_ref, damping=0.05)
+
+
+@pytest.mark.parametrize("batch, dim, length", [(4, 130, 70), (2, 20, 64)])
+def test_column_gram_equals_the_gram_of_the_rows(batch: int, dim: int, length: int) -> None:
+    from kfac_optim import linalg
+
+    columns = torch.randn(batch, dim, length)
+    rows = columns.transpose(1, 2).reshape(-1, dim)
+    buffer = torch.zeros(dim + 1, dim + 1)
+    linalg.add_column_gram_(buffer[:dim, :dim], columns)
+    torch.testing.assert_close(buffer[:dim, :dim], rows.T @ rows, rtol=1e-12, atol=1e-12)
+    assert not buffer[dim].any()

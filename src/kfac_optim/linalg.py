@@ -124,6 +124,24 @@ def add_gram_(out: Tensor, rows: Tensor) -> Tensor:
     return out
 
 
+def add_column_gram_(out: Tensor, columns: Tensor) -> Tensor:
+    """``out += Σ_b columns[b] columns[b]ᵀ`` for ``columns: (B, n, L)``: the Gram of the B·L rows
+    ``columns[b, :, l]`` without first copying them into a contiguous ``(B·L, n)`` (e.g. conv patches
+    as ``F.unfold`` returns them). Blocked and mirrored like :func:`add_gram_`.
+    """
+    batch, n, length = columns.shape
+    if batch * length < GRAM_MIN_ROWS or n < GRAM_MIN_DIM:
+        return out.addbmm_(columns, columns.transpose(1, 2))
+    edges = [n * j // GRAM_BLOCKS for j in range(GRAM_BLOCKS + 1)]
+    spans = list(zip(edges[:-1], edges[1:]))
+    for lo, hi in spans:
+        out[lo:hi, lo:].addbmm_(columns[:, lo:hi], columns[:, lo:].transpose(1, 2))
+    for j, (lo, hi) in enumerate(spans):
+        for lo2, hi2 in spans[j + 1 :]:
+            out[lo2:hi2, lo:hi].copy_(out[lo:hi, lo2:hi2].T)
+    return out
+
+
 def triu_size(n: int) -> int:
     """Number of entries in the upper triangle (diagonal included) of an ``(n, n)`` matrix."""
     return n * (n + 1) // 2

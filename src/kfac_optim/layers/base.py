@@ -50,12 +50,23 @@ class Factor:
         """Accumulate ``rowsᵀ rows`` for ``rows: (R, dim[-1])`` (a trailing 1 when ``append_ones``)."""
         n = rows.shape[1]
         linalg.add_gram_(self.pending[:n, :n], rows)
-        if append_ones:
-            column = rows.sum(dim=0)
-            self.pending[:n, n] += column
-            self.pending[n, :n] += column
-            self.pending[n, n] += rows.shape[0]
-        self.pending_rows += rows.shape[0]
+        self._add_row_count(rows.shape[0], rows.sum(dim=0) if append_ones else None)
+
+    def add_column_gram(self, columns: Tensor, append_ones: bool = False) -> None:
+        """As :meth:`add_gram` for the ``B·L`` rows ``columns[b, :, l]`` of ``columns: (B, dim[-1], L)``."""
+        n = columns.shape[1]
+        linalg.add_column_gram_(self.pending[:n, :n], columns)
+        rows = columns.shape[0] * columns.shape[2]
+        self._add_row_count(rows, columns.sum(dim=(0, 2)) if append_ones else None)
+
+    def _add_row_count(self, rows: int, row_sum: Tensor | None) -> None:
+        """Count ``rows`` more rows; with a bias, add their sum and count to the trailing row/column."""
+        if row_sum is not None:
+            n = len(row_sum)
+            self.pending[:n, n] += row_sum
+            self.pending[n, :n] += row_sum
+            self.pending[n, n] += rows
+        self.pending_rows += rows
 
     def clear_pending(self) -> None:
         self.pending.zero_()
@@ -168,6 +179,10 @@ class KroneckerBlock(ABC):
     def input_rows(self, inputs: Tensor) -> Tensor:
         """The layer input as rows ``(N·R, in)`` without the bias column."""
 
+    def add_input_gram(self, inputs: Tensor, dtype: torch.dtype) -> None:
+        """Add the input rows' Gram matrix (with the bias column) to A's pending sum."""
+        self.A.add_gram(self.input_rows(inputs).to(dtype), append_ones=self.bias is not None)
+
     @abstractmethod
     def output_grad_rows(self, grad_output: Tensor) -> Tensor:
         """The output-gradient as rows ``(N·R, out)``."""
@@ -188,7 +203,7 @@ class KroneckerBlock(ABC):
         """Add one (input, output-gradient) pair of a forward/backward to the pending sums."""
         dtype = self.A.pending.dtype
         with torch.autocast(inputs.device.type, enabled=False):
-            self.A.add_gram(self.input_rows(inputs).to(dtype), append_ones=self.bias is not None)
+            self.add_input_gram(inputs, dtype)
             self.G.add_gram(self.output_grad_rows(grad_output).to(dtype))
         self.pending_samples += self.sample_count(inputs)
 
