@@ -169,8 +169,9 @@ def test_unscale_first_with_grad_scaler_equals_letting_scaler_step_unscale() -> 
 
 
 def test_unscale_first_without_grad_scaler_warns_and_drops_the_statistics() -> None:
-    with pytest.warns(RuntimeWarning, match="grad_scaler=scaler"):
+    with pytest.warns(RuntimeWarning, match="grad_scaler=scaler") as record:
         _, optimizer, _ = run(2, unscale_first=True)
+    assert {w.filename for w in record} == {__file__}  # the loop's scaler.step line, not torch's
     assert optimizer.steps == 2
     assert not any(bool(f.initialized) for b in optimizer.blocks for f in b.factors.values())
 

@@ -63,6 +63,7 @@ def test_grouped_convolution_warns_once_and_takes_the_sgd_path() -> None:
     with pytest.warns(UserWarning, match="groups=1") as record:
         optimizer = KFAC(net, lr=0.1)
     assert len([w for w in record if "groups=1" in str(w.message)]) == 1
+    assert {w.filename for w in record} == {__file__}  # the warning names the user's line
     assert [b.name for b in optimizer.blocks] == ["1"]
 
 
@@ -114,8 +115,11 @@ def test_failed_decomposition_keeps_the_last_good_one(monkeypatch: pytest.Monkey
         raise torch.linalg.LinAlgError("forced failure")
 
     monkeypatch.setattr(torch.linalg, "eigh", failing_eigh)
-    with pytest.warns(RuntimeWarning, match="decomposition of A failed in float32 and float64"):
+    with pytest.warns(RuntimeWarning, match="decomposition of [AG] failed in float32 and float64") as record:
         train_step(net, optimizer, seed=1)
+    # Raised inside step() behind torch.optim's wrappers, attributed to the caller of step().
+    assert {w.filename for w in record} == {__file__}
+    assert len(record) == 2 * len(optimizer.blocks)  # one warning per failed factor
     assert optimizer.blocks[0].A.decomposition is good
     assert optimizer.blocks[0].failures == 2  # A and G
     assert all(torch.isfinite(p).all() for p in net.parameters())

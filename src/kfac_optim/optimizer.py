@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -34,6 +33,7 @@ from torch.optim.sgd import sgd
 
 from kfac_optim import linalg
 from kfac_optim.capture import StatisticsCapture
+from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed.sharding import Sharding
 from kfac_optim.layers import Conv2dBlock, KroneckerBlock, block_kind
 from kfac_optim.precision import MixedPrecision
@@ -139,10 +139,9 @@ def discover_blocks(
             claimed.add(bias)
         blocks.append(kind(name, module, include_bias, factor_dtype))
     if grouped_convs:
-        warnings.warn(
+        warn_user(
             f"K-FAC supports Conv2d with groups=1 only; {len(grouped_convs)} grouped conv layer(s) "
             f"take the SGD path: {', '.join(grouped_convs)}",
-            stacklevel=3,
         )
     return blocks
 
@@ -261,9 +260,8 @@ class KFAC(Optimizer):
 
         self.blocks = discover_blocks(self.model, trainable, skip_layers, factor_dtype)
         if not self.blocks:
-            warnings.warn(
+            warn_user(
                 "model has no supported layer (nn.Linear, nn.Conv2d) to precondition: KFAC behaves as SGD",
-                stacklevel=2,
             )
         self._precision = MixedPrecision(self, grad_scaler)
         self._capture = StatisticsCapture(self.blocks, self._precision.accumulate)
@@ -367,11 +365,10 @@ class KFAC(Optimizer):
         health = torch.stack([torch.stack([f.initialized.long(), f.discarded]) for _, _, f in factors]).tolist()
         for (block, name, factor), (initialized, discarded) in zip(factors, health):
             if discarded > factor.reported_discards:
-                warnings.warn(
+                warn_user(
                     f"K-FAC layer '{block.name}': {discarded - factor.reported_discards} non-finite "
                     f"batch(es) of {name} statistics discarded; the factor keeps its previous value",
                     RuntimeWarning,
-                    stacklevel=5,
                 )
                 factor.reported_discards = discarded
             if not initialized or not self._sharding.decomposes(block.name, name):
@@ -382,11 +379,10 @@ class KFAC(Optimizer):
             if not factor.decompose(method, shift, inv_dtype):
                 block.failures += 1
                 logger.warning("decomposition of %s of layer %s failed (%d so far)", name, block.name, block.failures)
-                warnings.warn(
+                warn_user(
                     f"K-FAC layer '{block.name}': the {method} decomposition of {name} failed in float32 and "
                     "float64; the last good decomposition is kept",
                     RuntimeWarning,
-                    stacklevel=5,
                 )
 
     def _preconditioned_directions(self, damping: float) -> dict[Tensor, Tensor]:
@@ -492,10 +488,9 @@ class KFAC(Optimizer):
         missing = [block.name for block in self.blocks if block.name not in saved]
         unknown = sorted(set(saved) - {block.name for block in self.blocks})
         if missing or unknown:
-            warnings.warn(
+            warn_user(
                 f"K-FAC checkpoint does not match the model: layers without saved factors {missing} "
                 f"start fresh; saved layers not in the model {unknown} are ignored",
-                stacklevel=2,
             )
         for block in self.blocks:
             if block.name in saved:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
@@ -51,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from kfac_optim.diagnostics import warn_user
 
 if TYPE_CHECKING:
     from kfac_optim.layers import KroneckerBlock
@@ -139,12 +140,11 @@ class MixedPrecision:
             inv_scale = inverse_scale(scaler_scale(self.grad_scaler))
             return inv_scale * inv_scale
         if not self._warned_unscaled:
-            warnings.warn(
+            warn_user(
                 "scaler.unscale_(optimizer) was called before scaler.step(optimizer), but KFAC was not "
                 "given the scaler: the K-FAC statistics carry an unknown loss scale and are dropped "
                 "(the factors are not updated). Pass KFAC(..., grad_scaler=scaler).",
                 RuntimeWarning,
-                stacklevel=6,  # unscale, step, torch's step wrappers, GradScaler.step, the caller
             )
             self._warned_unscaled = True
         return None
