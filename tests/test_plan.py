@@ -12,8 +12,8 @@ import random
 
 import pytest
 import torch
-from torch import nn
 
+from benchmarks.plan_report import kfac_block_dims
 from kfac_optim.distributed.plan import (
     BlockPlan,
     FACTORS,
@@ -32,19 +32,6 @@ from kfac_optim.distributed.plan import (
 torch.set_num_threads(1)
 
 WORLDS = (2, 3, 4, 8)
-
-
-def kfac_block_dims(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """``{name: (dim_A, dim_G)}`` of every Conv2d and Linear: A = in*kh*kw (+1 bias), G = out."""
-    dims = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Conv2d):
-            kh, kw = module.kernel_size
-            fan_in = module.in_channels // module.groups * kh * kw
-            dims[name] = (fan_in + (module.bias is not None), module.out_channels)
-        elif isinstance(module, nn.Linear):
-            dims[name] = (module.in_features + (module.bias is not None), module.out_features)
-    return dims
 
 
 @pytest.fixture(scope="module")
