@@ -15,12 +15,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of the repository, not an installed package
 
 from benchmarks import train  # noqa: E402
-from benchmarks.config import ScheduleConfig, load_experiment  # noqa: E402
+from benchmarks.config import ModelConfig, ScheduleConfig, load_experiment  # noqa: E402
+from benchmarks.models import build_model  # noqa: E402
 from benchmarks.optimizers import LRFactor  # noqa: E402
 
 SCRIPT = ROOT / "benchmarks" / "train.py"
@@ -170,6 +173,20 @@ def test_one_epoch_kfac_run_writes_json_lines(tmp_path: Path) -> None:
     assert run_main("--runs", "kfac", "--epochs", 1, "--out-dir", tmp_path) == 0
     (record,) = records(tmp_path, "kfac")
     assert record["test_acc"] > 0.5
+
+
+def test_gap_cnn_maps_digits_to_logits_with_conv_and_linear_layers_only() -> None:
+    model = build_model(ModelConfig(name="digits_gapcnn"), (1, 8, 8), 10)
+    assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
+    with_params = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+    assert [type(m) for m in with_params] == [nn.Conv2d] * 3 + [nn.Linear]  # every one a K-FAC layer
+
+
+@requires_kfac
+def test_gap_cnn_trains_one_kfac_epoch(tmp_path: Path) -> None:
+    assert run_main("--runs", "kfac", "--epochs", 1, "--set", "model.name=digits_gapcnn", "--out-dir", tmp_path) == 0
+    (record,) = records(tmp_path, "kfac")
+    assert math.isfinite(record["train_loss"]) and record["test_acc"] > 0.2
 
 
 @requires_kfac
