@@ -26,6 +26,7 @@ from kfac_optim.distributed.plan import (
     imbalance,
     make_plan,
     memory_per_rank,
+    WorkItem,
     work_items,
 )
 
@@ -72,16 +73,10 @@ def fraction_arg(text: str) -> float | str:
     return text if text in STRATEGIES else float(text)
 
 
-def main() -> None:
-    args = parse_args()
-    torch.set_num_threads(1)
-    dims = kfac_block_dims(getattr(torchvision.models, args.model)())
-    items = work_items(dims)
-    costs = sorted(((eigh_cost(it.dim), f"{it.block}.{it.factor}") for it in items), reverse=True)
-    total = math.fsum(c for c, _ in costs)
-    largest = ", ".join(f"{name} ({c / total:.1%})" for c, name in costs[:3])
-    print(f"{args.model}: {len(dims)} blocks, {len(items)} factors; largest cost shares: {largest}")
-
+def plan_rows(
+    items: tuple[WorkItem, ...], worlds: list[int], fractions: list[str], method: str
+) -> list[dict[str, float | int | str]]:
+    """One row per (world size, fraction): balance of the plan and per-rank memory, printed as a table."""
     header = (
         f"{'world':>5} {'f':>10} {'gw':>4} {'max/mean':>9} {'bound/mean':>10} {'max/bound':>9} "
         f"{'LPT max/bound':>13} {'groups':>6} {'factors MiB':>11} {'decomp MiB min..max':>19}"
@@ -89,14 +84,14 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     rows = []
-    for world in args.worlds:
-        for text in args.fractions:
+    for world in worlds:
+        for text in fractions:
             plan = make_plan(items, world, fraction_arg(text))
             loads = plan.loads()
             mean = math.fsum(loads) / world
             bound = plan.lower_bound()
             lpt_max = max(make_plan(items, world, fraction_arg(text), refine=False).loads())
-            memory = memory_per_rank(plan, args.method)
+            memory = memory_per_rank(plan, method)
             decomp = [m.decompositions / MIB for m in memory]
             row = {
                 "world_size": world,
@@ -119,7 +114,25 @@ def main() -> None:
                 f"{row['lpt_max_over_bound']:>13.4f} {row['groups']:>6} "
                 f"{row['factors_mib']:>11.1f} {min(decomp):>9.1f}..{max(decomp):<9.1f}"
             )
-    report = {"model": args.model, "method": args.method, "blocks": len(dims), "rows": rows}
+    return rows
+
+
+def model_plan_report(model: str, worlds: list[int], fractions: list[str], method: str) -> dict[str, object]:
+    """Print the largest factors' cost shares and :func:`plan_rows` for a torchvision model; return both."""
+    dims = kfac_block_dims(getattr(torchvision.models, model)(weights=None))
+    items = work_items(dims)
+    costs = sorted(((eigh_cost(it.dim), f"{it.block}.{it.factor}") for it in items), reverse=True)
+    total = math.fsum(c for c, _ in costs)
+    largest = ", ".join(f"{name} ({c / total:.1%})" for c, name in costs[:3])
+    print(f"{model}: {len(dims)} blocks, {len(items)} factors; largest cost shares: {largest}")
+    rows = plan_rows(items, worlds, fractions, method)
+    return {"model": model, "method": method, "blocks": len(dims), "rows": rows}
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    report = model_plan_report(args.model, args.worlds, args.fractions, args.method)
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.out}")
 

@@ -147,17 +147,58 @@ def triu_size(n: int) -> int:
     return n * (n + 1) // 2
 
 
-def pack_symmetric(matrix: Tensor) -> Tensor:
-    """Upper triangle of a symmetric ``(n, n)`` matrix, row-major, as a flat ``(n(n+1)/2,)``."""
-    rows, cols = torch.triu_indices(len(matrix), len(matrix), device=matrix.device)
-    return matrix[rows, cols]
+def pack_symmetric(matrix: Tensor, out: Tensor | None = None) -> Tensor:
+    """The upper triangle of a symmetric ``(n, n)`` matrix as a flat ``(n(n+1)/2,)`` (into ``out``).
+
+    Index-free layout (after LAPACK's rectangular full packed format), built from slices so that
+    packing and unpacking cost a few copies of the matrix, not a gather with index tensors. With
+    ``k = n // 2`` and the leading ``2k × 2k`` part split into ``k × k`` blocks
+    ``[[A, B], [Bᵀ, C]]``, the result is, back to back:
+
+    - a ``(k + 1, k)`` block ``X`` with ``triu(A)`` in ``X[:k]`` (on and above the diagonal) and
+      ``tril(C)`` in ``X[1:]`` (on and below its diagonal, i.e. strictly below ``X``'s);
+    - ``B``, ``(k, k)`` row-major;
+    - for odd ``n``, the last column ``matrix[:, n - 1]``.
+    """
+    n = len(matrix)
+    k = n // 2
+    if out is None:
+        out = matrix.new_empty(triu_size(n))
+    folded, off_diagonal, last = _packed_parts(out, n)
+    torch.triu(matrix[:k, :k], out=folded[:k])
+    folded[k].zero_()
+    folded[1:].add_(matrix[k : 2 * k, k : 2 * k].tril())
+    off_diagonal.copy_(matrix[:k, k : 2 * k])
+    if last is not None:
+        last.copy_(matrix[:, n - 1])
+    return out
 
 
 def unpack_symmetric(packed: Tensor, n: int, out: Tensor | None = None) -> Tensor:
     """Inverse of :func:`pack_symmetric`: the full symmetric ``(n, n)`` matrix (into ``out``)."""
     if out is None:
         out = packed.new_empty(n, n)
-    rows, cols = torch.triu_indices(n, n, device=packed.device)
-    out[rows, cols] = packed
-    out[cols, rows] = packed
+    k = n // 2
+    folded, off_diagonal, last = _packed_parts(packed, n)
+    for block, source, strict in (
+        (out[:k, :k], folded[:k], folded[:k].triu(1)),
+        (out[k : 2 * k, k : 2 * k], folded[1:], folded[1:].tril(-1)),
+    ):
+        block.copy_(strict).add_(strict.T)
+        block.diagonal().copy_(source.diagonal())
+    out[:k, k : 2 * k].copy_(off_diagonal)
+    out[k : 2 * k, :k].copy_(off_diagonal.T)
+    if last is not None:
+        out[:, n - 1].copy_(last)
+        out[n - 1, :].copy_(last)
     return out
+
+
+def _packed_parts(packed: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Views of :func:`pack_symmetric`'s layout: ``X (k+1, k)``, ``B (k, k)``, last column or None."""
+    k = n // 2
+    folded_size = (k + 1) * k
+    folded = packed[:folded_size].view(k + 1, k)
+    off_diagonal = packed[folded_size : folded_size + k * k].view(k, k)
+    last = packed[folded_size + k * k :] if n % 2 else None
+    return folded, off_diagonal, last

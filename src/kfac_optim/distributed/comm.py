@@ -185,30 +185,31 @@ class Communicator:
     # -- buckets -----------------------------------------------------------------------------
 
     def _pack(self, tensors: Sequence[Tensor], symmetric: bool) -> list[_Bucket]:
-        """Flatten ``tensors`` (triangles when ``symmetric``) into buckets of one dtype and device."""
-        flats = [linalg.pack_symmetric(t) if symmetric else t.reshape(-1) for t in tensors]
-        buckets: list[_Bucket] = []
-        members: list[int] = []
-        size = 0
-
-        def close() -> None:
-            if members:
-                parts = [flats[i] for i in members]
-                buffer = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-                buckets.append(_Bucket(tuple(members), tuple(p.numel() for p in parts), buffer))
-
-        for index, flat in enumerate(flats):
-            nbytes = flat.numel() * flat.element_size()
-            first = flats[members[0]] if members else None
-            if first is not None and (
-                size + nbytes > self.bucket_bytes
-                or (flat.dtype, flat.device) != (first.dtype, first.device)
+        """Copy ``tensors`` (triangles when ``symmetric``) into buckets of one dtype and device."""
+        sizes = [linalg.triu_size(len(t)) if symmetric else t.numel() for t in tensors]
+        groups: list[list[int]] = []
+        used = 0
+        for index, (tensor, size) in enumerate(zip(tensors, sizes)):
+            nbytes = size * tensor.element_size()
+            first = tensors[groups[-1][0]] if groups else None
+            if first is None or used + nbytes > self.bucket_bytes or (
+                (tensor.dtype, tensor.device) != (first.dtype, first.device)
             ):
-                close()
-                members, size = [], 0
-            members.append(index)
-            size += nbytes
-        close()
+                groups.append([])
+                used = 0
+            groups[-1].append(index)
+            used += nbytes
+        buckets = []
+        for members in groups:
+            member_sizes = tuple(sizes[i] for i in members)
+            first = tensors[members[0]]
+            buffer = torch.empty(sum(member_sizes), dtype=first.dtype, device=first.device)
+            for index, part in zip(members, buffer.split(member_sizes), strict=True):
+                if symmetric:
+                    linalg.pack_symmetric(tensors[index], out=part)
+                else:
+                    part.copy_(tensors[index].reshape(-1))
+            buckets.append(_Bucket(tuple(members), member_sizes, buffer))
         return buckets
 
     @staticmethod

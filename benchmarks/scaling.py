@@ -1,0 +1,309 @@
+"""How K-FAC's per-rank work shrinks with the number of ranks, measured and planned.
+
+Usage: ``python benchmarks/scaling.py [--model resnet18|resnet50|mlp] [--worlds 1 2] ...``
+(``--help`` lists every flag). Prints two tables, writes JSON and a PNG (``--out``).
+
+**Measured** (gloo ranks on this machine, one thread each, file:// rendezvous): for every world
+size and grad-worker fraction, ``world`` processes train the model under DDP on their shards of the
+same global batch, with factor and decomposition updates on every step so that each timed step
+holds every phase. Each rank times, per step (median over ``--steps`` after ``--warmup``):
+
+  decompose              ``_update_decompositions``: the decompositions this rank owns
+  precondition           preconditioning this rank computes (its gradient-worker blocks)
+  factor all-reduce      ``synchronize_factors``: the packed, bucketed running-factor sum
+  share decompositions   ``share_decompositions``: agreeing on what exists, owner broadcasts
+  share gradients        ``share_directions``: preconditioned-gradient broadcasts (f < 1)
+
+and counts the bytes it hands to collectives in each phase (flat buffers: packed triangles,
+payloads as in ``comm_bytes.py``). The communication phases include waiting for slower ranks;
+the compute phases do not. The headline is the slowest rank's decompose + precondition over
+the one-process figure (KAISA's memory-optimal f = 1/world should approach 1/world).
+
+**Planned** (no ranks, no data): the plan's load balance and per-rank memory for ``--plan-model``
+(ResNet-50) at ``--plan-worlds`` (8 to 1024), as ``plan_report.py`` prints them.
+
+Knows the optimizer's internals on purpose (it is their benchmark); the package knows nothing
+of it. On a 2-core machine more than 2 ranks share cores and their times stop meaning much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from matplotlib.figure import Figure
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from benchmarks.plan_report import model_plan_report
+from benchmarks.step_time import MODELS, build_model
+from kfac_optim import KFAC
+
+PHASES = ("decompose", "precondition", "factor all-reduce", "share decompositions", "share gradients")
+COMPUTE = ("decompose", "precondition")
+DEADLINE_S = 1800.0
+
+
+class PhaseMeter:
+    """Per-step wall time and collective bytes of each phase, on one rank.
+
+    Wraps the optimizer's phase methods (instance attributes shadow the class's). Time spent in
+    a nested phase (share gradients inside preconditioning) is counted for the inner one only.
+    """
+
+    def __init__(self, optimizer: KFAC) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.bytes: dict[str, int] = defaultdict(int)
+        self._stack: list[str] = []
+        sharding = optimizer._sharding
+        self._wrap(optimizer, "_update_decompositions", "decompose")
+        self._wrap(optimizer, "_preconditioned_directions", "precondition")
+        self._wrap(sharding, "synchronize_factors", "factor all-reduce")
+        self._wrap(sharding, "share_decompositions", "share decompositions")
+        self._wrap(sharding, "share_directions", "share gradients")
+        pack = sharding.comm._pack
+
+        def counting_pack(*args: Any, **kwargs: Any) -> Any:
+            buckets = pack(*args, **kwargs)
+            self.bytes[self._stack[-1] if self._stack else "other"] += sum(
+                b.buffer.numel() * b.buffer.element_size() for b in buckets
+            )
+            return buckets
+
+        sharding.comm._pack = counting_pack
+
+    def _wrap(self, owner: Any, method: str, phase: str) -> None:
+        original: Callable[..., Any] = getattr(owner, method)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.phase(phase):
+                return original(*args, **kwargs)
+
+        setattr(owner, method, timed)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time ``name``, excluding what nested phases take."""
+        self._stack.append(name)
+        start = time.perf_counter()
+        nested_before = sum(self.seconds[p] for p in PHASES if p != name)
+        try:
+            yield
+        finally:
+            nested = sum(self.seconds[p] for p in PHASES if p != name) - nested_before
+            self.seconds[name] += time.perf_counter() - start - nested
+            self._stack.pop()
+
+    def take(self) -> tuple[dict[str, float], dict[str, int]]:
+        """This step's seconds and bytes per phase; resets the meter."""
+        seconds = {p: self.seconds.get(p, 0.0) for p in PHASES}
+        sent = {p: self.bytes.get(p, 0) for p in PHASES}
+        self.seconds.clear()
+        self.bytes.clear()
+        return seconds, sent
+
+
+def global_batch(step: int, batch_size: int, image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(batch_size, 3, image_size, image_size, generator=generator)
+    return x, torch.randint(0, 10, (batch_size,), generator=generator)
+
+
+def run_rank(rank: int, world: int, config: dict[str, Any], directory: str) -> None:
+    """One rank of one configuration: train, time every phase, write ``rank<r>.json``."""
+    torch.set_num_threads(config["threads"])
+    if world > 1:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{Path(directory) / 'rendezvous'}", rank=rank, world_size=world
+        )
+    try:
+        torch.manual_seed(0)
+        model = build_model(config["model"], config["image_size"])
+        net = DDP(model) if world > 1 else model
+        optimizer = KFAC(
+            net, lr=0.01, momentum=0.9, damping=config["damping"], method=config["method"],
+            factor_update_steps=1, inv_update_steps=1,
+            grad_worker_fraction=config["fraction"] if world > 1 else 1.0,
+        )
+        meter = PhaseMeter(optimizer)
+        shard = config["batch_size"] // world
+        steps = []
+        for step in range(config["warmup"] + config["steps"]):
+            x, y = global_batch(step, config["batch_size"], config["image_size"])
+            x, y = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            optimizer.step()
+            total = time.perf_counter() - start
+            seconds, sent = meter.take()
+            if step >= config["warmup"]:
+                steps.append({"step_s": total, "seconds": seconds, "bytes": sent})
+        owned = [f"{item.block}.{item.factor}" for item in optimizer._sharding.plan.owned(rank)]
+        result = {
+            "rank": rank,
+            "owned_factors": len(owned),
+            "step_ms": 1e3 * statistics.median(s["step_s"] for s in steps),
+            "ms": {p: 1e3 * statistics.median(s["seconds"][p] for s in steps) for p in PHASES},
+            "bytes_per_step": steps[-1]["bytes"],
+        }
+        (Path(directory) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure(world: int, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run one configuration on ``world`` fresh processes; every rank's result, by rank."""
+    with tempfile.TemporaryDirectory() as directory:
+        context = mp.start_processes(
+            run_rank, args=(world, config, directory), nprocs=world, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + DEADLINE_S
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"{world} ranks did not finish in {DEADLINE_S:.0f} s")
+        return [json.loads((Path(directory) / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def summarize(world: int, fraction: str, ranks: list[dict[str, Any]], single: float | None) -> dict[str, Any]:
+    """Slowest-rank figures of one configuration; ratios to the one-process compute figure."""
+    compute = [sum(r["ms"][p] for p in COMPUTE) for r in ranks]
+    with_comm = [sum(r["ms"].values()) for r in ranks]
+    row = {
+        "world_size": world,
+        "grad_worker_fraction": fraction,
+        "compute_ms_per_rank": compute,
+        "compute_ms_max": max(compute),
+        "with_comm_ms_max": max(with_comm),
+        "step_ms_max": max(r["step_ms"] for r in ranks),
+        "mib_sent_per_step_rank0": sum(ranks[0]["bytes_per_step"].values()) / 2**20,
+        "ranks": ranks,
+    }
+    if single is not None:
+        row["compute_vs_one"] = row["compute_ms_max"] / single
+        row["with_comm_vs_one"] = row["with_comm_ms_max"] / single
+    return row
+
+
+def print_measured(rows: list[dict[str, Any]]) -> None:
+    header = (f"{'world':>5} {'f':>9} {'rank':>4} {'owns':>4} " + " ".join(f"{p:>12.12}" for p in PHASES)
+              + f" {'MiB sent':>8} {'step ms':>8}")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        for r in row["ranks"]:
+            phases = " ".join(f"{r['ms'][p]:>12.1f}" for p in PHASES)
+            mib = sum(r["bytes_per_step"].values()) / 2**20
+            print(f"{row['world_size']:>5} {row['grad_worker_fraction']:>9} {r['rank']:>4} {r['owned_factors']:>4} "
+                  f"{phases} {mib:>8.2f} {r['step_ms']:>8.1f}")
+    print("\nslowest rank, decompose + precondition (ms), and vs 1 process; with communication:")
+    for row in rows:
+        ratio = f"{row['compute_vs_one']:.2f}x" if "compute_vs_one" in row else "-"
+        ratio_comm = f"{row['with_comm_vs_one']:.2f}x" if "with_comm_vs_one" in row else "-"
+        print(f"  world {row['world_size']} f={row['grad_worker_fraction']:<9} {row['compute_ms_max']:9.1f} ms "
+              f"{ratio:>6}   with communication {row['with_comm_ms_max']:9.1f} ms {ratio_comm:>6}")
+
+
+def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
+    """Stacked per-rank phase times, one bar per rank, grouped by configuration."""
+    fig = Figure(figsize=(max(6, 1.2 * sum(len(r["ranks"]) for r in rows)), 4.5), layout="constrained")
+    ax = fig.subplots()
+    labels, x = [], 0
+    for row in rows:
+        for rank in row["ranks"]:
+            bottom = 0.0
+            for index, phase in enumerate(PHASES):
+                value = rank["ms"][phase]
+                ax.bar(x, value, bottom=bottom, color=f"C{index}", label=phase if x == 0 else None,
+                       hatch="//" if phase not in COMPUTE else None)
+                bottom += value
+            labels.append(f"{row['world_size']}r {row['grad_worker_fraction']}\nrank {rank['rank']}")
+            x += 1
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("ms per step (median)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet18")
+    parser.add_argument("--batch-size", type=int, default=None, help="global batch; default as step_time.py")
+    parser.add_argument("--image-size", type=int, default=None, help="default as step_time.py")
+    parser.add_argument("--method", choices=["eigen", "inverse"], default="inverse")
+    parser.add_argument("--damping", type=float, default=0.1)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="rank counts to run (1 = one process)")
+    parser.add_argument("--fractions", nargs="+", default=["comm-opt", "mem-opt"],
+                        help="grad_worker_fraction values for world sizes > 1")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--plan-model", default="resnet50", help="torchvision model for the planned table")
+    parser.add_argument("--plan-worlds", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
+    parser.add_argument("--skip-measured", action="store_true", help="only the planned table")
+    parser.add_argument("--out", type=Path, default=Path("runs/scaling"), help="folder for scaling.json and scaling.png")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    image_size, batch_size = MODELS[args.model]
+    config = {
+        "model": args.model, "method": args.method, "damping": args.damping, "threads": args.threads,
+        "batch_size": args.batch_size or batch_size, "image_size": args.image_size or image_size,
+        "warmup": args.warmup, "steps": args.steps,
+    }
+    for world in args.worlds:
+        if world < 1 or config["batch_size"] % world:
+            raise SystemExit(f"--worlds: {world} must be >= 1 and divide the global batch {config['batch_size']}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"config": config, "torch": torch.__version__, "machine": platform.machine(),
+                              "cpus": os.cpu_count(), "measured": []}
+    if not args.skip_measured:
+        runs = [(w, f) for w in sorted(set(args.worlds)) for f in (["-"] if w == 1 else args.fractions)]
+        single: float | None = None
+        for world, fraction in tqdm(runs, desc="configurations", unit="run"):
+            ranks = measure(world, {**config, "fraction": fraction})
+            row = summarize(world, fraction, ranks, single)
+            if world == 1:
+                single = row["compute_ms_max"]
+            report["measured"].append(row)
+        print(f"\n{args.model}, global batch {config['batch_size']}, {config['image_size']}px, {args.method}, "
+              f"factor and decomposition updates every step, {args.threads} thread(s) per rank, "
+              f"median of {args.steps} steps")
+        print_measured(report["measured"])
+        plot(report["measured"], f"K-FAC per-rank phases, {args.model} ({args.method})", args.out / "scaling.png")
+    print()
+    report["planned"] = model_plan_report(args.plan_model, args.plan_worlds, args.fractions, args.method)
+    path = args.out / "scaling.json"
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {path}" + ("" if args.skip_measured else f" and {args.out / 'scaling.png'}"))
+    return report
+
+
+if __name__ == "__main__":
+    main()
