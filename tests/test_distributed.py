@@ -160,6 +160,10 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
 
     communicator = Communicator(bucket_bytes=64)  # a few entries per bucket: many buckets
     results["comm sums"] = communicator.all_reduce_sum(symmetric_matrices(rank), symmetric=True).wait()
+    inputs = symmetric_matrices(rank)
+    sums = communicator.all_reduce_sum(inputs, symmetric=True, in_place=True).wait()
+    results["comm sums in place"] = sums
+    results["comm sums are the inputs"] = all(a is b for a, b in zip(sums, inputs, strict=True))
     sent = [torch.full((2, 3), float(rank)), torch.full((5,), float(rank), dtype=torch.float64)]
     results["comm broadcast"] = communicator.broadcast(sent, src=1, ranks=(0, 1)).wait()
 
@@ -280,13 +284,15 @@ def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
         torch.testing.assert_close(actual[key], expected[key], **(tolerance or TOLERANCE), msg=key)
 
 
-def test_bucketed_all_reduce_of_packed_matrices_sums_them_whole(two_ranks) -> None:
+@pytest.mark.parametrize("key", ["comm sums", "comm sums in place"])
+def test_bucketed_all_reduce_of_packed_matrices_sums_them_whole(two_ranks, key: str) -> None:
     expected = [a + b for a, b in zip(symmetric_matrices(0), symmetric_matrices(1), strict=True)]
     for results in two_ranks:
-        assert len(results["comm sums"]) == len(expected)
-        for actual, want in zip(results["comm sums"], expected, strict=True):
+        assert len(results[key]) == len(expected)
+        for actual, want in zip(results[key], expected, strict=True):
             assert actual.dtype == want.dtype
             torch.testing.assert_close(actual, want, rtol=0, atol=0)
+    assert all(results["comm sums are the inputs"] for results in two_ranks)
 
 
 def test_broadcast_fills_every_rank_with_the_source_tensors(two_ranks) -> None:

@@ -139,12 +139,16 @@ class Communicator:
 
     # -- collectives -------------------------------------------------------------------------
 
-    def all_reduce_sum(self, tensors: Sequence[Tensor], *, symmetric: bool = False) -> Pending:
+    def all_reduce_sum(
+        self, tensors: Sequence[Tensor], *, symmetric: bool = False, in_place: bool = False
+    ) -> Pending:
         """Sum ``tensors`` over all ranks, asynchronously; every rank must call with like shapes.
 
-        ``wait()`` returns new tensors holding the sums (the inputs are not modified). With
-        ``symmetric`` every tensor is a symmetric ``(n, n)`` matrix and only its upper triangle
-        travels. One rank: ``wait()`` returns ``tensors`` themselves.
+        ``wait()`` returns the sums: new tensors, or with ``in_place`` the inputs overwritten
+        (they are copied into the buffers at the call, so they may change until ``wait()``,
+        and no ``(n, n)`` result is allocated). With ``symmetric`` every tensor is a symmetric
+        ``(n, n)`` matrix and only its upper triangle travels. One rank: ``wait()`` returns
+        ``tensors`` themselves.
         """
         if not self.active or not tensors:
             return Pending.done(tensors)
@@ -154,7 +158,8 @@ class Communicator:
             for b in buckets
         ]
         shapes = [t.shape for t in tensors]
-        return Pending(works, lambda: self._unpack(buckets, shapes, symmetric, outputs=None))
+        outputs = tensors if in_place else None
+        return Pending(works, lambda: self._unpack(buckets, shapes, symmetric, outputs=outputs))
 
     def broadcast(
         self, tensors: Sequence[Tensor], src: int, ranks: tuple[int, ...], *, symmetric: bool = False

@@ -117,7 +117,7 @@ class Sharding:
         if not (self.active and self._folded and factors):
             self._folded = False
             return
-        sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=True)
+        sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=True, in_place=True)
         initialized = torch.stack([f.initialized for f in factors]).to(factors[0].running.dtype)
         counts = self.comm.all_reduce_sum([initialized])
         (ranks,) = counts.wait()
