@@ -18,14 +18,12 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks import train
+from benchmarks.config import ModelConfig, ScheduleConfig, load_experiment
+from benchmarks.models import build_model
+from benchmarks.optimizers import LRFactor
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of the repository, not an installed package
-
-from benchmarks import train  # noqa: E402
-from benchmarks.config import ModelConfig, ScheduleConfig, load_experiment  # noqa: E402
-from benchmarks.models import build_model  # noqa: E402
-from benchmarks.optimizers import LRFactor  # noqa: E402
-
 SCRIPT = ROOT / "benchmarks" / "train.py"
 DIGITS = ROOT / "configs" / "digits.yaml"
 TIMINGS = {"time_s", "epoch_s", "step_s", "images_per_s"}
