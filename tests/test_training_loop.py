@@ -139,6 +139,24 @@ def test_zero_grad_drops_statistics_of_a_step_that_never_happened() -> None:
     assert_same_factors(optimizer, reference_optimizer, rtol=0, atol=0)
 
 
+def test_steps_without_statistics_do_not_touch_the_pending_buffers() -> None:
+    """Non-factor steps and zero_grad cost no pass over the (n, n) pending statistics."""
+    model = Net()
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=2, inv_update_steps=2)
+    x, y = batch(4)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()  # step 0: a factor step folds (and clears) the statistics
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()  # step 1: hooks disarmed
+    pending_shapes = {(f.dim, f.dim) for b in optimizer.blocks for f in b.factors.values()}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+        optimizer.step()
+        optimizer.zero_grad()
+    fills = [tuple(e.input_shapes[0]) for e in profile.events() if e.name in ("aten::zero_", "aten::fill_")]
+    assert not pending_shapes & set(fills), fills
+    assert all(not f.pending.any() for b in optimizer.blocks for f in b.factors.values())
+
+
 def test_update_intervals_follow_their_schedules() -> None:
     model = Net()
     optimizer = KFAC(

@@ -69,8 +69,11 @@ class Factor:
         self.pending_rows += rows
 
     def clear_pending(self) -> None:
-        self.pending.zero_()
-        self.pending_rows = 0
+        """Forget the pending statistics. ``pending`` is all zeros whenever ``pending_rows == 0``,
+        so a factor that accumulated nothing (every non-factor step) costs no n² pass."""
+        if self.pending_rows:
+            self.pending.zero_()
+            self.pending_rows = 0
 
     def fold(self, scale: float | Tensor, decay: float) -> None:
         """``F ← decay·F + (1−decay)·scale·pending`` (``F ← scale·pending`` on the first fold)."""
