@@ -27,6 +27,10 @@ Parts and their floors (the bare torch calls of the same shapes, timed in the sa
   KL clip + update          ``_clip_to_trust_region`` + ``_sgd_update``; floor: a
                             ``torch.optim.SGD`` step on the same parameters + one dot per block
 
+Check: a whole non-factor step (``zero_grad``, fwd+bwd, ``step()``, inverse method) timed through
+the public API next to the sum of its parts (unarmed fwd+bwd + preconditioning + clip & update):
+a ratio well above 1 means work outside the parts above.
+
 Knows the optimizer's internals on purpose (it is their benchmark); the package knows nothing
 of it.
 """
@@ -154,7 +158,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         model.zero_grad(set_to_none=False)
         F.cross_entropy(model(x), y).backward()
 
-    progress = tqdm(total=10, desc=f"{args.model} b{batch} {image_size}px", file=sys.stderr, leave=False)
+    progress = tqdm(total=11, desc=f"{args.model} b{batch} {image_size}px", file=sys.stderr, leave=False)
     out: dict[str, Any] = {}
 
     opt = KFAC(model, lr=1e-4, momentum=0.9, weight_decay=5e-4, damping=damping,
@@ -333,6 +337,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         timed = interleaved({"part": update_part, "floor": update_floor}, args.repeats, budget)
     out["clip_update"], out["clip_update_floor"] = timed["part"], timed["floor"]
     progress.update()
+
+    # A whole non-factor step through the public API (inverse method, decompositions in place):
+    # what the parts above do not cover (zero_grad, bookkeeping in step()) shows up as the
+    # difference to the sum of its parts.
+    def whole_step() -> None:
+        opt._steps = 1  # neither a factor step nor a decomposition step
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    out["whole_non_factor_step"] = timeit(whole_step, args.repeats, budget)
+    progress.update()
     progress.close()
 
     shape_counts = Counter((b.G.dim, b.A.dim) for b in blocks)
@@ -374,6 +390,9 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> tuple[list[list[s
         row(f"preconditioning ({method})", p, "1", p, t[f"precondition_{method}_floor"], f"precondition_{method}")
         totals[method] = common + d / i + p
     row("KL clip + update", t["clip_update"], "1", t["clip_update"], t["clip_update_floor"], "clip_update")
+    parts = t["fwd_bwd_unarmed"] + t["precondition_inverse"] + t["clip_update"]
+    row("non-factor step (inverse), whole vs its parts", t["whole_non_factor_step"], "-", 0.0, parts,
+        "whole_non_factor_step")
     for method, total in totals.items():
         rows.append([f"KFAC step ({method}), amortized", "-", "-", f"{total:.2f}", "-",
                      f"{total / t['sgd_step']:.2f}x SGD", "-"])
@@ -381,6 +400,7 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> tuple[list[list[s
         "hooks_pct_of_sgd_ab": 100 * hooks / t["sgd_step"],
         "hooks_pct_of_sgd_direct": 100 * hooks_direct / t["sgd_step"],
         "inverse_over_eigen_preconditioning": t["precondition_inverse"] / t["precondition_eigen"],
+        "whole_non_factor_step_over_parts": t["whole_non_factor_step"] / parts,
         **{f"kfac_{m}_over_sgd": v / t["sgd_step"] for m, v in totals.items()},
     }
     return rows, goals
