@@ -15,6 +15,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.optim import Optimizer
 
 STANDIN_ROOT = Path(__file__).parent / "apex_standin"
 
@@ -42,3 +45,13 @@ def install_fake_apex(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 def fake_apex(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """The stand-in's ``apex.amp`` module, installed for the duration of one test."""
     yield install_fake_apex(monkeypatch)
+
+
+def scaled_step(amp: ModuleType, model: nn.Module, optimizer: Optimizer, x: Tensor, y: Tensor) -> float:
+    """One Apex-style training step (``amp.scale_loss`` around backward); returns the loss."""
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    return loss.item()

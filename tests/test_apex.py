@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from conftest_apex import fake_apex  # noqa: F401  (a fixture)
+from conftest_apex import fake_apex, scaled_step  # noqa: F401  (fake_apex is a fixture)
 from kfac_optim import KFAC
 
 OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, inv_update_steps=2)
@@ -37,15 +37,6 @@ def batch(step: int) -> tuple[Tensor, Tensor]:
 def apex_setup(amp: ModuleType, opt_level: str) -> tuple[nn.Module, KFAC]:
     model = make_model()
     return amp.initialize(model, KFAC(model, **OPTIONS), opt_level=opt_level, verbosity=0)
-
-
-def apex_step(amp: ModuleType, model: nn.Module, optimizer: KFAC, x: Tensor, y: Tensor) -> float:
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    with amp.scale_loss(loss, optimizer) as scaled_loss:
-        scaled_loss.backward()
-    optimizer.step()
-    return loss.item()
 
 
 def end_apex(amp: ModuleType) -> None:
@@ -82,7 +73,7 @@ def owned_params(optimizer: KFAC) -> list[Tensor]:
 @pytest.mark.parametrize("opt_level", LEVELS)
 def test_training_follows_fp32_kfac(fake_apex: ModuleType, opt_level: str) -> None:
     model, optimizer = apex_setup(fake_apex, opt_level)
-    losses = [apex_step(fake_apex, model, optimizer, *batch(step)) for step in range(6)]
+    losses = [scaled_step(fake_apex, model, optimizer, *batch(step)) for step in range(6)]
     end_apex(fake_apex)
     control_model, control = fp32_control(list(range(6)))
     assert optimizer.steps == 6
@@ -100,7 +91,7 @@ def test_training_follows_fp32_kfac(fake_apex: ModuleType, opt_level: str) -> No
 def test_o2_preconditions_the_fp32_master_gradients(fake_apex: ModuleType) -> None:
     model, optimizer = apex_setup(fake_apex, "O2")
     for step in range(3):
-        apex_step(fake_apex, model, optimizer, *batch(step))
+        scaled_step(fake_apex, model, optimizer, *batch(step))
     stash = optimizer._amp_stash
     for block in optimizer.blocks:
         assert block.weight.dtype is torch.float32 and block.module.weight.dtype is torch.float16
@@ -128,7 +119,7 @@ def test_statistics_do_not_depend_on_apex_loss_scale(fake_apex: ModuleType, opt_
         model, optimizer = apex_setup(fake_apex, opt_level)
         fake_apex._amp_state.loss_scalers[0]._loss_scale = scale
         for step in range(3):
-            apex_step(fake_apex, model, optimizer, *batch(step))
+            scaled_step(fake_apex, model, optimizer, *batch(step))
         results.append((factors(optimizer), owned_params(optimizer)))
         end_apex(fake_apex)
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-8)
@@ -139,13 +130,13 @@ def test_the_scale_in_force_during_backward_is_used_when_apex_doubles_it_before_
 ) -> None:
     model, optimizer = apex_setup(fake_apex, "O2")
     scaler = fake_apex._amp_state.loss_scalers[0]
-    apex_step(fake_apex, model, optimizer, *batch(0))
+    scaled_step(fake_apex, model, optimizer, *batch(0))
     scaler._unskipped = scaler._scale_seq_len - 1  # the next scale_loss exit doubles the scale
-    apex_step(fake_apex, model, optimizer, *batch(1))
+    scaled_step(fake_apex, model, optimizer, *batch(1))
     assert scaler.loss_scale() == 2.0**17
     control_model, control = apex_setup(fake_apex, "O2")
     for step in range(2):
-        apex_step(fake_apex, control_model, control, *batch(step))
+        scaled_step(fake_apex, control_model, control, *batch(step))
     torch.testing.assert_close(factors(optimizer), factors(control), rtol=1e-5, atol=1e-8)
 
 
@@ -154,18 +145,18 @@ def test_an_overflow_step_is_skipped_and_leaves_no_stale_statistics(fake_apex: M
     model, optimizer = apex_setup(fake_apex, opt_level)
     scaler = fake_apex._amp_state.loss_scalers[0]
     for step in range(2):
-        apex_step(fake_apex, model, optimizer, *batch(step))
+        scaled_step(fake_apex, model, optimizer, *batch(step))
     x, y = batch(99)
     x[0, 0] = float("inf")
-    apex_step(fake_apex, model, optimizer, x, y)  # Apex skips our step
+    scaled_step(fake_apex, model, optimizer, x, y)  # Apex skips our step
     assert optimizer.steps == 2 and scaler.loss_scale() == 2.0**15
     assert all(block.pending_samples == 0 for block in optimizer.blocks)
     for step in range(2, 4):
-        apex_step(fake_apex, model, optimizer, *batch(step))
+        scaled_step(fake_apex, model, optimizer, *batch(step))
     end_apex(fake_apex)
     control_model, control = apex_setup(fake_apex, opt_level)
     for step in range(4):
-        apex_step(fake_apex, control_model, control, *batch(step))
+        scaled_step(fake_apex, control_model, control, *batch(step))
     assert optimizer.steps == control.steps == 4
     torch.testing.assert_close(factors(optimizer), factors(control), rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(owned_params(optimizer), owned_params(control), rtol=1e-5, atol=1e-7)
@@ -182,7 +173,7 @@ def test_o1_hook_math_runs_with_apex_casts_disabled(fake_apex: ModuleType) -> No
         original(inputs, grad_output)
 
     block.accumulate = spy
-    apex_step(fake_apex, model, optimizer, *batch(0))
+    scaled_step(fake_apex, model, optimizer, *batch(0))
     assert seen == [(False, torch.float32)]
     assert fake_apex._amp_state.handle.is_active()
 
@@ -195,12 +186,12 @@ def test_state_dict_round_trips_while_factors_are_empty_and_after_training(
     optimizer.load_state_dict(optimizer.state_dict())
     assert not any(bool(f.initialized) for b in optimizer.blocks for f in b.factors.values())
     for step in range(3):
-        apex_step(fake_apex, model, optimizer, *batch(step))
+        scaled_step(fake_apex, model, optimizer, *batch(step))
     before = factors(optimizer)
     before = {k: v.clone() for k, v in before.items()}
     optimizer.load_state_dict(optimizer.state_dict())
     torch.testing.assert_close(factors(optimizer), before, rtol=0, atol=0)
-    apex_step(fake_apex, model, optimizer, *batch(3))
+    scaled_step(fake_apex, model, optimizer, *batch(3))
     assert optimizer.steps == 4
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest_apex import fake_apex, install_fake_apex  # noqa: F401  (fake_apex is a fixture)
+from conftest_apex import fake_apex, install_fake_apex, scaled_step  # noqa: F401  (fake_apex is a fixture)
 
 HUGE_SCALE = 2.0**40  # any fp16 gradient of a loss of order 1 overflows at this scale
 
@@ -37,16 +37,6 @@ def _setup(
     return amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
 
 
-def _train_step(amp: ModuleType, model: nn.Module, optimizer: torch.optim.SGD) -> float:
-    x, y = _batch()
-    optimizer.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    with amp.scale_loss(loss, optimizer) as scaled_loss:
-        scaled_loss.backward()
-    optimizer.step()
-    return loss.item()
-
-
 def _snapshot(model: nn.Module, optimizer: torch.optim.SGD) -> list[torch.Tensor]:
     owned = [p for g in optimizer.param_groups for p in g["params"]]
     momenta = [optimizer.state[p]["momentum_buffer"] for p in owned]
@@ -66,14 +56,14 @@ def test_training_follows_the_fp32_run(fake_apex: ModuleType, opt_level: str) ->
         control_opt.step()
         expected.append(loss.item())
     model, optimizer = _setup(fake_apex, opt_level)
-    losses = [_train_step(fake_apex, model, optimizer) for _ in range(8)]
+    losses = [scaled_step(fake_apex, model, optimizer, *_batch()) for _ in range(8)]
     assert losses[-1] < 0.8 * losses[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-2, atol=0)
 
 
 def test_o1_keeps_fp32_params_and_runs_linear_layers_in_fp16(fake_apex: ModuleType) -> None:
     model, optimizer = _setup(fake_apex, "O1")
-    _train_step(fake_apex, model, optimizer)
+    scaled_step(fake_apex, model, optimizer, *_batch())
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert optimizer.param_groups[0]["params"] == list(model.parameters())
     assert model(_batch()[0]).dtype == torch.float16
@@ -100,7 +90,7 @@ def test_o1_step_runs_with_casts_disabled(fake_apex: ModuleType) -> None:
             return super().step(closure)
 
     model, optimizer = _setup(fake_apex, "O1", Probe)
-    _train_step(fake_apex, model, optimizer)
+    scaled_step(fake_apex, model, optimizer, *_batch())
     assert seen == [torch.float32]
 
 
@@ -115,7 +105,7 @@ def test_o2_model_is_fp16_except_batchnorm_and_optimizer_owns_fp32_masters(
 ) -> None:
     model, optimizer = _setup(fake_apex, "O2")
     model_params = list(model.parameters())
-    _train_step(fake_apex, model, optimizer)
+    scaled_step(fake_apex, model, optimizer, *_batch())
     stash = optimizer._amp_stash
     half, full = torch.float16, torch.float32
     assert [p.dtype for p in model.parameters()] == [half, half, full, full, half, half]
@@ -155,7 +145,7 @@ def test_o2_second_backward_accumulates_into_master_grads(fake_apex: ModuleType)
 
 def test_o2_step_copies_masters_into_model_and_clears_master_grads(fake_apex: ModuleType) -> None:
     model, optimizer = _setup(fake_apex, "O2")
-    _train_step(fake_apex, model, optimizer)
+    scaled_step(fake_apex, model, optimizer, *_batch())
     stash = optimizer._amp_stash
     assert all(m.grad is None for m in stash.all_fp32_from_fp16_params)
     for model_p, master in zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params):
@@ -174,12 +164,12 @@ def test_overflow_skips_the_step_halves_the_scale_and_keeps_all_state(
 ) -> None:
     model, optimizer = _setup(fake_apex, opt_level)
     for _ in range(2):
-        _train_step(fake_apex, model, optimizer)
+        scaled_step(fake_apex, model, optimizer, *_batch())
     before = _snapshot(model, optimizer)
     scaler = fake_apex._amp_state.loss_scalers[0]
     scaler._loss_scale = HUGE_SCALE
     step_before = optimizer.step
-    _train_step(fake_apex, model, optimizer)
+    scaled_step(fake_apex, model, optimizer, *_batch())
     assert scaler.loss_scale() == HUGE_SCALE / 2
     for old, new in zip(before, _snapshot(model, optimizer)):
         torch.testing.assert_close(new, old, rtol=0, atol=0)
@@ -190,11 +180,11 @@ def test_overflow_skips_the_step_halves_the_scale_and_keeps_all_state(
 def test_step_after_an_overflow_updates_again(fake_apex: ModuleType, opt_level: str) -> None:
     model, optimizer = _setup(fake_apex, opt_level)
     fake_apex._amp_state.loss_scalers[0]._loss_scale = HUGE_SCALE
-    _train_step(fake_apex, model, optimizer)
+    scaled_step(fake_apex, model, optimizer, *_batch())
     fake_apex._amp_state.loss_scalers[0]._loss_scale = 2.0**8
     weights = [model[0].weight, model[1].weight, model[3].weight]  # model[0].bias: BN cancels it
     before = [w.detach().clone() for w in weights]
-    _train_step(fake_apex, model, optimizer)
+    scaled_step(fake_apex, model, optimizer, *_batch())
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert not any(torch.equal(w, b) for w, b in zip(weights, before))
 
@@ -207,7 +197,7 @@ def test_skip_step_resets_most_recent_scale_when_the_optimizer_has_one(
 
     model, optimizer = _setup(fake_apex, "O2", Tracking)
     fake_apex._amp_state.loss_scalers[0]._loss_scale = HUGE_SCALE
-    _train_step(fake_apex, model, optimizer)
+    scaled_step(fake_apex, model, optimizer, *_batch())
     assert optimizer.most_recent_scale == 1.0 and optimizer.scale_set_by_backward is False
 
 
@@ -232,7 +222,7 @@ def test_static_loss_scale_never_skips(fake_apex: ModuleType) -> None:
     model, optimizer = fake_apex.initialize(
         model, optimizer, opt_level="O2", loss_scale=HUGE_SCALE, verbosity=0
     )
-    _train_step(fake_apex, model, optimizer)
+    scaled_step(fake_apex, model, optimizer, *_batch())
     assert fake_apex._amp_state.loss_scalers[0].loss_scale() == HUGE_SCALE
     assert not all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -249,7 +239,7 @@ def test_optimizer_state_dict_round_trips_at_initialize_and_at_lazy_init(
 
     model, optimizer = _setup(fake_apex, "O2", Counting)
     assert calls == [0]
-    _train_step(fake_apex, model, optimizer)
+    scaled_step(fake_apex, model, optimizer, *_batch())
     assert calls == [0, 0]
     _setup(fake_apex, "O1", Counting)
     assert calls == [0, 0]
@@ -258,7 +248,7 @@ def test_optimizer_state_dict_round_trips_at_initialize_and_at_lazy_init(
 def test_amp_state_dict_round_trips_the_loss_scale(fake_apex: ModuleType) -> None:
     model, optimizer = _setup(fake_apex, "O2")
     fake_apex._amp_state.loss_scalers[0]._loss_scale = HUGE_SCALE
-    _train_step(fake_apex, model, optimizer)
+    scaled_step(fake_apex, model, optimizer, *_batch())
     saved = copy.deepcopy(fake_apex.state_dict())
     assert saved == {"loss_scaler0": {"loss_scale": HUGE_SCALE / 2, "unskipped": 0}}
     _setup(fake_apex, "O2")
