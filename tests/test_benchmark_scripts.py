@@ -1,0 +1,59 @@
+"""The measurement scripts run end to end on tiny settings and report what they measured.
+
+Numbers are not asserted against targets (timings belong to the benchmarks, not the tests);
+what is asserted is structure and the quantities fixed by definition: payload bytes from factor
+sizes, which rank computes what, and per-rank bytes that differ between strategies.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks import comm_bytes, scaling, step_time
+from benchmarks.plan_report import kfac_block_dims
+
+
+def test_comm_bytes_counts_packed_triangles_and_whole_factors() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(10, 6, bias=False))
+    dims = kfac_block_dims(model)
+    assert dims == {"0": (28, 4), "2": (10, 6)}
+    numbers = comm_bytes.comm_bytes(dims)
+    sizes = [28, 4, 10, 6]
+    assert numbers["factor_allreduce_unpacked"] == 4 * sum(n * n for n in sizes) + 4 * len(sizes)
+    assert numbers["factor_allreduce_packed"] == 4 * sum(n * (n + 1) // 2 for n in sizes) + 4 * len(sizes)
+    assert numbers["gradient_broadcast_per_step_mem_opt"] == 4 * (28 * 4 + 10 * 6)
+
+
+def test_step_time_reports_every_part_and_the_whole_step(tmp_path: Path) -> None:
+    out = tmp_path / "step_time.json"
+    result = step_time.main(["--model", "mlp", "--image-size", "4", "--batch-size", "8", "--repeats", "1",
+                             "--budget", "0.05", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    expected = {"sgd_step", "statistics", "fold", "decomposition_eigen", "precondition_inverse",
+                "clip_update", "whole_non_factor_step"}
+    assert expected <= set(saved["timings"]) and expected <= set(result["timings"])
+    assert all(t["median"] > 0 for key, t in saved["timings"].items() if key in expected)
+    assert saved["goals"]["whole_non_factor_step_over_parts"] > 0
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
+def test_scaling_times_every_rank_and_counts_what_each_strategy_sends(tmp_path: Path) -> None:
+    report = scaling.main(["--model", "mlp", "--image-size", "4", "--batch-size", "8", "--worlds", "1", "2",
+                           "--steps", "1", "--warmup", "0", "--plan-worlds", "8", "--out", str(tmp_path)])
+    assert (tmp_path / "scaling.json").exists() and (tmp_path / "scaling.png").stat().st_size > 0
+    rows = {(r["world_size"], r["grad_worker_fraction"]): r for r in report["measured"]}
+    assert set(rows) == {(1, "-"), (2, "comm-opt"), (2, "mem-opt")}
+    single = rows[(1, "-")]["ranks"][0]
+    assert single["owned_factors"] == 6 and sum(single["bytes_per_step"].values()) == 0
+    for fraction in ("comm-opt", "mem-opt"):
+        ranks = rows[(2, fraction)]["ranks"]
+        assert sum(r["owned_factors"] for r in ranks) == 6  # each factor decomposed by one rank
+        assert all(r["bytes_per_step"]["factor all-reduce"] > 0 for r in ranks)
+    assert all(r["bytes_per_step"]["share gradients"] == 0 for r in rows[(2, "comm-opt")]["ranks"])  # f = 1
+    assert sum(r["bytes_per_step"]["share gradients"] for r in rows[(2, "mem-opt")]["ranks"]) > 0
+    assert [r["world_size"] for r in report["planned"]["rows"]] == [8, 8]
