@@ -119,8 +119,7 @@ def mirror_upper_(
     those tiles whole.
     """
     if spans is None:
-        edges = [*range(0, len(matrix), MIRROR_TILE), len(matrix)]
-        spans = list(zip(edges[:-1], edges[1:]))
+        spans = _spans([*range(0, len(matrix), MIRROR_TILE), len(matrix)])
     for j, (lo, hi) in enumerate(spans):
         if diagonal_tiles:
             tile = matrix[lo:hi, lo:hi]
@@ -128,6 +127,11 @@ def mirror_upper_(
         for lo2, hi2 in spans[j + 1 :]:
             matrix[lo2:hi2, lo:hi].copy_(matrix[lo:hi, lo2:hi2].T)
     return matrix
+
+
+def _spans(edges: list[int]) -> list[tuple[int, int]]:
+    """Consecutive ``(lo, hi)`` index ranges between ``edges``."""
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def add_gram_(out: Tensor, rows: Tensor) -> Tensor:
@@ -139,8 +143,7 @@ def add_gram_(out: Tensor, rows: Tensor) -> Tensor:
     count, n = rows.shape
     if count < GRAM_MIN_ROWS or n < GRAM_MIN_DIM:
         return out.addmm_(rows.T, rows)
-    edges = [n * j // GRAM_BLOCKS for j in range(GRAM_BLOCKS + 1)]
-    spans = list(zip(edges[:-1], edges[1:]))
+    spans = _spans([n * j // GRAM_BLOCKS for j in range(GRAM_BLOCKS + 1)])
     for lo, hi in spans:
         out[lo:hi, lo:].addmm_(rows[:, lo:hi].T, rows[:, lo:])
     return mirror_upper_(out, spans, diagonal_tiles=False)
@@ -154,8 +157,7 @@ def add_column_gram_(out: Tensor, columns: Tensor) -> Tensor:
     batch, n, length = columns.shape
     if batch * length < GRAM_MIN_ROWS or n < GRAM_MIN_DIM:
         return out.addbmm_(columns, columns.transpose(1, 2))
-    edges = [n * j // GRAM_BLOCKS for j in range(GRAM_BLOCKS + 1)]
-    spans = list(zip(edges[:-1], edges[1:]))
+    spans = _spans([n * j // GRAM_BLOCKS for j in range(GRAM_BLOCKS + 1)])
     for lo, hi in spans:
         out[lo:hi, lo:].addbmm_(columns[:, lo:hi], columns[:, lo:].transpose(1, 2))
     return mirror_upper_(out, spans, diagonal_tiles=False)
