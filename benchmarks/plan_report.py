@@ -22,11 +22,11 @@ from torch import nn
 
 from kfac_optim.distributed.plan import (
     STRATEGIES,
+    WorkItem,
     eigh_cost,
     imbalance,
     make_plan,
     memory_per_rank,
-    WorkItem,
     work_items,
 )
 

@@ -54,7 +54,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from benchmarks.plan_report import model_plan_report
-from benchmarks.step_time import MODELS, build_model
+from benchmarks.step_time import add_workload_arguments, build_model, workload_shape
 from kfac_optim import KFAC
 
 PHASES = ("decompose", "precondition", "factor all-reduce", "share decompositions", "share gradients")
@@ -251,17 +251,13 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", choices=sorted(MODELS), default="resnet18")
-    parser.add_argument("--batch-size", type=int, default=None, help="global batch; default as step_time.py")
-    parser.add_argument("--image-size", type=int, default=None, help="default as step_time.py")
+    add_workload_arguments(parser)  # --batch-size is the global batch, split over the ranks
     parser.add_argument("--method", choices=["eigen", "inverse"], default="inverse")
-    parser.add_argument("--damping", type=float, default=0.1)
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="rank counts to run (1 = one process)")
     parser.add_argument("--fractions", nargs="+", default=["comm-opt", "mem-opt"],
                         help="grad_worker_fraction values for world sizes > 1")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--plan-model", default="resnet50", help="torchvision model for the planned table")
     parser.add_argument("--plan-worlds", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--skip-measured", action="store_true", help="only the planned table")
@@ -271,10 +267,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    image_size, batch_size = MODELS[args.model]
+    image_size, batch_size = workload_shape(args)
     config = {
         "model": args.model, "method": args.method, "damping": args.damping, "threads": args.threads,
-        "batch_size": args.batch_size or batch_size, "image_size": args.image_size or image_size,
+        "batch_size": batch_size, "image_size": image_size,
         "warmup": args.warmup, "steps": args.steps,
     }
     for world in args.worlds:

@@ -145,8 +145,7 @@ def capture_batch(opt: KFAC, forward_backward: Callable[[], None]) -> dict[str, 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
-    image_size = args.image_size or MODELS[args.model][0]
-    batch = args.batch_size or MODELS[args.model][1]
+    image_size, batch = workload_shape(args)
     model = build_model(args.model, image_size)
     model.train()
     x = torch.randn(batch, 3, image_size, image_size)
@@ -413,16 +412,28 @@ def render(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags naming what is timed (also used by ``scaling.py``): model, batch, image size,
+    damping, threads."""
     parser.add_argument("--model", choices=sorted(MODELS), default="resnet18")
     parser.add_argument("--batch-size", type=int, default=None, help="default: 64 (resnet18, mlp), 32 (resnet50)")
     parser.add_argument("--image-size", type=int, default=None, help="default: 32 (resnet18), 64 (resnet50), 16 (mlp)")
+    parser.add_argument("--damping", type=float, default=0.1)
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (per process)")
+
+
+def workload_shape(args: argparse.Namespace) -> tuple[int, int]:
+    """``(image size, batch size)``: the flags, or the model's defaults in ``MODELS``."""
+    image_size, batch_size = MODELS[args.model]
+    return args.image_size or image_size, args.batch_size or batch_size
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_workload_arguments(parser)
     parser.add_argument("--factor-interval", type=int, default=10)
     parser.add_argument("--inverse-interval", type=int, default=100)
-    parser.add_argument("--damping", type=float, default=0.1)
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per part (median)")
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per part before fewer repeats are taken")
     parser.add_argument("--json", type=Path, default=None, help="default: runs/step_time_<model>.json")
