@@ -96,7 +96,11 @@ def train(
             last = index == micro_batches - 1
             context = model.no_sync() if isinstance(model, DDP) and not last else nullcontext()
             with context:
-                (F.cross_entropy(model(xs), ys) / micro_batches).backward()
+                out = model(xs)
+                if optimizer.options.fisher == "sampled":  # shard k of the global batch: its own draws
+                    draws = torch.Generator().manual_seed(10_000 + 100 * step + rank * micro_batches + index)
+                    optimizer.sample_fisher(out, "cross_entropy", generator=draws)
+                (F.cross_entropy(out, ys) / micro_batches).backward()
         optimizer.step()
         after_step()
 
@@ -150,6 +154,10 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     optimizer = KFAC(model, **OPTIONS)
     train(model, optimizer, range(STEPS), rank, world, micro_batches=2)
     results["params no_sync"] = parameters(model)
+
+    model, optimizer = ddp_run(rank, world, 1.0, fisher="sampled")
+    results["params sampled"] = parameters(model)
+    results["factors sampled"] = saved_factors(optimizer.state_dict())
 
     model = DDP(make_model(extra_layers=True), find_unused_parameters=True)
     model.module.use_branch = rank == 0
@@ -353,6 +361,19 @@ def test_lazy_and_eager_reduction_give_the_same_factors(two_ranks) -> None:
 def test_no_sync_accumulation_equals_one_large_batch(two_ranks, reference) -> None:
     for results in two_ranks:
         assert_same(results["params no_sync"], reference)
+
+
+def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_batches(two_ranks) -> None:
+    """Each rank draws targets for its shard; one process drawing the same per shard agrees."""
+    model = make_model()
+    optimizer = KFAC(model, fisher="sampled", **OPTIONS)
+    train(model, optimizer, range(STEPS), micro_batches=2)
+    factors = saved_factors(optimizer.state_dict())
+    for results in two_ranks:
+        assert_same(results["params sampled"], parameters(model))
+        assert_same(results["factors sampled"], factors)
+    empirical = saved_factors(single_process()[1].state_dict())
+    assert not torch.allclose(factors["head.G"], empirical["head.G"], rtol=1e-2)
 
 
 def test_unused_and_rank_dependent_layers_do_not_hang_and_ranks_agree(two_ranks) -> None:

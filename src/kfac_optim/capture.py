@@ -13,12 +13,17 @@ pair is handed to the block. Nothing is computed in the forward pass, so:
   - an in-place op on the output (``ReLU(inplace=True)``) is safe: a tensor hook registered before
     the in-place op sees the gradient of the layer's own output.
 ``register_full_backward_hook`` is deliberately not used (it breaks on in-place ops after the layer).
+
+With ``every_backward=False`` (the sampled Fisher) output-gradients are recorded only inside
+:meth:`StatisticsCapture.recording`, the optimizer's extra backward pass at sampled targets; the
+training loss's own backward then passes the hooks without recording.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -40,12 +45,20 @@ class StatisticsCapture:
     """Forward hooks on every block's module; statistics flow only while ``armed`` is True.
 
     ``accumulate(block, input, output_grad)`` receives each captured pair (the optimizer passes
-    one that handles loss scaling, see ``precision``).
+    one that handles loss scaling, see ``precision``). ``every_backward``: record the
+    output-gradients of every backward pass (True) or only those inside :meth:`recording`.
     """
 
-    def __init__(self, blocks: Iterable[KroneckerBlock], accumulate: Accumulate = accumulate_plainly) -> None:
+    def __init__(
+        self,
+        blocks: Iterable[KroneckerBlock],
+        accumulate: Accumulate = accumulate_plainly,
+        every_backward: bool = True,
+    ) -> None:
         self.armed = False
         self._accumulate = accumulate
+        self._recording = every_backward
+        self._every_backward = every_backward
         self._handles: list[RemovableHandle] = [
             block.module.register_forward_hook(self._forward_hook(block)) for block in blocks
         ]
@@ -57,10 +70,23 @@ class StatisticsCapture:
             if not isinstance(output, Tensor) or not output.requires_grad:
                 return
             layer_input = inputs[0].detach()
-            accumulate = self._accumulate
-            output.register_hook(lambda grad_output: accumulate(block, layer_input, grad_output))
+
+            def record(grad_output: Tensor) -> None:
+                if self._recording:
+                    self._accumulate(block, layer_input, grad_output)
+
+            output.register_hook(record)
 
         return hook
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record the output-gradients of the backward passes run inside (for ``every_backward=False``)."""
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = self._every_backward
 
     def remove(self) -> None:
         """Remove every hook from the model (idempotent)."""

@@ -10,6 +10,7 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
     if GradScaler found inf/nan:         drop this backward's statistics, return   (see precision)
     ∇ ← ∇ / s under GradScaler;          batch G ← batch G / s²                    (loss scale s)
     if k % factor_update_steps(k) == 0:  A, G ← decay·(A, G) + (1 − decay)·(batch A, batch G)
+                                         (batch G from the training loss, or from sample_fisher)
     if k % inv_update_steps(k) == 0:     refresh eig(A), eig(G)   (or the π-damped inverses)
     V   = (G ⊗ A + λI)⁻¹ ∇W                               (per layer)
     ν   = min(1, sqrt(kl_clip / |Σ_layers lr² ⟨V, ∇W⟩|))
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import Optimizer, ParamsT
 from torch.optim.sgd import sgd
 
+from kfac_optim import fisher as fisher_lib
 from kfac_optim import linalg
 from kfac_optim.capture import StatisticsCapture
 from kfac_optim.diagnostics import warn_user
@@ -53,6 +55,8 @@ class KFACOptions:
     ``damping``: λ, in Fisher units of a per-sample loss (DESIGN §3), so it keeps its meaning at
     any batch size. ``kl_clip``: the trust-region size ν is computed from (None: no clipping).
     ``factor_decay``: weight of the old factor in the running average (0: no averaging).
+    ``fisher``: where G's statistics come from: "empirical" (the training loss's backward) or
+    "sampled" (:meth:`KFAC.sample_fisher`'s backward at targets drawn from the model).
     """
 
     damping: FloatSchedule = 0.1
@@ -62,6 +66,7 @@ class KFACOptions:
     inv_update_steps: IntSchedule = 10
     method: Literal["eigen", "inverse"] = "eigen"
     loss_reduction: Literal["mean", "sum"] = "mean"
+    fisher: Literal["empirical", "sampled"] = "empirical"
     factor_dtype: torch.dtype = torch.float32
     inv_dtype: torch.dtype = torch.float32
 
@@ -80,6 +85,8 @@ class KFACOptions:
             raise ValueError(f"method must be 'eigen' or 'inverse', got {self.method!r}")
         if self.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        if self.fisher not in ("empirical", "sampled"):
+            raise ValueError(f"fisher must be 'empirical' or 'sampled', got {self.fisher!r}")
         for name in ("factor_dtype", "inv_dtype"):
             if getattr(self, name) not in (torch.float32, torch.float64):
                 raise ValueError(f"{name} must be torch.float32 or torch.float64, got {getattr(self, name)}")
@@ -165,6 +172,10 @@ class KFAC(Optimizer):
         inv_update_steps: refresh decompositions every this many steps (int ≥ 1 or callable).
         method: "eigen" (exact damping of ``G ⊗ A``) or "inverse" (π-factored damping).
         loss_reduction: "mean" or "sum", how the loss reduces over the batch.
+        fisher: "empirical" (G from the training loss's gradients) or "sampled" (the true Fisher:
+            G from a second backward pass at targets sampled from the model, which the training
+            loop starts with :meth:`sample_fisher` on every batch; ``loss_reduction`` then does
+            not apply).
         skip_layers: module-name regexes (full match against the name or the class name) or
             module types whose layers take the SGD path.
         factor_dtype, inv_dtype: float32 or float64 for factors and decompositions.
@@ -205,6 +216,7 @@ class KFAC(Optimizer):
         inv_update_steps: IntSchedule = KFACOptions.inv_update_steps,
         method: Literal["eigen", "inverse"] = KFACOptions.method,
         loss_reduction: Literal["mean", "sum"] = KFACOptions.loss_reduction,
+        fisher: Literal["empirical", "sampled"] = KFACOptions.fisher,
         skip_layers: SkipLayers = (),
         factor_dtype: torch.dtype = KFACOptions.factor_dtype,
         inv_dtype: torch.dtype = KFACOptions.inv_dtype,
@@ -237,6 +249,7 @@ class KFAC(Optimizer):
             inv_update_steps=inv_update_steps,
             method=method,
             loss_reduction=loss_reduction,
+            fisher=fisher,
             factor_dtype=factor_dtype,
             inv_dtype=inv_dtype,
         )
@@ -263,8 +276,9 @@ class KFAC(Optimizer):
             warn_user(
                 "model has no supported layer (nn.Linear, nn.Conv2d) to precondition: KFAC behaves as SGD",
             )
-        self._precision = MixedPrecision(self, grad_scaler)
-        self._capture = StatisticsCapture(self.blocks, self._precision.accumulate)
+        empirical = self.options.fisher == "empirical"
+        self._precision = MixedPrecision(self, grad_scaler, statistics_loss_scaled=empirical)
+        self._capture = StatisticsCapture(self.blocks, self._precision.accumulate, every_backward=empirical)
         self._sharding = Sharding(self.blocks, grad_worker_fraction, process_group)
         self._steps = 0
         self._arm_for(self._steps)
@@ -302,6 +316,36 @@ class KFAC(Optimizer):
         for block in self.blocks:
             block.clear_pending()
 
+    def sample_fisher(
+        self,
+        outputs: Tensor,
+        likelihood: fisher_lib.Likelihood,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """Capture this batch's statistics at targets sampled from the model (``fisher="sampled"``).
+
+        Call it on every (micro-)batch between the forward pass and ``loss.backward()``, with the
+        model's ``outputs`` and the ``likelihood`` its training loss assumes: "cross_entropy"
+        (logits ``(N, C)``) or "mse" (see ``kfac_optim.fisher``). On a step that updates factors
+        it back-propagates the loss at sampled targets with ``torch.autograd.grad`` (one more
+        backward pass; ``.grad`` is left alone and the graph is kept for the training loss);
+        on the other steps it returns at once. ``generator`` draws the targets (default: torch's
+        global generator). Under loss scaling call it with the unscaled ``outputs``: the sampled
+        loss is never scaled (its output-gradients are per-sample, of order one).
+        """
+        if self.options.fisher != "sampled":
+            raise RuntimeError("sample_fisher needs KFAC(..., fisher='sampled'); this optimizer uses fisher='empirical'")
+        if likelihood not in fisher_lib.LIKELIHOODS:
+            raise ValueError(f"likelihood must be one of {fisher_lib.LIKELIHOODS}, got {likelihood!r}")
+        if not self._capture.armed or not torch.is_grad_enabled():
+            return
+        if not outputs.requires_grad:
+            raise ValueError("outputs must be the model's output computed with grad enabled (it does not require grad)")
+        loss = fisher_lib.sampled_loss(outputs, likelihood, generator)
+        weights = [block.module.weight for block in self.blocks]
+        with self._capture.recording():
+            torch.autograd.grad(loss, weights, retain_graph=True, allow_unused=True)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``Optimizer.zero_grad``; also drops statistics of backward passes no step consumed."""
         self.discard_pending_statistics()
@@ -331,8 +375,10 @@ class KFAC(Optimizer):
         if self._sharding.decompositions_missing:  # a loaded checkpoint lacks some: from its factors
             self._decomposition_step(damping, only_missing=True)
         if self.is_factor_step(step):
+            # sample_fisher's loss is a sum over samples, whatever the training loss's reduction.
+            reduction = "sum" if self.options.fisher == "sampled" else self.options.loss_reduction
             for block in self.blocks:
-                block.fold(self.options.factor_decay, self.options.loss_reduction, statistics_scale)
+                block.fold(self.options.factor_decay, reduction, statistics_scale)
             self._sharding.factors_folded()
         else:
             self.discard_pending_statistics()

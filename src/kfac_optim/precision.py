@@ -21,6 +21,10 @@ names the scaler whose (not yet updated) scale is read then; without it the step
 cannot be corrected and are dropped with a warning (the factors are never corrupted, but they
 are not updated either).
 
+Statistics of the sampled Fisher (``KFAC(fisher="sampled")``) come from an extra backward pass
+that is never loss-scaled: ``MixedPrecision(statistics_loss_scaled=False)`` leaves them alone
+(gradients are still unscaled as above).
+
 **Apex amp** (legacy, O1/O2; Apex is never imported unless the optimizer went through
 ``amp.initialize``, which leaves ``optimizer._amp_stash``):
 
@@ -104,9 +108,17 @@ def unscale_gradients(params: Iterable[Tensor], inv_scale: Tensor) -> None:
 class MixedPrecision:
     """Loss-scale handling of one ``KFAC`` optimizer (native GradScaler and Apex amp)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, grad_scaler: torch.amp.GradScaler | None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grad_scaler: torch.amp.GradScaler | None,
+        statistics_loss_scaled: bool = True,
+    ) -> None:
+        """``statistics_loss_scaled``: whether captured output-gradients carry the loss scale (they do
+        unless they come from the unscaled sampled-Fisher pass, see ``fisher``)."""
         self._optimizer = weakref.ref(optimizer)
         self.grad_scaler = check_grad_scaler(grad_scaler)
+        self.statistics_loss_scaled = statistics_loss_scaled
         self._warned_unscaled = False
         self._bound_masters: list[Tensor] | None = None
 
@@ -124,16 +136,17 @@ class MixedPrecision:
         """Unscale ``params``' gradients if ``GradScaler.step`` asks to; return the G statistics' factor.
 
         The factor is ``s⁻²`` for the scale ``s`` in force during backward (a tensor under native
-        AMP), 1.0 without loss scaling or under Apex (whose statistics are corrected in the
-        hooks), and None when the statistics cannot be corrected and must be dropped.
+        AMP), 1.0 without loss scaling, under Apex (whose statistics are corrected in the hooks)
+        or for unscaled statistics, and None when the statistics cannot be corrected and must be
+        dropped.
         """
         optimizer = self._optimizer()
         grad_scale: Tensor | None = getattr(optimizer, "grad_scale", None)
         if grad_scale is not None:
             inv_scale = inverse_scale(grad_scale)
             unscale_gradients(params, inv_scale)
-            return inv_scale * inv_scale
-        if getattr(optimizer, "found_inf", None) is None:  # not called by GradScaler.step
+            return inv_scale * inv_scale if self.statistics_loss_scaled else 1.0
+        if getattr(optimizer, "found_inf", None) is None or not self.statistics_loss_scaled:
             return 1.0
         # GradScaler.step after the user's scaler.unscale_(optimizer): gradients are unscaled.
         if self.grad_scaler is not None:
@@ -161,15 +174,16 @@ class MixedPrecision:
         """Hand one captured (input, output-gradient) pair to ``block`` (the capture hooks' callback).
 
         Under Apex the output-gradient, scaled by Apex's current loss scale ``s``, is upcast and
-        multiplied by ``1/s`` (exact for Apex's power-of-two scales), with O1's casts disabled
-        while active. Otherwise (native AMP corrects at fold time) the pair passes unchanged.
+        multiplied by ``1/s`` (exact for Apex's power-of-two scales; skipped for unscaled
+        statistics), with O1's casts disabled while active. Otherwise (native AMP corrects at
+        fold time) the pair passes unchanged.
         """
         state = self._apex_state()
         if state is None:
             block.accumulate(inputs, grad_output)
             return
         scalers = getattr(state, "loss_scalers", None)
-        scale = scalers[0].loss_scale() if scalers else 1.0
+        scale = scalers[0].loss_scale() if scalers and self.statistics_loss_scaled else 1.0
         handle = getattr(state, "handle", None)  # O1 only
         o1_casting = handle is not None and handle.is_active()
         with importlib.import_module("apex.amp").disable_casts() if o1_casting else contextlib.nullcontext():

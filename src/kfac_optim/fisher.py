@@ -1,0 +1,75 @@
+"""Sampled targets for the true Fisher: losses at targets drawn from the model's own predictions.
+
+Owns: the supported likelihoods and the loss whose output-gradients give G's statistics when
+``KFAC(fisher="sampled")``.
+Must not know: hooks, blocks, the step.
+
+The empirical Fisher (DESIGN §3) takes G from the gradients of the training loss at the data's
+targets, so it shrinks with the residuals as training converges. The true Fisher (Martens &
+Grosse 2015, §5) takes the expectation over targets ``y`` drawn from the model's predictive
+distribution instead; one draw per sample gives an unbiased estimate. For outputs ``f`` of N
+samples, the per-sample loss ``ℓ`` and its output-gradient ``ĝ = ∂ℓ/∂f`` are:
+
+- ``"cross_entropy"``: ``f``: logits ``(N, C)``, ``y ~ Categorical(softmax(f))``,
+  ``ℓ = -log softmax(f)_y`` (``F.cross_entropy`` per sample), ``E[ĝ ĝᵀ] = diag(p) - p pᵀ``;
+- ``"mse"``: ``f``: predictions ``(N, ...)`` of D elements per sample, ``y = f + sqrt(D/2)·ε``
+  with ``ε ~ N(0, I)``, ``ℓ = (1/D) Σ (f - y)²`` (``F.mse_loss`` per sample, the negative
+  log-likelihood of that Gaussian up to a constant), ``E[ĝ ĝᵀ] = (2/D)·I``.
+
+So the statistics are in the units of a mean-reduced ``F.cross_entropy`` / ``F.mse_loss`` training
+loss, as the empirical ones are, and damping keeps its meaning. The loss returned is the **sum**
+of the per-sample losses: its output-gradients are the ``ĝ`` themselves, of order one, which
+keeps them representable in float16 without a loss scale.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+Likelihood = Literal["cross_entropy", "mse"]
+LIKELIHOODS: tuple[Likelihood, ...] = ("cross_entropy", "mse")
+
+
+def _at_least_float32(tensor: Tensor) -> Tensor:
+    """``tensor`` in float32, or as it is when already float32 or float64 (fp16/bf16 outputs are upcast)."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+@torch.no_grad()
+def sample_targets(outputs: Tensor, likelihood: Likelihood, generator: torch.Generator | None = None) -> Tensor:
+    """Targets drawn from the predictive distribution that ``outputs`` parameterize (no grad).
+
+    ``"cross_entropy"``: class indices ``(N,)`` (int64) for logits ``(N, C)``; ``"mse"``: a tensor
+    shaped like ``outputs``, in float32 or wider.
+    """
+    if likelihood == "cross_entropy":
+        if outputs.dim() != 2:
+            raise ValueError(
+                f"likelihood 'cross_entropy' takes logits of shape (N, C), got outputs of shape {tuple(outputs.shape)}"
+            )
+        probabilities = torch.softmax(_at_least_float32(outputs), dim=1)
+        return torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
+    if likelihood == "mse":
+        if outputs.dim() < 1 or outputs.shape[0] == 0:
+            raise ValueError(f"likelihood 'mse' takes outputs of shape (N, ...), got {tuple(outputs.shape)}")
+        mean = _at_least_float32(outputs)
+        per_sample = mean[0].numel()
+        noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
+        return mean + noise * (per_sample / 2) ** 0.5
+    raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
+
+
+def sampled_loss(outputs: Tensor, likelihood: Likelihood, generator: torch.Generator | None = None) -> Tensor:
+    """The sum over samples of the per-sample loss at sampled targets (module docstring), in float32 or wider."""
+    targets = sample_targets(outputs, likelihood, generator)
+    if likelihood == "cross_entropy":
+        return F.cross_entropy(_at_least_float32(outputs), targets, reduction="sum")
+    per_sample = outputs[0].numel()
+    return F.mse_loss(_at_least_float32(outputs), targets, reduction="sum") / per_sample
