@@ -2,7 +2,9 @@
 
 The loop is the plain one every optimizer here supports: `zero_grad()`, forward under the
 run's autocast, `backward()` (per micro-batch, DDP gradient sync only on the last one), `step()`
-(through the GradScaler for fp16), LR scheduler step. Losses are means over the micro-batch,
+(through the GradScaler for fp16), LR scheduler step. A K-FAC run with `fisher: sampled` also
+calls `sample_fisher` between each forward and backward (MSE for the autoencoder, cross-entropy
+for classifiers). Losses are means over the micro-batch,
 divided by `accum_steps`, so a step's gradient is the mean over the global batch.
 
 Rank 0 writes `run_dir/metrics.jsonl` (one record per epoch, see `report`), `run_dir/config.yaml`
@@ -104,6 +106,8 @@ class Trainer:
         if env.world_size > 1:
             device_ids = [env.device.index] if env.device.type == "cuda" else None
             self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
+        self.likelihood = "mse" if self.reconstruction else "cross_entropy"
+        self.samples_fisher = run.optim.name == "kfac" and run.optim.kfac.get("fisher") == "sampled"
         self.scheduler: LRScheduler = build_lr_scheduler(run.schedule, self.optimizer, self.steps_per_epoch,
                                                          tc.epochs)
 
@@ -151,6 +155,8 @@ class Trainer:
                 with sync:
                     with self.precision.autocast():
                         out = self.ddp(x)
+                    if self.samples_fisher:
+                        self.optimizer.sample_fisher(out, self.likelihood)
                     loss = self._loss(out, x, y)
                     self.precision.backward(loss / tc.accum_steps, self.optimizer, last)
                 sums[0] += loss.detach() * len(x)
