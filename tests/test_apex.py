@@ -206,3 +206,34 @@ def test_importing_and_using_kfac_never_needs_apex() -> None:
         "assert opt.steps == 1\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("opt_level", LEVELS)
+def test_sampled_fisher_statistics_are_left_unscaled_under_apex(fake_apex: ModuleType, opt_level: str) -> None:
+    """The sampled pass runs outside ``scale_loss``: its statistics must not be divided by Apex's scale."""
+
+    def train(model: nn.Module, optimizer: KFAC, under_apex: bool) -> None:
+        for step in range(3):
+            x, y = batch(step)
+            optimizer.zero_grad()
+            out = model(x)
+            optimizer.sample_fisher(out, "cross_entropy", generator=torch.Generator().manual_seed(step))
+            loss = F.cross_entropy(out.float(), y)
+            if under_apex:
+                with fake_apex.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+            else:
+                loss.backward()
+            optimizer.step()
+
+    model = make_model()
+    model, optimizer = fake_apex.initialize(model, KFAC(model, fisher="sampled", **OPTIONS), opt_level=opt_level,
+                                            verbosity=0)
+    fake_apex._amp_state.loss_scalers[0]._loss_scale = 2.0**12
+    train(model, optimizer, under_apex=True)
+    end_apex(fake_apex)
+    control_model = make_model()
+    control = KFAC(control_model, fisher="sampled", **OPTIONS)
+    train(control_model, control, under_apex=False)
+    torch.testing.assert_close(factors(optimizer), factors(control), rtol=3e-2, atol=1e-3)
+    torch.testing.assert_close(owned_params(optimizer), owned_params(control), rtol=2e-2, atol=2e-3)
