@@ -27,6 +27,12 @@ Parts and their floors (the bare torch calls of the same shapes, timed in the sa
   KL clip + update          ``_clip_to_trust_region`` + ``_sgd_update``; floor: a
                             ``torch.optim.SGD`` step on the same parameters + one dot per block
 
+Sampled Fisher (``KFAC(fisher="sampled")``, not in the amortized step above): ``sample_fisher`` on
+factor steps (sampling, one more backward, and the statistics it records, which the training
+backward then no longer records), timed as forward + ``sample_fisher`` minus a forward; floor:
+one plain backward (fwd+bwd minus forward) plus the statistics part. Its net extra cost per step
+is ``(sample_fisher − statistics)/f``.
+
 Check: a whole non-factor step (``zero_grad``, fwd+bwd, ``step()``, inverse method) timed through
 the public API next to the sum of its parts (unarmed fwd+bwd + preconditioning + clip & update):
 a ratio well above 1 means work outside the parts above.
@@ -157,7 +163,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         model.zero_grad(set_to_none=False)
         F.cross_entropy(model(x), y).backward()
 
-    progress = tqdm(total=11, desc=f"{args.model} b{batch} {image_size}px", file=sys.stderr, leave=False)
+    progress = tqdm(total=12, desc=f"{args.model} b{batch} {image_size}px", file=sys.stderr, leave=False)
     out: dict[str, Any] = {}
 
     opt = KFAC(model, lr=1e-4, momentum=0.9, weight_decay=5e-4, damping=damping,
@@ -348,6 +354,31 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     out["whole_non_factor_step"] = timeit(whole_step, args.repeats, budget)
     progress.update()
+
+    # The sampled Fisher's extra pass on factor steps, by difference with a forward alone.
+    opt.remove_hooks()
+    sampled = KFAC(model, lr=1e-4, fisher="sampled", factor_update_steps=1)
+
+    def forward() -> None:
+        model(x)
+
+    def forward_and_sample() -> None:
+        sampled.sample_fisher(model(x), "cross_entropy")
+        sampled.discard_pending_statistics()
+
+    def plain_forward_backward() -> None:
+        sampled._capture.armed = False
+        forward_backward()
+        sampled._capture.armed = True
+
+    passes = interleaved({"forward": forward, "sampled": forward_and_sample, "fwd_bwd": plain_forward_backward},
+                         args.repeats, 2 * budget)
+    sampled.remove_hooks()
+    forward_ms = passes["forward"].median
+    out["sample_fisher"] = Timing(passes["sampled"].median - forward_ms, passes["sampled"].spread, passes["sampled"].n)
+    out["sample_fisher_floor"] = Timing(passes["fwd_bwd"].median - forward_ms + out["statistics_floor"].median,
+                                        passes["fwd_bwd"].spread, passes["fwd_bwd"].n)
+    progress.update()
     progress.close()
 
     shape_counts = Counter((b.G.dim, b.A.dim) for b in blocks)
@@ -392,6 +423,8 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> tuple[list[list[s
     parts = t["fwd_bwd_unarmed"] + t["precondition_inverse"] + t["clip_update"]
     row("non-factor step (inverse), whole vs its parts", t["whole_non_factor_step"], "-", 0.0, parts,
         "whole_non_factor_step")
+    row("sample_fisher (fisher='sampled', factor steps)", t["sample_fisher"], f"1/{f}",
+        (t["sample_fisher"] - t["statistics"]) / f, t["sample_fisher_floor"], "sample_fisher")
     for method, total in totals.items():
         rows.append([f"KFAC step ({method}), amortized", "-", "-", f"{total:.2f}", "-",
                      f"{total / t['sgd_step']:.2f}x SGD", "-"])
@@ -400,6 +433,7 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> tuple[list[list[s
         "hooks_pct_of_sgd_direct": 100 * hooks_direct / t["sgd_step"],
         "inverse_over_eigen_preconditioning": t["precondition_inverse"] / t["precondition_eigen"],
         "whole_non_factor_step_over_parts": t["whole_non_factor_step"] / parts,
+        "sample_fisher_extra_pct_of_sgd": 100 * (t["sample_fisher"] - t["statistics"]) / f / t["sgd_step"],
         **{f"kfac_{m}_over_sgd": v / t["sgd_step"] for m, v in totals.items()},
     }
     return rows, goals

@@ -35,7 +35,7 @@ def test_step_time_reports_every_part_and_the_whole_step(tmp_path: Path) -> None
                              "--budget", "0.05", "--json", str(out)])
     saved = json.loads(out.read_text())
     expected = {"sgd_step", "statistics", "fold", "decomposition_eigen", "precondition_inverse",
-                "clip_update", "whole_non_factor_step"}
+                "clip_update", "whole_non_factor_step", "sample_fisher", "sample_fisher_floor"}
     assert expected <= set(saved["timings"]) and expected <= set(result["timings"])
     assert all(t["median"] > 0 for key, t in saved["timings"].items() if key in expected)
     assert saved["goals"]["whole_non_factor_step_over_parts"] > 0

@@ -37,6 +37,13 @@ Likelihood = Literal["cross_entropy", "mse"]
 LIKELIHOODS: tuple[Likelihood, ...] = ("cross_entropy", "mse")
 
 
+def check_likelihood(likelihood: str) -> Likelihood:
+    """``likelihood`` if supported, else a ValueError naming the argument."""
+    if likelihood not in LIKELIHOODS:
+        raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
+    return likelihood
+
+
 def _at_least_float32(tensor: Tensor) -> Tensor:
     """``tensor`` in float32, or as it is when already float32 or float64 (fp16/bf16 outputs are upcast)."""
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
@@ -49,21 +56,19 @@ def sample_targets(outputs: Tensor, likelihood: Likelihood, generator: torch.Gen
     ``"cross_entropy"``: class indices ``(N,)`` (int64) for logits ``(N, C)``; ``"mse"``: a tensor
     shaped like ``outputs``, in float32 or wider.
     """
-    if likelihood == "cross_entropy":
+    if check_likelihood(likelihood) == "cross_entropy":
         if outputs.dim() != 2:
             raise ValueError(
                 f"likelihood 'cross_entropy' takes logits of shape (N, C), got outputs of shape {tuple(outputs.shape)}"
             )
         probabilities = torch.softmax(_at_least_float32(outputs), dim=1)
         return torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
-    if likelihood == "mse":
-        if outputs.dim() < 1 or outputs.shape[0] == 0:
-            raise ValueError(f"likelihood 'mse' takes outputs of shape (N, ...), got {tuple(outputs.shape)}")
-        mean = _at_least_float32(outputs)
-        per_sample = mean[0].numel()
-        noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
-        return mean + noise * (per_sample / 2) ** 0.5
-    raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
+    if outputs.dim() < 1 or outputs.shape[0] == 0:
+        raise ValueError(f"likelihood 'mse' takes outputs of shape (N, ...), got {tuple(outputs.shape)}")
+    mean = _at_least_float32(outputs)
+    per_sample = mean[0].numel()
+    noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
+    return mean + noise * (per_sample / 2) ** 0.5
 
 
 def sampled_loss(outputs: Tensor, likelihood: Likelihood, generator: torch.Generator | None = None) -> Tensor:

@@ -335,8 +335,7 @@ class KFAC(Optimizer):
         """
         if self.options.fisher != "sampled":
             raise RuntimeError("sample_fisher needs KFAC(..., fisher='sampled'); this optimizer uses fisher='empirical'")
-        if likelihood not in fisher_lib.LIKELIHOODS:
-            raise ValueError(f"likelihood must be one of {fisher_lib.LIKELIHOODS}, got {likelihood!r}")
+        fisher_lib.check_likelihood(likelihood)
         if not self._capture.armed or not torch.is_grad_enabled():
             return
         if not outputs.requires_grad:
