@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks import comm_bytes, scaling, step_time
+from benchmarks import amp_steps, comm_bytes, scaling, step_time
 from benchmarks.plan_report import kfac_block_dims
 
 
@@ -57,3 +57,16 @@ def test_scaling_times_every_rank_and_counts_what_each_strategy_sends(tmp_path: 
     assert all(r["bytes_per_step"]["share gradients"] == 0 for r in rows[(2, "comm-opt")]["ranks"])  # f = 1
     assert sum(r["bytes_per_step"]["share gradients"] for r in rows[(2, "mem-opt")]["ranks"]) > 0
     assert [r["world_size"] for r in report["planned"]["rows"]] == [8, 8]
+
+
+def test_amp_steps_compares_fp16_with_fp32_and_writes_json_and_a_plot(tmp_path: Path) -> None:
+    runs = amp_steps.main(["--steps", "6", "--batch", "16", "--init-scale", str(2.0**40), "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "amp_steps.json").read_text())
+    assert [run["summary"]["run"] for run in saved] == ["fp32", "fp16+GradScaler"]
+    assert (tmp_path / "amp_steps.png").stat().st_size > 0
+    fp32, fp16 = (run["summary"] for run in runs)
+    assert fp32["skipped"] == 0 and fp32["optimizer_steps"] == 6
+    # A scale of 2^40 overflows fp16 gradients: the first steps are skipped and the scale falls.
+    assert fp16["skipped_at"][0] == 0 and fp16["optimizer_steps"] == 6 - fp16["skipped"]
+    assert fp16["final_scale"] < 2.0**40
+    assert all(len(run["train_loss"]) == 6 for run in saved)
