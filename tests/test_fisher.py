@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from kfac_optim import KFAC
 from kfac_optim.fisher import sampled_loss
@@ -178,3 +179,26 @@ def test_sampled_fisher_errors_name_the_argument() -> None:
         optimizer.sample_fisher(model(x).unsqueeze(2), "cross_entropy")
     with pytest.raises(ValueError, match="outputs"):
         optimizer.sample_fisher(model(x).detach(), "mse")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_models_are_sampled_or_the_user_is_told(reentrant: bool) -> None:
+    """Non-reentrant checkpointing works; the reentrant variant hides the layers: a warning, not silence."""
+    model, optimizer = make()
+    x, y = batch()
+    out = checkpoint(model, x.requires_grad_(), use_reentrant=reentrant)
+    if reentrant:
+        with pytest.warns(RuntimeWarning, match="use_reentrant=False") as caught:
+            optimizer.sample_fisher(out, "cross_entropy")
+        assert caught[0].filename == __file__
+        assert [block.pending_samples for block in optimizer.blocks] == [0, 0]
+    else:
+        optimizer.sample_fisher(out, "cross_entropy")
+        assert [block.pending_samples for block in optimizer.blocks] == [N, N]
+
+
+def test_sample_fisher_in_eval_mode_does_nothing() -> None:
+    model, optimizer = make()
+    model.eval()
+    optimizer.sample_fisher(model(batch()[0]), "mse")
+    assert [block.pending_samples for block in optimizer.blocks] == [0, 0]

@@ -281,6 +281,7 @@ class KFAC(Optimizer):
         self._capture = StatisticsCapture(self.blocks, self._precision.accumulate, every_backward=empirical)
         self._sharding = Sharding(self.blocks, grad_worker_fraction, process_group)
         self._steps = 0
+        self._warned_nothing_sampled = False
         self._arm_for(self._steps)
         logger.info("KFAC preconditions %d layers: %s", len(self.blocks), [b.name for b in self.blocks])
 
@@ -338,12 +339,23 @@ class KFAC(Optimizer):
         fisher_lib.check_likelihood(likelihood)
         if not self._capture.armed or not torch.is_grad_enabled():
             return
+        if not any(block.module.training for block in self.blocks):
+            return  # eval mode: the hooks capture nothing
         if not outputs.requires_grad:
             raise ValueError("outputs must be the model's output computed with grad enabled (it does not require grad)")
         loss = fisher_lib.sampled_loss(outputs, likelihood, generator)
         weights = [block.module.weight for block in self.blocks]
+        recorded_before = sum(block.pending_samples for block in self.blocks)
         with self._capture.recording():
             torch.autograd.grad(loss, weights, retain_graph=True, allow_unused=True)
+        if sum(block.pending_samples for block in self.blocks) == recorded_before and not self._warned_nothing_sampled:
+            warn_user(
+                "sample_fisher recorded no statistics: no K-FAC layer's output on the path to `outputs` was "
+                "captured (reentrant torch.utils.checkpoint hides its layers from this pass; use "
+                "use_reentrant=False); the factors are not updated",
+                RuntimeWarning,
+            )
+            self._warned_nothing_sampled = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``Optimizer.zero_grad``; also drops statistics of backward passes no step consumed."""
