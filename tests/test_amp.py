@@ -60,18 +60,25 @@ def run(
     inject_inf_at: int | None = None,
     model: nn.Module | None = None,
     make_optimizer: Callable[..., torch.optim.Optimizer] = KFAC,
+    fisher: str = "empirical",
 ) -> tuple[nn.Module, Any, torch.amp.GradScaler | None]:
-    """Train ``steps`` batches; ``dtype``: autocast dtype (None: fp32); ``init_scale`` None: no scaler."""
+    """Train ``steps`` batches; ``dtype``: autocast dtype (None: fp32); ``init_scale`` None: no scaler;
+    ``fisher="sampled"``: K-FAC's sampled Fisher with targets drawn from a per-step generator."""
     model = model or make_model()
     scaler = None if init_scale is None else torch.amp.GradScaler("cpu", init_scale=init_scale)
     extra = {"grad_scaler": scaler} if pass_scaler else {}
+    if fisher != "empirical":
+        extra["fisher"] = fisher
     optimizer = make_optimizer(model, **OPTIONS, **extra) if make_optimizer is KFAC else make_optimizer(model)
     input_dtype = next(model.parameters()).dtype
     for step in range(steps):
         x, y = batch(step)
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
-            loss = F.cross_entropy(model(x.to(input_dtype)).float(), y)
+            out = model(x.to(input_dtype))
+            if fisher == "sampled":
+                optimizer.sample_fisher(out, "cross_entropy", generator=torch.Generator().manual_seed(step))
+            loss = F.cross_entropy(out.float(), y)
         if scaler is None:
             loss.backward()
             optimizer.step()
@@ -126,11 +133,12 @@ def test_factors_and_the_update_do_not_depend_on_the_initial_loss_scale() -> Non
     ],
     ids=["fp16-scaler", "bf16"],
 )
+@pytest.mark.parametrize("fisher", ["empirical", "sampled"])
 def test_autocast_is_close_to_fp32_with_fp32_factors(
-    dtype: torch.dtype, init_scale: float | None, tolerance: dict[str, float]
+    dtype: torch.dtype, init_scale: float | None, tolerance: dict[str, float], fisher: str
 ) -> None:
-    model_amp, opt_amp, _ = run(4, dtype=dtype, init_scale=init_scale)
-    model_fp32, opt_fp32, _ = run(4, dtype=None, init_scale=None)
+    model_amp, opt_amp, _ = run(4, dtype=dtype, init_scale=init_scale, fisher=fisher)
+    model_fp32, opt_fp32, _ = run(4, dtype=None, init_scale=None, fisher=fisher)
     for name, factor in factors(opt_amp).items():
         assert factor.dtype is torch.float32
         torch.testing.assert_close(factor, factors(opt_fp32)[name], **tolerance)
