@@ -91,7 +91,8 @@ class OptimConfig:
     kfac: dict[str, Any] = _opt(
         {},
         "kfac: keyword arguments of kfac_optim.KFAC (damping, kl_clip, factor_decay, "
-        "factor_update_steps, inv_update_steps, method, ...); a value {initial: x, epochs: [e1, ...], "
+        "factor_update_steps, inv_update_steps, method, fisher, ...; fisher: sampled makes the trainer call "
+        "sample_fisher); a value {initial: x, epochs: [e1, ...], "
         "gamma: g} is a schedule: x, multiplied by g at each epoch e_i (ints stay ints)",
     )
 
