@@ -376,6 +376,14 @@ def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_ba
     assert not torch.allclose(factors["head.G"], empirical["head.G"], rtol=1e-2)
 
 
+@pytest.mark.parametrize("fraction", [1.0, "mem-opt"])
+def test_ranks_hold_bit_identical_parameters(two_ranks, fraction) -> None:
+    """DDP's premise: ranks never drift apart, not even by one rounding (a received decomposition
+    must precondition exactly as its owner's copy does)."""
+    first, second = two_ranks
+    assert_same(first[f"params {fraction}"], second[f"params {fraction}"], rtol=0, atol=0)
+
+
 def test_unused_and_rank_dependent_layers_do_not_hang_and_ranks_agree(two_ranks) -> None:
     first, second = two_ranks
     assert_same(first["params unused"], second["params unused"], rtol=0, atol=0)

@@ -24,6 +24,8 @@ class Eigen:
     d: Tensor
 
 
+
+
 def nbytes(decomposition: Eigen | Tensor | None) -> int:
     """Bytes held by a decomposition (``Q`` and ``d``, an inverse, or none)."""
     if decomposition is None:
@@ -44,6 +46,10 @@ def symmetric_eigen(factor: Tensor, dtype: torch.dtype) -> Eigen | None:
     Tries ``factor``'s own precision first, then float64 if ``eigh`` raises or returns
     non-finite values. Returns ``None`` when both attempts fail (the caller keeps its last good
     decomposition).
+
+    Decompositions are returned row-major (LAPACK writes ``eigh``'s Q and ``cholesky_inverse``'s
+    result column-major). A rank that receives one holds it row-major, and the same matrix in the
+    other layout takes another BLAS path that rounds differently, which would let DDP ranks drift.
     """
     for work_dtype in dict.fromkeys((factor.dtype, torch.float64)):
         try:
@@ -51,14 +57,15 @@ def symmetric_eigen(factor: Tensor, dtype: torch.dtype) -> Eigen | None:
         except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
             continue
         if _all_finite(d, Q):
-            return Eigen(Q=Q.to(dtype), d=d.clamp(min=0).to(dtype))
+            return Eigen(Q=Q.to(dtype).contiguous(), d=d.clamp(min=0).to(dtype))
     return None
 
 
 def damped_inverse(factor: Tensor, shift: float, dtype: torch.dtype) -> Tensor | None:
     """``(F + shift·I)⁻¹`` of a symmetric factor ``(n, n)`` via Cholesky, returned in ``dtype``.
 
-    Retries in float64 like :func:`symmetric_eigen`; ``None`` when both attempts fail.
+    Retries in float64 like :func:`symmetric_eigen`; ``None`` when both attempts fail. Row-major
+    (see :func:`symmetric_eigen`).
     """
     for work_dtype in dict.fromkeys((factor.dtype, torch.float64)):
         shifted = factor.to(work_dtype)
@@ -68,7 +75,7 @@ def damped_inverse(factor: Tensor, shift: float, dtype: torch.dtype) -> Tensor |
             continue
         inverse = torch.cholesky_inverse(cholesky)
         if _all_finite(inverse):
-            return inverse.to(dtype)
+            return inverse.to(dtype).contiguous()
     return None
 
 
