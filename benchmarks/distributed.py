@@ -7,6 +7,7 @@ none; every helper here is then a no-op. Knows nothing of models or optimizers.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -55,8 +56,13 @@ def setup(device_preference: str) -> DistEnv:
 
 
 def teardown() -> None:
-    """Leave the process group, if this process joined one."""
+    """Leave the process group, if this process joined one.
+
+    Garbage (DDP reducers in reference cycles, collectives' work objects) is freed first: freed
+    later, during interpreter shutdown, gloo's threads can abort the process.
+    """
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -29,6 +29,7 @@ of it. On a 2-core machine more than 2 ranks share cores and their times stop me
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -168,6 +169,7 @@ def run_rank(rank: int, world: int, config: dict[str, Any], directory: str) -> N
         (Path(directory) / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         if dist.is_initialized():
+            gc.collect()  # free DDP reducers and collectives' work objects while the group is alive
             dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@ on the concatenated batch) instead of numbers copied from a previous run.
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -299,6 +300,7 @@ def _ddp_rank(rank: int, init_file: str, out: str) -> None:
         if rank == 0:
             torch.save({"params": params(model), "factors": factors(optimizer), "steps": optimizer.steps}, out)
     finally:
+        gc.collect()  # free DDP reducers and collectives' work objects while the group and Python are alive
         dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ a control run of one process on the whole batch.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -233,6 +234,7 @@ def _rank_main(rank: int, world: int, scenario: str, directory: str) -> None:
     try:
         torch.save(SCENARIOS[scenario](rank, world, path), path / f"{scenario}-{rank}.pt")
     finally:
+        gc.collect()  # free DDP reducers and collectives' work objects while the group and Python are alive
         dist.destroy_process_group()
 
 
@@ -376,12 +378,18 @@ def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_ba
     assert not torch.allclose(factors["head.G"], empirical["head.G"], rtol=1e-2)
 
 
-@pytest.mark.parametrize("fraction", [1.0, "mem-opt"])
-def test_ranks_hold_bit_identical_parameters(two_ranks, fraction) -> None:
+@pytest.mark.parametrize(
+    ("world", "key"),
+    [("two_ranks", "params 1.0"), ("two_ranks", "params mem-opt"), ("two_ranks", "params sampled"),
+     ("three_ranks", "params 1.0"), ("three_ranks", f"params {1 / 3}"), ("three_ranks", "params resumed"),
+     ("four_ranks", "params eigen"), ("four_ranks", "params inverse")],
+)
+def test_ranks_hold_bit_identical_parameters(request: pytest.FixtureRequest, world: str, key: str) -> None:
     """DDP's premise: ranks never drift apart, not even by one rounding (a received decomposition
     must precondition exactly as its owner's copy does)."""
-    first, second = two_ranks
-    assert_same(first[f"params {fraction}"], second[f"params {fraction}"], rtol=0, atol=0)
+    first, *others = request.getfixturevalue(world)
+    for other in others:
+        assert_same(other[key], first[key], rtol=0, atol=0)
 
 
 def test_unused_and_rank_dependent_layers_do_not_hang_and_ranks_agree(two_ranks) -> None:

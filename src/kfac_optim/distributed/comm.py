@@ -71,6 +71,7 @@ class Pending:
         """Block until the collectives finished (CUDA: until queued on the current stream)."""
         for work in self._works:
             work.wait()
+        self._works = []  # the backend's work objects (and the buffers they hold) need not outlive the wait
         return self._finish()
 
 
