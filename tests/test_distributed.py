@@ -156,6 +156,20 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     train(model, optimizer, range(STEPS), rank, world, micro_batches=2)
     results["params no_sync"] = parameters(model)
 
+    model = DDP(make_model())
+    optimizer = KFAC(model, **OPTIONS)  # comm-opt: every rank receives the decompositions it does not own
+    storage: list[dict[str, int]] = []
+
+    def record_received_storage() -> None:
+        storage.append({
+            f"{block.name}.{name}": factor.decomposition.Q.data_ptr()
+            for block in optimizer.blocks for name, factor in block.factors.items()
+            if factor.decomposition is not None and not optimizer._sharding.decomposes(block.name, name)
+        })
+
+    train(model, optimizer, range(STEPS), rank, world, after_step=record_received_storage)
+    results["received decomposition storage"] = storage
+
     model, optimizer = ddp_run(rank, world, 1.0, fisher="sampled")
     results["params sampled"] = parameters(model)
     results["factors sampled"] = saved_factors(optimizer.state_dict())
@@ -390,6 +404,13 @@ def test_ranks_hold_bit_identical_parameters(request: pytest.FixtureRequest, wor
     first, *others = request.getfixturevalue(world)
     for other in others:
         assert_same(other[key], first[key], rtol=0, atol=0)
+
+
+def test_receivers_take_new_decompositions_into_the_storage_of_the_old_ones(two_ranks) -> None:
+    for results in two_ranks:
+        storage = results["received decomposition storage"]
+        assert storage[0], "this rank received no decomposition"
+        assert storage[0] == storage[2] == storage[4]  # decomposition steps 0, 2, 4 (inv_update_steps=2)
 
 
 def test_unused_and_rank_dependent_layers_do_not_hang_and_ranks_agree(two_ranks) -> None:

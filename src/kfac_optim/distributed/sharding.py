@@ -162,7 +162,7 @@ class Sharding:
             if src == self.rank:
                 tensors = [t for factor, _ in members for t in _as_tensors(factor.decomposition)]
             else:
-                tensors = [t for factor, _ in members for t in _buffers(factor.dim, method, dtype, device)]
+                tensors = [t for factor, _ in members for t in _receive_buffers(factor, method, dtype, device)]
             pending.append((src, members, self.comm.broadcast(tensors, src, workers, symmetric=method == "inverse")))
         per_factor = 2 if method == "eigen" else 1
         for src, members, work in pending:
@@ -252,6 +252,20 @@ def _buffers(dim: int, method: Method, dtype: torch.dtype, device: torch.device)
     if method == "eigen":
         return [torch.empty(dim, dim, dtype=dtype, device=device), torch.empty(dim, dtype=dtype, device=device)]
     return [torch.empty(dim, dim, dtype=dtype, device=device)]
+
+
+def _receive_buffers(factor: Factor, method: Method, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    """Where a receiver takes a factor's new decomposition: into the one it holds when that has the
+    same kind, shapes, dtype and device (overwritten in place, so no fresh pages every time), else
+    into new buffers. The old decomposition is not used between here and the adoption."""
+    held = factor.decomposition
+    if held is not None and isinstance(held, linalg.Eigen) == (method == "eigen"):
+        tensors = _as_tensors(held)
+        if tensors[0].shape == (factor.dim, factor.dim) and all(
+            t.dtype == dtype and t.device == device and t.is_contiguous() for t in tensors
+        ):
+            return tensors
+    return _buffers(factor.dim, method, dtype, device)
 
 
 def _from_tensors(parts: Sequence[Tensor], method: Method) -> linalg.Eigen | Tensor:
