@@ -179,6 +179,13 @@ def test_sampled_fisher_errors_name_the_argument() -> None:
         optimizer.sample_fisher(model(x).unsqueeze(2), "cross_entropy")
     with pytest.raises(ValueError, match="outputs"):
         optimizer.sample_fisher(model(x).detach(), "mse")
+    model, optimizer = make(torch.float32, factor_update_steps=2)
+    F.cross_entropy(model(x), batch()[1]).backward()
+    optimizer.step()  # the next step does not update factors: a bad argument is still an error
+    with pytest.raises(ValueError, match="outputs"):
+        optimizer.sample_fisher(model(x).detach(), "mse")
+    with torch.no_grad():
+        optimizer.sample_fisher(model(x), "mse")  # an evaluation loop: nothing to do
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -330,19 +330,20 @@ class KFAC(Optimizer):
         (logits ``(N, C)``) or "mse" (see ``kfac_optim.fisher``). On a step that updates factors
         it back-propagates the loss at sampled targets with ``torch.autograd.grad`` (one more
         backward pass; ``.grad`` is left alone and the graph is kept for the training loss);
-        on the other steps it returns at once. ``generator`` draws the targets (default: torch's
-        global generator). Under loss scaling call it with the unscaled ``outputs``: the sampled
-        loss is never scaled (its output-gradients are per-sample, of order one).
+        on the other steps, in eval mode and under ``torch.no_grad()`` it returns at once.
+        ``generator`` draws the targets (default: torch's global generator). Loss scaling
+        (GradScaler, Apex) needs nothing more: the sampled loss is never scaled, as its
+        output-gradients are per-sample and of order one.
         """
         if self.options.fisher != "sampled":
             raise RuntimeError("sample_fisher needs KFAC(..., fisher='sampled'); this optimizer uses fisher='empirical'")
         fisher_lib.check_likelihood(likelihood)
-        if not self._capture.armed or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return
-        if not any(block.module.training for block in self.blocks):
-            return  # eval mode: the hooks capture nothing
         if not outputs.requires_grad:
             raise ValueError("outputs must be the model's output computed with grad enabled (it does not require grad)")
+        if not self._capture.armed or not any(block.module.training for block in self.blocks):
+            return  # not a factor step, or eval mode (the hooks capture nothing)
         loss = fisher_lib.sampled_loss(outputs, likelihood, generator)
         weights = [block.module.weight for block in self.blocks]
         recorded_before = sum(block.pending_samples for block in self.blocks)
