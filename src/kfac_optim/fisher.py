@@ -73,8 +73,8 @@ def sample_targets(outputs: Tensor, likelihood: Likelihood, generator: torch.Gen
 
 def sampled_loss(outputs: Tensor, likelihood: Likelihood, generator: torch.Generator | None = None) -> Tensor:
     """The sum over samples of the per-sample loss at sampled targets (module docstring), in float32 or wider."""
+    outputs = _at_least_float32(outputs)
     targets = sample_targets(outputs, likelihood, generator)
     if likelihood == "cross_entropy":
-        return F.cross_entropy(_at_least_float32(outputs), targets, reduction="sum")
-    per_sample = outputs[0].numel()
-    return F.mse_loss(_at_least_float32(outputs), targets, reduction="sum") / per_sample
+        return F.cross_entropy(outputs, targets, reduction="sum")
+    return F.mse_loss(outputs, targets, reduction="sum") / outputs[0].numel()
