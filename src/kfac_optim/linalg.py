@@ -24,8 +24,6 @@ class Eigen:
     d: Tensor
 
 
-
-
 def nbytes(decomposition: Eigen | Tensor | None) -> int:
     """Bytes held by a decomposition (``Q`` and ``d``, an inverse, or none)."""
     if decomposition is None:
