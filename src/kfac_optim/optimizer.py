@@ -434,12 +434,17 @@ class KFAC(Optimizer):
             if only_missing and factor.decomposition is not None:
                 continue
             shift = block.shifts(method, damping)[name]
-            if not factor.decompose(method, shift, inv_dtype):
+            drop_below = block.rank_thresholds(method, damping)[name]
+            if not factor.decompose(method, shift, inv_dtype, drop_below):
                 block.failures += 1
-                logger.warning("decomposition of %s of layer %s failed (%d so far)", name, block.name, block.failures)
+                kept = (
+                    "its last good decomposition is kept"
+                    if factor.decomposition is not None
+                    else "it has no decomposition yet, so the layer takes the SGD direction until one succeeds"
+                )
                 warn_user(
-                    f"K-FAC layer '{block.name}': the {method} decomposition of {name} failed in float32 and "
-                    "float64; the last good decomposition is kept",
+                    f"K-FAC layer '{block.name}': the {method} decomposition of {name} failed, float64 retry "
+                    f"included ({block.failures} failure(s) so far); {kept}",
                     RuntimeWarning,
                 )
 

@@ -142,34 +142,40 @@ class Sharding:
             factor = self.blocks[item.block].factors[item.factor]
             held = self.decomposes(item.block, item.factor) and factor.decomposition is not None
             key = factor.decomposed_key
-            local.append((1.0, float("nan") if key is None else key[1]) if held else (0.0, 0.0))
+            columns = _columns(factor.decomposition) if held else 0
+            local.append((1.0, float("nan") if key is None else key[1], columns) if held else (0.0, 0.0, 0))
         (flags,) = self.comm.all_reduce_sum([torch.tensor(local, dtype=torch.float64, device=device)]).wait()
-        available = {(item.block, item.factor): (held > 0, shift) for item, (held, shift) in zip(items, flags.tolist())}
+        available = {
+            (item.block, item.factor): (held > 0, shift, int(columns))
+            for item, (held, shift, columns) in zip(items, flags.tolist())
+        }
         self._ready = {
             name for name in self.blocks if all(available[(name, f)][0] for f in FACTORS)
         }
         if not self.plan.broadcasts_decompositions:
             return
-        sends: dict[tuple[tuple[int, ...], int], list[tuple[Factor, float]]] = defaultdict(list)
+        sends: dict[tuple[tuple[int, ...], int], list[tuple[Factor, float, int]]] = defaultdict(list)
         for item in items:
             block_plan = self.plan.block(item.block)
-            held, shift = available[(item.block, item.factor)]
+            held, shift, columns = available[(item.block, item.factor)]
             if held and self.rank in block_plan.grad_workers:
                 factor = self.blocks[item.block].factors[item.factor]
-                sends[(block_plan.grad_workers, block_plan.owner(item.factor))].append((factor, shift))
-        pending: list[tuple[int, list[tuple[Factor, float]], Pending]] = []
+                sends[(block_plan.grad_workers, block_plan.owner(item.factor))].append((factor, shift, columns))
+        pending: list[tuple[int, list[tuple[Factor, float, int]], Pending]] = []
         for (workers, src), members in sorted(sends.items(), key=lambda kv: kv[0]):
             if src == self.rank:
-                tensors = [t for factor, _ in members for t in _as_tensors(factor.decomposition)]
+                tensors = [t for factor, _, _ in members for t in _as_tensors(factor.decomposition)]
             else:
-                tensors = [t for factor, _ in members for t in _receive_buffers(factor, method, dtype, device)]
+                tensors = [
+                    t for factor, _, columns in members for t in _receive_buffers(factor, method, dtype, device, columns)
+                ]
             pending.append((src, members, self.comm.broadcast(tensors, src, workers, symmetric=method == "inverse")))
         per_factor = 2 if method == "eigen" else 1
         for src, members, work in pending:
             received = work.wait()
             if src == self.rank:
                 continue
-            for index, (factor, shift) in enumerate(members):
+            for index, (factor, shift, _) in enumerate(members):
                 parts = received[index * per_factor : (index + 1) * per_factor]
                 factor.adopt(_from_tensors(parts, method), shift)
 
@@ -247,25 +253,36 @@ def _as_tensors(decomposition: linalg.Eigen | Tensor | None) -> list[Tensor]:
     return [decomposition]
 
 
-def _buffers(dim: int, method: Method, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    """Receive buffers for one factor's decomposition: ``Q (dim, dim)``, ``d (dim,)`` or ``(dim, dim)``."""
+def _columns(decomposition: linalg.Eigen | Tensor | None) -> int:
+    """Columns of a decomposition: ``r`` of an eigendecomposition's ``Q (dim, r)`` (thin when
+    ``r < dim``, see ``linalg.symmetric_eigen``), ``dim`` of an inverse."""
+    assert decomposition is not None
+    return (decomposition.Q if isinstance(decomposition, linalg.Eigen) else decomposition).shape[1]
+
+
+def _buffers(dim: int, method: Method, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
+    """Receive buffers for one factor's decomposition: ``Q (dim, columns)`` and ``d (columns,)``,
+    or an inverse ``(dim, dim)``."""
     if method == "eigen":
-        return [torch.empty(dim, dim, dtype=dtype, device=device), torch.empty(dim, dtype=dtype, device=device)]
+        return [torch.empty(dim, columns, dtype=dtype, device=device), torch.empty(columns, dtype=dtype, device=device)]
     return [torch.empty(dim, dim, dtype=dtype, device=device)]
 
 
-def _receive_buffers(factor: Factor, method: Method, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    """Where a receiver takes a factor's new decomposition: into the one it holds when that has the
-    same kind, shapes, dtype and device (overwritten in place, so no fresh pages every time), else
-    into new buffers. The old decomposition is not used between here and the adoption."""
+def _receive_buffers(
+    factor: Factor, method: Method, dtype: torch.dtype, device: torch.device, columns: int
+) -> list[Tensor]:
+    """Where a receiver takes a factor's new decomposition (``columns`` as :func:`_columns`): into
+    the one it holds when that has the same kind, shapes, dtype and device (overwritten in place,
+    so no fresh pages every time), else into new buffers. The old decomposition is not used
+    between here and the adoption."""
     held = factor.decomposition
     if held is not None and isinstance(held, linalg.Eigen) == (method == "eigen"):
         tensors = _as_tensors(held)
-        if tensors[0].shape == (factor.dim, factor.dim) and all(
+        if tensors[0].shape == (factor.dim, columns) and all(
             t.dtype == dtype and t.device == device and t.is_contiguous() for t in tensors
         ):
             return tensors
-    return _buffers(factor.dim, method, dtype, device)
+    return _buffers(factor.dim, method, dtype, device, columns)
 
 
 def _from_tensors(parts: Sequence[Tensor], method: Method) -> linalg.Eigen | Tensor:

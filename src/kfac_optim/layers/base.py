@@ -90,17 +90,18 @@ class Factor:
         self.version += 1
         self.clear_pending()
 
-    def decompose(self, method: Method, shift: float, dtype: torch.dtype) -> bool:
+    def decompose(self, method: Method, shift: float, dtype: torch.dtype, drop_below: float | None = None) -> bool:
         """Refresh the decomposition unless the factor and shift are unchanged since the last one.
 
-        ``eigen``: ``Q diag(d) Qᵀ`` (the shift is applied at preconditioning time);
+        ``eigen``: ``Q diag(d) Qᵀ`` (the shift is applied at preconditioning time), thin when the
+        eigenvalues above ``drop_below`` are few (:func:`linalg.symmetric_eigen`);
         ``inverse``: ``(F + shift·I)⁻¹``. Returns False when it failed (the old one is kept).
         """
         key = (self.version, shift if method == "inverse" else 0.0)
         if key == self.decomposed_key:
             return True
         if method == "eigen":
-            result = linalg.symmetric_eigen(self.running, dtype)
+            result = linalg.symmetric_eigen(self.running, dtype, drop_below)
         else:
             result = linalg.damped_inverse(self.running, shift, dtype)
         if result is None:
@@ -236,6 +237,14 @@ class KroneckerBlock(ABC):
         pi = linalg.pi_correction(self.A.running, self.G.running)
         root = damping**0.5
         return {"A": pi * root, "G": root / pi}
+
+    def rank_thresholds(self, method: Method, damping: float) -> dict[FactorName, float | None]:
+        """Per-factor eigenvalue thresholds below which the eigen solve treats eigenvalues as 0
+        (:func:`linalg.rank_threshold`, from the other factor's trace); None for inverse."""
+        if method != "eigen":
+            return {"A": None, "G": None}
+        traces = torch.stack([torch.trace(self.A.running), torch.trace(self.G.running)]).tolist()
+        return {"A": linalg.rank_threshold(damping, traces[1]), "G": linalg.rank_threshold(damping, traces[0])}
 
     def grad_matrix(self) -> Tensor | None:
         """The joint gradient ``[∇W | ∇b]``: ``(out, in [+1])``, or None if ``W`` has no grad."""
