@@ -162,7 +162,7 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
 
     def record_received_storage() -> None:
         storage.append({
-            f"{block.name}.{name}": factor.decomposition.Q.data_ptr()
+            f"{block.name}.{name}": (factor.decomposition.Q.data_ptr(), tuple(factor.decomposition.Q.shape))
             for block in optimizer.blocks for name, factor in block.factors.items()
             if factor.decomposition is not None and not optimizer._sharding.decomposes(block.name, name)
         })
@@ -410,7 +410,16 @@ def test_receivers_take_new_decompositions_into_the_storage_of_the_old_ones(two_
     for results in two_ranks:
         storage = results["received decomposition storage"]
         assert storage[0], "this rank received no decomposition"
-        assert storage[0] == storage[2] == storage[4]  # decomposition steps 0, 2, 4 (inv_update_steps=2)
+        # Decomposition steps 0, 2, 4 (inv_update_steps=2). A thin Q (linalg.symmetric_eigen) may
+        # change shape while the factor's rank grows; a Q of the shape held reuses its storage.
+        reused = 0
+        for before, after in ((storage[0], storage[2]), (storage[2], storage[4])):
+            assert before.keys() == after.keys()
+            for key, (pointer, shape) in after.items():
+                if shape == before[key][1]:
+                    assert pointer == before[key][0], key
+                    reused += 1
+        assert reused >= len(storage[0])  # at least one step's worth of reuse
 
 
 def test_unused_and_rank_dependent_layers_do_not_hang_and_ranks_agree(two_ranks) -> None:
