@@ -166,3 +166,26 @@ def test_a_layer_without_a_decomposition_says_so_once(
     with pytest.warns(RuntimeWarning) as record:
         step(2)
     assert all("last good decomposition is kept" in str(w.message) for w in record)
+
+
+def test_async_round_is_adopted_at_the_next_decomposition_step() -> None:
+    # inv_update_steps=3: step 0 decomposes in line; step 3 snapshots the factors and hands them
+    # to the worker; step 6 adopts exactly their decompositions (layers use step 0's until then).
+    net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3))
+    optimizer = KFAC(net, lr=0.1, inv_update_steps=3, async_decompositions=True)
+    block = optimizer.blocks[0]
+    snapshots = {}
+    for step in range(7):
+        F.cross_entropy(net(torch.randn(16, 20)), torch.randint(0, 3, (16,))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 3:
+            snapshots = {name: (f.running.clone(), f.version) for name, f in block.factors.items()}
+            thresholds = block.rank_thresholds("eigen", 0.1)
+        if step in (3, 5):
+            assert block.A.decomposed_key == (1, 0.0)  # still step 0's
+    for name, factor in block.factors.items():
+        running, version = snapshots[name]
+        expected = linalg.symmetric_eigen(running, torch.float32, thresholds[name])
+        assert factor.decomposed_key == (version, 0.0)
+        assert torch.equal(factor.decomposition.Q, expected.Q) and torch.equal(factor.decomposition.d, expected.d)

@@ -174,6 +174,9 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     results["params sampled"] = parameters(model)
     results["factors sampled"] = saved_factors(optimizer.state_dict())
 
+    model, _ = ddp_run(rank, world, 1.0, async_decompositions=True)
+    results["params async"] = parameters(model)
+
     model = DDP(make_model(extra_layers=True), find_unused_parameters=True)
     model.module.use_branch = rank == 0
     optimizer = KFAC(model, grad_worker_fraction="mem-opt", **OPTIONS)
@@ -379,6 +382,19 @@ def test_no_sync_accumulation_equals_one_large_batch(two_ranks, reference) -> No
         assert_same(results["params no_sync"], reference)
 
 
+def test_async_decompositions_under_ddp_equal_one_process_with_the_shards_as_micro_batches(two_ranks) -> None:
+    """Each rank adopts the worker's round at the same step; owners broadcast what they adopted."""
+    model = make_model()
+    optimizer = KFAC(model, async_decompositions=True, **OPTIONS)
+    train(model, optimizer, range(STEPS), micro_batches=2)
+    for results in two_ranks:
+        assert_same(results["params async"], parameters(model))
+    synchronous = make_model()
+    train(synchronous, KFAC(synchronous, **OPTIONS), range(STEPS), micro_batches=2)
+    # Stale by one refresh from step 4 on (rounds: step 0 in line, submitted at 2, adopted at 4).
+    assert not torch.allclose(parameters(model)["fc1.weight"], parameters(synchronous)["fc1.weight"], rtol=1e-4)
+
+
 def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_batches(two_ranks) -> None:
     """Each rank draws targets for its shard; one process drawing the same per shard agrees."""
     model = make_model()
@@ -395,6 +411,7 @@ def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_ba
 @pytest.mark.parametrize(
     ("world", "key"),
     [("two_ranks", "params 1.0"), ("two_ranks", "params mem-opt"), ("two_ranks", "params sampled"),
+     ("two_ranks", "params async"),
      ("three_ranks", "params 1.0"), ("three_ranks", f"params {1 / 3}"), ("three_ranks", "params resumed"),
      ("four_ranks", "params eigen"), ("four_ranks", "params inverse")],
 )

@@ -129,6 +129,16 @@ def symmetric_eigen(factor: Tensor, dtype: torch.dtype, drop_below: float | None
     return Eigen(Q=Q.to(dtype).contiguous(), d=d.to(dtype))
 
 
+def decompose(
+    factor: Tensor, method: str, shift: float, dtype: torch.dtype, drop_below: float | None = None
+) -> Eigen | Tensor | None:
+    """``method`` "eigen": :func:`symmetric_eigen` (``drop_below``); "inverse": :func:`damped_inverse`
+    (``shift``). None when it failed."""
+    if method == "eigen":
+        return symmetric_eigen(factor, dtype, drop_below)
+    return damped_inverse(factor, shift, dtype)
+
+
 def damped_inverse(factor: Tensor, shift: float, dtype: torch.dtype) -> Tensor | None:
     """``(F + shift·I)⁻¹`` of a symmetric factor ``(n, n)`` via Cholesky, returned in ``dtype``.
 

@@ -11,7 +11,8 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
     ∇ ← ∇ / s under GradScaler;          batch G ← batch G / s²                    (loss scale s)
     if k % factor_update_steps(k) == 0:  A, G ← decay·(A, G) + (1 − decay)·(batch A, batch G)
                                          (batch G from the training loss, or from sample_fisher)
-    if k % inv_update_steps(k) == 0:     refresh eig(A), eig(G)   (or the π-damped inverses)
+    if k % inv_update_steps(k) == 0:     refresh eig(A), eig(G)   (or the π-damped inverses;
+                                         async_decompositions: adopt the worker's last round, start one)
     V   = (G ⊗ A + λI)⁻¹ ∇W                               (per layer)
     ν   = min(1, sqrt(kl_clip / |Σ_layers lr² ⟨V, ∇W⟩|))
     d   = ν·V  for K-FAC parameters,  ∇p  for every other parameter
@@ -34,6 +35,7 @@ from torch.optim.sgd import sgd
 
 from kfac_optim import fisher as fisher_lib
 from kfac_optim import linalg
+from kfac_optim.background import BackgroundDecompositions, Job
 from kfac_optim.capture import StatisticsCapture
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed.sharding import Sharding
@@ -190,6 +192,13 @@ class KFAC(Optimizer):
         grad_scaler: the ``torch.amp.GradScaler`` of a loop that calls ``scaler.unscale_(optimizer)``
             before ``scaler.step(optimizer)`` (gradient clipping): its scale corrects the K-FAC
             statistics then. Not needed otherwise (``scaler.step`` passes the scale); see ``precision``.
+        async_decompositions: compute decompositions on a background worker (a thread; on CUDA
+            its own stream) while training goes on. A round starts at a decomposition step with
+            snapshots of the factors and is adopted at the next decomposition step (waiting for
+            the worker if it has not finished), the same step on every rank; meanwhile layers
+            precondition with the decompositions they hold, so they are one refresh older than
+            in the synchronous mode (Ba et al., 2017). A factor's first decomposition is computed
+            in line. A round in flight is not part of ``state_dict()``.
 
     Mixed precision: ``scaler.step(optimizer)`` with a ``torch.amp.GradScaler`` skips the whole
     step on inf/nan gradients (factors, momentum, step count and parameters untouched) and
@@ -226,6 +235,7 @@ class KFAC(Optimizer):
         maximize: bool = False,
         foreach: bool | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        async_decompositions: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -239,6 +249,8 @@ class KFAC(Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov requires momentum > 0 and dampening = 0")
+        if not isinstance(async_decompositions, bool):
+            raise TypeError(f"async_decompositions must be a bool, got {type(async_decompositions).__name__}")
         if isinstance(skip_layers, (str, type)):
             raise TypeError("skip_layers must be a sequence of name patterns or module types")
         self.options = KFACOptions(
@@ -280,6 +292,7 @@ class KFAC(Optimizer):
         self._precision = MixedPrecision(self, grad_scaler, statistics_loss_scaled=empirical)
         self._capture = StatisticsCapture(self.blocks, self._precision.accumulate, every_backward=empirical)
         self._sharding = Sharding(self.blocks, grad_worker_fraction, process_group)
+        self._background = BackgroundDecompositions() if async_decompositions else None
         self._steps = 0
         self._warned_nothing_sampled = False
         self._arm_for(self._steps)
@@ -407,15 +420,49 @@ class KFAC(Optimizer):
         return loss
 
     def _decomposition_step(self, damping: float, only_missing: bool = False) -> None:
-        """Make the factors global (lazy reduction), decompose what this rank owns, share them."""
+        """Make the factors global (lazy reduction), decompose what this rank owns, share them.
+
+        With ``async_decompositions``: first adopt the round the worker was given at the previous
+        decomposition step (waiting for it if needed), then decompose in line only the factors
+        that have no decomposition yet, share, and hand the rest to the worker as snapshots.
+        """
         self._sharding.synchronize_factors()
+        if self._background is not None and not only_missing:
+            self._adopt_background_round()
         self._update_decompositions(damping, only_missing)
         self._sharding.share_decompositions(self.options.method, self.options.inv_dtype)
 
+    def _adopt_background_round(self) -> None:
+        """Hold the decompositions of the worker's round (reporting the ones that failed)."""
+        assert self._background is not None
+        for job, result in self._background.collect():
+            block, name = job.owner
+            factor = block.factors[name]
+            if result is None:
+                self._report_failure(block, name)
+            else:
+                factor.adopt(result, job.shift if job.method == "inverse" else 0.0, job.version)
+
+    def _report_failure(self, block: KroneckerBlock, name: str) -> None:
+        """One warning for a failed decomposition of factor ``name`` of ``block``."""
+        block.failures += 1
+        kept = (
+            "its last good decomposition is kept"
+            if block.factors[name].decomposition is not None
+            else "it has no decomposition yet, so the layer takes the SGD direction until one succeeds"
+        )
+        warn_user(
+            f"K-FAC layer '{block.name}': the {self.options.method} decomposition of {name} failed, float64 "
+            f"retry included ({block.failures} failure(s) so far); {kept}",
+            RuntimeWarning,
+        )
+
     def _update_decompositions(self, damping: float, only_missing: bool = False) -> None:
         """Refresh the decompositions of the initialized factors this rank owns (every factor on
-        one process; with ``only_missing`` only those without one); report discards and failures."""
+        one process; with ``only_missing`` only those without one); report discards and failures.
+        With ``async_decompositions``, factors that hold a decomposition go to the worker."""
         method, inv_dtype = self.options.method, self.options.inv_dtype
+        jobs: list[Job] = []
         factors = [(block, name, factor) for block in self.blocks for name, factor in block.factors.items()]
         if not factors:
             return
@@ -434,19 +481,16 @@ class KFAC(Optimizer):
             if only_missing and factor.decomposition is not None:
                 continue
             shift = block.shifts(method, damping)[name]
+            if not factor.needs_decomposition(method, shift):
+                continue
             drop_below = block.rank_thresholds(method, damping)[name]
-            if not factor.decompose(method, shift, inv_dtype, drop_below):
-                block.failures += 1
-                kept = (
-                    "its last good decomposition is kept"
-                    if factor.decomposition is not None
-                    else "it has no decomposition yet, so the layer takes the SGD direction until one succeeds"
-                )
-                warn_user(
-                    f"K-FAC layer '{block.name}': the {method} decomposition of {name} failed, float64 retry "
-                    f"included ({block.failures} failure(s) so far); {kept}",
-                    RuntimeWarning,
-                )
+            if self._background is not None and factor.decomposition is not None and not only_missing:
+                snapshot = factor.running.clone()
+                jobs.append(Job((block, name), snapshot, factor.version, method, shift, inv_dtype, drop_below))
+            elif not factor.decompose(method, shift, inv_dtype, drop_below):
+                self._report_failure(block, name)
+        if self._background is not None:
+            self._background.submit(jobs)
 
     def _preconditioned_directions(self, damping: float) -> dict[Tensor, Tensor]:
         """Per-parameter update directions of the K-FAC layers that have a decomposition."""
@@ -546,6 +590,8 @@ class KFAC(Optimizer):
         super().load_state_dict(state_dict)
         if kfac_state is None:
             return
+        if self._background is not None:  # a round in flight decomposes the factors being replaced
+            self._background.close()
         self._steps = int(kfac_state["steps"])
         saved = kfac_state["blocks"]
         missing = [block.name for block in self.blocks if block.name not in saved]

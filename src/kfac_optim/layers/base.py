@@ -97,18 +97,17 @@ class Factor:
         eigenvalues above ``drop_below`` are few (:func:`linalg.symmetric_eigen`);
         ``inverse``: ``(F + shift·I)⁻¹``. Returns False when it failed (the old one is kept).
         """
-        key = (self.version, shift if method == "inverse" else 0.0)
-        if key == self.decomposed_key:
+        if not self.needs_decomposition(method, shift):
             return True
-        if method == "eigen":
-            result = linalg.symmetric_eigen(self.running, dtype, drop_below)
-        else:
-            result = linalg.damped_inverse(self.running, shift, dtype)
+        result = linalg.decompose(self.running, method, shift, dtype, drop_below)
         if result is None:
             return False
-        self.decomposition = result
-        self.decomposed_key = key
+        self.adopt(result, shift if method == "inverse" else 0.0)
         return True
+
+    def needs_decomposition(self, method: Method, shift: float) -> bool:
+        """Whether the factor or the shift changed since the decomposition held (or none is held)."""
+        return (self.version, shift if method == "inverse" else 0.0) != self.decomposed_key
 
     def set_global(self, total: Tensor, ranks: Tensor) -> None:
         """Become the mean of several ranks' running factors (distributed training).
@@ -121,12 +120,12 @@ class Factor:
         self.initialized = ranks > 0
         self.version += 1
 
-    def adopt(self, decomposition: linalg.Eigen | Tensor | None, shift: float) -> None:
-        """Hold ``decomposition`` of the current running factor, computed elsewhere with ``shift``
-        (None: hold none)."""
+    def adopt(self, decomposition: linalg.Eigen | Tensor | None, shift: float, version: int | None = None) -> None:
+        """Hold ``decomposition`` of the running factor at ``version`` (default: the current one),
+        computed elsewhere with ``shift`` (None: hold none)."""
         self.decomposition = decomposition
-        self.decomposed_key = None if decomposition is None else (self.version, shift)
-
+        version = self.version if version is None else version
+        self.decomposed_key = None if decomposition is None else (version, shift)
 
     def state_dict(self) -> dict[str, Any]:
         """The running factor, its health counters and its decomposition (None if none yet)."""
