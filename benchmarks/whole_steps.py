@@ -64,7 +64,8 @@ def make_step(run: str, model: nn.Module, args: argparse.Namespace) -> tuple[Cal
         sgd = torch.optim.SGD(model.parameters(), **common)
         return sgd.step, sgd
     if run in ("sync", "async"):
-        kfac = KFAC(model, **common, **intervals, damping=args.damping, async_decompositions=run == "async")
+        extra = {"async_decompositions": True} if run == "async" else {}
+        kfac = KFAC(model, **common, **intervals, damping=args.damping, **extra)
         return kfac.step, kfac
     from kfac.preconditioner import KFACPreconditioner  # kfac-pytorch (KAISA)
 

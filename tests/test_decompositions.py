@@ -54,6 +54,32 @@ def test_thin_eigen_solve_is_the_dense_damped_kronecker_solve(zero_rows: int) ->
     assert relative_error(direction, kron_solve(G, A, grad, damping)) < 1e-6
 
 
+def test_a_factor_of_few_rows_is_decomposed_through_its_range() -> None:
+    # rank_bound rows: eigh of a (bound + oversampling)² matrix instead of the 160² one.
+    A, G = low_rank_gram(160, 10, zero_rows=4), low_rank_gram(6, 6)
+    grad = torch.randn(6, 160, dtype=torch.float64)
+    damping = 1e-2
+    eig_a = linalg.symmetric_eigen(A, torch.float64, linalg.rank_threshold(damping, float(G.trace())), rank_bound=10)
+    eig_g = linalg.symmetric_eigen(G, torch.float64, linalg.rank_threshold(damping, float(A.trace())), rank_bound=6)
+    assert eig_a is not None and eig_g is not None and eig_a.Q.shape == (160, 10)
+    assert relative_error(eig_a.Q @ torch.diag(eig_a.d) @ eig_a.Q.T, A) < 1e-10
+    assert relative_error(linalg.eigen_precondition(grad, eig_a, eig_g, damping), kron_solve(G, A, grad, damping)) < 1e-6
+
+
+def test_factors_count_the_rows_that_bound_their_rank() -> None:
+    conv = nn.Conv2d(3, 4, 3)
+    optimizer = KFAC(conv, lr=0.1, inv_update_steps=100)
+    for _ in range(3):
+        conv(torch.randn(5, 3, 6, 6)).square().mean().backward()
+        optimizer.step()
+    block = optimizer.blocks[0]
+    assert block.A.rank_bound == block.G.rank_bound == 3 * 5 * 4 * 4  # 3 batches of 5 samples, 4x4 positions
+    assert torch.linalg.matrix_rank(block.A.running.double()) <= block.A.rank_bound
+    restored = KFAC(nn.Conv2d(3, 4, 3), lr=0.1)
+    restored.load_state_dict(optimizer.state_dict())
+    assert restored.blocks[0].A.rank_bound == 240
+
+
 def test_dropped_eigenvalues_change_the_solve_by_at_most_the_documented_tolerance() -> None:
     # Full rank, with a tail of eigenvalues just under the threshold: they are dropped (thin),
     # and the direction moves by no more than RANK_RTOL relative.

@@ -119,10 +119,11 @@ class Sharding:
             return
         sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=True, in_place=True)
         initialized = torch.stack([f.initialized for f in factors]).to(factors[0].running.dtype)
-        counts = self.comm.all_reduce_sum([initialized])
-        (ranks,) = counts.wait()
-        for factor, total, count in zip(factors, sums.wait(), ranks, strict=True):
-            factor.set_global(total, count)
+        rows = torch.tensor([f.rows_since_sync for f in factors], dtype=torch.float64, device=initialized.device)
+        counts = self.comm.all_reduce_sum([initialized, rows])
+        ranks, row_sums = counts.wait()
+        for factor, total, count, row_sum in zip(factors, sums.wait(), ranks, row_sums.tolist(), strict=True):
+            factor.set_global(total, count, int(row_sum))
         self._folded = False
 
     # -- decompositions ----------------------------------------------------------------------

@@ -43,6 +43,10 @@ class Factor:
         self.discarded = torch.zeros((), dtype=torch.int64, device=device)
         self.reported_discards = 0
         self.version = 0
+        # Rows folded so far: globally as of the last set_global, and locally since. Their sum
+        # bounds the running factor's rank (a decayed sum of Gram matrices); None: unknown.
+        self.rows_synced: int | None = 0
+        self.rows_since_sync = 0
         self.decomposition: linalg.Eigen | Tensor | None = None
         self.decomposed_key: tuple[int, float] | None = None
 
@@ -88,18 +92,25 @@ class Factor:
         self.initialized |= finite
         self.discarded += ~finite
         self.version += 1
+        self.rows_since_sync += self.pending_rows
         self.clear_pending()
+
+    @property
+    def rank_bound(self) -> int | None:
+        """An upper bound of the running factor's rank (the rows folded into it), None if unknown."""
+        return None if self.rows_synced is None else self.rows_synced + self.rows_since_sync
 
     def decompose(self, method: Method, shift: float, dtype: torch.dtype, drop_below: float | None = None) -> bool:
         """Refresh the decomposition unless the factor and shift are unchanged since the last one.
 
         ``eigen``: ``Q diag(d) Qᵀ`` (the shift is applied at preconditioning time), thin when the
-        eigenvalues above ``drop_below`` are few (:func:`linalg.symmetric_eigen`);
-        ``inverse``: ``(F + shift·I)⁻¹``. Returns False when it failed (the old one is kept).
+        eigenvalues above ``drop_below`` are few (:func:`linalg.symmetric_eigen`, which uses
+        :attr:`rank_bound`); ``inverse``: ``(F + shift·I)⁻¹``. Returns False when it failed (the
+        old one is kept).
         """
         if not self.needs_decomposition(method, shift):
             return True
-        result = linalg.decompose(self.running, method, shift, dtype, drop_below)
+        result = linalg.decompose(self.running, method, shift, dtype, drop_below, self.rank_bound)
         if result is None:
             return False
         self.adopt(result, shift if method == "inverse" else 0.0)
@@ -109,16 +120,20 @@ class Factor:
         """Whether the factor or the shift changed since the decomposition held (or none is held)."""
         return (self.version, shift if method == "inverse" else 0.0) != self.decomposed_key
 
-    def set_global(self, total: Tensor, ranks: Tensor) -> None:
+    def set_global(self, total: Tensor, ranks: Tensor, rows: int) -> None:
         """Become the mean of several ranks' running factors (distributed training).
 
         ``total``: ``(dim, dim)``, the sum of the ranks' running factors, where a rank whose
-        factor is not initialized contributed zeros; ``ranks``: 0-dim, how many were initialized.
-        The result is initialized if any was, and counts as a new version of the factor.
+        factor is not initialized contributed zeros; ``ranks``: 0-dim, how many were initialized;
+        ``rows``: the sum of the ranks' ``rows_since_sync``. The result is initialized if any was,
+        and counts as a new version of the factor.
         """
         self.running = total.div_(ranks.clamp(min=1))
         self.initialized = ranks > 0
         self.version += 1
+        if self.rows_synced is not None:
+            self.rows_synced += rows
+        self.rows_since_sync = 0
 
     def adopt(self, decomposition: linalg.Eigen | Tensor | None, shift: float, version: int | None = None) -> None:
         """Hold ``decomposition`` of the running factor at ``version`` (default: the current one),
@@ -137,6 +152,7 @@ class Factor:
             "initialized": self.initialized,
             "discarded": self.discarded,
             "version": self.version,
+            "rank_bound": self.rank_bound,
             "decomposition": decomposition,
             "decomposed_key": self.decomposed_key,
         }
@@ -149,6 +165,7 @@ class Factor:
         self.discarded = state["discarded"].to(device, copy=True)
         self.reported_discards = int(self.discarded)
         self.version = int(state["version"])
+        self.rows_synced, self.rows_since_sync = state.get("rank_bound"), 0  # None: saved without one
         decomposition = state["decomposition"]
         if isinstance(decomposition, dict):
             decomposition = linalg.Eigen(Q=decomposition["Q"].to(device), d=decomposition["d"].to(device))
