@@ -215,3 +215,19 @@ def test_async_round_is_adopted_at_the_next_decomposition_step() -> None:
         expected = linalg.symmetric_eigen(running, torch.float32, thresholds[name])
         assert factor.decomposed_key == (version, 0.0)
         assert torch.equal(factor.decomposition.Q, expected.Q) and torch.equal(factor.decomposition.d, expected.d)
+
+
+def test_async_delay_adopts_the_round_that_many_steps_later() -> None:
+    net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3))
+    optimizer = KFAC(net, lr=0.1, inv_update_steps=4, async_decompositions=True, async_delay=1)
+    block = optimizer.blocks[0]
+    for step in range(6):
+        F.cross_entropy(net(torch.randn(16, 20)), torch.randint(0, 3, (16,))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 4:
+            submitted = block.A.version
+            assert block.A.decomposed_key == (1, 0.0)  # step 0's, while step 4's round is in flight
+    assert block.A.decomposed_key == (submitted, 0.0)  # adopted at step 5
+    with pytest.raises(ValueError, match="async_delay"):
+        KFAC(net, async_decompositions=True, async_delay=0)

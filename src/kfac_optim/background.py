@@ -59,10 +59,10 @@ class BackgroundDecompositions:
 
     def submit(self, jobs: list[Job]) -> None:
         """Start decomposing ``jobs`` on the worker (a no-op for none). A round must not be in flight."""
-        if self._round is not None:
-            raise RuntimeError("a round of decompositions is already in flight; collect it first")
         if not jobs:
             return
+        if self._round is not None:
+            raise RuntimeError("a round of decompositions is already in flight; collect it first")
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kfac-decompositions")
         device = jobs[0].matrix.device

@@ -199,6 +199,11 @@ class KFAC(Optimizer):
             precondition with the decompositions they hold, so they are one refresh older than
             in the synchronous mode (Ba et al., 2017). A factor's first decomposition is computed
             in line. A round in flight is not part of ``state_dict()``.
+        async_delay: with ``async_decompositions``, adopt a round this many steps after the
+            decomposition step that started it (before that step's preconditioning, waiting for
+            the worker if needed), or at the next decomposition step if that comes first. None
+            (default): at the next decomposition step. 1 keeps layers one step stale and
+            overlaps the decompositions with one step's forward and backward.
 
     Mixed precision: ``scaler.step(optimizer)`` with a ``torch.amp.GradScaler`` skips the whole
     step on inf/nan gradients (factors, momentum, step count and parameters untouched) and
@@ -236,6 +241,7 @@ class KFAC(Optimizer):
         foreach: bool | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         async_decompositions: bool = False,
+        async_delay: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -251,6 +257,10 @@ class KFAC(Optimizer):
             raise ValueError("nesterov requires momentum > 0 and dampening = 0")
         if not isinstance(async_decompositions, bool):
             raise TypeError(f"async_decompositions must be a bool, got {type(async_decompositions).__name__}")
+        if async_delay is not None and (isinstance(async_delay, bool) or not isinstance(async_delay, int)):
+            raise TypeError(f"async_delay must be an int or None, got {type(async_delay).__name__}")
+        if async_delay is not None and async_delay < 1:
+            raise ValueError(f"async_delay must be >= 1, got {async_delay}")
         if isinstance(skip_layers, (str, type)):
             raise TypeError("skip_layers must be a sequence of name patterns or module types")
         self.options = KFACOptions(
@@ -293,6 +303,8 @@ class KFAC(Optimizer):
         self._capture = StatisticsCapture(self.blocks, self._precision.accumulate, every_backward=empirical)
         self._sharding = Sharding(self.blocks, grad_worker_fraction, process_group)
         self._background = BackgroundDecompositions() if async_decompositions else None
+        self._async_delay = async_delay
+        self._adopt_at: int | None = None  # the step at which the round in flight is adopted
         self._steps = 0
         self._warned_nothing_sampled = False
         self._arm_for(self._steps)
@@ -409,6 +421,9 @@ class KFAC(Optimizer):
             self.discard_pending_statistics()
         if self.is_inverse_step(step):
             self._decomposition_step(damping)
+        elif self._adopt_at == step:  # async_delay: adopt the round in flight, the same step on every rank
+            self._adopt_background_round()
+            self._sharding.share_decompositions(self.options.method, self.options.inv_dtype)
 
         directions = self._preconditioned_directions(damping)
         if self.options.kl_clip is not None and directions:
@@ -435,6 +450,7 @@ class KFAC(Optimizer):
     def _adopt_background_round(self) -> None:
         """Hold the decompositions of the worker's round (reporting the ones that failed)."""
         assert self._background is not None
+        self._adopt_at = None
         for job, result in self._background.collect():
             block, name = job.owner
             factor = block.factors[name]
@@ -491,6 +507,8 @@ class KFAC(Optimizer):
                 self._report_failure(block, name)
         if self._background is not None:
             self._background.submit(jobs)
+            if jobs and self._async_delay is not None:
+                self._adopt_at = self._steps + self._async_delay
 
     def _preconditioned_directions(self, damping: float) -> dict[Tensor, Tensor]:
         """Per-parameter update directions of the K-FAC layers that have a decomposition."""
@@ -592,6 +610,7 @@ class KFAC(Optimizer):
             return
         if self._background is not None:  # a round in flight decomposes the factors being replaced
             self._background.close()
+            self._adopt_at = None
         self._steps = int(kfac_state["steps"])
         saved = kfac_state["blocks"]
         missing = [block.name for block in self.blocks if block.name not in saved]
