@@ -543,11 +543,11 @@ class KFAC(Optimizer, Joinable):
         one. Right after a decomposition step (``steps % inv_update_steps == 0`` before it) or a
         ``synchronize_factors()`` the factors are global already and it communicates nothing, so
         calling it on one rank only is then safe; otherwise that rank fails with an error naming
-        this call. Decompositions are those this rank holds; a checkpoint saved under
+        this call once ``init_process_group``'s timeout has passed. Decompositions are those this rank holds; a checkpoint saved under
         ``grad_worker_fraction < 1`` lacks the others, and whoever loads it recomputes them from
         the saved factors at its first step.
         """
-        self._sharding.synchronize_factors(caller="KFAC.state_dict()")
+        self._sharding.synchronize_factors("KFAC.state_dict()", confirm=True)
         state = super().state_dict()
         state["kfac"] = {
             "steps": self._steps,
@@ -585,7 +585,7 @@ class KFAC(Optimizer, Joinable):
         saving; calling it after every step gives eager reduction (the same factors). A no-op on
         one process and when no factor step happened since the last reduction.
         """
-        self._sharding.synchronize_factors(caller="KFAC.synchronize_factors()")
+        self._sharding.synchronize_factors("KFAC.synchronize_factors()", confirm=True)
 
     # -- uneven inputs (torch.distributed.algorithms.Join) -----------------------------------
 

@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """Upper bound on one flat buffer (a tensor larger than this travels alone in its own)."""
 
+_communicators_per_group: dict[str, int] = {}
+"""How many active communicators this process made per process group (their store keys' prefix)."""
+
 
 def group_rank_and_size(process_group: dist.ProcessGroup | None) -> tuple[int, int]:
     """``(rank, world_size)`` of this process in ``process_group`` (default: the whole job).
@@ -61,10 +64,9 @@ def group_rank_and_size(process_group: dist.ProcessGroup | None) -> tuple[int, i
 
 CAUSES = (
     "K-FAC's collectives run inside KFAC(...), step(), state_dict() and synchronize_factors(): call "
-    "them on every rank, in the same order, with KFAC constructed alike on every rank (state_dict() "
-    "on one rank only is a collective mismatch unless the factors are already global, see "
-    "KFAC.state_dict). A rank that died or hangs makes the others fail here once the process "
-    "group's timeout (init_process_group(timeout=...)) has passed."
+    "them on every rank, in the same order, with KFAC constructed alike on every rank. A rank that "
+    "died or hangs makes the others fail here once the process group's timeout "
+    "(init_process_group(timeout=...)) has passed."
 )
 """The usual causes of a failed K-FAC collective, appended to its error message."""
 
@@ -157,13 +159,50 @@ class Communicator:
         self.group = process_group
         self.bucket_bytes = bucket_bytes
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self._confirmed_calls = 0
         if self.active:
+            name = self._process_group().group_name
+            self._instance = _communicators_per_group.get(name, 0)
+            _communicators_per_group[name] = self._instance + 1
             self._create_groups(group_ranks)
 
     @property
     def active(self) -> bool:
         """Whether there is anyone to talk to (more than one rank)."""
         return self.world_size > 1
+
+    def _process_group(self) -> dist.ProcessGroup:
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def confirm_every_rank_calls(self, call: str, why: str) -> None:
+        """Before collectives that ``call`` runs only sometimes: make sure every rank made it.
+
+        Each rank writes a key for this call to the process group's store and waits for the
+        others' keys, up to the store's timeout (``init_process_group(timeout=...)``). The store
+        is not the backend's transport, so a rank that went on to another collective cannot be
+        matched against this one (gloo aborts the process on a size mismatch). ``why``: why
+        ``call`` communicates now, for the message. Every communicator of a group is created on
+        every rank in the same order and confirms the same calls, so the keys line up.
+
+        Raises:
+            RuntimeError: some rank did not make the call in time; the message names them.
+        """
+        if not self.active:
+            return
+        store = self._process_group().get_group_store()
+        prefix = f"kfac_optim/{self._instance}/{self._confirmed_calls}"
+        self._confirmed_calls += 1
+        keys = [f"{prefix}/{rank}" for rank in range(self.world_size)]
+        store.set(keys[self.rank], call)
+        try:
+            store.wait(keys)
+        except RuntimeError as error:
+            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            raise RuntimeError(
+                f"{call} is a collective now ({why}), but rank(s) {missing} of the K-FAC process group did "
+                f"not call it within the store's timeout of {store.timeout} ({error}). Call it on every "
+                "rank (and save on one)."
+            ) from error
 
     def _create_groups(self, group_ranks: Sequence[tuple[int, ...]]) -> None:
         everyone = tuple(range(self.world_size))

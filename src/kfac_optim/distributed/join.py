@@ -57,7 +57,7 @@ class KFACJoinHook(JoinHook):
         sharding = optimizer._sharding
         if not sharding.active:
             return
-        sharding.synchronize_factors(caller="Join's KFAC post hook")
+        sharding.synchronize_factors("Join's KFAC post hook")
         _adopt_momentum_of_last_joiner(optimizer, is_last_joiner)
 
 

@@ -126,16 +126,23 @@ class Sharding:
         reduction, or one rank): :meth:`synchronize_factors` then communicates nothing."""
         return not (self.active and self._folded and self.blocks)
 
-    def synchronize_factors(self, caller: str = "KFAC.step()") -> None:
+    def synchronize_factors(self, caller: str = "KFAC.step()", confirm: bool = False) -> None:
         """Replace every rank's running factors by the global ones (a collective on all ranks).
 
         Runs only if a factor step happened since the last time; every rank takes the same
-        factor steps, so all ranks agree on whether to communicate. ``caller``: the user's call
-        this runs in, for the message of a failed collective.
+        factor steps, so all ranks agree on whether to communicate. ``caller``: the call this runs
+        in, for messages. ``confirm``: for public calls that users may make on one rank only
+        (``state_dict()``, ``synchronize_factors()``): every rank's call is first confirmed through
+        the store (:meth:`Communicator.confirm_every_rank_calls`), so a call on one rank raises an
+        error naming it instead of meeting another collective.
         """
         if self.factors_global:
             self._folded = False
             return
+        if confirm:
+            self.comm.confirm_every_rank_calls(
+                caller, "a factor step happened since the last decomposition step: the ranks average their factors"
+            )
         factors = self._factors()
         what = f"{caller}: the all-reduce of the running factors"
         sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=True, in_place=True, what=what)
