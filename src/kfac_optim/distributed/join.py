@@ -96,9 +96,7 @@ class JoinSupport:
     def process_group(self) -> Any:
         """The group K-FAC runs on (the default group's object when none was given, as DDP's)."""
         group = self._optimizer._sharding.comm.group
-        if group is None and dist.is_initialized():
-            return dist.distributed_c10d._get_default_group()
-        return group
+        return dist.group.WORLD if group is None else group
 
     def check_step(self) -> None:
         """At ``step()``: refuse a ``Join`` the hook cannot work in, on every rank at once.
