@@ -22,9 +22,9 @@ no result). Once every rank has joined, the post hook makes the factors global a
 the momentum buffers of the last rank to join (DDP's post hook gives it that rank's parameters),
 so the ranks leave ``Join`` identical and stay so.
 
-Not seen by a joined rank: steps the others skip (a ``GradScaler`` overflow, a skipped non-finite
-step), and ``no_sync`` gradient accumulation (several iterations per step). There the ranks'
-schedules part ways and the next K-FAC collective fails with an error naming K-FAC.
+Not seen by a joined rank: steps the others skip (a ``GradScaler`` overflow), and ``no_sync``
+gradient accumulation (several iterations per step). There the ranks' schedules part ways and the
+next K-FAC collective fails with an error naming K-FAC.
 """
 
 from __future__ import annotations
