@@ -153,6 +153,19 @@ def discover_blocks(
     return blocks
 
 
+def block_dims(model: nn.Module, skip_layers: SkipLayers = ()) -> dict[str, tuple[int, int]]:
+    """``{module name: (dim_A, dim_G)}`` of the blocks ``KFAC(model, skip_layers=...)`` builds.
+
+    The same discovery as the optimizer's (trainable parameters, ``skip_layers``, grouped convs
+    left to SGD). It builds the blocks, so their factors are allocated on the model's device:
+    build the model under ``torch.device("meta")`` to get the sizes without allocating anything.
+    """
+    model = unwrap_model(model)
+    trainable = {p for p in model.parameters() if p.requires_grad}
+    blocks = discover_blocks(model, trainable, skip_layers, KFACOptions.factor_dtype)
+    return {block.name: (block.A.dim, block.G.dim) for block in blocks}
+
+
 class KFAC(Optimizer):
     """K-FAC natural-gradient descent with SGD's update rule, as one optimizer.
 
