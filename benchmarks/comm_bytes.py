@@ -1,7 +1,7 @@
 """Bytes distributed K-FAC communicates on a torchvision model's layers (no data, no ranks needed).
 
 At every decomposition step each rank all-reduces every running factor once (lazy reduction,
-DESIGN §5). Factors travel as packed upper triangles, ``n(n+1)/2`` fp32 entries of an ``(n, n)``
+docs/design.md §5). Factors travel as packed upper triangles, ``n(n+1)/2`` fp32 entries of an ``(n, n)``
 factor, in buckets of at most ``comm.DEFAULT_BUCKET_BYTES``, plus one fp32 count per factor. This
 compares that payload with whole ``(n, n)`` factors, and adds what the strategies broadcast:
 decompositions at ``f = 1`` (eigen: ``Q (n, n)`` and ``d (n,)``, not symmetric; inverse: a packed
