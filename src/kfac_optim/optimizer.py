@@ -5,7 +5,7 @@ Delegates: capture (hooks), layers (factor math), linalg (decompositions), sched
 precision (GradScaler and Apex loss scaling), distributed (sharding).
 
 One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient ``∇W``
-(DESIGN §4; ``k`` is the step counter, ``λ`` the damping at ``k``)::
+(docs/design.md §4; ``k`` is the step counter, ``λ`` the damping at ``k``)::
 
     if GradScaler found inf/nan:         drop this backward's statistics, return   (see precision)
     ∇ ← ∇ / s under GradScaler;          batch G ← batch G / s²                    (loss scale s)
@@ -54,7 +54,7 @@ SkipLayers = Sequence[str | type[nn.Module]]
 class KFACOptions:
     """The K-FAC hyperparameters (the SGD ones live in ``param_groups``), validated on creation.
 
-    ``damping``: λ, in Fisher units of a per-sample loss (DESIGN §3), so it keeps its meaning at
+    ``damping``: λ, in Fisher units of a per-sample loss (docs/design.md §3), so it keeps its meaning at
     any batch size. ``kl_clip``: the trust-region size ν is computed from (None: no clipping).
     ``factor_decay``: weight of the old factor in the running average (0: no averaging).
     ``fisher``: where G's statistics come from: "empirical" (the training loss's backward) or
@@ -194,6 +194,19 @@ def discover_blocks(
     return blocks
 
 
+def block_dims(model: nn.Module, skip_layers: SkipLayers = ()) -> dict[str, tuple[int, int]]:
+    """``{module name: (dim_A, dim_G)}`` of the blocks ``KFAC(model, skip_layers=...)`` builds.
+
+    The same discovery as the optimizer's (trainable parameters, ``skip_layers``, grouped convs
+    left to SGD). It builds the blocks, so their factors are allocated on the model's device:
+    build the model under ``torch.device("meta")`` to get the sizes without allocating anything.
+    """
+    model = unwrap_model(model)
+    trainable = {p for p in model.parameters() if p.requires_grad}
+    blocks = discover_blocks(model, trainable, skip_layers, KFACOptions.factor_dtype)
+    return {block.name: (block.A.dim, block.G.dim) for block in blocks}
+
+
 class KFAC(Optimizer):
     """K-FAC natural-gradient descent with SGD's update rule, as one optimizer.
 
@@ -220,7 +233,7 @@ class KFAC(Optimizer):
         skip_layers: module-name regexes (full match against the name or the class name) or
             module types whose layers take the SGD path.
         factor_dtype, inv_dtype: float32 or float64 for factors and decompositions.
-        grad_worker_fraction: distributed strategy (DESIGN §5), KAISA's ``f`` in (0, 1] or
+        grad_worker_fraction: distributed strategy (docs/design.md §5), KAISA's ``f`` in (0, 1] or
             "comm-opt" (f = 1: every rank holds every decomposition), "mem-opt" (f = 1/world:
             one rank per layer holds them and broadcasts its preconditioned gradient) or
             "hybrid-opt"; ``f·world`` must divide the world size. Ignored on one process.
