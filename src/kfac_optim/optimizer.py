@@ -330,9 +330,11 @@ class KFAC(Optimizer):
         self._steps = 0
         self._warned_nothing_sampled = False
         self._warned_graph_backward = False
-        # Per block: steps whose direction was non-finite (left out of ν), and how many were reported.
+        # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (left out of
+        # ν), on the device; and per block, how many of those steps were reported.
         device = self.blocks[0].weight.device if self.blocks else torch.device("cpu")
-        self._nonfinite_directions = torch.zeros(len(self.blocks), dtype=torch.int64, device=device)
+        parameter_count = sum(len(block.parameters()) for block in self.blocks)
+        self._nonfinite_directions = torch.zeros(parameter_count, dtype=torch.int64, device=device)
         self._reported_nonfinite = [0] * len(self.blocks)
         self._arm_for(self._steps)
         logger.info("KFAC preconditions %d layers: %s", len(self.blocks), [b.name for b in self.blocks])
@@ -512,9 +514,11 @@ class KFAC(Optimizer):
                     RuntimeWarning,
                 )
 
-    def _report_nonfinite_directions(self, counts: list[int]) -> None:
+    def _report_nonfinite_directions(self, parameter_counts: list[int]) -> None:
         """Warn about layers whose direction was non-finite since the last report (see the KL clip)."""
-        for index, (block, count) in enumerate(zip(self.blocks, counts, strict=True)):
+        counts = iter(parameter_counts)
+        for index, block in enumerate(self.blocks):
+            count = max(next(counts) for _ in block.parameters())  # a layer's parameters fail together
             if count > self._reported_nonfinite[index]:
                 warn_user(
                     f"K-FAC layer '{block.name}': {count - self._reported_nonfinite[index]} step(s) with a "
@@ -551,19 +555,18 @@ class KFAC(Optimizer):
         """
         lr_of = {p: group["lr"] for group in self.param_groups for p in group["params"]}
         zero = self._nonfinite_directions.new_zeros((), dtype=next(iter(directions.values())).dtype)
-        terms = []
-        for block in self.blocks:
-            block_terms = [
-                torch.vdot(directions[param].reshape(-1), param.grad.to(directions[param].dtype).reshape(-1))
-                * lr_of[param] ** 2
-                for param in block.parameters()
-                if param in directions and param.grad is not None
-            ]
-            terms.append(torch.stack(block_terms).sum() if block_terms else zero)
-        per_layer = torch.stack(terms)
-        finite = torch.isfinite(per_layer)
+        terms = [  # one per K-FAC parameter, in block order; 0 for those without a direction
+            torch.vdot(directions[param].reshape(-1), param.grad.to(directions[param].dtype).reshape(-1))
+            * lr_of[param] ** 2
+            if param in directions and param.grad is not None
+            else zero
+            for block in self.blocks
+            for param in block.parameters()
+        ]
+        per_parameter = torch.stack(terms)
+        finite = torch.isfinite(per_parameter)
         self._nonfinite_directions += ~finite
-        kl_estimate = per_layer.where(finite, 0.0).sum().abs()
+        kl_estimate = per_parameter.where(finite, 0.0).sum().abs()
         nu = (self.options.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
         torch._foreach_mul_(list(directions.values()), nu)
 
