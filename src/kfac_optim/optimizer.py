@@ -5,7 +5,7 @@ Delegates: capture (hooks), layers (factor math), linalg (decompositions), sched
 precision (GradScaler and Apex loss scaling), distributed (sharding).
 
 One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient ``∇W``
-(DESIGN §4; ``k`` is the step counter, ``λ`` the damping at ``k``)::
+(docs/design.md §4; ``k`` is the step counter, ``λ`` the damping at ``k``)::
 
     if GradScaler found inf/nan:         drop this backward's statistics, return   (see precision)
     ∇ ← ∇ / s under GradScaler;          batch G ← batch G / s²                    (loss scale s)
@@ -56,7 +56,7 @@ SkipLayers = Sequence[str | type[nn.Module]]
 class KFACOptions:
     """The K-FAC hyperparameters (the SGD ones live in ``param_groups``), validated on creation.
 
-    ``damping``: λ, in Fisher units of a per-sample loss (DESIGN §3), so it keeps its meaning at
+    ``damping``: λ, in Fisher units of a per-sample loss (docs/design.md §3), so it keeps its meaning at
     any batch size. ``kl_clip``: the trust-region size ν is computed from (None: no clipping).
     ``factor_decay``: weight of the old factor in the running average (0: no averaging).
     ``fisher``: where G's statistics come from: "empirical" (the training loss's backward) or
@@ -196,6 +196,19 @@ def discover_blocks(
     return blocks
 
 
+def block_dims(model: nn.Module, skip_layers: SkipLayers = ()) -> dict[str, tuple[int, int]]:
+    """``{module name: (dim_A, dim_G)}`` of the blocks ``KFAC(model, skip_layers=...)`` builds.
+
+    The same discovery as the optimizer's (trainable parameters, ``skip_layers``, grouped convs
+    left to SGD). It builds the blocks, so their factors are allocated on the model's device:
+    build the model under ``torch.device("meta")`` to get the sizes without allocating anything.
+    """
+    model = unwrap_model(model)
+    trainable = {p for p in model.parameters() if p.requires_grad}
+    blocks = discover_blocks(model, trainable, skip_layers, KFACOptions.factor_dtype)
+    return {block.name: (block.A.dim, block.G.dim) for block in blocks}
+
+
 class KFAC(Optimizer, Joinable):
     """K-FAC natural-gradient descent with SGD's update rule, as one optimizer.
 
@@ -222,7 +235,7 @@ class KFAC(Optimizer, Joinable):
         skip_layers: module-name regexes (full match against the name or the class name) or
             module types whose layers take the SGD path.
         factor_dtype, inv_dtype: float32 or float64 for factors and decompositions.
-        grad_worker_fraction: distributed strategy (DESIGN §5), KAISA's ``f`` in (0, 1] or
+        grad_worker_fraction: distributed strategy (docs/design.md §5), KAISA's ``f`` in (0, 1] or
             "comm-opt" (f = 1: every rank holds every decomposition), "mem-opt" (f = 1/world:
             one rank per layer holds them and broadcasts its preconditioned gradient) or
             "hybrid-opt"; ``f·world`` must divide the world size. Ignored on one process.
@@ -324,9 +337,11 @@ class KFAC(Optimizer, Joinable):
         self._steps = 0
         self._warned_nothing_sampled = False
         self._warned_graph_backward = False
-        # Per block: steps whose direction was non-finite (left out of ν), and how many were reported.
+        # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (left out of
+        # ν), on the device; and per block, how many of those steps were reported.
         device = self.blocks[0].weight.device if self.blocks else torch.device("cpu")
-        self._nonfinite_directions = torch.zeros(len(self.blocks), dtype=torch.int64, device=device)
+        parameter_count = sum(len(block.parameters()) for block in self.blocks)
+        self._nonfinite_directions = torch.zeros(parameter_count, dtype=torch.int64, device=device)
         self._reported_nonfinite = [0] * len(self.blocks)
         self._arm_for(self._steps)
         logger.info("KFAC preconditions %d layers: %s", len(self.blocks), [b.name for b in self.blocks])
@@ -515,9 +530,11 @@ class KFAC(Optimizer, Joinable):
                     RuntimeWarning,
                 )
 
-    def _report_nonfinite_directions(self, counts: list[int]) -> None:
+    def _report_nonfinite_directions(self, parameter_counts: list[int]) -> None:
         """Warn about layers whose direction was non-finite since the last report (see the KL clip)."""
-        for index, (block, count) in enumerate(zip(self.blocks, counts, strict=True)):
+        counts = iter(parameter_counts)
+        for index, block in enumerate(self.blocks):
+            count = max(next(counts) for _ in block.parameters())  # a layer's parameters fail together
             if count > self._reported_nonfinite[index]:
                 warn_user(
                     f"K-FAC layer '{block.name}': {count - self._reported_nonfinite[index]} step(s) with a "
@@ -554,19 +571,18 @@ class KFAC(Optimizer, Joinable):
         """
         lr_of = {p: group["lr"] for group in self.param_groups for p in group["params"]}
         zero = self._nonfinite_directions.new_zeros((), dtype=next(iter(directions.values())).dtype)
-        terms = []
-        for block in self.blocks:
-            block_terms = [
-                torch.vdot(directions[param].reshape(-1), param.grad.to(directions[param].dtype).reshape(-1))
-                * lr_of[param] ** 2
-                for param in block.parameters()
-                if param in directions and param.grad is not None
-            ]
-            terms.append(torch.stack(block_terms).sum() if block_terms else zero)
-        per_layer = torch.stack(terms)
-        finite = torch.isfinite(per_layer)
+        terms = [  # one per K-FAC parameter, in block order; 0 for those without a direction
+            torch.vdot(directions[param].reshape(-1), param.grad.to(directions[param].dtype).reshape(-1))
+            * lr_of[param] ** 2
+            if param in directions and param.grad is not None
+            else zero
+            for block in self.blocks
+            for param in block.parameters()
+        ]
+        per_parameter = torch.stack(terms)
+        finite = torch.isfinite(per_parameter)
         self._nonfinite_directions += ~finite
-        kl_estimate = per_layer.where(finite, 0.0).sum().abs()
+        kl_estimate = per_parameter.where(finite, 0.0).sum().abs()
         nu = (self.options.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
         torch._foreach_mul_(list(directions.values()), nu)
 
@@ -625,9 +641,9 @@ class KFAC(Optimizer, Joinable):
         one. Right after a decomposition step (``steps % inv_update_steps == 0`` before it) or a
         ``synchronize_factors()`` the factors are global already and it communicates nothing, so
         calling it on one rank only is then safe; otherwise that rank fails with an error naming
-        this call once ``init_process_group``'s timeout has passed. Decompositions are those this rank holds; a checkpoint saved under
-        ``grad_worker_fraction < 1`` lacks the others, and whoever loads it recomputes them from
-        the saved factors at its first step.
+        this call once ``init_process_group``'s timeout has passed. Decompositions are those this
+        rank holds; a checkpoint saved under ``grad_worker_fraction < 1`` lacks the others, and
+        whoever loads it recomputes them from the saved factors at its first step.
         """
         self._sharding.synchronize_factors("KFAC.state_dict()", confirm=True)
         state = super().state_dict()

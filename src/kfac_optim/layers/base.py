@@ -4,7 +4,7 @@ Owns: pending statistics (sums since the last fold, with their counts), running 
 decompositions, and turning a layer's gradient into the preconditioned direction.
 Must not know: hooks, param groups, ranks, loss scaling (callers pass plain scales).
 
-Conventions (DESIGN §3), for a layer with joint weight ``[W | b]`` of shape ``(out, in [+1])``:
+Conventions (docs/design.md §3), for a layer with joint weight ``[W | b]`` of shape ``(out, in [+1])``:
   ``A = (1/(N·R)) Σ a aᵀ``: ``(in [+1], in [+1])``, ``a`` the input rows with a trailing 1 for a bias;
   ``G = (1/N) Σ ĝ ĝᵀ``: ``(out, out)``, ``ĝ = N·g`` for a mean-reduced loss (``ĝ = g`` for "sum"),
 over the N·R rows of N samples since the last fold.
