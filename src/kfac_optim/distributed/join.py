@@ -23,8 +23,8 @@ the momentum buffers of the last rank to join (DDP's post hook gives it that ran
 so the ranks leave ``Join`` identical and stay so.
 
 Not seen by a joined rank: steps the others skip (a ``GradScaler`` overflow), and ``no_sync``
-gradient accumulation (several iterations per step). There the ranks' schedules part ways and the
-next K-FAC collective fails with an error naming K-FAC.
+gradient accumulation (several iterations per step). There the ranks' step counts part ways and
+their collectives no longer match: an error, or with gloo possibly an abort on a size mismatch.
 """
 
 from __future__ import annotations
