@@ -12,9 +12,9 @@ per iteration the others run, ``KFAC``'s main hook takes part in their ``step()`
 
 - it counts the step and follows the same factor / decomposition schedule;
 - on decomposition steps it joins the all-reduce of the running factors with its own (it folds
-  nothing more: as for a layer that saw no input, its factor keeps its value, DESIGN §5), then
-  decomposes the factors it owns (it holds the same global factors as everyone) and joins the
-  decomposition broadcasts as owner and as receiver.
+  nothing more: as for a layer that saw no input, its factor keeps its value, docs/design.md
+  §5), then decomposes the factors it owns (it holds the same global factors as everyone) and
+  joins the decomposition broadcasts as owner and as receiver.
 
 ``grad_worker_fraction < 1`` is refused: there a rank preconditions and broadcasts the gradients of
 the layers it owns every step, and a joined rank has no gradient (DDP's hook sends zeros and keeps
