@@ -40,6 +40,7 @@ class Job:
     shift: float
     dtype: torch.dtype
     drop_below: float | None
+    rank_bound: int | None
 
 
 Result = linalg.Eigen | Tensor | None
@@ -102,7 +103,8 @@ def _run(
         if stream is not None and ready is not None:
             stream.wait_event(ready)
         results = [
-            linalg.decompose(job.matrix, job.method, job.shift, job.dtype, job.drop_below) for job in jobs
+            linalg.decompose(job.matrix, job.method, job.shift, job.dtype, job.drop_below, job.rank_bound)
+            for job in jobs
         ]
         done = stream.record_event() if stream is not None else None
     return results, done
