@@ -9,6 +9,8 @@ step by step. Runs:
 
   sync     ``KFAC(model, ...)`` with the workload's intervals (decompositions in line)
   async    the same with ``async_decompositions=True`` (decompositions on a worker)
+  defaults ``KFAC(model, lr, momentum, weight_decay)``: the library's default intervals and damping
+           (what a user swapping SGD for K-FAC meets first)
   sgd      ``torch.optim.SGD`` (the floor)
   kaisa    KAISA (``kfac-pytorch``'s ``KFACPreconditioner`` + SGD, eigen, the same intervals,
            damping and lr), only when ``kfac`` is importable; not a dependency of this project
@@ -45,7 +47,7 @@ from tqdm import tqdm
 from benchmarks.step_time import add_workload_arguments, build_model, workload_shape
 from kfac_optim import KFAC, linalg
 
-RUNS = ("sync", "async", "sgd", "kaisa")
+RUNS = ("sync", "async", "defaults", "sgd", "kaisa")
 
 
 def kaisa_available() -> bool:
@@ -63,6 +65,9 @@ def make_step(run: str, model: nn.Module, args: argparse.Namespace) -> tuple[Cal
     if run == "sgd":
         sgd = torch.optim.SGD(model.parameters(), **common)
         return sgd.step, sgd
+    if run == "defaults":
+        kfac = KFAC(model, **common)
+        return kfac.step, kfac
     if run in ("sync", "async"):
         extra = {"async_decompositions": True} if run == "async" else {}
         kfac = KFAC(model, **common, **intervals, damping=args.damping, **extra)
