@@ -1,7 +1,9 @@
 """Damped eigen/inverse math for symmetric positive semi-definite Kronecker factors.
 
-Owns: the eigendecomposition and inverse of one factor (with a float64 retry), the damped
-Kronecker solves of docs/design.md §3, and packing a symmetric matrix to its upper triangle.
+Owns: the eigendecomposition and inverse of one factor (rank-deficient ones included: zero rows
+deflated, low rank through the range, a float64 retry), the choice of its numerical rank, the
+damped Kronecker solves of docs/design.md §3 (full or thin), and packing a symmetric matrix to
+its upper triangle.
 Must not know: layers, modules, ranks or optimizer state.
 """
 
