@@ -16,8 +16,8 @@ step by step. Runs:
            damping and lr), only when ``kfac`` is importable; not a dependency of this project
 
 After the ``sync`` run, ``--precondition`` times the per-step preconditioning of every block
-with the run's final factors (``block.precondition``, median of repeats) twice: with the
-rank-aware decompositions the optimizer holds and with full ones of the same factors
+(``block.precondition``, median of repeats) with decompositions of the run's final factors, twice:
+rank-aware ones (as the optimizer computes them) and full ones of the same factors
 (``linalg.symmetric_eigen`` without a rank threshold: the Q shapes and solve every layer used
 before rank-aware preconditioning).
 """
@@ -108,9 +108,14 @@ def summary(times: list[float]) -> dict[str, float]:
 
 
 def precondition_times(optimizer: KFAC, damping: float, repeats: int) -> dict[str, Any]:
-    """Per-step preconditioning of every block: rank-aware (held) vs full decompositions."""
+    """Per-step preconditioning of every block with decompositions of its current running factors:
+    rank-aware (as the optimizer would compute them now) vs full."""
     grads = {b.name: torch.randn(b.G.dim, b.A.dim) for b in optimizer.blocks}
-    held = {b.name: {n: f.decomposition for n, f in b.factors.items()} for b in optimizer.blocks}
+    held = {}
+    for b in optimizer.blocks:
+        thresholds = b.rank_thresholds("eigen", damping)
+        held[b.name] = {n: linalg.symmetric_eigen(f.running, torch.float32, thresholds[n], f.rank_bound)
+                        for n, f in b.factors.items()}
     full = {b.name: {n: linalg.symmetric_eigen(f.running, torch.float32) for n, f in b.factors.items()}
             for b in optimizer.blocks}
 
@@ -126,7 +131,7 @@ def precondition_times(optimizer: KFAC, damping: float, repeats: int) -> dict[st
             samples.append(time.perf_counter() - start)
         return statistics.median(samples[1:])
 
-    full_s, rank_aware_s = run_with(full), run_with(held)  # leaves the held ones in place
+    full_s, rank_aware_s = run_with(full), run_with(held)  # leaves the rank-aware ones in place
     columns = {f"{b.name}.{n}": [f.dim, int(f.decomposition.Q.shape[1])] for b in optimizer.blocks
                for n, f in b.factors.items()}
     return {"full_s": full_s, "rank_aware_s": rank_aware_s, "dim_and_columns": columns}
