@@ -63,7 +63,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kfac_optim import KFAC  # noqa: E402
+from kfac_optim import KFAC, DampedInverse, Eigen  # noqa: E402
 from kfac_optim.capture import StatisticsCapture  # noqa: E402
 from kfac_optim.layers import LinearBlock  # noqa: E402
 
@@ -277,7 +277,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for name, factor in block.factors.items():
             by_dim.setdefault(factor.dim, []).append((block, name, factor))
     torch.linalg.eigh(torch.eye(8))
-    for method in ("eigen", "inverse"):
+    for method in (Eigen(), DampedInverse()):
         part_total = floor_total = 0.0
         worst = 0.0
         for dim, members in sorted(by_dim.items()):
@@ -289,7 +289,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 factor.decompose(method, shift, torch.float32)
 
             def floor() -> None:
-                if method == "eigen":
+                if method.name == "eigen":
                     torch.linalg.eigh(factor.running)
                 else:
                     shifted = factor.running + shift * torch.eye(dim)
@@ -302,25 +302,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             worst = max(worst, timed["part"].spread, timed["floor"].spread)
             for _, _, other in members[1:]:
                 other.decomposition, other.decomposed_key = factor.decomposition, factor.decomposed_key
-        out[f"decomposition_{method}"] = Timing(part_total, worst, 0)
-        out[f"decomposition_{method}_floor"] = Timing(floor_total, worst, 0)
+        out[f"decomposition_{method.name}"] = Timing(part_total, worst, 0)
+        out[f"decomposition_{method.name}_floor"] = Timing(floor_total, worst, 0)
         progress.update()
 
         # Preconditioning with this method's decompositions.
-        opt.options = dataclasses.replace(opt.options, method=method)
+        opt.options = dataclasses.replace(opt.options, method=method.name)
+        opt.method = method
         shapes = [(b.G.dim, b.A.dim) for b in blocks]
         mats = [(torch.randn(o, o), torch.randn(o, i), torch.randn(i, i)) for o, i in shapes]
 
         def precondition_floor_matmuls() -> None:
             for q_g, grad, q_a in mats:
-                if method == "eigen":
+                if method.name == "eigen":
                     torch.matmul(torch.matmul(q_g, torch.matmul(torch.matmul(q_g.T, grad), q_a)), q_a.T)
                 else:
                     torch.matmul(torch.matmul(q_g, grad), q_a)
 
         timed = interleaved({"part": lambda: opt._preconditioned_directions(damping),
                              "floor": precondition_floor_matmuls}, args.repeats, budget)
-        out[f"precondition_{method}"], out[f"precondition_{method}_floor"] = timed["part"], timed["floor"]
+        out[f"precondition_{method.name}"], out[f"precondition_{method.name}_floor"] = timed["part"], timed["floor"]
         progress.update()
 
     # KL clip + update, with the last method's directions.

@@ -39,7 +39,7 @@ def _all_finite(*tensors: Tensor) -> bool:
 
 
 def symmetric_eigen(factor: Tensor, dtype: torch.dtype) -> Eigen | None:
-    """Eigendecomposition of a symmetric factor ``(n, n)``, returned in ``dtype``.
+    """Eigendecomposition of a symmetric factor ``(n, n)`` (or a batch ``(k, n, n)``), in ``dtype``.
 
     Tries ``factor``'s own precision first, then float64 if ``eigh`` raises or returns
     non-finite values. Returns ``None`` when both attempts fail (the caller keeps its last good
@@ -60,30 +60,21 @@ def symmetric_eigen(factor: Tensor, dtype: torch.dtype) -> Eigen | None:
 
 
 def damped_inverse(factor: Tensor, shift: float, dtype: torch.dtype) -> Tensor | None:
-    """``(F + shift·I)⁻¹`` of a symmetric factor ``(n, n)`` via Cholesky, returned in ``dtype``.
+    """``(F + shift·I)⁻¹`` of a symmetric factor ``(n, n)`` (or a batch ``(k, n, n)``) via Cholesky, in ``dtype``.
 
     Retries in float64 like :func:`symmetric_eigen`; ``None`` when both attempts fail. Row-major
     (see :func:`symmetric_eigen`).
     """
     for work_dtype in dict.fromkeys((factor.dtype, torch.float64)):
         shifted = factor.to(work_dtype)
-        shifted = shifted + shift * torch.eye(len(shifted), dtype=work_dtype, device=shifted.device)
+        shifted = shifted + shift * torch.eye(shifted.shape[-1], dtype=work_dtype, device=shifted.device)
         cholesky, info = torch.linalg.cholesky_ex(shifted)
-        if int(info) != 0:
+        if bool(info.any()):
             continue
         inverse = torch.cholesky_inverse(cholesky)
         if _all_finite(inverse):
             return inverse.to(dtype).contiguous()
     return None
-
-
-def pi_correction(a_factor: Tensor, g_factor: Tensor) -> float:
-    """Martens & Grosse's ``π = sqrt((tr A / dim A) / (tr G / dim G))``; 1 if either trace is 0."""
-    a_mean = float(torch.trace(a_factor)) / len(a_factor)
-    g_mean = float(torch.trace(g_factor)) / len(g_factor)
-    if a_mean <= 0 or g_mean <= 0:
-        return 1.0
-    return (a_mean / g_mean) ** 0.5
 
 
 def eigen_precondition(grad: Tensor, eig_a: Eigen, eig_g: Eigen, damping: float) -> Tensor:

@@ -21,7 +21,6 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -37,7 +36,10 @@ from kfac_optim import linalg
 from kfac_optim.capture import StatisticsCapture
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed.sharding import Sharding
-from kfac_optim.layers import Conv2dBlock, KroneckerBlock, block_kind
+from kfac_optim import layers
+from kfac_optim.layers import ModuleReport, discover, discover_blocks  # noqa: F401 (discover_blocks: re-exported)
+from kfac_optim.layers.registry import SkipLayers
+from kfac_optim.methods import Method, method_named
 from kfac_optim.precision import MixedPrecision
 from kfac_optim.schedules import resolve
 
@@ -45,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 IntSchedule = int | Callable[[int], int]
 FloatSchedule = float | Callable[[int], float]
-SkipLayers = Sequence[str | type[nn.Module]]
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,7 @@ class KFACOptions:
             value = getattr(self, name)
             if not callable(value):
                 check_interval(name, value)
-        if self.method not in ("eigen", "inverse"):
-            raise ValueError(f"method must be 'eigen' or 'inverse', got {self.method!r}")
+        method_named(self.method)  # ValueError naming method
         if self.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         if self.fisher not in ("empirical", "sampled"):
@@ -108,49 +108,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """The module that owns the layers: ``model.module`` for DDP / DataParallel wrappers."""
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
     return model.module if isinstance(model, wrappers) else model
-
-
-def _is_skipped(name: str, module: nn.Module, skip_layers: SkipLayers) -> bool:
-    for rule in skip_layers:
-        if isinstance(rule, str):
-            if re.fullmatch(rule, name) or re.fullmatch(rule, type(module).__name__):
-                return True
-        elif isinstance(module, rule):
-            return True
-    return False
-
-
-def discover_blocks(
-    model: nn.Module,
-    trainable: set[Tensor],
-    skip_layers: SkipLayers,
-    factor_dtype: torch.dtype,
-) -> list[KroneckerBlock]:
-    """One block per supported module whose weight is among ``trainable``, in model order."""
-    blocks: list[KroneckerBlock] = []
-    claimed: set[Tensor] = set()
-    grouped_convs: list[str] = []
-    for name, module in model.named_modules():
-        kind = block_kind(module)
-        if kind is None or _is_skipped(name, module, skip_layers):
-            continue
-        if kind is Conv2dBlock and module.groups != 1:
-            grouped_convs.append(name)
-            continue
-        if module.weight not in trainable or module.weight in claimed:
-            continue
-        claimed.add(module.weight)
-        bias = module.bias
-        include_bias = bias is not None and bias in trainable and bias not in claimed
-        if include_bias:
-            claimed.add(bias)
-        blocks.append(kind(name, module, include_bias, factor_dtype))
-    if grouped_convs:
-        warn_user(
-            f"K-FAC supports Conv2d with groups=1 only; {len(grouped_convs)} grouped conv layer(s) "
-            f"take the SGD path: {', '.join(grouped_convs)}",
-        )
-    return blocks
 
 
 class KFAC(Optimizer):
@@ -271,10 +228,19 @@ class KFAC(Optimizer):
         if not trainable <= model_params:
             raise ValueError("params must all be parameters of model")
 
-        self.blocks = discover_blocks(self.model, trainable, skip_layers, factor_dtype)
+        self.method: Method = method_named(self.options.method)
+        self.blocks, self._reports = discover(self.model, trainable, skip_layers, factor_dtype)
         if not self.blocks:
+            kinds = ", ".join(sorted({t.__name__ for t in layers.registered_blocks()}))
             warn_user(
-                "model has no supported layer (nn.Linear, nn.Conv2d) to precondition: KFAC behaves as SGD",
+                f"model has no supported layer to precondition (registered kinds: {kinds}; see KFAC.describe()): "
+                "KFAC behaves as SGD",
+            )
+        unsupported = [r for r in self._reports if r.status == "unsupported"]
+        if unsupported:
+            warn_user(
+                f"{len(unsupported)} layer(s) of registered kinds take the SGD path: "
+                + "; ".join(f"{r.name}: {r.detail}" for r in unsupported)
             )
         empirical = self.options.fisher == "empirical"
         self._precision = MixedPrecision(self, grad_scaler, statistics_loss_scaled=empirical)
@@ -283,7 +249,8 @@ class KFAC(Optimizer):
         self._steps = 0
         self._warned_nothing_sampled = False
         self._arm_for(self._steps)
-        logger.info("KFAC preconditions %d layers: %s", len(self.blocks), [b.name for b in self.blocks])
+        self._checked_capture = False
+        logger.info("%s", self.describe())
 
     # -- schedules ---------------------------------------------------------------------------
 
@@ -311,6 +278,27 @@ class KFAC(Optimizer):
     def remove_hooks(self) -> None:
         """Detach the capture hooks from the model (the optimizer then never updates factors)."""
         self._capture.remove()
+
+    def describe(self) -> str:
+        """Every module with trainable parameters and what K-FAC does with them: the block that
+        preconditions them (its kind and factor shapes) or why they take the SGD path, then the
+        share of weight-matrix elements (parameters with 2+ dims) that K-FAC preconditions."""
+        preconditioned = {id(p) for block in self.blocks for p in block.params}
+        matrices = {id(p): p.numel() for group in self.param_groups for p in group["params"] if p.dim() >= 2}
+        covered = sum(n for key, n in matrices.items() if key in preconditioned)
+        total = sum(matrices.values())
+        share = covered / total if total else 1.0
+        lines = [
+            f"KFAC ({self.method.name}): {len(self.blocks)} blocks precondition {covered}/{total} "
+            f"weight-matrix elements ({share:.1%})",
+            *(f"  {report}" for report in self._reports),
+        ]
+        return "\n".join(lines)
+
+    @property
+    def module_reports(self) -> list[ModuleReport]:
+        """:meth:`describe`'s rows as data, one per module with trainable parameters."""
+        return list(self._reports)
 
     def discard_pending_statistics(self) -> None:
         """Forget statistics captured since the last step (e.g. of a step that will not happen)."""
@@ -389,6 +377,8 @@ class KFAC(Optimizer):
         if self.is_factor_step(step):
             # sample_fisher's loss is a sum over samples, whatever the training loss's reduction.
             reduction = "sum" if self.options.fisher == "sampled" else self.options.loss_reduction
+            if not self._checked_capture:
+                self._warn_about_silent_blocks()
             for block in self.blocks:
                 block.fold(self.options.factor_decay, reduction, statistics_scale)
             self._sharding.factors_folded()
@@ -406,16 +396,31 @@ class KFAC(Optimizer):
         self._arm_for(self._steps)
         return loss
 
+    def _warn_about_silent_blocks(self) -> None:
+        """At the first factor step with any statistics: warn once about blocks whose hooks never
+        fired (e.g. a layer called functionally, or whose output never reached the loss)."""
+        silent = [block.name for block in self.blocks if block.pending_samples == 0]
+        if len(silent) == len(self.blocks):
+            return  # no statistics at all (eval mode, a skipped backward): ask again next time
+        self._checked_capture = True
+        if silent:
+            warn_user(
+                f"K-FAC layer(s) {silent} produced no statistics at the first factor step (their hooks never "
+                "fired: a layer called through its parameters rather than its forward, or whose output does "
+                "not reach the loss); they take the SGD path until they do",
+                RuntimeWarning,
+            )
+
     def _decomposition_step(self, damping: float, only_missing: bool = False) -> None:
         """Make the factors global (lazy reduction), decompose what this rank owns, share them."""
         self._sharding.synchronize_factors()
         self._update_decompositions(damping, only_missing)
-        self._sharding.share_decompositions(self.options.method, self.options.inv_dtype)
+        self._sharding.share_decompositions(self.method, self.options.inv_dtype)
 
     def _update_decompositions(self, damping: float, only_missing: bool = False) -> None:
         """Refresh the decompositions of the initialized factors this rank owns (every factor on
         one process; with ``only_missing`` only those without one); report discards and failures."""
-        method, inv_dtype = self.options.method, self.options.inv_dtype
+        method, inv_dtype = self.method, self.options.inv_dtype
         factors = [(block, name, factor) for block in self.blocks for name, factor in block.factors.items()]
         if not factors:
             return
@@ -438,7 +443,7 @@ class KFAC(Optimizer):
                 block.failures += 1
                 logger.warning("decomposition of %s of layer %s failed (%d so far)", name, block.name, block.failures)
                 warn_user(
-                    f"K-FAC layer '{block.name}': the {method} decomposition of {name} failed in float32 and "
+                    f"K-FAC layer '{block.name}': the {method.name} decomposition of {name} failed in float32 and "
                     "float64; the last good decomposition is kept",
                     RuntimeWarning,
                 )
@@ -450,7 +455,7 @@ class KFAC(Optimizer):
             grad = block.grad_matrix()
             if grad is None:
                 continue
-            preconditioned = block.precondition(grad, self.options.method, damping)
+            preconditioned = block.precondition(grad, self.method, damping)
             if preconditioned is not None:
                 joint[block.name] = preconditioned
         joint = self._sharding.share_directions(joint, self.options.inv_dtype)

@@ -141,14 +141,14 @@ class Communicator:
     # -- collectives -------------------------------------------------------------------------
 
     def all_reduce_sum(
-        self, tensors: Sequence[Tensor], *, symmetric: bool = False, in_place: bool = False
+        self, tensors: Sequence[Tensor], *, symmetric: bool | Sequence[bool] = False, in_place: bool = False
     ) -> Pending:
         """Sum ``tensors`` over all ranks, asynchronously; every rank must call with like shapes.
 
         ``wait()`` returns the sums: new tensors, or with ``in_place`` the inputs overwritten
         (they are copied into the buffers at the call, so they may change until ``wait()``,
-        and no ``(n, n)`` result is allocated). With ``symmetric`` every tensor is a symmetric
-        ``(n, n)`` matrix and only its upper triangle travels. One rank: ``wait()`` returns
+        and no ``(n, n)`` result is allocated). With ``symmetric`` (for all tensors, or one flag per
+        tensor) a tensor is a symmetric ``(n, n)`` matrix and only its upper triangle travels. One rank: ``wait()`` returns
         ``tensors`` themselves.
         """
         if not self.active or not tensors:
@@ -163,7 +163,12 @@ class Communicator:
         return Pending(works, lambda: self._unpack(buckets, shapes, symmetric, outputs=outputs))
 
     def broadcast(
-        self, tensors: Sequence[Tensor], src: int, ranks: tuple[int, ...], *, symmetric: bool = False
+        self,
+        tensors: Sequence[Tensor],
+        src: int,
+        ranks: tuple[int, ...],
+        *,
+        symmetric: bool | Sequence[bool] = False,
     ) -> Pending:
         """Send ``src``'s ``tensors`` to every rank of ``ranks``, asynchronously.
 
@@ -190,9 +195,10 @@ class Communicator:
 
     # -- buckets -----------------------------------------------------------------------------
 
-    def _pack(self, tensors: Sequence[Tensor], symmetric: bool) -> list[_Bucket]:
-        """Copy ``tensors`` (triangles when ``symmetric``) into buckets of one dtype and device."""
-        sizes = [linalg.triu_size(len(t)) if symmetric else t.numel() for t in tensors]
+    def _pack(self, tensors: Sequence[Tensor], symmetric: bool | Sequence[bool]) -> list[_Bucket]:
+        """Copy ``tensors`` (triangles where ``symmetric``) into buckets of one dtype and device."""
+        symmetric = _per_tensor(symmetric, len(tensors))
+        sizes = [linalg.triu_size(len(t)) if sym else t.numel() for t, sym in zip(tensors, symmetric, strict=True)]
         groups: list[list[int]] = []
         used = 0
         for index, (tensor, size) in enumerate(zip(tensors, sizes)):
@@ -211,7 +217,7 @@ class Communicator:
             first = tensors[members[0]]
             buffer = torch.empty(sum(member_sizes), dtype=first.dtype, device=first.device)
             for index, part in zip(members, buffer.split(member_sizes), strict=True):
-                if symmetric:
+                if symmetric[index]:
                     linalg.pack_symmetric(tensors[index], out=part)
                 else:
                     part.copy_(tensors[index].reshape(-1))
@@ -222,18 +228,27 @@ class Communicator:
     def _unpack(
         buckets: Sequence[_Bucket],
         shapes: Sequence[torch.Size],
-        symmetric: bool,
+        symmetric: bool | Sequence[bool],
         outputs: Sequence[Tensor] | None,
     ) -> list[Tensor]:
         """The tensors in ``buckets``, written into ``outputs`` when given, else new tensors."""
+        symmetric = _per_tensor(symmetric, len(shapes))
         results: list[Tensor | None] = [None] * len(shapes)
         for bucket in buckets:
             for index, part in zip(bucket.indices, bucket.buffer.split(bucket.sizes), strict=True):
                 out = None if outputs is None else outputs[index]
-                if symmetric:
+                if symmetric[index]:
                     results[index] = linalg.unpack_symmetric(part, shapes[index][0], out=out)
                 elif out is None:
                     results[index] = part.view(shapes[index])
                 else:
                     results[index] = out.copy_(part.view(shapes[index]))
         return results  # type: ignore[return-value]  (every index lies in one bucket)
+
+
+def _per_tensor(symmetric: bool | Sequence[bool], count: int) -> list[bool]:
+    """One symmetric flag per tensor, from one flag for all or a flag each."""
+    flags = [symmetric] * count if isinstance(symmetric, bool) else list(symmetric)
+    if len(flags) != count:
+        raise ValueError(f"symmetric needs one flag per tensor ({count}), got {len(flags)}")
+    return flags

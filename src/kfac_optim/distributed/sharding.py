@@ -38,22 +38,20 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kfac_optim import linalg
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES, Communicator, Pending, group_rank_and_size
-from kfac_optim.distributed.plan import FACTORS, Plan, make_plan, work_items
+from kfac_optim.distributed.plan import FACTORS, Plan, WorkItem, make_plan
+from kfac_optim.methods import Method
 
 if TYPE_CHECKING:
     from kfac_optim.layers import Factor, KroneckerBlock
 
 logger = logging.getLogger(__name__)
-
-Method = Literal["eigen", "inverse"]
 
 
 class Sharding:
@@ -80,9 +78,12 @@ class Sharding:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         self.rank, world_size = group_rank_and_size(process_group)
-        self.plan: Plan = make_plan(
-            work_items({b.name: (b.A.dim, b.G.dim) for b in blocks}), world_size, grad_worker_fraction
-        )
+        items = [
+            WorkItem(b.name, name, factor.dim, factor.diagonal, factor.groups)
+            for b in blocks
+            for name, factor in b.factors.items()
+        ]
+        self.plan: Plan = make_plan(items, world_size, grad_worker_fraction)
         self.comm = Communicator(process_group, self.plan.groups, bucket_bytes)
         by_name = {b.name: b for b in blocks}
         self.blocks: dict[str, KroneckerBlock] = {bp.block: by_name[bp.block] for bp in self.plan.blocks}
@@ -117,7 +118,8 @@ class Sharding:
         if not (self.active and self._folded and factors):
             self._folded = False
             return
-        sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=True, in_place=True)
+        symmetric = [f.running.dim() == 2 for f in factors]  # one (n, n) matrix: its triangle travels
+        sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=symmetric, in_place=True)
         initialized = torch.stack([f.initialized for f in factors]).to(factors[0].running.dtype)
         counts = self.comm.all_reduce_sum([initialized])
         (ranks,) = counts.wait()
@@ -130,7 +132,7 @@ class Sharding:
     def share_decompositions(self, method: Method, dtype: torch.dtype) -> None:
         """After owners decomposed: agree on what exists, broadcast to gradient workers.
 
-        ``method`` and ``dtype`` (the decompositions' dtype) shape the receive buffers.
+        ``method`` (what a decomposition is made of) and ``dtype`` (its dtype) shape the receive buffers.
         """
         self.decompositions_missing = False
         if not self.active or not self.blocks:
@@ -160,18 +162,20 @@ class Sharding:
         pending: list[tuple[int, list[tuple[Factor, float]], Pending]] = []
         for (workers, src), members in sorted(sends.items(), key=lambda kv: kv[0]):
             if src == self.rank:
-                tensors = [t for factor, _ in members for t in _as_tensors(factor.decomposition)]
+                tensors = [t for factor, _ in members for t in method.tensors(factor)]
             else:
-                tensors = [t for factor, _ in members for t in _receive_buffers(factor, method, dtype, device)]
-            pending.append((src, members, self.comm.broadcast(tensors, src, workers, symmetric=method == "inverse")))
-        per_factor = 2 if method == "eigen" else 1
+                tensors = [t for factor, _ in members for t in method.buffers(factor, dtype, device)]
+            symmetric = [flag for factor, _ in members for flag in method.symmetric(factor)]
+            pending.append((src, members, self.comm.broadcast(tensors, src, workers, symmetric=symmetric)))
         for src, members, work in pending:
             received = work.wait()
             if src == self.rank:
                 continue
-            for index, (factor, shift) in enumerate(members):
-                parts = received[index * per_factor : (index + 1) * per_factor]
-                factor.adopt(_from_tensors(parts, method), shift)
+            start = 0
+            for factor, shift in members:
+                count = len(method.symmetric(factor))
+                factor.adopt(method.from_tensors(factor, received[start : start + count]), shift)
+                start += count
 
     # -- directions --------------------------------------------------------------------------
 
@@ -197,10 +201,7 @@ class Sharding:
             if src == self.rank:
                 tensors = [directions[name] for name in names]
             else:
-                tensors = [
-                    torch.empty(self.blocks[n].G.dim, self.blocks[n].A.dim, dtype=dtype, device=device)
-                    for n in names
-                ]
+                tensors = [torch.empty(self.blocks[n].direction_shape(), dtype=dtype, device=device) for n in names]
             pending.append((names, self.comm.broadcast(tensors, src, row)))
         shared = dict(directions)
         for names, work in pending:
@@ -238,37 +239,3 @@ class Sharding:
 
     def _device(self) -> torch.device:
         return next(iter(self.blocks.values())).weight.device
-
-
-def _as_tensors(decomposition: linalg.Eigen | Tensor | None) -> list[Tensor]:
-    if isinstance(decomposition, linalg.Eigen):
-        return [decomposition.Q, decomposition.d]
-    assert decomposition is not None
-    return [decomposition]
-
-
-def _buffers(dim: int, method: Method, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    """Receive buffers for one factor's decomposition: ``Q (dim, dim)``, ``d (dim,)`` or ``(dim, dim)``."""
-    if method == "eigen":
-        return [torch.empty(dim, dim, dtype=dtype, device=device), torch.empty(dim, dtype=dtype, device=device)]
-    return [torch.empty(dim, dim, dtype=dtype, device=device)]
-
-
-def _receive_buffers(factor: Factor, method: Method, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    """Where a receiver takes a factor's new decomposition: into the one it holds when that has the
-    same kind, shapes, dtype and device (overwritten in place, so no fresh pages every time), else
-    into new buffers. The old decomposition is not used between here and the adoption."""
-    held = factor.decomposition
-    if held is not None and isinstance(held, linalg.Eigen) == (method == "eigen"):
-        tensors = _as_tensors(held)
-        if tensors[0].shape == (factor.dim, factor.dim) and all(
-            t.dtype == dtype and t.device == device and t.is_contiguous() for t in tensors
-        ):
-            return tensors
-    return _buffers(factor.dim, method, dtype, device)
-
-
-def _from_tensors(parts: Sequence[Tensor], method: Method) -> linalg.Eigen | Tensor:
-    if method == "eigen":
-        return linalg.Eigen(Q=parts[0], d=parts[1])
-    return parts[0]

@@ -20,25 +20,31 @@ import torch
 from torch import Tensor, nn
 
 from kfac_optim import linalg
+from kfac_optim.methods import Method
 
 logger = logging.getLogger(__name__)
 
 FactorName = Literal["A", "G"]
-Method = Literal["eigen", "inverse"]
 
 
 class Factor:
-    """One symmetric Kronecker factor ``(dim, dim)``: pending sum, running average, decomposition.
+    """One dense symmetric Kronecker factor: pending sum, running average, decomposition.
 
-    The running average only changes through device-side selects, so folding a batch needs no
-    host sync: a non-finite batch leaves the factor as it was and counts one discard.
+    ``running`` is ``(dim, dim)``, or ``(groups, dim, dim)`` for ``groups > 1`` independent
+    blocks of one layer (a grouped convolution: one Kronecker pair per group). The running average
+    only changes through device-side selects, so folding a batch needs no host sync: a non-finite
+    batch leaves the factor as it was and counts one discard.
     """
 
-    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    diagonal = False
+
+    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device, groups: int = 1) -> None:
         self.dim = dim
-        self.pending = torch.zeros(dim, dim, dtype=dtype, device=device)
+        self.groups = groups
+        shape = self.storage_shape(dim, groups)
+        self.pending = torch.zeros(shape, dtype=dtype, device=device)
         self.pending_rows = 0
-        self.running = torch.zeros(dim, dim, dtype=dtype, device=device)
+        self.running = torch.zeros(shape, dtype=dtype, device=device)
         self.initialized = torch.zeros((), dtype=torch.bool, device=device)
         self.discarded = torch.zeros((), dtype=torch.int64, device=device)
         self.reported_discards = 0
@@ -46,11 +52,32 @@ class Factor:
         self.decomposition: linalg.Eigen | Tensor | None = None
         self.decomposed_key: tuple[int, float] | None = None
 
+    @staticmethod
+    def storage_shape(dim: int, groups: int) -> tuple[int, ...]:
+        return (dim, dim) if groups == 1 else (groups, dim, dim)
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """Leading dimensions of the storage before the factor's own: ``()`` or ``(groups,)``."""
+        return () if self.groups == 1 or self.diagonal else (self.groups,)
+
+    def diagonal_of(self, matrix: Tensor) -> Tensor:
+        """The diagonal entries of a tensor shaped as this factor's storage."""
+        return matrix.diagonal(dim1=-2, dim2=-1)
+
+    def mean_eigenvalue(self) -> float:
+        """``tr F / dim`` over all blocks (a host sync; used by the damped inverse's π)."""
+        return float(self.diagonal_of(self.running).mean())
+
     def add_gram(self, rows: Tensor, append_ones: bool = False) -> None:
-        """Accumulate ``rowsᵀ rows`` for ``rows: (R, dim[-1])`` (a trailing 1 when ``append_ones``)."""
-        n = rows.shape[1]
-        linalg.add_gram_(self.pending[:n, :n], rows)
-        self._add_row_count(rows.shape[0], rows.sum(dim=0) if append_ones else None)
+        """Accumulate ``rowsᵀ rows`` for ``rows: (R, dim[-1])``, or ``(groups, R, dim[-1])`` per block
+        (a trailing 1 when ``append_ones``)."""
+        n = rows.shape[-1]
+        if rows.dim() == 2:
+            linalg.add_gram_(self.pending[:n, :n], rows)
+        else:
+            self.pending[..., :n, :n].baddbmm_(rows.mT, rows)
+        self._add_row_count(rows.shape[-2], rows.sum(dim=-2) if append_ones else None)
 
     def add_column_gram(self, columns: Tensor, append_ones: bool = False) -> None:
         """As :meth:`add_gram` for the ``B·L`` rows ``columns[b, :, l]`` of ``columns: (B, dim[-1], L)``."""
@@ -62,10 +89,10 @@ class Factor:
     def _add_row_count(self, rows: int, row_sum: Tensor | None) -> None:
         """Count ``rows`` more rows; with a bias, add their sum and count to the trailing row/column."""
         if row_sum is not None:
-            n = len(row_sum)
-            self.pending[:n, n] += row_sum
-            self.pending[n, :n] += row_sum
-            self.pending[n, n] += rows
+            n = row_sum.shape[-1]
+            self.pending[..., :n, n] += row_sum
+            self.pending[..., n, :n] += row_sum
+            self.pending[..., n, n] += rows
         self.pending_rows += rows
 
     def clear_pending(self) -> None:
@@ -82,7 +109,7 @@ class Factor:
         # 1 before (exactly batch), 0 for a non-finite batch (zeroed first so 0·nan cannot leak).
         # A sum of Gram matrices is finite iff its diagonal is (|F_ij| ≤ √(F_ii F_jj)): O(n) check.
         batch = self.pending.mul_(scale)
-        finite = torch.isfinite(batch.diagonal().sum())
+        finite = torch.isfinite(self.diagonal_of(batch).sum())
         weight = finite.to(batch.dtype) * (1 - self.initialized.to(batch.dtype) * decay)
         self.running.lerp_(batch.nan_to_num_(0.0, 0.0, 0.0), weight)
         self.initialized |= finite
@@ -93,16 +120,13 @@ class Factor:
     def decompose(self, method: Method, shift: float, dtype: torch.dtype) -> bool:
         """Refresh the decomposition unless the factor and shift are unchanged since the last one.
 
-        ``eigen``: ``Q diag(d) Qᵀ`` (the shift is applied at preconditioning time);
-        ``inverse``: ``(F + shift·I)⁻¹``. Returns False when it failed (the old one is kept).
+        ``method`` decides what is held (e.g. ``Q diag(d) Qᵀ``, or ``(F + shift·I)⁻¹``) and
+        which part of ``shift`` it depends on. Returns False when it failed (the old one is kept).
         """
-        key = (self.version, shift if method == "inverse" else 0.0)
+        key = (self.version, method.keyed_shift(shift))
         if key == self.decomposed_key:
             return True
-        if method == "eigen":
-            result = linalg.symmetric_eigen(self.running, dtype)
-        else:
-            result = linalg.damped_inverse(self.running, shift, dtype)
+        result = method.decompose(self, shift, dtype)
         if result is None:
             return False
         self.decomposition = result
@@ -112,7 +136,7 @@ class Factor:
     def set_global(self, total: Tensor, ranks: Tensor) -> None:
         """Become the mean of several ranks' running factors (distributed training).
 
-        ``total``: ``(dim, dim)``, the sum of the ranks' running factors, where a rank whose
+        ``total``: shaped as ``running``, the sum of the ranks' running factors, where a rank whose
         factor is not initialized contributed zeros; ``ranks``: 0-dim, how many were initialized.
         The result is initialized if any was, and counts as a new version of the factor.
         """
@@ -125,7 +149,6 @@ class Factor:
         (None: hold none)."""
         self.decomposition = decomposition
         self.decomposed_key = None if decomposition is None else (self.version, shift)
-
 
     def state_dict(self) -> dict[str, Any]:
         """The running factor, its health counters and its decomposition (None if none yet)."""
@@ -160,23 +183,111 @@ class Factor:
         self.clear_pending()
 
 
+class DiagonalFactor(Factor):
+    """A diagonal factor stored as its diagonal ``(dim,)`` (e.g. an embedding's ``A``: token
+    frequencies), O(dim) memory; statistics are added as per-row sums of squares (or counts)."""
+
+    diagonal = True
+
+    @staticmethod
+    def storage_shape(dim: int, groups: int) -> tuple[int, ...]:
+        return (dim,)
+
+    def diagonal_of(self, matrix: Tensor) -> Tensor:
+        return matrix
+
+    def add_counts(self, counts: Tensor, rows: int) -> None:
+        """Add ``counts: (dim,)`` (the diagonal of ``Σ a aᵀ`` over ``rows`` rows) to the pending sum."""
+        self.pending += counts
+        self.pending_rows += rows
+
+    def add_gram(self, rows: Tensor, append_ones: bool = False) -> None:
+        raise TypeError("a diagonal factor takes statistics through add_counts")
+
+    add_column_gram = add_gram
+
+
 class KroneckerBlock(ABC):
-    """K-FAC block of one module with a ``weight`` (and optional ``bias``) parameter."""
+    """K-FAC block of one module with a ``weight`` (and optional ``bias``) parameter: one Kronecker
+    pair ``G ⊗ A`` of the joint weight ``[W | b]``, or ``groups`` independent pairs of its row blocks.
+
+    The extension point of the block registry (``kfac_optim.register_block``): a subclass says
+    which module instances it supports (:meth:`unsupported_reason`), which parameters it takes
+    (:meth:`create`), its factors (:meth:`make_factors`), and how a captured (input, output-grad)
+    pair becomes rows of ``a`` and ``g`` (:meth:`input_rows`, :meth:`output_grad_rows`,
+    :meth:`sample_count`, or :meth:`accumulate` whole). The joint gradient is ``(out, in [+1])``,
+    or ``(groups, out/groups, in [+1])`` for grouped blocks.
+    """
+
+    groups: int = 1
 
     def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
         self.name = name
         self.module = module
         self.weight: nn.Parameter = module.weight
         self.bias: nn.Parameter | None = module.bias if include_bias else None
-        out_dim = self.weight.shape[0]
-        in_dim = self.weight[0].numel() + (self.bias is not None)
-        device = self.weight.device
-        self.factors: dict[FactorName, Factor] = {
-            "A": Factor(in_dim, factor_dtype, device),
-            "G": Factor(out_dim, factor_dtype, device),
-        }
+        self.factors: dict[FactorName, Factor] = self.make_factors(factor_dtype, self.weight.device)
         self.pending_samples = 0
         self.failures = 0
+
+    # -- the registry's questions --------------------------------------------------------------
+
+    @classmethod
+    def unsupported_reason(cls, module: nn.Module) -> str | None:
+        """Why this block cannot precondition ``module`` (None: it can). Default: it can."""
+        return None
+
+    @classmethod
+    def supports(cls, module: nn.Module) -> bool:
+        """Whether this block can precondition ``module``."""
+        return cls.unsupported_reason(module) is None
+
+    @classmethod
+    def create(
+        cls, name: str, module: nn.Module, trainable: set[Tensor], claimed: set[Tensor], factor_dtype: torch.dtype
+    ) -> list[KroneckerBlock]:
+        """The blocks for ``module`` (a supported one), taking its ``weight`` (and ``bias``) when they
+        are ``trainable`` and not yet ``claimed`` by another block; adds what it takes to ``claimed``."""
+        weight = module.weight
+        if weight not in trainable or weight in claimed:
+            return []
+        claimed.add(weight)
+        bias = getattr(module, "bias", None)
+        include_bias = bias is not None and bias in trainable and bias not in claimed
+        if include_bias:
+            claimed.add(bias)
+        return [cls(name, module, include_bias, factor_dtype)]
+
+    def make_factors(self, dtype: torch.dtype, device: torch.device) -> dict[FactorName, Factor]:
+        """Dense ``A: (in [+1], in [+1])`` and ``G: (out, out)`` per group (the default)."""
+        out_dim = self.weight.shape[0] // self.groups
+        in_dim = self.weight[0].numel() + (self.bias is not None)
+        return {"A": Factor(in_dim, dtype, device, self.groups), "G": Factor(out_dim, dtype, device, self.groups)}
+
+    def layer_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+        """The input the statistics need, from the module's forward arguments (default: the first)."""
+        return args[0] if args else next(iter(kwargs.values()))
+
+    def describe(self) -> str:
+        """One line: the block kind and its factors' shapes and kinds."""
+        parts = []
+        for name, factor in self.factors.items():
+            kind = "diagonal" if factor.diagonal else "dense"
+            shape = "x".join(str(d) for d in factor.running.shape)
+            parts.append(f"{name} {shape} {kind}")
+        params = "weight+bias" if self.bias is not None else "weight"
+        return f"{type(self).__name__} ({params}): {', '.join(parts)}"
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The parameters this block preconditions."""
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
+
+    def direction_shape(self) -> tuple[int, ...]:
+        """Shape of the joint gradient and of the preconditioned direction."""
+        return (*self.G.batch_shape, self.G.dim, self.A.dim)
+
+    # -- statistics ------------------------------------------------------------------------------
 
     @abstractmethod
     def input_rows(self, inputs: Tensor) -> Tensor:
@@ -189,6 +300,10 @@ class KroneckerBlock(ABC):
     @abstractmethod
     def output_grad_rows(self, grad_output: Tensor) -> Tensor:
         """The output-gradient as rows ``(N·R, out)``."""
+
+    def add_output_gram(self, grad_output: Tensor, dtype: torch.dtype) -> None:
+        """Add the output-gradient rows' Gram matrix to G's pending sum."""
+        self.G.add_gram(self.output_grad_rows(grad_output).to(dtype))
 
     @abstractmethod
     def sample_count(self, inputs: Tensor) -> int:
@@ -207,7 +322,7 @@ class KroneckerBlock(ABC):
         dtype = self.A.pending.dtype
         with torch.autocast(inputs.device.type, enabled=False):
             self.add_input_gram(inputs, dtype)
-            self.G.add_gram(self.output_grad_rows(grad_output).to(dtype))
+            self.add_output_gram(grad_output, dtype)
         self.pending_samples += self.sample_count(inputs)
 
     def clear_pending(self) -> None:
@@ -230,40 +345,35 @@ class KroneckerBlock(ABC):
         self.pending_samples = 0
 
     def shifts(self, method: Method, damping: float) -> dict[FactorName, float]:
-        """Per-factor damping shifts: none for eigen (exact damping), ``π√λ`` / ``√λ/π`` for inverse."""
-        if method == "eigen":
-            return {"A": 0.0, "G": 0.0}
-        pi = linalg.pi_correction(self.A.running, self.G.running)
-        root = damping**0.5
-        return {"A": pi * root, "G": root / pi}
+        """Per-factor damping shifts of ``method`` (e.g. none for eigen, ``π√λ`` / ``√λ/π`` for inverse)."""
+        a_shift, g_shift = method.shifts(self.A, self.G, damping)
+        return {"A": a_shift, "G": g_shift}
 
     def grad_matrix(self) -> Tensor | None:
-        """The joint gradient ``[∇W | ∇b]``: ``(out, in [+1])``, or None if ``W`` has no grad."""
+        """The joint gradient ``[∇W | ∇b]`` (see :meth:`direction_shape`), or None if ``W`` has no grad."""
         weight_grad = self.weight.grad
         if weight_grad is None:
             return None
-        matrix = weight_grad.reshape(weight_grad.shape[0], -1)
+        matrix = weight_grad.reshape(*self.G.batch_shape, self.G.dim, -1)
         if self.bias is None:
             return matrix
         bias_grad = self.bias.grad if self.bias.grad is not None else torch.zeros_like(self.bias)
-        return torch.cat([matrix, bias_grad.unsqueeze(1)], dim=1)
+        return torch.cat([matrix, bias_grad.reshape(*matrix.shape[:-1], 1)], dim=-1)
 
     def precondition(self, grad: Tensor, method: Method, damping: float) -> Tensor | None:
-        """The preconditioned ``(out, in [+1])`` direction, or None before any decomposition."""
+        """The preconditioned joint direction, or None before any decomposition."""
         a, g = self.A.decomposition, self.G.decomposition
         if a is None or g is None:
             return None
-        work = grad.to(a.Q.dtype if isinstance(a, linalg.Eigen) else a.dtype)
-        if isinstance(a, linalg.Eigen):
-            return linalg.eigen_precondition(work, a, g, damping)
-        return linalg.inverse_precondition(work, a, g)
+        dtype = a.d.dtype if isinstance(a, linalg.Eigen) else a.dtype
+        return method.precondition(grad.to(dtype), self.A, self.G, damping)
 
     def split(self, direction: Tensor) -> list[tuple[nn.Parameter, Tensor]]:
-        """Cut a joint ``(out, in [+1])`` direction into per-parameter directions."""
-        weight_part = direction[:, : self.weight[0].numel()]
+        """Cut a joint direction (see :meth:`direction_shape`) into per-parameter directions."""
+        weight_part = direction[..., : direction.shape[-1] - (self.bias is not None)]
         pieces = [(self.weight, weight_part.reshape(self.weight.shape).to(self.weight.dtype))]
         if self.bias is not None:
-            pieces.append((self.bias, direction[:, -1].to(self.bias.dtype).contiguous()))
+            pieces.append((self.bias, direction[..., -1].reshape(self.bias.shape).to(self.bias.dtype).contiguous()))
         return pieces
 
     def state_dict(self) -> dict[str, Any]:
