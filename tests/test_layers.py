@@ -1,0 +1,393 @@
+"""Blocks beyond Linear/Conv2d against dense references from first principles (float64).
+
+N-d and grouped convolutions: patches taken by slicing position by position, per group; per-sample
+output gradients from autograd. Embedding: the same one-hot rows fed to ``nn.Linear``. Every
+direction is compared with ``(G ⊗ A + λI)⁻¹ ∇W`` solved densely (per group for grouped convs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_factors import (  # the float64 fixture and the reference helpers
+    DTYPES,
+    _float64,  # noqa: F401 (autouse fixture)
+    kron_solve,
+    mean_loss,
+    one_kfac_step,
+    per_sample_output_grads,
+    reference_factors,
+    with_bias_column,
+)
+from torch import nn
+
+from kfac_optim import KFAC, KroneckerBlock, register_block
+from kfac_optim.layers import ConvBlock, EmbeddingBlock, LinearBlock, block_kind, discover_blocks, registered_blocks
+
+# -- convolutions ------------------------------------------------------------------------------
+
+
+def conv_patches_nd(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Rows ``(N·L_out, C·prod(kernel))`` sliced from the padded input, output position by position."""
+    dims = x.dim() - 2
+    if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
+        mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+        padded = F.pad(x, conv._reversed_padding_repeated_twice, mode=mode)
+    else:
+        padded = F.pad(x, [p for size in reversed(conv.padding) for p in (size, size)])
+    k, s, d = conv.kernel_size, conv.stride, conv.dilation
+    out = [(padded.shape[2 + i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(dims)]
+    rows = []
+    for n in range(x.shape[0]):
+        for position in itertools.product(*(range(o) for o in out)):
+            window = padded[n][
+                (slice(None), *(slice(p * s[i], p * s[i] + d[i] * (k[i] - 1) + 1, d[i]) for i, p in enumerate(position)))
+            ]
+            rows.append(window.reshape(-1))
+    return torch.stack(rows)
+
+
+def output_rows(out_grads: torch.Tensor) -> torch.Tensor:
+    """``(N, C, *S)`` → ``(N·L, C)``."""
+    return out_grads.movedim(1, -1).reshape(-1, out_grads.shape[1])
+
+
+CONV_CASES = [
+    (nn.Conv1d, {"kernel_size": 3, "padding": 1}, (3, 2, 9)),
+    (nn.Conv1d, {"kernel_size": 2, "stride": 2, "dilation": 2, "bias": False}, (2, 2, 11)),
+    (nn.Conv1d, {"kernel_size": 4, "padding": "same", "dilation": 2}, (2, 2, 8)),
+    (nn.Conv1d, {"kernel_size": 3, "padding": 2, "padding_mode": "circular"}, (2, 2, 7)),
+    (nn.Conv3d, {"kernel_size": 2, "padding": 1}, (2, 2, 3, 4, 3)),
+    (nn.Conv3d, {"kernel_size": (1, 2, 3), "stride": (1, 2, 1), "dilation": (2, 1, 1), "bias": False}, (2, 2, 4, 5, 6)),
+    (nn.Conv3d, {"kernel_size": 3, "padding": "same"}, (2, 1, 3, 3, 4)),
+]
+
+
+@pytest.mark.parametrize("conv_type, conv_args, shape", CONV_CASES)
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+def test_conv1d_and_conv3d_match_dense_reference(conv_type, conv_args: dict, shape: tuple[int, ...]) -> None:
+    layer = conv_type(shape[1], 3, **conv_args)
+    x = torch.randn(shape)
+    target = torch.randn_like(layer(x))
+    bias = layer.bias is not None
+    g_hat = output_rows(per_sample_output_grads(layer, x, target))
+    A_ref, G_ref = reference_factors(with_bias_column(conv_patches_nd(layer, x), bias), g_hat, shape[0])
+    optimizer, grad, direction = one_kfac_step(layer, x, target, damping=0.05)
+    block = optimizer.blocks[0]
+    assert isinstance(block, ConvBlock)
+    torch.testing.assert_close(block.A.running, A_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block.G.running, G_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(direction, kron_solve(G_ref, A_ref, grad, 0.05), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("padding", [1, "same"])
+def test_conv1d_steps_exactly_like_conv2d_with_a_1_by_k_kernel(method: str, padding) -> None:
+    conv1 = nn.Conv1d(3, 4, 3, padding=padding, dilation=2 if padding == "same" else 1, stride=1)
+    conv2 = nn.Conv2d(3, 4, (1, 3), padding=padding if padding == "same" else (0, 1), dilation=(1, conv1.dilation[0]))
+    with torch.no_grad():
+        conv2.weight.copy_(conv1.weight.unsqueeze(2))
+        conv2.bias.copy_(conv1.bias)
+    x = torch.randn(4, 3, 10)
+    target = torch.randn(4, 4, 10)
+    updates = []
+    for layer, inputs, targets in ((conv1, x, target), (conv2, x.unsqueeze(2), target.unsqueeze(2))):
+        optimizer = KFAC(layer, lr=0.3, momentum=0.9, damping=0.01, method=method, inv_update_steps=2, **DTYPES)
+        before = layer.weight.detach().clone()
+        for _ in range(3):
+            optimizer.zero_grad()
+            mean_loss(layer, inputs, targets).backward()
+            optimizer.step()
+        updates.append((layer.weight.detach() - before).reshape(4, -1))
+    torch.testing.assert_close(updates[0], updates[1], rtol=1e-6, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "conv_type, channels, groups, shape",
+    [
+        (nn.Conv2d, (4, 6), 2, (3, 4, 5, 5)),
+        (nn.Conv1d, (6, 6), 6, (3, 6, 8)),  # depthwise
+        (nn.Conv1d, (3, 6), 3, (2, 3, 7)),  # depthwise with multiplier 2
+    ],
+)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_grouped_conv_is_one_kronecker_pair_per_group(conv_type, channels, groups, shape, bias, method) -> None:
+    c_in, c_out = channels
+    layer = conv_type(c_in, c_out, 3, padding=1, groups=groups, bias=bias)
+    x = torch.randn(shape)
+    target = torch.randn_like(layer(x))
+    damping = 0.05
+    patches = conv_patches_nd(layer, x)  # (N·L, C_in·K), channel-major
+    g_hat = output_rows(per_sample_output_grads(layer, x, target))
+    per_in, per_out = patches.shape[1] // groups, c_out // groups
+    optimizer, grad, direction = one_kfac_step(layer, x, target, damping=damping, method=method)
+    block = optimizer.blocks[0]
+    assert block.A.running.shape[0] == block.G.running.shape[0] == groups
+    out_rows = torch.arange(c_out).reshape(groups, per_out)
+    for j in range(groups):
+        a_rows = with_bias_column(patches[:, j * per_in : (j + 1) * per_in], bias)
+        A_ref, G_ref = reference_factors(a_rows, g_hat[:, out_rows[j]], shape[0])
+        torch.testing.assert_close(block.A.running[j], A_ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(block.G.running[j], G_ref, rtol=1e-12, atol=1e-12)
+    A, G = block.A.running, block.G.running
+    if method == "inverse":  # π over all groups: mean diagonal entry of A over that of G
+        pi = math.sqrt(float(A.diagonal(dim1=1, dim2=2).mean() / G.diagonal(dim1=1, dim2=2).mean()))
+    for j in range(groups):
+        g_j = grad[out_rows[j]]
+        if method == "eigen":
+            expected = kron_solve(G[j], A[j], g_j, damping)
+        else:
+            eye_a, eye_g = torch.eye(A.shape[-1]), torch.eye(G.shape[-1])
+            expected = (
+                torch.linalg.inv(G[j] + damping**0.5 / pi * eye_g) @ g_j @ torch.linalg.inv(A[j] + pi * damping**0.5 * eye_a)
+            )
+        torch.testing.assert_close(direction[out_rows[j]], expected, rtol=1e-9, atol=1e-12)
+
+
+def test_depthwise_conv_factors_are_batched_not_one_per_group() -> None:
+    optimizer = KFAC(nn.Conv1d(64, 64, 5, groups=64), lr=0.1)
+    (block,) = optimizer.blocks
+    assert block.A.running.shape == (64, 6, 6) and block.G.running.shape == (64, 1, 1)
+
+
+# -- embeddings --------------------------------------------------------------------------------
+
+
+def embedding_and_linear(vocabulary: int, dim: int) -> tuple[nn.Embedding, nn.Linear]:
+    embedding = nn.Embedding(vocabulary, dim)
+    linear = nn.Linear(vocabulary, dim, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(embedding.weight.T)
+    return embedding, linear
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_embedding_steps_exactly_like_linear_on_one_hot_rows(method: str) -> None:
+    vocabulary, dim = 7, 3
+    embedding, linear = embedding_and_linear(vocabulary, dim)
+    weights_before = embedding.weight.detach().clone()
+    generator = torch.Generator().manual_seed(0)
+    for step in range(4):
+        tokens = torch.randint(0, vocabulary - 1, (5, 4), generator=generator)  # the last token never occurs
+        target = torch.randn(5, 4, dim, generator=generator)
+        for layer, inputs in ((embedding, tokens), (linear, F.one_hot(tokens, vocabulary).double())):
+            if step == 0:
+                layer.kfac = KFAC(layer, lr=0.2, momentum=0.9, damping=0.03, method=method, inv_update_steps=2, **DTYPES)
+            layer.kfac.zero_grad()
+            mean_loss(layer, inputs, target).backward()
+            layer.kfac.step()
+    assert isinstance(embedding.kfac.blocks[0], EmbeddingBlock) and embedding.kfac.blocks[0].A.running.shape == (7,)
+    torch.testing.assert_close(embedding.weight.detach(), linear.weight.detach().T, rtol=1e-6, atol=1e-10)
+    assert not torch.equal(embedding.weight, weights_before)
+
+
+def test_embedding_matches_dense_reference() -> None:
+    """A: the one-hot rows' Gram (diagonal), G from per-sample ĝ, direction (G ⊗ A + λI)⁻¹ vec(∇Wᵀ)."""
+    embedding = nn.Embedding(6, 3)
+    tokens = torch.randint(0, 6, (4, 5))
+    target = torch.randn(4, 5, 3)
+    g_hat = per_sample_output_grads(embedding, tokens, target).reshape(-1, 3)
+    A_ref, G_ref = reference_factors(F.one_hot(tokens.reshape(-1), 6).double(), g_hat, 4)
+    embedding.zero_grad()
+    optimizer = KFAC(embedding, lr=1.0, kl_clip=None, damping=0.1, **DTYPES)
+    before = embedding.weight.detach().clone()
+    mean_loss(embedding, tokens, target).backward()
+    grad = embedding.weight.grad.T.clone()
+    optimizer.step()
+    block = optimizer.blocks[0]
+    torch.testing.assert_close(block.A.running, A_ref.diagonal(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block.G.running, G_ref, rtol=1e-12, atol=1e-12)
+    direction = (before - embedding.weight.detach()).T
+    torch.testing.assert_close(direction, kron_solve(G_ref, A_ref, grad, 0.1), rtol=1e-9, atol=1e-12)
+
+
+def test_embedding_padding_positions_add_zero_rows() -> None:
+    """A padding position is a row with a = 0 and ĝ = 0: it adds nothing to A or G, counts in R."""
+    embedding = nn.Embedding(5, 3, padding_idx=0)
+    tokens = torch.tensor([[0, 1, 2], [3, 0, 0]])
+    target = torch.randn(2, 3, 3)
+    g_hat = per_sample_output_grads(embedding, tokens, target).reshape(-1, 3)
+    keep = (tokens.reshape(-1) != 0).double().unsqueeze(1)
+    a_rows = F.one_hot(tokens.reshape(-1), 5).double() * keep
+    A_ref, G_ref = reference_factors(a_rows, g_hat * keep, 2)
+    padding_row = embedding.weight.detach()[0].clone()
+    embedding.zero_grad()
+    optimizer = KFAC(embedding, lr=1.0, damping=0.1, **DTYPES)
+    mean_loss(embedding, tokens, target).backward()
+    optimizer.step()
+    block = optimizer.blocks[0]
+    torch.testing.assert_close(block.A.running, A_ref.diagonal(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block.G.running, G_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(embedding.weight.detach()[0], padding_row, rtol=0, atol=0)
+
+
+def test_embedding_with_max_norm_steps_with_finite_updates() -> None:
+    embedding = nn.Embedding(8, 4, max_norm=1.0)
+    optimizer = KFAC(embedding, lr=0.1, **DTYPES)
+    for _ in range(2):
+        optimizer.zero_grad()
+        embedding(torch.randint(0, 8, (3, 5))).pow(2).sum().backward()
+        optimizer.step()
+    assert torch.isfinite(embedding.weight).all() and optimizer.blocks[0].A.initialized
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_embedding_memory_is_linear_in_the_vocabulary(method: str) -> None:
+    vocabulary, dim = 50_000, 512
+    embedding = nn.Embedding(vocabulary, dim, dtype=torch.float32)
+    optimizer = KFAC(embedding, lr=0.1, method=method)
+    optimizer.zero_grad()
+    embedding(torch.randint(0, vocabulary, (2, 8))).float().pow(2).sum().backward()
+    optimizer.step()
+    usage = optimizer.memory_usage()
+    decomposition = dim * dim + dim if method == "eigen" else dim * dim
+    assert usage["factors"] == 4 * (vocabulary + dim * dim)
+    assert usage["pending"] == 4 * (vocabulary + dim * dim)
+    assert usage["decompositions"] == 4 * (vocabulary + decomposition)
+    assert usage["total"] < 4 * 3 * (vocabulary + dim * dim + dim)  # O(V + D²), never V²
+
+
+def test_sparse_embedding_takes_the_sgd_path_bit_identically() -> None:
+    embedding = nn.Embedding(6, 3, sparse=True)
+    reference = nn.Embedding(6, 3, sparse=True)
+    reference.load_state_dict(embedding.state_dict())
+    with pytest.warns(UserWarning, match="sparse"):
+        optimizer = KFAC(nn.Sequential(embedding), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    tokens = torch.randint(0, 6, (4, 3))
+    for layer, opt in ((embedding, optimizer), (reference, reference_optimizer)):
+        layer(tokens).pow(2).sum().backward()
+        opt.step()
+    assert torch.equal(embedding.weight, reference.weight)
+
+
+# -- the registry ------------------------------------------------------------------------------
+
+
+class Scale(nn.Module):
+    """``y = x · diag-free weight``: a user's layer, ``y = x Wᵀ`` with its own parameter name."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(features, features))
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+
+class FancyLinear(nn.Linear):
+    pass
+
+
+def test_register_block_makes_a_user_layer_a_kfac_layer_and_lookup_follows_the_mro() -> None:
+    before = registered_blocks()
+    try:
+        assert block_kind(Scale(2)) is None
+        register_block(Scale, LinearBlock)
+        assert block_kind(Scale(2)) is LinearBlock
+        assert block_kind(FancyLinear(2, 2)) is LinearBlock  # a subclass of a registered type
+        layer = Scale(3)
+        x, target = torch.randn(6, 3), torch.randn(6, 3)
+        g_hat = per_sample_output_grads(layer, x, target)
+        A_ref, G_ref = reference_factors(x, g_hat, 6)
+        optimizer, grad, direction = one_kfac_step(layer, x, target, damping=0.1)
+        torch.testing.assert_close(direction, kron_solve(G_ref, A_ref, grad, 0.1), rtol=1e-9, atol=1e-12)
+        assert "Scale" in optimizer.describe() and "LinearBlock" in optimizer.describe()
+    finally:
+        registered_blocks_now = registered_blocks()
+        for module_type in set(registered_blocks_now) - set(before):
+            from kfac_optim.layers import registry
+
+            del registry._REGISTRY[module_type]
+    assert block_kind(Scale(2)) is None
+
+
+def test_register_block_rejects_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="module_type"):
+        register_block(int, LinearBlock)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="block_class"):
+        register_block(Scale, object)  # type: ignore[arg-type]
+
+
+def test_a_block_can_decline_instances() -> None:
+    class EvenOnly(LinearBlock):
+        @classmethod
+        def unsupported_reason(cls, module: nn.Module) -> str | None:
+            return None if module.out_features % 2 == 0 else "odd width"
+
+    before = registered_blocks()
+    try:
+        register_block(FancyLinear, EvenOnly)
+        net = nn.Sequential(FancyLinear(3, 4), FancyLinear(4, 3))
+        with pytest.warns(UserWarning, match="odd width"):
+            optimizer = KFAC(net, lr=0.1)
+        assert [type(b) for b in optimizer.blocks] == [EvenOnly]
+        assert [r.status for r in optimizer.module_reports] == ["kfac", "unsupported"]
+    finally:
+        from kfac_optim.layers import registry
+
+        registry._REGISTRY.clear()
+        registry._REGISTRY.update(before)
+
+
+def test_discover_blocks_is_public_and_agrees_with_the_optimizer() -> None:
+    net = nn.Sequential(nn.Embedding(10, 4), nn.Conv1d(4, 4, 3, groups=4), nn.Flatten(), nn.Linear(32, 2))
+    blocks = discover_blocks(net)
+    assert [b.name for b in blocks] == ["0", "1", "3"]
+    assert [type(b) for b in blocks] == [EmbeddingBlock, ConvBlock, LinearBlock]
+    assert issubclass(EmbeddingBlock, KroneckerBlock)
+
+
+def test_describe_lists_every_module_with_trainable_parameters() -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    net[2].weight.requires_grad_(False)
+    optimizer = KFAC(net, lr=0.1, params=[p for p in net.parameters() if p.requires_grad])
+    reports = {r.name: r for r in optimizer.module_reports}
+    assert set(reports) == {"0", "1", "2"}
+    assert reports["0"].block == "0" and "A 5x5 dense" in reports["0"].detail
+    assert reports["1"].block is None and reports["1"].status == "unregistered"
+    assert reports["2"].block is None and reports["2"].params == (("bias", (2,)),)
+    text = optimizer.describe()
+    assert "16/16 weight-matrix elements (100.0%)" in text and "LayerNorm" in text
+
+
+def test_describe_names_a_tied_weight_and_the_block_that_owns_it() -> None:
+    embedding = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10)
+    head.weight = embedding.weight
+    net = nn.Sequential(embedding, head)
+    optimizer = KFAC(net, lr=0.1)
+    reports = {r.name: r for r in optimizer.module_reports}
+    assert [b.name for b in optimizer.blocks] == ["0"]
+    assert reports["1"].block == "0" and "shared with block '0'" in reports["1"].detail
+    assert "bias take the SGD path" in reports["1"].detail
+
+
+def test_a_block_whose_hooks_never_fire_is_reported_at_the_first_factor_step() -> None:
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(3, 3)
+            self.bypassed = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(self.used(x), self.bypassed.weight, self.bypassed.bias)
+
+    net = Functional()
+    optimizer = KFAC(net, lr=0.1)
+    with pytest.warns(RuntimeWarning, match=r"\['bypassed'\] produced no statistics"):
+        net(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.zero_grad()
+        net(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
