@@ -24,6 +24,7 @@ from test_factors import (  # the float64 fixture and the reference helpers
     with_bias_column,
 )
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
 
 from kfac_optim import KFAC, KroneckerBlock, register_block
 from kfac_optim.layers import ConvBlock, EmbeddingBlock, LinearBlock, block_kind, discover_blocks, registered_blocks
@@ -365,7 +366,7 @@ def test_describe_names_a_tied_weight_and_the_block_that_owns_it() -> None:
     optimizer = KFAC(net, lr=0.1)
     reports = {r.name: r for r in optimizer.module_reports}
     assert [b.name for b in optimizer.blocks] == ["0"]
-    assert reports["1"].block == "0" and "shared with block '0'" in reports["1"].detail
+    assert reports["1"].block == "0" and "preconditioned in block '0'" in reports["1"].detail
     assert "bias take the SGD path" in reports["1"].detail
 
 
@@ -391,3 +392,109 @@ def test_a_block_whose_hooks_never_fire_is_reported_at_the_first_factor_step() -
         optimizer.zero_grad()
         net(torch.randn(4, 3)).sum().backward()
         optimizer.step()
+
+
+# -- multi-head attention ----------------------------------------------------------------------
+
+
+def attention_by_hand(mha: nn.MultiheadAttention, query, key, value):
+    """Sequence-first ``(L, N, E)`` inputs: the projections' outputs and the attention output before
+    ``out_proj``, computed from the definition (no dropout, no masks), and the module's output."""
+    E, heads = mha.embed_dim, mha.num_heads
+    if mha._qkv_same_embed_dim:
+        weights = mha.in_proj_weight.chunk(3)
+    else:
+        weights = (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight)
+    biases = mha.in_proj_bias.chunk(3) if mha.in_proj_bias is not None else (None,) * 3
+    q, k, v = (F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases, strict=True))
+
+    def split(t):  # (L, N, E) → (N, heads, L, E/heads)
+        return t.reshape(t.shape[0], t.shape[1], heads, E // heads).permute(1, 2, 0, 3)
+
+    scores = split(q) @ split(k).transpose(-1, -2) / math.sqrt(E // heads)
+    attended = (scores.softmax(-1) @ split(v)).permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], E)
+    return (q, k, v), attended, mha.out_proj(attended)
+
+
+def per_sample_grads_of(outputs: list[torch.Tensor], final: torch.Tensor, target: torch.Tensor) -> list[torch.Tensor]:
+    """ĝ rows ``(L·N, ·)`` of each tensor in ``outputs`` (sequence-first), sample by sample."""
+    per_tensor = [[] for _ in outputs]
+    for n in range(final.shape[1]):
+        loss = 0.5 * ((final[:, n] - target[:, n]) ** 2).sum()
+        grads = torch.autograd.grad(loss, outputs, retain_graph=True)
+        for rows, grad in zip(per_tensor, grads, strict=True):
+            rows.append(grad[:, n])
+    return [torch.stack(rows, 1).reshape(-1, rows[0].shape[-1]) for rows in per_tensor]
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("separate", [False, True])
+def test_multihead_attention_matches_dense_reference(batch_first: bool, cross: bool, separate: bool) -> None:
+    E, N, L, S = 4, 3, 2, 3 if cross else 2
+    extra = {"kdim": 3, "vdim": 5} if separate else {}
+    mha = nn.MultiheadAttention(E, 2, batch_first=batch_first, **extra)
+    query = torch.randn(L, N, E)
+    key = torch.randn(S, N, extra.get("kdim", E)) if (cross or separate) else query
+    value = torch.randn(S, N, extra.get("vdim", E)) if (cross or separate) else query
+    target = torch.randn(L, N, E)
+    (q, k, v), attended, final = attention_by_hand(mha, query, key, value)
+    g_q, g_k, g_v, g_out = per_sample_grads_of([q, k, v, final], final, target)
+
+    def first(t):
+        return t.transpose(0, 1) if batch_first else t
+
+    mha.zero_grad()
+    optimizer = KFAC(mha, lr=1.0, kl_clip=None, damping=0.1, **DTYPES)
+    before = {name: p.detach().clone() for name, p in mha.named_parameters()}
+    out, _ = mha(first(query), first(key), first(value), need_weights=False)
+    torch.testing.assert_close(first(out), final, rtol=1e-12, atol=1e-12)  # the tap changes no value
+    (0.5 * ((first(out) - target) ** 2).sum(-1).sum(0).mean()).backward()
+    grads = {name: p.grad.clone() for name, p in mha.named_parameters()}
+    optimizer.step()
+    moved = {name: before[name] - p.detach() for name, p in mha.named_parameters()}
+    blocks = {b.name: b for b in optimizer.blocks}
+
+    def check(block, index, a_rows, g_rows, grad, direction, bias: bool):
+        A_ref, G_ref = reference_factors(with_bias_column(a_rows, bias), g_rows, N)
+        A = block.A.running if index is None else block.A.running[index]
+        G = block.G.running if index is None else block.G.running[index]
+        torch.testing.assert_close(A, A_ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(G, G_ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(direction, kron_solve(G_ref, A_ref, grad, 0.1), rtol=1e-9, atol=1e-12)
+
+    rows = [x.reshape(-1, x.shape[-1]) for x in (query, key, value)]
+    g_rows = (g_q, g_k, g_v)
+    if separate:
+        assert set(blocks) == {"q_proj", "k_proj", "v_proj", "out_proj"}
+        for j, letter in enumerate("qkv"):
+            name = f"{letter}_proj_weight"
+            check(blocks[f"{letter}_proj"], None, rows[j], g_rows[j], grads[name], moved[name], False)
+        torch.testing.assert_close(moved["in_proj_bias"], grads["in_proj_bias"], rtol=0, atol=0)  # SGD path
+    else:
+        assert set(blocks) == {"in_proj", "out_proj"}
+        E_rows = torch.arange(3 * E).reshape(3, E)
+        for j in range(3):
+            grad = torch.cat([grads["in_proj_weight"][E_rows[j]], grads["in_proj_bias"][E_rows[j], None]], 1)
+            direction = torch.cat([moved["in_proj_weight"][E_rows[j]], moved["in_proj_bias"][E_rows[j], None]], 1)
+            check(blocks["in_proj"], j, rows[j], g_rows[j], grad, direction, True)
+    out_grad = torch.cat([grads["out_proj.weight"], grads["out_proj.bias"][:, None]], 1)
+    out_moved = torch.cat([moved["out_proj.weight"], moved["out_proj.bias"][:, None]], 1)
+    check(blocks["out_proj"], None, attended.detach().reshape(-1, E), g_out, out_grad, out_moved, True)
+
+
+def test_attention_tap_is_only_active_on_recording_forwards_and_leaves_eval_alone() -> None:
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    optimizer = KFAC(layer, lr=0.1, factor_update_steps=2)
+    with pytest.raises(AssertionError):  # an armed forward that raises (mismatched embed dim) still pops its tap
+        layer.self_attn(torch.randn(2, 3, 5), torch.randn(2, 3, 5), torch.randn(2, 3, 5))
+    assert not _get_current_function_mode_stack()
+    x = torch.randn(3, 5, 8)
+    for _ in range(3):
+        optimizer.zero_grad()
+        layer(x).pow(2).mean().backward()
+        optimizer.step()
+    names = [b.name for b in optimizer.blocks]
+    assert names == ["self_attn.in_proj", "self_attn.out_proj", "linear1", "linear2"]
+    assert all(b.A.initialized for b in optimizer.blocks)
+    assert not _get_current_function_mode_stack()  # every pushed tap was popped

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -59,23 +60,30 @@ class StatisticsCapture:
         self._accumulate = accumulate
         self._recording = every_backward
         self._every_backward = every_backward
-        self._handles: list[RemovableHandle] = [
-            block.module.register_forward_hook(self._forward_hook(block)) for block in blocks
-        ]
+        self._handles: list[RemovableHandle] = []
+        for block in blocks:
+            own = block.install_capture(self)
+            if own is None:
+                own = [block.module.register_forward_hook(self._forward_hook(block), with_kwargs=True)]
+            self._handles.extend(own)
+
+    def should_capture(self, module: nn.Module) -> bool:
+        """Whether a forward of ``module`` now records statistics: armed, training, grad enabled."""
+        return self.armed and module.training and torch.is_grad_enabled()
+
+    def deliver(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
+        """Hand one captured pair to the accumulate callback, when recording output-gradients."""
+        if self._recording:
+            self._accumulate(block, layer_input, grad_output)
 
     def _forward_hook(self, block: KroneckerBlock):
-        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-            if not (self.armed and module.training and torch.is_grad_enabled()):
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor) -> None:
+            if not self.should_capture(module):
                 return
             if not isinstance(output, Tensor) or not output.requires_grad:
                 return
-            layer_input = inputs[0].detach()
-
-            def record(grad_output: Tensor) -> None:
-                if self._recording:
-                    self._accumulate(block, layer_input, grad_output)
-
-            output.register_hook(record)
+            layer_input = block.layer_input(args, kwargs).detach()
+            output.register_hook(lambda grad_output: self.deliver(block, layer_input, grad_output))
 
         return hook
 

@@ -333,7 +333,7 @@ class KFAC(Optimizer):
         if not self._capture.armed or not any(block.module.training for block in self.blocks):
             return  # not a factor step, or eval mode (the hooks capture nothing)
         loss = fisher_lib.sampled_loss(outputs, likelihood, generator)
-        weights = [block.module.weight for block in self.blocks]
+        weights = [block.module_weight for block in self.blocks]
         recorded_before = sum(block.pending_samples for block in self.blocks)
         with self._capture.recording():
             torch.autograd.grad(loss, weights, retain_graph=True, allow_unused=True)

@@ -1,13 +1,15 @@
 """Kronecker blocks, one per supported module kind, and the registry that picks them.
 
 Built-in registrations: ``nn.Linear``; ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Conv3d`` (any groups);
-``nn.Embedding``. Add your own with :func:`register_block`.
+``nn.Embedding``; ``nn.MultiheadAttention`` (input projections and ``out_proj``). Add your own
+with :func:`register_block`.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from kfac_optim.layers.attention import InProjectionBlock, OutProjectionBlock, ProjectionBlock
 from kfac_optim.layers.base import DiagonalFactor, Factor, KroneckerBlock
 from kfac_optim.layers.conv import ConvBlock
 from kfac_optim.layers.embedding import EmbeddingBlock
@@ -27,6 +29,7 @@ for _module_type, _block_class in (
     (nn.Conv2d, ConvBlock),
     (nn.Conv3d, ConvBlock),
     (nn.Embedding, EmbeddingBlock),
+    (nn.MultiheadAttention, InProjectionBlock),
 ):
     register_block(_module_type, _block_class)
 
@@ -35,9 +38,12 @@ __all__ = [
     "DiagonalFactor",
     "EmbeddingBlock",
     "Factor",
+    "InProjectionBlock",
     "KroneckerBlock",
     "LinearBlock",
     "ModuleReport",
+    "OutProjectionBlock",
+    "ProjectionBlock",
     "block_kind",
     "discover",
     "discover_blocks",

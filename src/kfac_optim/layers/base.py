@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from kfac_optim import linalg
 from kfac_optim.methods import Method
@@ -25,6 +26,16 @@ from kfac_optim.methods import Method
 logger = logging.getLogger(__name__)
 
 FactorName = Literal["A", "G"]
+
+
+class Capture(Protocol):
+    """What a block that installs its own hooks needs from the statistics capture."""
+
+    def should_capture(self, module: nn.Module) -> bool:
+        """Whether a forward of ``module`` now should record statistics."""
+
+    def deliver(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
+        """Hand one (input, output-gradient) pair of ``block`` on (when recording)."""
 
 
 class Factor:
@@ -69,30 +80,31 @@ class Factor:
         """``tr F / dim`` over all blocks (a host sync; used by the damped inverse's π)."""
         return float(self.diagonal_of(self.running).mean())
 
-    def add_gram(self, rows: Tensor, append_ones: bool = False) -> None:
-        """Accumulate ``rowsᵀ rows`` for ``rows: (R, dim[-1])``, or ``(groups, R, dim[-1])`` per block
-        (a trailing 1 when ``append_ones``)."""
+    def add_gram(self, rows: Tensor, append_ones: bool = False, group: int | None = None) -> None:
+        """Accumulate ``rowsᵀ rows`` for ``rows: (R, dim[-1])``, or ``(groups, R, dim[-1])`` per block,
+        or into block ``group`` only (a trailing 1 when ``append_ones``)."""
+        target = self.pending if group is None else self.pending[group]
         n = rows.shape[-1]
-        if rows.dim() == 2:
-            linalg.add_gram_(self.pending[:n, :n], rows)
+        if rows.dim() == 2 and target.dim() == 2:
+            linalg.add_gram_(target[:n, :n], rows)
         else:
-            self.pending[..., :n, :n].baddbmm_(rows.mT, rows)
-        self._add_row_count(rows.shape[-2], rows.sum(dim=-2) if append_ones else None)
+            target[..., :n, :n].baddbmm_(rows.mT, rows)
+        self._add_row_count(target, rows.shape[-2], rows.sum(dim=-2) if append_ones else None)
 
     def add_column_gram(self, columns: Tensor, append_ones: bool = False) -> None:
         """As :meth:`add_gram` for the ``B·L`` rows ``columns[b, :, l]`` of ``columns: (B, dim[-1], L)``."""
         n = columns.shape[1]
         linalg.add_column_gram_(self.pending[:n, :n], columns)
         rows = columns.shape[0] * columns.shape[2]
-        self._add_row_count(rows, columns.sum(dim=(0, 2)) if append_ones else None)
+        self._add_row_count(self.pending, rows, columns.sum(dim=(0, 2)) if append_ones else None)
 
-    def _add_row_count(self, rows: int, row_sum: Tensor | None) -> None:
-        """Count ``rows`` more rows; with a bias, add their sum and count to the trailing row/column."""
+    def _add_row_count(self, target: Tensor, rows: int, row_sum: Tensor | None) -> None:
+        """Count ``rows`` more rows; with a bias, add their sum and count to ``target``'s trailing row/column."""
         if row_sum is not None:
             n = row_sum.shape[-1]
-            self.pending[..., :n, n] += row_sum
-            self.pending[..., n, :n] += row_sum
-            self.pending[..., n, n] += rows
+            target[..., :n, n] += row_sum
+            target[..., n, :n] += row_sum
+            target[..., n, n] += rows
         self.pending_rows += rows
 
     def clear_pending(self) -> None:
@@ -224,8 +236,10 @@ class KroneckerBlock(ABC):
     def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
         self.name = name
         self.module = module
-        self.weight: nn.Parameter = module.weight
-        self.bias: nn.Parameter | None = module.bias if include_bias else None
+        weight, bias = self.weight_and_bias(module)
+        self.weight: nn.Parameter = weight
+        self.bias: nn.Parameter | None = bias if include_bias else None
+        self.module_weight: nn.Parameter = weight  # the module's own (``weight`` may become an Apex master)
         self.factors: dict[FactorName, Factor] = self.make_factors(factor_dtype, self.weight.device)
         self.pending_samples = 0
         self.failures = 0
@@ -243,16 +257,20 @@ class KroneckerBlock(ABC):
         return cls.unsupported_reason(module) is None
 
     @classmethod
+    def weight_and_bias(cls, module: nn.Module) -> tuple[nn.Parameter, nn.Parameter | None]:
+        """The parameters this block preconditions: ``module.weight`` and ``module.bias`` by default."""
+        return module.weight, getattr(module, "bias", None)
+
+    @classmethod
     def create(
         cls, name: str, module: nn.Module, trainable: set[Tensor], claimed: set[Tensor], factor_dtype: torch.dtype
     ) -> list[KroneckerBlock]:
         """The blocks for ``module`` (a supported one), taking its ``weight`` (and ``bias``) when they
         are ``trainable`` and not yet ``claimed`` by another block; adds what it takes to ``claimed``."""
-        weight = module.weight
+        weight, bias = cls.weight_and_bias(module)
         if weight not in trainable or weight in claimed:
             return []
         claimed.add(weight)
-        bias = getattr(module, "bias", None)
         include_bias = bias is not None and bias in trainable and bias not in claimed
         if include_bias:
             claimed.add(bias)
@@ -263,6 +281,11 @@ class KroneckerBlock(ABC):
         out_dim = self.weight.shape[0] // self.groups
         in_dim = self.weight[0].numel() + (self.bias is not None)
         return {"A": Factor(in_dim, dtype, device, self.groups), "G": Factor(out_dim, dtype, device, self.groups)}
+
+    def install_capture(self, capture: Capture) -> list[RemovableHandle] | None:
+        """Hooks of a block that captures its statistics its own way (None: the default forward hook
+        on ``module``, handing :meth:`layer_input` and the output's gradient to ``capture.deliver``)."""
+        return None
 
     def layer_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
         """The input the statistics need, from the module's forward arguments (default: the first)."""

@@ -135,7 +135,7 @@ def discover(
         block, status, detail = decisions.get(name, (None, "", ""))
         if owners != {None} and block is None:  # its parameters belong to another module's block
             block = next(o for o in owners if o is not None)
-            status, detail = "kfac", f"shared with block {block!r}, preconditioned there with that block's statistics"
+            status, detail = "kfac", f"preconditioned in block {block!r} (with the statistics that block captures)"
         elif not status:
             status, detail = "unregistered", f"no K-FAC block registered for {type(module).__name__}"
         leftover = [p_name for p_name, p in own if owner_of.get(p) is None]

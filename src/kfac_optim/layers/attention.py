@@ -1,0 +1,252 @@
+"""K-FAC blocks for ``nn.MultiheadAttention``: the input projections and ``out_proj``.
+
+``nn.MultiheadAttention`` applies its projections inside ``F.multi_head_attention_forward`` with
+its parameters, never calling ``out_proj`` as a module, so forward hooks see none of the
+projections' inputs or outputs. While a forward of the module records statistics, a
+``TorchFunctionMode`` (pushed by a forward pre-hook, popped by a forward hook that always runs)
+takes that one call over: it applies the projections itself with the same parameters, registers
+gradient hooks on their outputs, and calls ``F.multi_head_attention_forward`` with identity
+projections (exact: multiplying by ``I`` and adding no bias changes no value), so masks, dropout
+(same RNG draws), ``bias_k``/``bias_v``, ``add_zero_attn``, ``batch_first`` and cross-attention
+behave as the module's own forward. Cost: four extra ``E x E`` matmuls per recorded forward.
+
+Blocks (conventions of ``layers.base``; rows are sequence positions, N the batch):
+- packed ``in_proj_weight (3E, E)`` (``kdim = vdim = E``): one block of three Kronecker pairs
+  (q, k, v), ``A: (3, E [+1], E [+1])`` from the query, key and value rows (each with its own row
+  count), ``G: (3, E, E)`` from the projections' output-gradients; ``in_proj_bias`` rides along;
+- separate ``q/k/v_proj_weight`` (``kdim`` or ``vdim`` != E): one block each, without bias
+  (``in_proj_bias`` then takes the SGD path: it spans the three);
+- ``out_proj``: a Linear block fed the attention output before ``out_proj``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from kfac_optim.layers.base import Capture, KroneckerBlock
+from kfac_optim.layers.linear import LinearBlock
+
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+_PROJECTIONS = ("q", "k", "v")
+
+
+def _batch_size(x: Tensor) -> int:
+    """N of an input in the functional's layout ``(L, N, E)`` (``(L, E)`` unbatched)."""
+    return x.shape[1] if x.dim() == 3 else 1
+
+
+class InProjectionBlock(KroneckerBlock):
+    """The packed ``in_proj_weight``: three Kronecker pairs (q, k, v), batched as groups."""
+
+    groups = 3
+    module: nn.MultiheadAttention
+
+    @classmethod
+    def unsupported_reason(cls, module: nn.Module) -> str | None:
+        return None
+
+    @classmethod
+    def weight_and_bias(cls, module: nn.Module) -> tuple[nn.Parameter, nn.Parameter | None]:
+        return module.in_proj_weight, module.in_proj_bias
+
+    @classmethod
+    def create(
+        cls, name: str, module: nn.Module, trainable: set[Tensor], claimed: set[Tensor], factor_dtype: torch.dtype
+    ) -> list[KroneckerBlock]:
+        """Blocks of the input projections (packed or separate) and ``out_proj``; one capture for all."""
+        def child(suffix: str) -> str:
+            return f"{name}.{suffix}" if name else suffix
+
+        blocks: list[KroneckerBlock] = []
+        if module._qkv_same_embed_dim:
+            blocks += super().create(child("in_proj"), module, trainable, claimed, factor_dtype)
+        else:
+            for index, letter in enumerate(_PROJECTIONS):
+                weight = getattr(module, f"{letter}_proj_weight")
+                if weight in trainable and weight not in claimed:
+                    claimed.add(weight)
+                    blocks.append(ProjectionBlock(child(f"{letter}_proj"), module, index, factor_dtype))
+        blocks += OutProjectionBlock.create(child("out_proj"), module.out_proj, trainable, claimed, factor_dtype)
+        if blocks:
+            _AttentionCapture(module, blocks)
+        return blocks
+
+    def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
+        super().__init__(name, module, include_bias, factor_dtype)
+        self._group_rows = [0] * self.groups
+        self.attention: _AttentionCapture | None = None
+
+    def install_capture(self, capture: Capture) -> list[RemovableHandle] | None:
+        return self.attention.install(capture, self)
+
+    def input_rows(self, inputs: Tensor) -> Tensor:
+        return inputs.reshape(-1, inputs.shape[-1])
+
+    def output_grad_rows(self, grad_output: Tensor) -> Tensor:
+        return grad_output.reshape(-1, grad_output.shape[-1])
+
+    def sample_count(self, inputs: Tensor) -> int:
+        return _batch_size(inputs)
+
+    def accumulate(self, inputs: tuple[int, Tensor], grad_output: Tensor) -> None:
+        """``inputs``: ``(j, x)``, projection ``j``'s input ``x``; ``grad_output`` its output-gradient."""
+        index, x = inputs
+        dtype = self.A.pending.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            rows = self.input_rows(x).to(dtype)
+            self.A.add_gram(rows, append_ones=self.bias is not None, group=index)
+            self.G.add_gram(self.output_grad_rows(grad_output).to(dtype), group=index)
+        self._group_rows[index] += rows.shape[0]
+        if index == 0:  # one forward: count its samples once
+            self.pending_samples += self.sample_count(x)
+
+    def clear_pending(self) -> None:
+        super().clear_pending()
+        self._group_rows = [0] * self.groups
+
+    def fold(self, decay: float, loss_reduction: str, grad_scale: float | Tensor = 1.0) -> None:
+        """As :meth:`KroneckerBlock.fold`, with each pair's ``A`` divided by its own row count."""
+        if self.pending_samples == 0:
+            return
+        rows = torch.tensor([1.0 / max(r, 1) for r in self._group_rows], dtype=self.A.pending.dtype)
+        n = self.pending_samples
+        self.A.fold(rows.to(self.A.pending.device).view(-1, 1, 1), decay)
+        self.G.fold(grad_scale * (n if loss_reduction == "mean" else 1.0 / n), decay)
+        self.pending_samples = 0
+        self._group_rows = [0] * self.groups
+
+
+class ProjectionBlock(LinearBlock):
+    """One of ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight`` (no bias: ``in_proj_bias`` spans all three)."""
+
+    module: nn.MultiheadAttention
+
+    def __init__(self, name: str, module: nn.Module, index: int, factor_dtype: torch.dtype) -> None:
+        self.index = index
+        super().__init__(name, module, False, factor_dtype)
+        self.attention: _AttentionCapture | None = None
+
+    def weight_and_bias(self, module: nn.Module) -> tuple[nn.Parameter, nn.Parameter | None]:  # type: ignore[override]
+        return getattr(module, f"{_PROJECTIONS[self.index]}_proj_weight"), None
+
+    def install_capture(self, capture: Capture) -> list[RemovableHandle] | None:
+        return self.attention.install(capture, self)
+
+    def sample_count(self, inputs: Tensor) -> int:
+        return _batch_size(inputs)
+
+
+class OutProjectionBlock(LinearBlock):
+    """``out_proj``, fed the attention output before it (``(L, N, E)``)."""
+
+    def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
+        super().__init__(name, module, include_bias, factor_dtype)
+        self.attention: _AttentionCapture | None = None
+
+    def install_capture(self, capture: Capture) -> list[RemovableHandle] | None:
+        return self.attention.install(capture, self)
+
+    def sample_count(self, inputs: Tensor) -> int:
+        return _batch_size(inputs)
+
+
+class _AttentionCapture:
+    """One module's interception of ``F.multi_head_attention_forward``, shared by its blocks."""
+
+    def __init__(self, module: nn.MultiheadAttention, blocks: list[KroneckerBlock]) -> None:
+        self.module = module
+        self.in_blocks: dict[int, KroneckerBlock] = {}
+        self.packed: InProjectionBlock | None = None
+        self.out_block: OutProjectionBlock | None = None
+        for block in blocks:
+            block.attention = self
+            if isinstance(block, InProjectionBlock):
+                self.packed = block
+            elif isinstance(block, ProjectionBlock):
+                self.in_blocks[block.index] = block
+            else:
+                self.out_block = block
+        self.installed = False
+
+    def install(self, capture: Capture, block: KroneckerBlock) -> list[RemovableHandle]:
+        """The module's hooks, once (for the first of its blocks; the others get none)."""
+        if self.installed:
+            return []
+        self.installed = True
+        modes: list[_Tap] = []
+
+        def before(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if capture.should_capture(module):
+                mode = _Tap(self, capture)
+                mode.__enter__()
+                modes.append(mode)
+
+        def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if modes:
+                modes.pop().__exit__(None, None, None)
+
+        return [
+            self.module.register_forward_pre_hook(before),
+            self.module.register_forward_hook(after, always_call=True),
+        ]
+
+
+class _Tap(TorchFunctionMode):
+    """Takes over this module's ``F.multi_head_attention_forward`` call (see the module docstring)."""
+
+    def __init__(self, attention: _AttentionCapture, capture: Capture) -> None:
+        super().__init__()
+        self.attention = attention
+        self.capture = capture
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's protocol)
+        kwargs = kwargs or {}
+        if func is not F.multi_head_attention_forward:
+            return func(*args, **kwargs)
+        call = _MHA_SIGNATURE.bind(*args, **kwargs)
+        call.apply_defaults()
+        p = call.arguments
+        module = self.attention.module
+        if p["out_proj_weight"] is not module.out_proj.weight:
+            return func(*args, **kwargs)
+        return self._tapped(func, p)
+
+    def _tap(self, block: KroneckerBlock | None, layer_input: Any, output: Tensor) -> None:
+        if block is not None and output.requires_grad:
+            output.register_hook(lambda grad: self.capture.deliver(block, layer_input, grad))
+
+    def _tapped(self, func, p: dict[str, Any]) -> tuple[Tensor, Tensor | None]:  # noqa: ANN001
+        attention = self.attention
+        embed_dim = p["embed_dim_to_check"]
+        if p["use_separate_proj_weight"]:
+            weights = [p["q_proj_weight"], p["k_proj_weight"], p["v_proj_weight"]]
+        else:
+            weights = list(p["in_proj_weight"].chunk(3))
+        biases = [None] * 3 if p["in_proj_bias"] is None else list(p["in_proj_bias"].chunk(3))
+        inputs = [p["query"], p["key"], p["value"]]
+        projected = []
+        for index, (x, weight, bias) in enumerate(zip(inputs, weights, biases, strict=True)):
+            y = F.linear(x, weight, bias)
+            if attention.packed is not None:
+                self._tap(attention.packed, (index, x.detach()), y)
+            else:
+                self._tap(attention.in_blocks.get(index), x.detach(), y)
+            projected.append(y)
+        identity = torch.eye(embed_dim, dtype=projected[0].dtype, device=projected[0].device)
+        p.update(
+            query=projected[0], key=projected[1], value=projected[2],
+            in_proj_weight=None, in_proj_bias=None, use_separate_proj_weight=True,
+            q_proj_weight=identity, k_proj_weight=identity, v_proj_weight=identity,
+            out_proj_weight=identity, out_proj_bias=None,
+        )
+        attended, weights_out = func(**p)
+        output = F.linear(attended, attention.module.out_proj.weight, attention.module.out_proj.bias)
+        self._tap(attention.out_block, attended.detach(), output)
+        return output, weights_out
