@@ -214,8 +214,8 @@ class _Tap(TorchFunctionMode):
         call.apply_defaults()
         p = call.arguments
         module = self.attention.module
-        if p["out_proj_weight"] is not module.out_proj.weight:
-            return func(*args, **kwargs)
+        if p["out_proj_weight"] is not module.out_proj.weight or p["query"].shape[-1] != p["embed_dim_to_check"]:
+            return func(*args, **kwargs)  # not this module's call, or one torch rejects: its own error
         return self._tapped(func, p)
 
     def _tap(self, block: KroneckerBlock | None, layer_input: Any, output: Tensor) -> None:
