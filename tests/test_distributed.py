@@ -64,19 +64,23 @@ class Net(nn.Module):
 
 
 class ModernNet(nn.Module):
-    """Every block kind beyond Linear/Conv2d: an embedding (diagonal A), a depthwise Conv1d and a
-    grouped Conv1d (batched per-group factors), a Conv3d, then a Linear head. Input: tokens (N, 5)."""
+    """Every block kind beyond Linear/Conv2d: an embedding (diagonal A), self-attention (packed
+    in_proj, out_proj), a depthwise Conv1d and a grouped Conv1d (batched per-group factors), a
+    Conv3d, then a Linear head. Input: tokens (N, 5)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embedding = nn.Embedding(11, 6, padding_idx=0)
+        self.attention = nn.MultiheadAttention(6, 2, batch_first=True)
         self.depthwise = nn.Conv1d(6, 6, 3, padding=1, groups=6)
         self.grouped = nn.Conv1d(6, 4, 1, groups=2, bias=False)
         self.volume = nn.Conv3d(1, 2, (2, 2, 1))
         self.head = nn.Linear(2 * 3 * 4, 3)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.depthwise(self.embedding(tokens).transpose(1, 2)))
+        h = self.embedding(tokens)
+        h = h + self.attention(h, h, h, need_weights=False)[0]
+        h = torch.tanh(self.depthwise(h.transpose(1, 2)))
         h = torch.tanh(self.grouped(h))  # (N, 4, 5)
         h = torch.tanh(self.volume(h.unsqueeze(1).unsqueeze(-1)))  # (N, 2, 3, 4, 1)
         return self.head(h.flatten(1))
@@ -403,10 +407,10 @@ def test_global_factors_equal_one_process_factors(two_ranks) -> None:
 
 
 @pytest.mark.parametrize(("fraction", "method"), MODERN_RUNS)
-def test_two_ranks_equal_one_process_with_embedding_grouped_and_nd_conv_blocks(two_ranks, fraction, method) -> None:
+def test_two_ranks_equal_one_process_with_embedding_attention_grouped_and_nd_conv_blocks(two_ranks, fraction, method) -> None:
     model = make_model(modern=True)
     optimizer = KFAC(model, method=method, **OPTIONS)
-    assert len(optimizer.blocks) == 5
+    assert len(optimizer.blocks) == 7
     train(model, optimizer, range(STEPS))
     for results in two_ranks:
         assert_same(results[f"modern params {fraction} {method}"], parameters(model))

@@ -106,7 +106,7 @@ def discover(
         trainable = {p for p in model.parameters() if p.requires_grad}
     blocks: list[KroneckerBlock] = []
     claimed: set[Tensor] = set()
-    owner_of: dict[Tensor, str] = {}
+    owner_of: dict[Tensor, KroneckerBlock] = {}
     decisions: dict[str, tuple[str | None, str, str]] = {}
     for name, module in model.named_modules():
         kind = block_kind(module)
@@ -122,7 +122,7 @@ def discover(
         created = kind.create(name, module, trainable, claimed, factor_dtype)
         for block in created:
             for param in block.params:
-                owner_of[param] = block.name
+                owner_of[param] = block
         blocks.extend(created)
         if created:
             decisions[name] = (created[0].name, "kfac", "; ".join(block.describe() for block in created))
@@ -131,14 +131,14 @@ def discover(
         own = [(p_name, p) for p_name, p in module.named_parameters(recurse=False) if p in trainable]
         if not own:
             continue
-        owners = {owner_of.get(p) for _, p in own}
+        owners = [owner_of[p] for _, p in own if p in owner_of]
         block, status, detail = decisions.get(name, (None, "", ""))
-        if owners != {None} and block is None:  # its parameters belong to another module's block
-            block = next(o for o in owners if o is not None)
-            status, detail = "kfac", f"preconditioned in block {block!r} (with the statistics that block captures)"
+        if owners and block is None:  # its parameters belong to a block another module created (or tied)
+            block = owners[0].name
+            status, detail = "kfac", f"preconditioned in block {block!r}: {owners[0].describe()}"
         elif not status:
             status, detail = "unregistered", f"no K-FAC block registered for {type(module).__name__}"
-        leftover = [p_name for p_name, p in own if owner_of.get(p) is None]
+        leftover = [p_name for p_name, p in own if p not in owner_of]
         if block is not None and leftover:
             detail += f"; {', '.join(leftover)} take the SGD path"
         params = tuple((p_name, tuple(p.shape)) for p_name, p in own)
