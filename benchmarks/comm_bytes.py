@@ -1,7 +1,7 @@
 """Bytes distributed K-FAC communicates on a torchvision model's layers (no data, no ranks needed).
 
 At every decomposition step each rank all-reduces every running factor once (lazy reduction,
-DESIGN §5). Factors travel as packed upper triangles, ``n(n+1)/2`` fp32 entries of an ``(n, n)``
+docs/design.md §5). Factors travel as packed upper triangles, ``n(n+1)/2`` fp32 entries of an ``(n, n)``
 factor, in buckets of at most ``comm.DEFAULT_BUCKET_BYTES``, plus one fp32 count per factor. This
 compares that payload with whole ``(n, n)`` factors, and adds what the strategies broadcast:
 decompositions at ``f = 1`` (eigen: ``Q (n, n)`` and ``d (n,)``, not symmetric; inverse: a packed
@@ -9,22 +9,16 @@ triangle) per decomposition step, and preconditioned ``(out, in [+1])`` gradient
 ``f = 1/world`` per step. Bytes are payloads per collective (what one rank contributes or
 receives), not link traffic, which depends on the backend's algorithm.
 
-    python benchmarks/comm_bytes.py [--model resnet50] [--out comm_bytes.json]
+    python -m benchmarks.comm_bytes [--model resnet50] [--out comm_bytes.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torchvision
-
-from benchmarks.plan_report import MIB, kfac_block_dims
+from benchmarks.plan_report import MIB, torchvision_block_dims
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES
 from kfac_optim.linalg import triu_size
 
@@ -61,7 +55,7 @@ def main() -> None:
     parser.add_argument("--model", default="resnet50", help="torchvision.models builder name")
     parser.add_argument("--out", type=Path, help="also write the numbers as JSON here")
     args = parser.parse_args()
-    numbers = comm_bytes(kfac_block_dims(getattr(torchvision.models, args.model)(weights=None)))
+    numbers = comm_bytes(torchvision_block_dims(args.model))
     ratio = numbers["factor_allreduce_packed"] / numbers["factor_allreduce_unpacked"]
     numbers["packed_over_unpacked"] = ratio
     print(f"{args.model}: {numbers['blocks']} K-FAC blocks")

@@ -528,7 +528,7 @@ def test_kfac_preconditions_at_least_95_percent_of_a_modern_models_weight_matric
     optimizer = KFAC(model, lr=0.1, kl_clip=None, damping=0.01)
     text = optimizer.describe()
     matrices = {name: p.numel() for name, p in model.named_parameters() if p.dim() >= 2}
-    kfac_params = {id(p) for block in optimizer.blocks for p in block.params}
+    kfac_params = {id(p) for block in optimizer.blocks for p in block.parameters()}
     covered = sum(n for name, n in matrices.items() if id(model.get_parameter(name)) in kfac_params)
     assert covered / sum(matrices.values()) >= 0.95
     assert f"{covered}/{sum(matrices.values())} weight-matrix elements" in text
@@ -546,3 +546,18 @@ def test_kfac_preconditions_at_least_95_percent_of_a_modern_models_weight_matric
             assert not torch.allclose(p, sgd_updates[name], rtol=1e-3, atol=1e-6), f"{name} moved as SGD would"
         else:
             assert torch.equal(p, sgd_updates[name]), f"{name} did not take the SGD path"
+
+
+def test_a_model_with_attention_copies_and_pickles_with_inert_taps() -> None:
+    import copy
+    import pickle
+
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
+    optimizer = KFAC(layer, lr=0.1)
+    clone = copy.deepcopy(layer)
+    restored = pickle.loads(pickle.dumps(layer))
+    for other in (clone, restored):
+        other(torch.randn(5, 3, 8)).sum().backward()
+    assert all(block.pending_samples == 0 for block in optimizer.blocks)  # the copies record nothing
+    layer(torch.randn(5, 3, 8)).sum().backward()
+    assert all(block.pending_samples > 0 for block in optimizer.blocks)

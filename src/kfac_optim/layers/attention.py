@@ -22,6 +22,7 @@ Blocks (conventions of ``layers.base``; rows are sequence positions, N the batch
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -174,28 +175,64 @@ class _AttentionCapture:
             else:
                 self.out_block = block
         self.installed = False
+        self.taps: list[_Tap] = []
 
     def install(self, capture: Capture, block: KroneckerBlock) -> list[RemovableHandle]:
         """The module's hooks, once (for the first of its blocks; the others get none)."""
         if self.installed:
             return []
         self.installed = True
-        modes: list[_Tap] = []
-
-        def before(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if capture.should_capture(module):
-                mode = _Tap(self, capture)
-                mode.__enter__()
-                modes.append(mode)
-
-        def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if modes:
-                modes.pop().__exit__(None, None, None)
-
+        push, pop = _PushTap(self, capture), _PopTap(self)
         return [
-            self.module.register_forward_pre_hook(before),
-            self.module.register_forward_hook(after, always_call=True),
+            self.module.register_forward_pre_hook(push),
+            self.module.register_forward_hook(pop, always_call=True),
         ]
+
+
+class _TapHook:
+    """A hook object that a copied or pickled model gets as an inert placeholder (as ``capture``'s)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return _inert()
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _inert_type(), ()
+
+
+def _inert_type() -> type:
+    from kfac_optim.capture import InertHook  # capture imports layers: resolved at call time
+
+    return InertHook
+
+
+def _inert() -> Any:
+    return _inert_type()()
+
+
+class _PushTap(_TapHook):
+    """Forward pre-hook: push a :class:`_Tap` when this forward of the module records statistics."""
+
+    def __init__(self, attention: _AttentionCapture, capture: Capture) -> None:
+        self.attention = attention
+        self.capture = weakref.ref(capture)
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        capture = self.capture()
+        if capture is not None and module is self.attention.module and capture.should_capture(module):
+            mode = _Tap(self.attention, capture)
+            mode.__enter__()
+            self.attention.taps.append(mode)
+
+
+class _PopTap(_TapHook):
+    """Forward hook (always called, also when the forward raised): pop the tap pushed for it."""
+
+    def __init__(self, attention: _AttentionCapture) -> None:
+        self.attention = attention
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if module is self.attention.module and self.attention.taps:
+            self.attention.taps.pop().__exit__(None, None, None)
 
 
 class _Tap(TorchFunctionMode):
@@ -204,7 +241,7 @@ class _Tap(TorchFunctionMode):
     def __init__(self, attention: _AttentionCapture, capture: Capture) -> None:
         super().__init__()
         self.attention = attention
-        self.capture = capture
+        self.capture = weakref.ref(capture)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's protocol)
         kwargs = kwargs or {}
@@ -219,8 +256,16 @@ class _Tap(TorchFunctionMode):
         return self._tapped(func, p)
 
     def _tap(self, block: KroneckerBlock | None, layer_input: Any, output: Tensor) -> None:
-        if block is not None and output.requires_grad:
-            output.register_hook(lambda grad: self.capture.deliver(block, layer_input, grad))
+        if block is None or not output.requires_grad:
+            return
+        capture = self.capture
+
+        def record(grad: Tensor) -> None:
+            live = capture()
+            if live is not None:
+                live.record(block, layer_input, grad)
+
+        output.register_hook(record)
 
     def _tapped(self, func, p: dict[str, Any]) -> tuple[Tensor, Tensor | None]:  # noqa: ANN001
         attention = self.attention

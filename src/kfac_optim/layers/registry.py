@@ -80,6 +80,12 @@ class ModuleReport:
         return f"{self.name or '<root>'} ({self.kind}; {params}): {where}: {self.detail}"
 
 
+def user_visible_name(name: str) -> str:
+    """A module's name as the uncompiled model's ``state_dict()`` spells it (no ``_orig_mod.`` parts
+    left by submodules wrapped with ``torch.compile``)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def _is_skipped(name: str, module: nn.Module, skip_layers: SkipLayers) -> bool:
     for rule in skip_layers:
         if isinstance(rule, str):
@@ -119,9 +125,9 @@ def discover(
         if reason is not None:
             decisions[name] = (None, "unsupported", f"{kind.__name__}: {reason}")
             continue
-        created = kind.create(name, module, trainable, claimed, factor_dtype)
+        created = kind.create(user_visible_name(name), module, trainable, claimed, factor_dtype)
         for block in created:
-            for param in block.params:
+            for param in block.parameters():
                 owner_of[param] = block
         blocks.extend(created)
         if created:
