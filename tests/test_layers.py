@@ -561,3 +561,26 @@ def test_a_model_with_attention_copies_and_pickles_with_inert_taps() -> None:
     assert all(block.pending_samples == 0 for block in optimizer.blocks)  # the copies record nothing
     layer(torch.randn(5, 3, 8)).sum().backward()
     assert all(block.pending_samples > 0 for block in optimizer.blocks)
+
+
+def test_a_module_called_twice_per_forward_adds_both_calls_rows_and_its_samples_once() -> None:
+    """Weight sharing, "expand": A over the rows of both calls, G = (1/N) Σ ĝ ĝᵀ over both calls'
+    per-sample output-gradients, N the batch size (not twice it)."""
+    layer = nn.Linear(3, 3)
+    x, target = torch.randn(5, 3), torch.randn(5, 3)
+    hidden = layer(x)
+    out = layer(torch.tanh(hidden))
+    rows = {0: [], 1: []}
+    for n in range(5):
+        grads = torch.autograd.grad(0.5 * ((out[n] - target[n]) ** 2).sum(), [hidden, out], retain_graph=True)
+        for call, grad in enumerate(grads):
+            rows[call].append(grad[n])
+    g_hat = torch.cat([torch.stack(rows[0]), torch.stack(rows[1])])
+    a_rows = with_bias_column(torch.cat([x, torch.tanh(hidden).detach()]), True)
+    A_ref, G_ref = reference_factors(a_rows, g_hat, 5)
+    layer.zero_grad()
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, **DTYPES)
+    (0.5 * ((layer(torch.tanh(layer(x))) - target) ** 2).sum(1).mean()).backward()
+    optimizer.step()
+    torch.testing.assert_close(optimizer.blocks[0].A.running, A_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(optimizer.blocks[0].G.running, G_ref, rtol=1e-12, atol=1e-12)

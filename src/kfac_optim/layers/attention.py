@@ -105,8 +105,7 @@ class InProjectionBlock(KroneckerBlock):
             self.A.add_gram(rows, append_ones=self.bias is not None, group=index)
             self.G.add_gram(self.output_grad_rows(grad_output).to(dtype), group=index)
         self._group_rows[index] += rows.shape[0]
-        if index == 0:  # one forward: count its samples once
-            self.pending_samples += self.sample_count(x)
+        self.count_samples(self.sample_count(x))  # once per backward for the three projections
 
     def clear_pending(self) -> None:
         super().clear_pending()

@@ -291,6 +291,7 @@ class KroneckerBlock(ABC):
         self.module_weight: nn.Parameter = weight  # the module's own (``weight`` may become an Apex master)
         self.factors: dict[FactorName, Factor] = self.make_factors(factor_dtype, self.weight.device)
         self.pending_samples = 0
+        self._counted_task: int | None = None
         self.failures = 0
 
     # -- the registry's questions --------------------------------------------------------------
@@ -400,7 +401,16 @@ class KroneckerBlock(ABC):
         with torch.autocast(inputs.device.type, enabled=False):
             self.add_input_gram(inputs, dtype)
             self.add_output_gram(grad_output, dtype)
-        self.pending_samples += self.sample_count(inputs)
+        self.count_samples(self.sample_count(inputs))
+
+    def count_samples(self, samples: int) -> None:
+        """Add ``samples`` to N, once per backward pass: a module called several times in one
+        forward (weight sharing) adds every call's rows but its samples once ("expand",
+        Eschenhagen et al. 2023). Outside a backward pass every call counts."""
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task != self._counted_task:
+            self.pending_samples += samples
+        self._counted_task = task
 
     def clear_pending(self) -> None:
         for factor in self.factors.values():
