@@ -54,6 +54,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def block_work_items(blocks: Sequence[KroneckerBlock]) -> list[WorkItem]:
+    """The plan's work items of ``blocks``: one per factor, with its dimension and kind."""
+    return [
+        WorkItem(block.name, name, factor.dim, factor.diagonal, factor.groups)
+        for block in blocks
+        for name, factor in block.factors.items()
+    ]
+
+
 class Sharding:
     """This rank's part of the distributed plan for ``blocks``.
 
@@ -78,12 +87,7 @@ class Sharding:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         self.rank, world_size = group_rank_and_size(process_group)
-        items = [
-            WorkItem(b.name, name, factor.dim, factor.diagonal, factor.groups)
-            for b in blocks
-            for name, factor in b.factors.items()
-        ]
-        self.plan: Plan = make_plan(items, world_size, grad_worker_fraction)
+        self.plan: Plan = make_plan(block_work_items(blocks), world_size, grad_worker_fraction)
         self.comm = Communicator(process_group, self.plan.groups, bucket_bytes)
         by_name = {b.name: b for b in blocks}
         self.blocks: dict[str, KroneckerBlock] = {bp.block: by_name[bp.block] for bp in self.plan.blocks}
