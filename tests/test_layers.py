@@ -584,3 +584,60 @@ def test_a_module_called_twice_per_forward_adds_both_calls_rows_and_its_samples_
     optimizer.step()
     torch.testing.assert_close(optimizer.blocks[0].A.running, A_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(optimizer.blocks[0].G.running, G_ref, rtol=1e-12, atol=1e-12)
+
+
+# -- normalization layers (opt-in blocks) ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make_layer, shape",
+    [
+        (lambda: nn.LayerNorm(4), (3, 5, 4)),
+        (lambda: nn.RMSNorm(4), (3, 5, 4)),
+        (lambda: nn.GroupNorm(2, 4), (3, 4, 2, 3)),
+        (lambda: nn.BatchNorm2d(4), (5, 4, 2, 3)),
+        (lambda: nn.BatchNorm1d(4), (6, 4)),
+    ],
+    ids=["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm2d", "BatchNorm1d"],
+)
+def test_norm_blocks_are_the_exact_per_unit_fisher(make_layer, shape) -> None:
+    """F_i = (1/N) Σ_n ŝ_ni ŝ_niᵀ, ŝ the per-sample gradient of (γ_i, β_i); direction (F_i + λI)⁻¹ ∇_i."""
+    from kfac_optim.layers import ChannelNormBlock, LayerNormBlock, RMSNormBlock
+    from kfac_optim.layers import registry
+
+    layer = make_layer()
+    x = torch.randn(shape)
+    with torch.no_grad():
+        layer.weight.normal_()
+        if getattr(layer, "bias", None) is not None:
+            layer.bias.normal_()
+    target = torch.randn_like(layer(x))
+    N = shape[0]
+    params = [layer.weight] + ([layer.bias] if getattr(layer, "bias", None) is not None else [])
+    per_sample = []
+    out = layer(x)
+    for n in range(N):  # per-sample gradients of mean-loss terms, times N: ŝ
+        loss = 0.5 * ((out[n] - target[n]) ** 2).sum()
+        per_sample.append(torch.stack([g.reshape(-1) for g in torch.autograd.grad(loss, params, retain_graph=True)], -1))
+    s_hat = torch.stack(per_sample)  # (N, units, 1 or 2)
+    fisher = torch.einsum("nui,nuj->uij", s_hat, s_hat) / N
+    before = registry.registered_blocks()
+    try:
+        for module_type, block in ((nn.LayerNorm, LayerNormBlock), (nn.RMSNorm, RMSNormBlock),
+                                   (nn.GroupNorm, ChannelNormBlock), (nn.BatchNorm1d, ChannelNormBlock),
+                                   (nn.BatchNorm2d, ChannelNormBlock)):
+            register_block(module_type, block)
+        layer.zero_grad()
+        optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, **DTYPES)
+        snapshot = [p.detach().clone() for p in params]
+        (0.5 * ((layer(x) - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
+        grad = torch.stack([p.grad.reshape(-1) for p in params], -1)
+        optimizer.step()
+    finally:
+        registry._REGISTRY.clear()
+        registry._REGISTRY.update(before)
+    block = optimizer.blocks[0]
+    torch.testing.assert_close(block.A.running, fisher, rtol=1e-10, atol=1e-12)
+    moved = torch.stack([(b - p.detach()).reshape(-1) for b, p in zip(snapshot, params, strict=True)], -1)
+    expected = torch.linalg.solve(fisher + 0.1 * torch.eye(fisher.shape[-1]), grad.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(moved, expected, rtol=1e-9, atol=1e-12)

@@ -2,7 +2,8 @@
 
 Built-in registrations: ``nn.Linear``; ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Conv3d`` (any groups);
 ``nn.Embedding``; ``nn.MultiheadAttention`` (input projections and ``out_proj``). Add your own
-with :func:`register_block`.
+with :func:`register_block`. Normalization layers have blocks (``layers.norm``) that are not
+registered by default.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from kfac_optim.layers.base import DiagonalFactor, Factor, KroneckerBlock
 from kfac_optim.layers.conv import ConvBlock
 from kfac_optim.layers.embedding import EmbeddingBlock
 from kfac_optim.layers.linear import LinearBlock
+from kfac_optim.layers.norm import ChannelNormBlock, LayerNormBlock, NormBlock, RMSNormBlock
 from kfac_optim.layers.registry import (
     ModuleReport,
     block_kind,
@@ -34,6 +36,10 @@ for _module_type, _block_class in (
     register_block(_module_type, _block_class)
 
 __all__ = [
+    "ChannelNormBlock",
+    "LayerNormBlock",
+    "NormBlock",
+    "RMSNormBlock",
     "ConvBlock",
     "DiagonalFactor",
     "EmbeddingBlock",
