@@ -70,3 +70,13 @@ def test_amp_steps_compares_fp16_with_fp32_and_writes_json_and_a_plot(tmp_path: 
     assert fp16["skipped_at"][0] == 0 and fp16["optimizer_steps"] == 6 - fp16["skipped"]
     assert fp16["final_scale"] < 2.0**40
     assert all(len(run["train_loss"]) == 6 for run in saved)
+
+
+def test_norm_blocks_trains_every_variant_and_writes_json_and_a_plot(tmp_path: Path) -> None:
+    from benchmarks import norm_blocks
+
+    runs = norm_blocks.main(["--steps", "3", "--seeds", "0", "--batch", "4", "--length", "8", "--dim", "8",
+                             "--out", str(tmp_path)])
+    assert [r["variant"] for r in runs] == ["adamw", "kfac", "kfac+norm"]
+    assert all(len(r["losses"]) == 3 and r["held_out_loss"] > 0 for r in runs)
+    assert (tmp_path / "norm_blocks.json").exists() and (tmp_path / "norm_blocks.png").exists()
