@@ -73,12 +73,6 @@ class Method(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other)
-
-    def __hash__(self) -> int:
-        return hash(type(self))
-
 
 def _reuse(held: list[Tensor] | None, wanted: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[Tensor]:
     """``held`` when it matches ``wanted`` shapes/dtypes on ``device`` (contiguous), else new empty tensors."""

@@ -68,7 +68,7 @@ class KFACOptions:
     factor_decay: float = 0.95
     factor_update_steps: IntSchedule = 1
     inv_update_steps: IntSchedule = 10
-    method: Literal["eigen", "inverse"] = "eigen"
+    method: Literal["eigen", "inverse"] | Method = "eigen"
     loss_reduction: Literal["mean", "sum"] = "mean"
     fisher: Literal["empirical", "sampled"] = "empirical"
     factor_dtype: torch.dtype = torch.float32
@@ -164,8 +164,10 @@ class KFAC(Optimizer):
 
     Replaces ``torch.optim.SGD(model.parameters(), lr, momentum, dampening, weight_decay,
     nesterov)`` by ``KFAC(model, lr, momentum, dampening, weight_decay, nesterov, ...)``. Layers
-    of supported kinds (``nn.Linear``, ``nn.Conv2d`` with groups=1) are preconditioned by their
-    Kronecker-factored Fisher; every other parameter follows SGD exactly.
+    of registered kinds (``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding``,
+    ``nn.MultiheadAttention``, and any added with ``kfac_optim.register_block``) are preconditioned
+    by their Kronecker-factored Fisher; every other parameter follows SGD exactly
+    (:meth:`describe` lists which is which).
 
     Args:
         model: the model being trained (plain or wrapped in DistributedDataParallel); hooks are
@@ -176,7 +178,8 @@ class KFAC(Optimizer):
         factor_decay: running-average weight of the old factors, in [0, 1).
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable).
         inv_update_steps: refresh decompositions every this many steps (int ≥ 1 or callable).
-        method: "eigen" (exact damping of ``G ⊗ A``) or "inverse" (π-factored damping).
+        method: "eigen" (exact damping of ``G ⊗ A``) or "inverse" (π-factored damping), or a
+            ``kfac_optim.Method`` instance.
         loss_reduction: "mean" or "sum", how the loss reduces over the batch.
         fisher: "empirical" (G from the training loss's gradients) or "sampled" (the true Fisher:
             G from a second backward pass at targets sampled from the model, which the training
@@ -220,7 +223,7 @@ class KFAC(Optimizer):
         factor_decay: float = KFACOptions.factor_decay,
         factor_update_steps: IntSchedule = KFACOptions.factor_update_steps,
         inv_update_steps: IntSchedule = KFACOptions.inv_update_steps,
-        method: Literal["eigen", "inverse"] = KFACOptions.method,
+        method: Literal["eigen", "inverse"] | Method = KFACOptions.method,
         loss_reduction: Literal["mean", "sum"] = KFACOptions.loss_reduction,
         fisher: Literal["empirical", "sampled"] = KFACOptions.fisher,
         skip_layers: SkipLayers = (),
