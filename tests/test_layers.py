@@ -641,3 +641,71 @@ def test_norm_blocks_are_the_exact_per_unit_fisher(make_layer, shape) -> None:
     moved = torch.stack([(b - p.detach()).reshape(-1) for b, p in zip(snapshot, params, strict=True)], -1)
     expected = torch.linalg.solve(fisher + 0.1 * torch.eye(fisher.shape[-1]), grad.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(moved, expected, rtol=1e-9, atol=1e-12)
+
+
+# -- weight sharing: "reduce" ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_reduce_makes_one_row_per_sample_for_linear_leading_dims(bias: bool) -> None:
+    """a_n = mean over positions of the inputs, ĝ_n = sum over positions of ĝ: A, G = (1/N) Σ."""
+    layer = nn.Linear(4, 3, bias=bias)
+    x, target = torch.randn(5, 6, 4), torch.randn(5, 6, 3)
+    g_hat = per_sample_output_grads(layer, x, target).sum(1)  # (N, out)
+    A_ref, G_ref = reference_factors(with_bias_column(x.mean(1), bias), g_hat, 5)
+    layer.zero_grad()
+    optimizer, grad, direction = one_kfac_step(layer, x, target, damping=0.1, weight_sharing="reduce")
+    torch.testing.assert_close(optimizer.blocks[0].A.running, A_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(optimizer.blocks[0].G.running, G_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(direction, kron_solve(G_ref, A_ref, grad, 0.1), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_reduce_makes_one_row_per_sample_for_conv_positions(groups: int) -> None:
+    layer = nn.Conv1d(4, 4, 3, padding=1, groups=groups)
+    x = torch.randn(3, 4, 7)
+    target = torch.randn_like(layer(x))
+    patches = conv_patches_nd(layer, x).reshape(3, 7, -1).mean(1)  # (N, C·K)
+    g_hat = per_sample_output_grads(layer, x, target).sum(-1)  # (N, C_out)
+    layer.zero_grad()
+    optimizer, _, _ = one_kfac_step(layer, x, target, damping=0.1, weight_sharing="reduce")
+    block = optimizer.blocks[0]
+    per_in, per_out = patches.shape[1] // groups, 4 // groups
+    for j in range(groups):
+        A_ref, G_ref = reference_factors(
+            with_bias_column(patches[:, j * per_in : (j + 1) * per_in], True), g_hat[:, j * per_out : (j + 1) * per_out], 3
+        )
+        A = block.A.running if groups == 1 else block.A.running[j]
+        G = block.G.running if groups == 1 else block.G.running[j]
+        torch.testing.assert_close(A, A_ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(G, G_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_weight_sharing_is_validated() -> None:
+    with pytest.raises(ValueError, match="weight_sharing"):
+        KFAC(nn.Linear(2, 2), weight_sharing="sum")
+
+
+def test_reduce_for_attention_is_one_row_per_sample_per_projection() -> None:
+    E, N, L, S = 4, 3, 2, 3
+    mha = nn.MultiheadAttention(E, 2)
+    query, key = torch.randn(L, N, E), torch.randn(S, N, E)
+    target = torch.randn(L, N, E)
+    (q, k, v), attended, final = attention_by_hand(mha, query, key, key)
+    g_rows = per_sample_grads_of([q, k, v, final], final, target)
+    lengths = (L, S, S, L)
+    g_hat = [g.reshape(n, N, -1).sum(0) for g, n in zip(g_rows, lengths, strict=True)]
+    a_rows = [query.mean(0), key.mean(0), key.mean(0), attended.detach().mean(0)]
+    mha.zero_grad()
+    optimizer = KFAC(mha, lr=1.0, kl_clip=None, damping=0.1, weight_sharing="reduce", **DTYPES)
+    out, _ = mha(query, key, key, need_weights=False)
+    (0.5 * ((out - target) ** 2).sum(-1).sum(0).mean()).backward()
+    optimizer.step()
+    in_proj, out_proj = optimizer.blocks
+    for j in range(3):
+        A_ref, G_ref = reference_factors(with_bias_column(a_rows[j], True), g_hat[j], N)
+        torch.testing.assert_close(in_proj.A.running[j], A_ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(in_proj.G.running[j], G_ref, rtol=1e-12, atol=1e-12)
+    A_ref, G_ref = reference_factors(with_bias_column(a_rows[3], True), g_hat[3], N)
+    torch.testing.assert_close(out_proj.A.running, A_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out_proj.G.running, G_ref, rtol=1e-12, atol=1e-12)

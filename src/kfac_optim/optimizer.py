@@ -73,6 +73,7 @@ class KFACOptions:
     method: Literal["eigen", "inverse"] | Method = "eigen"
     loss_reduction: Literal["mean", "sum"] = "mean"
     fisher: Literal["empirical", "sampled"] = "empirical"
+    weight_sharing: Literal["expand", "reduce"] = "expand"
     factor_dtype: torch.dtype = torch.float32
     inv_dtype: torch.dtype = torch.float32
 
@@ -90,6 +91,8 @@ class KFACOptions:
         method_named(self.method)  # ValueError naming method
         if self.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        if self.weight_sharing not in ("expand", "reduce"):
+            raise ValueError(f"weight_sharing must be 'expand' or 'reduce', got {self.weight_sharing!r}")
         if self.fisher not in ("empirical", "sampled"):
             raise ValueError(f"fisher must be 'empirical' or 'sampled', got {self.fisher!r}")
         for name in ("factor_dtype", "inv_dtype"):
@@ -187,6 +190,11 @@ class KFAC(Optimizer, Joinable):
             G from a second backward pass at targets sampled from the model, which the training
             loop starts with :meth:`sample_fisher` on every batch; ``loss_reduction`` then does
             not apply).
+        weight_sharing: how a weight applied at several positions of a sample (a Linear's leading
+            dims, a conv's output positions, attention's sequence) enters the factors (Eschenhagen
+            et al. 2023): "expand" (every position is a row) or "reduce" (one row per sample: the
+            mean of the inputs and the sum of the output-gradients over its positions).
+            Embeddings and normalization blocks always expand.
         skip_layers: module-name regexes (full match against the name or the class name) or
             module types whose layers take the SGD path.
         factor_dtype, inv_dtype: float32 or float64 for factors and decompositions.
@@ -228,6 +236,7 @@ class KFAC(Optimizer, Joinable):
         method: Literal["eigen", "inverse"] | Method = KFACOptions.method,
         loss_reduction: Literal["mean", "sum"] = KFACOptions.loss_reduction,
         fisher: Literal["empirical", "sampled"] = KFACOptions.fisher,
+        weight_sharing: Literal["expand", "reduce"] = KFACOptions.weight_sharing,
         skip_layers: SkipLayers = (),
         factor_dtype: torch.dtype = KFACOptions.factor_dtype,
         inv_dtype: torch.dtype = KFACOptions.inv_dtype,
@@ -254,6 +263,7 @@ class KFAC(Optimizer, Joinable):
             method=method,
             loss_reduction=loss_reduction,
             fisher=fisher,
+            weight_sharing=weight_sharing,
             factor_dtype=factor_dtype,
             inv_dtype=inv_dtype,
         )
@@ -278,6 +288,9 @@ class KFAC(Optimizer, Joinable):
 
         self.method: Method = method_named(self.options.method)
         self.blocks, self._reports = discover(self.model, trainable, skip_layers, factor_dtype)
+        for block in self.blocks:
+            if hasattr(block, "reduce"):  # blocks with positions to share weights over
+                block.reduce = self.options.weight_sharing == "reduce"
         if not self.blocks:
             kinds = ", ".join(sorted({t.__name__ for t in layers.registered_blocks()}))
             warn_user(

@@ -43,7 +43,12 @@ def _batch_size(x: Tensor) -> int:
     return x.shape[1] if x.dim() == 3 else 1
 
 
-class InProjectionBlock(KroneckerBlock):
+def _sequence_first(tensor: Tensor) -> Tensor | None:
+    """``(N, L, E)`` from the functional's ``(L, N, E)`` (None when unbatched)."""
+    return tensor.transpose(0, 1) if tensor.dim() == 3 else None
+
+
+class InProjectionBlock(LinearBlock):
     """The packed ``in_proj_weight``: three Kronecker pairs (q, k, v), batched as groups."""
 
     groups = 3
@@ -87,11 +92,7 @@ class InProjectionBlock(KroneckerBlock):
     def install_capture(self, capture: Capture) -> list[RemovableHandle] | None:
         return self.attention.install(capture, self)
 
-    def input_rows(self, inputs: Tensor) -> Tensor:
-        return inputs.reshape(-1, inputs.shape[-1])
-
-    def output_grad_rows(self, grad_output: Tensor) -> Tensor:
-        return grad_output.reshape(-1, grad_output.shape[-1])
+    per_sample = staticmethod(_sequence_first)
 
     def sample_count(self, inputs: Tensor) -> int:
         return _batch_size(inputs)
@@ -139,6 +140,8 @@ class ProjectionBlock(LinearBlock):
     def install_capture(self, capture: Capture) -> list[RemovableHandle] | None:
         return self.attention.install(capture, self)
 
+    per_sample = staticmethod(_sequence_first)
+
     def sample_count(self, inputs: Tensor) -> int:
         return _batch_size(inputs)
 
@@ -152,6 +155,8 @@ class OutProjectionBlock(LinearBlock):
 
     def install_capture(self, capture: Capture) -> list[RemovableHandle] | None:
         return self.attention.install(capture, self)
+
+    per_sample = staticmethod(_sequence_first)
 
     def sample_count(self, inputs: Tensor) -> int:
         return _batch_size(inputs)

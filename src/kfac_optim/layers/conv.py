@@ -29,9 +29,14 @@ ConvNd = nn.Conv1d | nn.Conv2d | nn.Conv3d
 
 
 class ConvBlock(KroneckerBlock):
-    """``nn.ConvNd`` (N = 1, 2, 3) with ``a`` the patches ``(N·L_out, C_in/g·prod(kernel))`` per group."""
+    """``nn.ConvNd`` (N = 1, 2, 3) with ``a`` the patches ``(N·L_out, C_in/g·prod(kernel))`` per group.
+
+    With ``reduce`` (weight sharing over positions, Eschenhagen et al. 2023's "reduce") one row per
+    sample: ``a_n`` the mean of its patches, ``g_n`` the sum of its output-gradients over positions.
+    """
 
     module: ConvNd
+    reduce = False
 
     def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
         self.groups = module.groups
@@ -42,8 +47,10 @@ class ConvBlock(KroneckerBlock):
         return len(self.module.kernel_size)
 
     def input_rows(self, inputs: Tensor) -> Tensor:
-        """``(N·L_out, C_in·prod(kernel))``: every group's patch columns, side by side."""
+        """``(N·L_out, C_in·prod(kernel))``: every group's patch columns, side by side (``(N, ·)`` with reduce)."""
         patches = self.patches(inputs)
+        if self.reduce:
+            return patches.mean(2)
         return patches.transpose(1, 2).reshape(-1, patches.shape[1])
 
     def add_input_gram(self, inputs: Tensor, dtype: torch.dtype) -> None:
@@ -51,7 +58,12 @@ class ConvBlock(KroneckerBlock):
         patches as ``F.unfold`` returns them beats copying them into rows first."""
         patches = self.patches(inputs).to(dtype)
         append_ones = self.bias is not None
-        if self.groups > 1:
+        if self.reduce:
+            rows = patches.mean(2)
+            if self.groups > 1:
+                rows = rows.view(rows.shape[0], self.groups, -1).transpose(0, 1)
+            self.A.add_gram(rows, append_ones=append_ones)
+        elif self.groups > 1:
             batch, columns, positions = patches.shape
             per_group = patches.view(batch, self.groups, columns // self.groups, positions)
             rows = per_group.permute(1, 0, 3, 2).reshape(self.groups, batch * positions, -1)
@@ -81,6 +93,8 @@ class ConvBlock(KroneckerBlock):
 
     def output_grad_rows(self, grad_output: Tensor) -> Tensor:
         channels = grad_output.shape[-1 - self.spatial_dims]
+        if self.reduce:
+            return grad_output.reshape(-1, channels, math.prod(grad_output.shape[-self.spatial_dims :])).sum(2)
         return grad_output.movedim(-1 - self.spatial_dims, -1).reshape(-1, channels)
 
     def add_output_gram(self, grad_output: Tensor, dtype: torch.dtype) -> None:
