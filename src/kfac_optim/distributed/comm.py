@@ -20,6 +20,7 @@ Conventions:
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -111,6 +112,8 @@ class Communicator:
         self.rank, self.world_size = group_rank_and_size(process_group)
         self.group = process_group
         self.bucket_bytes = bucket_bytes
+        self.bytes_sent: Counter[str] = Counter()
+        """Payload bytes handed to collectives so far (flat buffers as sent), by the callers' ``tag``."""
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         if self.active:
             self._create_groups(group_ranks)
@@ -141,7 +144,7 @@ class Communicator:
     # -- collectives -------------------------------------------------------------------------
 
     def all_reduce_sum(
-        self, tensors: Sequence[Tensor], *, symmetric: bool = False, in_place: bool = False
+        self, tensors: Sequence[Tensor], *, symmetric: bool = False, in_place: bool = False, tag: str = "other"
     ) -> Pending:
         """Sum ``tensors`` over all ranks, asynchronously; every rank must call with like shapes.
 
@@ -149,11 +152,11 @@ class Communicator:
         (they are copied into the buffers at the call, so they may change until ``wait()``,
         and no ``(n, n)`` result is allocated). With ``symmetric`` every tensor is a symmetric
         ``(n, n)`` matrix and only its upper triangle travels. One rank: ``wait()`` returns
-        ``tensors`` themselves.
+        ``tensors`` themselves. ``tag`` names what is sent in :attr:`bytes_sent`.
         """
         if not self.active or not tensors:
             return Pending.done(tensors)
-        buckets = self._pack(tensors, symmetric)
+        buckets = self._pack(tensors, symmetric, tag)
         works = [
             dist.all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             for b in buckets
@@ -163,14 +166,20 @@ class Communicator:
         return Pending(works, lambda: self._unpack(buckets, shapes, symmetric, outputs=outputs))
 
     def broadcast(
-        self, tensors: Sequence[Tensor], src: int, ranks: tuple[int, ...], *, symmetric: bool = False
+        self,
+        tensors: Sequence[Tensor],
+        src: int,
+        ranks: tuple[int, ...],
+        *,
+        symmetric: bool = False,
+        tag: str = "other",
     ) -> Pending:
         """Send ``src``'s ``tensors`` to every rank of ``ranks``, asynchronously.
 
         Only the ranks in ``ranks`` (one of the ``group_ranks`` given at construction, or a
         single rank) call this, in the same order. On ``src``, ``tensors`` are the data; on the
         others, buffers of the same shapes and dtypes that ``wait()`` overwrites and returns.
-        ``symmetric``: as in :meth:`all_reduce_sum`.
+        ``symmetric``, ``tag``: as in :meth:`all_reduce_sum`.
         """
         if len(ranks) == 1 or not tensors:
             return Pending.done(tensors)
@@ -178,7 +187,7 @@ class Communicator:
             raise ValueError(f"rank {self.rank} and src {src} must be among {ranks}")
         group = self._groups[ranks]
         group_src = ranks.index(src)  # groups list their members ascending
-        buckets = self._pack(tensors, symmetric)
+        buckets = self._pack(tensors, symmetric, tag)
         works = [
             dist.broadcast(b.buffer, group=group, group_src=group_src, async_op=True)
             for b in buckets
@@ -190,8 +199,9 @@ class Communicator:
 
     # -- buckets -----------------------------------------------------------------------------
 
-    def _pack(self, tensors: Sequence[Tensor], symmetric: bool) -> list[_Bucket]:
-        """Copy ``tensors`` (triangles when ``symmetric``) into buckets of one dtype and device."""
+    def _pack(self, tensors: Sequence[Tensor], symmetric: bool, tag: str) -> list[_Bucket]:
+        """Copy ``tensors`` (triangles when ``symmetric``) into buckets of one dtype and device;
+        count their bytes under ``tag``."""
         sizes = [linalg.triu_size(len(t)) if symmetric else t.numel() for t in tensors]
         groups: list[list[int]] = []
         used = 0
@@ -216,6 +226,7 @@ class Communicator:
                 else:
                     part.copy_(tensors[index].reshape(-1))
             buckets.append(_Bucket(tuple(members), member_sizes, buffer))
+            self.bytes_sent[tag] += buffer.numel() * buffer.element_size()
         return buckets
 
     @staticmethod

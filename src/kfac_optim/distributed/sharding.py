@@ -103,6 +103,14 @@ class Sharding:
 
     # -- factors -----------------------------------------------------------------------------
 
+    def owned_factors(self) -> tuple[str, ...]:
+        """``"<block>.<factor>"`` of every factor this rank decomposes."""
+        return tuple(f"{item.block}.{item.factor}" for item in self.plan.owned(self.rank))
+
+    def bytes_communicated(self) -> dict[str, int]:
+        """The communicator's bytes sent so far, by kind (factors, decompositions, directions)."""
+        return {kind: self.comm.bytes_sent[kind] for kind in ("factors", "decompositions", "directions")}
+
     def factors_folded(self) -> None:
         """Record a factor step: the ranks' running factors may now differ."""
         self._folded = True
@@ -117,9 +125,9 @@ class Sharding:
         if not (self.active and self._folded and factors):
             self._folded = False
             return
-        sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=True, in_place=True)
+        sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=True, in_place=True, tag="factors")
         initialized = torch.stack([f.initialized for f in factors]).to(factors[0].running.dtype)
-        counts = self.comm.all_reduce_sum([initialized])
+        counts = self.comm.all_reduce_sum([initialized], tag="factors")
         (ranks,) = counts.wait()
         for factor, total, count in zip(factors, sums.wait(), ranks, strict=True):
             factor.set_global(total, count)
@@ -143,7 +151,8 @@ class Sharding:
             held = self.decomposes(item.block, item.factor) and factor.decomposition is not None
             key = factor.decomposed_key
             local.append((1.0, float("nan") if key is None else key[1]) if held else (0.0, 0.0))
-        (flags,) = self.comm.all_reduce_sum([torch.tensor(local, dtype=torch.float64, device=device)]).wait()
+        local_flags = torch.tensor(local, dtype=torch.float64, device=device)
+        (flags,) = self.comm.all_reduce_sum([local_flags], tag="decompositions").wait()
         available = {(item.block, item.factor): (held > 0, shift) for item, (held, shift) in zip(items, flags.tolist())}
         self._ready = {
             name for name in self.blocks if all(available[(name, f)][0] for f in FACTORS)
@@ -163,7 +172,8 @@ class Sharding:
                 tensors = [t for factor, _ in members for t in _as_tensors(factor.decomposition)]
             else:
                 tensors = [t for factor, _ in members for t in _receive_buffers(factor, method, dtype, device)]
-            pending.append((src, members, self.comm.broadcast(tensors, src, workers, symmetric=method == "inverse")))
+            sent = self.comm.broadcast(tensors, src, workers, symmetric=method == "inverse", tag="decompositions")
+            pending.append((src, members, sent))
         per_factor = 2 if method == "eigen" else 1
         for src, members, work in pending:
             received = work.wait()
@@ -201,7 +211,7 @@ class Sharding:
                     torch.empty(self.blocks[n].G.dim, self.blocks[n].A.dim, dtype=dtype, device=device)
                     for n in names
                 ]
-            pending.append((names, self.comm.broadcast(tensors, src, row)))
+            pending.append((names, self.comm.broadcast(tensors, src, row, tag="directions")))
         shared = dict(directions)
         for names, work in pending:
             shared.update(zip(names, work.wait(), strict=True))
