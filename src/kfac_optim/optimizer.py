@@ -21,6 +21,8 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -77,8 +79,8 @@ class KFACOptions:
     def __post_init__(self) -> None:
         if not callable(self.damping):
             check_damping(self.damping)
-        if self.kl_clip is not None and not self.kl_clip > 0:
-            raise ValueError(f"kl_clip must be > 0 or None, got {self.kl_clip}")
+        if self.kl_clip is not None and not 0 < self.kl_clip < math.inf:
+            raise ValueError(f"kl_clip must be a finite number > 0 or None, got {self.kl_clip}")
         if not 0 <= self.factor_decay < 1:
             raise ValueError(f"factor_decay must be in [0, 1), got {self.factor_decay}")
         for name in ("factor_update_steps", "inv_update_steps"):
@@ -97,9 +99,37 @@ class KFACOptions:
 
 
 def check_damping(value: float) -> float:
-    if not value > 0:
-        raise ValueError(f"damping must be > 0, got {value}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"damping must be a finite number > 0, got {value}")
     return value
+
+
+def check_hyperparameter(name: str, value: float | Tensor, minimum: float = 0.0) -> None:
+    """A finite real number (or a 1-element tensor, for ``lr``) ``>= minimum``, else an error naming it."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a float or a 1-element tensor")
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not minimum <= float(value) < math.inf:
+        raise ValueError(f"{name} must be a finite number >= {minimum}, got {value}")
+
+
+def check_skip_layers(skip_layers: Any) -> tuple[str | type[nn.Module], ...]:
+    """``skip_layers`` as a tuple of valid full-match regexes and module types, else an error naming it."""
+    if isinstance(skip_layers, (str, type)) or not isinstance(skip_layers, Sequence | set | frozenset):
+        raise TypeError(
+            f"skip_layers must be a sequence of name patterns or module types, got {type(skip_layers).__name__}"
+        )
+    for rule in skip_layers:
+        if isinstance(rule, str):
+            try:
+                re.compile(rule)
+            except re.error as error:
+                raise ValueError(f"skip_layers: {rule!r} is not a valid regular expression ({error})") from None
+        elif not (isinstance(rule, type) and issubclass(rule, nn.Module)):
+            raise TypeError(f"skip_layers entries must be str patterns or nn.Module subclasses, got {rule!r}")
+    return tuple(skip_layers)
 
 
 def check_interval(name: str, value: int) -> int:
@@ -109,9 +139,20 @@ def check_interval(name: str, value: int) -> int:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module that owns the layers: ``model.module`` for DDP / DataParallel wrappers."""
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    return model.module if isinstance(model, wrappers) else model
+    """The module that owns the layers: inside DDP / DataParallel wrappers and ``torch.compile``."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
+
+
+def user_visible_name(name: str) -> str:
+    """A module's name as the uncompiled model's ``state_dict()`` spells it (no ``_orig_mod.`` parts
+    left by submodules wrapped with ``torch.compile``)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def _is_skipped(name: str, module: nn.Module, skip_layers: SkipLayers) -> bool:
@@ -148,7 +189,7 @@ def discover_blocks(
         include_bias = bias is not None and bias in trainable and bias not in claimed
         if include_bias:
             claimed.add(bias)
-        blocks.append(kind(name, module, include_bias, factor_dtype))
+        blocks.append(kind(user_visible_name(name), module, include_bias, factor_dtype))
     if grouped_convs:
         warn_user(
             f"K-FAC supports Conv2d with groups=1 only; {len(grouped_convs)} grouped conv layer(s) "
@@ -246,18 +287,11 @@ class KFAC(Optimizer):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("lr must be a float or a 1-element tensor")
-        if lr < 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if momentum < 0:
-            raise ValueError(f"momentum must be >= 0, got {momentum}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        for name, value in (("lr", lr), ("momentum", momentum), ("dampening", dampening), ("weight_decay", weight_decay)):
+            check_hyperparameter(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov requires momentum > 0 and dampening = 0")
-        if isinstance(skip_layers, (str, type)):
-            raise TypeError("skip_layers must be a sequence of name patterns or module types")
+        skip_layers = check_skip_layers(skip_layers)
         self.options = KFACOptions(
             damping=damping,
             kl_clip=kl_clip,
@@ -299,6 +333,13 @@ class KFAC(Optimizer):
         self._sharding = Sharding(self.blocks, grad_worker_fraction, process_group)
         self._steps = 0
         self._warned_nothing_sampled = False
+        self._warned_graph_backward = False
+        # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (left out of
+        # ν), on the device; and per block, how many of those steps were reported.
+        device = self.blocks[0].weight.device if self.blocks else torch.device("cpu")
+        parameter_count = sum(len(block.parameters()) for block in self.blocks)
+        self._nonfinite_directions = torch.zeros(parameter_count, dtype=torch.int64, device=device)
+        self._reported_nonfinite = [0] * len(self.blocks)
         self._arm_for(self._steps)
         logger.info("KFAC preconditions %d layers: %s", len(self.blocks), [b.name for b in self.blocks])
         factors = [(f"{block.name}.{name}", f.dim) for block in self.blocks for name, f in block.factors.items()]
@@ -429,6 +470,7 @@ class KFAC(Optimizer):
         if self._sharding.decompositions_missing:  # a loaded checkpoint lacks some: from its factors
             self._decomposition_step(damping, only_missing=True)
         if self.is_factor_step(step):
+            self._check_something_was_recorded()
             # sample_fisher's loss is a sum over samples, whatever the training loss's reduction.
             reduction = "sum" if self.options.fisher == "sampled" else self.options.loss_reduction
             with record_function("kfac.fold"):
@@ -449,6 +491,18 @@ class KFAC(Optimizer):
         self._arm_for(self._steps)
         return loss
 
+    def _check_something_was_recorded(self) -> None:
+        """Warn once when every backward of a factor step ran with ``create_graph=True`` (not recorded)."""
+        skipped, self._capture.graph_backward_skipped = self._capture.graph_backward_skipped, False
+        if skipped and not self._warned_graph_backward and not any(b.pending_samples for b in self.blocks):
+            warn_user(
+                "every backward since the last step ran with create_graph=True: K-FAC records the "
+                "output-gradients of the backward that produces .grad without create_graph (e.g. the "
+                "final backward of a gradient penalty), so the factors were not updated on this step",
+                RuntimeWarning,
+            )
+            self._warned_graph_backward = True
+
     def _decomposition_step(self, damping: float, only_missing: bool = False) -> None:
         """Make the factors global (lazy reduction), decompose what this rank owns, share them."""
         with record_function("kfac.reduce_factors"):
@@ -466,7 +520,11 @@ class KFAC(Optimizer):
         if not factors:
             return
         # One host sync per decomposition step for the device-side health flags.
-        health = torch.stack([torch.stack([f.initialized.long(), f.discarded]) for _, _, f in factors]).tolist()
+        flags = torch.cat(
+            [torch.stack([f.initialized.long(), f.discarded]) for _, _, f in factors] + [self._nonfinite_directions]
+        ).tolist()
+        health = [flags[2 * i : 2 * i + 2] for i in range(len(factors))]
+        self._report_nonfinite_directions(flags[2 * len(factors) :])
         for (block, name, factor), (initialized, discarded) in zip(factors, health):
             if discarded > factor.reported_discards:
                 warn_user(
@@ -489,6 +547,20 @@ class KFAC(Optimizer):
                     RuntimeWarning,
                 )
 
+    def _report_nonfinite_directions(self, parameter_counts: list[int]) -> None:
+        """Warn about layers whose direction was non-finite since the last report (see the KL clip)."""
+        counts = iter(parameter_counts)
+        for index, block in enumerate(self.blocks):
+            count = max(next(counts) for _ in block.parameters())  # a layer's parameters fail together
+            if count > self._reported_nonfinite[index]:
+                warn_user(
+                    f"K-FAC layer '{block.name}': {count - self._reported_nonfinite[index]} step(s) with a "
+                    "non-finite gradient; that layer's update was non-finite and it was left out of the KL "
+                    "clip, so the other layers were not affected",
+                    RuntimeWarning,
+                )
+                self._reported_nonfinite[index] = count
+
     @record_function("kfac.precondition")
     def _preconditioned_directions(self, damping: float) -> dict[Tensor, Tensor]:
         """Per-parameter update directions of the K-FAC layers that have a decomposition."""
@@ -510,14 +582,27 @@ class KFAC(Optimizer):
 
     @record_function("kfac.kl_clip")
     def _clip_to_trust_region(self, directions: dict[Tensor, Tensor]) -> None:
-        """Scale every direction by ``ν = min(1, sqrt(kl_clip / |Σ lr² ⟨d, ∇p⟩|))`` in place."""
+        """Scale every direction by ``ν = min(1, sqrt(kl_clip / |Σ lr² ⟨d, ∇p⟩|))`` in place.
+
+        The sum runs over the layers whose term is finite: a layer with a non-finite gradient has a
+        non-finite direction (its preconditioner mixes all its entries) and is left out, so one bad
+        entry cannot make every layer's update non-finite through ν. Such layers are counted on the
+        device and reported at the next decomposition step (no host sync here).
+        """
         lr_of = {p: group["lr"] for group in self.param_groups for p in group["params"]}
-        terms = [
-            torch.vdot(direction.reshape(-1), param.grad.to(direction.dtype).reshape(-1)) * lr_of[param] ** 2
-            for param, direction in directions.items()
-            if param.grad is not None
+        zero = self._nonfinite_directions.new_zeros((), dtype=next(iter(directions.values())).dtype)
+        terms = [  # one per K-FAC parameter, in block order; 0 for those without a direction
+            torch.vdot(directions[param].reshape(-1), param.grad.to(directions[param].dtype).reshape(-1))
+            * lr_of[param] ** 2
+            if param in directions and param.grad is not None
+            else zero
+            for block in self.blocks
+            for param in block.parameters()
         ]
-        kl_estimate = torch.stack(terms).sum().abs()
+        per_parameter = torch.stack(terms)
+        finite = torch.isfinite(per_parameter)
+        self._nonfinite_directions += ~finite
+        kl_estimate = per_parameter.where(finite, 0.0).sum().abs()
         nu = (self.options.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
         torch._foreach_mul_(list(directions.values()), nu)
 
@@ -586,13 +671,38 @@ class KFAC(Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``Optimizer.load_state_dict`` plus the ``"kfac"`` entry of :meth:`state_dict`.
+
+        The whole K-FAC entry is checked first (keys, shapes against this model, finiteness): a
+        checkpoint that does not fit raises ``ValueError`` naming the layer and the field, and the
+        optimizer is left exactly as it was. Layers of the model missing from the checkpoint start
+        fresh and saved layers the model lacks are ignored, both with a warning.
+        """
         state_dict = dict(state_dict)
         kfac_state = state_dict.pop("kfac", None)
+        if kfac_state is not None:
+            saved = self._validate_kfac_state(kfac_state)
         super().load_state_dict(state_dict)
         if kfac_state is None:
             return
         self._steps = int(kfac_state["steps"])
+        for block in self.blocks:
+            if block.name in saved:
+                block.load_state_dict(saved[block.name])
+        self._sharding.loaded()
+        self._arm_for(self._steps)
+
+    def _validate_kfac_state(self, kfac_state: Any) -> dict[str, Any]:
+        """Check a checkpoint's ``"kfac"`` entry against this model; return its blocks by name."""
+        if not isinstance(kfac_state, dict) or not isinstance(kfac_state.get("blocks"), dict):
+            raise ValueError("K-FAC checkpoint: the 'kfac' entry must be a dict with 'steps' and 'blocks'")
+        steps = kfac_state.get("steps")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"K-FAC checkpoint: 'steps' must be an int >= 0, got {steps!r}")
         saved = kfac_state["blocks"]
+        for block in self.blocks:
+            if block.name in saved:
+                block.validate_state(saved[block.name])
         missing = [block.name for block in self.blocks if block.name not in saved]
         unknown = sorted(set(saved) - {block.name for block in self.blocks})
         if missing or unknown:
@@ -600,11 +710,14 @@ class KFAC(Optimizer):
                 f"K-FAC checkpoint does not match the model: layers without saved factors {missing} "
                 f"start fresh; saved layers not in the model {unknown} are ignored",
             )
-        for block in self.blocks:
-            if block.name in saved:
-                block.load_state_dict(saved[block.name])
-        self._sharding.loaded()
-        self._arm_for(self._steps)
+        return saved
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a KFAC optimizer cannot be pickled, deep-copied or torch.save()d: it holds hooks on the model "
+            "and (when distributed) process groups. Save optimizer.state_dict() instead and load it with "
+            "load_state_dict() into a KFAC built on the model."
+        )
 
     # -- distributed -------------------------------------------------------------------------
 
