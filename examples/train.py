@@ -113,7 +113,7 @@ def _report(experiment: Experiment, histories: dict, out_dir: Path, argv: list[s
     command = shlex.join(["python", "-m", "examples.train", *(sys.argv[1:] if argv is None else argv)])
     (out_dir / "summary.md").write_text(f"`{command}`\n\n{table}\n", encoding="utf-8")
     plot_runs(histories, train.metric, train.target, train.higher_is_better,
-              f"{experiment.name}: {train.metric}", out_dir / "plot.png")
+              f"{experiment.name}: {train.metric}", out_dir / "plot.png", train.clock)
     print(table)
     print(f"\nwrote {out_dir}/: plot.png, summary.md, <run>/metrics.jsonl", file=sys.stderr)
 
