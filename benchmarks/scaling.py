@@ -24,7 +24,8 @@ the one-process figure (KAISA's memory-optimal f = 1/world should approach 1/wor
 **Planned** (no ranks, no data): the plan's load balance and per-rank memory for ``--plan-model``
 (ResNet-50) at ``--plan-worlds`` (8 to 1024), as ``plan_report.py`` prints them.
 
-Uses only the optimizer's public surface; the package knows nothing of it. On a 2-core machine more than 2 ranks share cores and their times stop meaning much.
+Uses only the optimizer's public surface; the package knows nothing of it. On a 2-core machine
+more than 2 ranks share cores and their times stop meaning much.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -57,8 +57,10 @@ from kfac_optim import KFAC
 
 PHASES = ("decompose", "precondition", "factor all-reduce", "share decompositions", "share gradients")
 COMPUTE = ("decompose", "precondition")
-RANGES = {"kfac.decompose": "decompose", "kfac.precondition": "precondition", "kfac.reduce_factors": "factor all-reduce",
-          "kfac.share_decompositions": "share decompositions", "kfac.share_directions": "share gradients"}
+RANGES = {  # the profiler ranges of KFAC.step (docs/design.md §4) -> phases
+    "kfac.decompose": "decompose", "kfac.precondition": "precondition", "kfac.reduce_factors": "factor all-reduce",
+    "kfac.share_decompositions": "share decompositions", "kfac.share_directions": "share gradients",
+}
 BYTE_KINDS = {"factors": "factor all-reduce", "decompositions": "share decompositions", "directions": "share gradients"}
 DEADLINE_S = 1800.0
 

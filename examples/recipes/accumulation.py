@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     accumulated, whole = train(args.accum_steps, args.steps), train(1, args.steps)
     difference = max((a - b).abs().max().item() for a, b in zip(accumulated.parameters(), whole.parameters()))
-    print(f"{args.accum_steps} micro-batches vs one batch, {args.steps} steps: max parameter difference {difference:.2e}")
+    print(f"{args.accum_steps} micro-batches vs one batch, {args.steps} steps: "
+          f"max parameter difference {difference:.2e}")
     return 0 if difference < 1e-4 else 1
 
 
