@@ -121,6 +121,14 @@ class Sharding:
 
     # -- factors -----------------------------------------------------------------------------
 
+    def owned_factors(self) -> tuple[str, ...]:
+        """``"<block>.<factor>"`` of every factor this rank decomposes."""
+        return tuple(f"{item.block}.{item.factor}" for item in self.plan.owned(self.rank))
+
+    def bytes_communicated(self) -> dict[str, int]:
+        """The communicator's bytes sent so far, by kind (factors, decompositions, directions)."""
+        return {kind: self.comm.bytes_sent[kind] for kind in ("factors", "decompositions", "directions")}
+
     def factors_folded(self) -> None:
         """Record a factor step: the ranks' running factors may now differ."""
         self._folded = True
@@ -150,10 +158,11 @@ class Sharding:
             )
         factors = self._factors()
         what = f"{caller}: the all-reduce of the running factors"
+        running = [f.running for f in factors]
         symmetric = [f.running.dim() == 2 for f in factors]  # one (n, n) matrix: its triangle travels
-        sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=symmetric, in_place=True, what=what)
+        sums = self.comm.all_reduce_sum(running, symmetric=symmetric, in_place=True, what=what, tag="factors")
         initialized = torch.stack([f.initialized for f in factors]).to(factors[0].running.dtype)
-        counts = self.comm.all_reduce_sum([initialized], what=what)
+        counts = self.comm.all_reduce_sum([initialized], what=what, tag="factors")
         (ranks,) = counts.wait()
         for factor, total, count in zip(factors, sums.wait(), ranks, strict=True):
             factor.set_global(total, count)
@@ -178,7 +187,8 @@ class Sharding:
             key = factor.decomposed_key
             local.append((1.0, float("nan") if key is None else key[1]) if held else (0.0, 0.0))
         what = "KFAC.step(): the exchange of decompositions"
-        (flags,) = self.comm.all_reduce_sum([torch.tensor(local, dtype=torch.float64, device=device)], what=what).wait()
+        local_flags = torch.tensor(local, dtype=torch.float64, device=device)
+        (flags,) = self.comm.all_reduce_sum([local_flags], what=what, tag="decompositions").wait()
         available = {(item.block, item.factor): (held > 0, shift) for item, (held, shift) in zip(items, flags.tolist())}
         self._ready = {
             name for name in self.blocks if all(available[(name, f)][0] for f in FACTORS)
@@ -199,7 +209,7 @@ class Sharding:
             else:
                 tensors = [t for factor, _ in members for t in method.buffers(factor, dtype, device)]
             symmetric = [flag for factor, _ in members for flag in method.symmetric(factor)]
-            work = self.comm.broadcast(tensors, src, workers, symmetric=symmetric, what=what)
+            work = self.comm.broadcast(tensors, src, workers, symmetric=symmetric, what=what, tag="decompositions")
             pending.append((src, members, work))
         for src, members, work in pending:
             received = work.wait()
@@ -237,7 +247,7 @@ class Sharding:
             else:
                 tensors = [torch.empty(self.blocks[n].direction_shape(), dtype=dtype, device=device) for n in names]
             what = "KFAC.step(): the broadcast of preconditioned gradients"
-            pending.append((names, self.comm.broadcast(tensors, src, row, what=what)))
+            pending.append((names, self.comm.broadcast(tensors, src, row, what=what, tag="directions")))
         shared = dict(directions)
         for names, work in pending:
             shared.update(zip(names, work.wait(), strict=True))
