@@ -29,7 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from kfac_optim import KFAC, register_block
-from kfac_optim.layers import LayerNormBlock, registry
+from kfac_optim.layers import LayerNormBlock, unregister_block
 
 KFAC_OPTIONS = dict(lr=0.1, momentum=0.9, damping=0.03, kl_clip=1e-3, factor_update_steps=1, inv_update_steps=10)
 
@@ -70,17 +70,16 @@ def batches(data: torch.Tensor, steps: int, batch: int, length: int, seed: int) 
 def run(variant: str, seed: int, train: torch.Tensor, held_out: torch.Tensor, vocabulary: int, args) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = CharModel(vocabulary, args.dim)
-    before = registry.registered_blocks()
-    try:
-        if variant == "kfac+norm":
-            register_block(nn.LayerNorm, LayerNormBlock)
-        if variant == "adamw":
-            optimizer = torch.optim.AdamW(model.parameters(), lr=args.adamw_lr, weight_decay=0.0)
-        else:
+    if variant == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.adamw_lr, weight_decay=0.0)
+    elif variant == "kfac":
+        optimizer = KFAC(model, **KFAC_OPTIONS)
+    else:  # LayerNorm is not registered by default: register it for this optimizer only
+        register_block(nn.LayerNorm, LayerNormBlock)
+        try:
             optimizer = KFAC(model, **KFAC_OPTIONS)
-    finally:
-        registry._REGISTRY.clear()
-        registry._REGISTRY.update(before)
+        finally:
+            unregister_block(nn.LayerNorm)
     losses, times = [], []
     for chunk in tqdm(batches(train, args.steps, args.batch, args.length, seed), desc=f"{variant} seed {seed}", leave=False):
         start = time.perf_counter()

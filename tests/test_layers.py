@@ -27,7 +27,15 @@ from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 
 from kfac_optim import KFAC, KroneckerBlock, register_block
-from kfac_optim.layers import ConvBlock, EmbeddingBlock, LinearBlock, block_kind, discover_blocks, registered_blocks
+from kfac_optim.layers import (
+    ConvBlock,
+    EmbeddingBlock,
+    LinearBlock,
+    block_kind,
+    discover_blocks,
+    registered_blocks,
+    unregister_block,
+)
 
 # -- convolutions ------------------------------------------------------------------------------
 
@@ -301,11 +309,8 @@ def test_register_block_makes_a_user_layer_a_kfac_layer_and_lookup_follows_the_m
         torch.testing.assert_close(direction, kron_solve(G_ref, A_ref, grad, 0.1), rtol=1e-9, atol=1e-12)
         assert "Scale" in optimizer.describe() and "LinearBlock" in optimizer.describe()
     finally:
-        registered_blocks_now = registered_blocks()
-        for module_type in set(registered_blocks_now) - set(before):
-            from kfac_optim.layers import registry
-
-            del registry._REGISTRY[module_type]
+        for module_type in set(registered_blocks()) - set(before):
+            unregister_block(module_type)
     assert block_kind(Scale(2)) is None
 
 
@@ -331,10 +336,8 @@ def test_a_block_can_decline_instances() -> None:
         assert [type(b) for b in optimizer.blocks] == [EvenOnly]
         assert [r.status for r in optimizer.module_reports] == ["kfac", "unsupported"]
     finally:
-        from kfac_optim.layers import registry
-
-        registry._REGISTRY.clear()
-        registry._REGISTRY.update(before)
+        unregister_block(FancyLinear)
+    assert registered_blocks() == before
 
 
 def test_discover_blocks_is_public_and_agrees_with_the_optimizer() -> None:
@@ -603,7 +606,6 @@ def test_a_module_called_twice_per_forward_adds_both_calls_rows_and_its_samples_
 def test_norm_blocks_are_the_exact_per_unit_fisher(make_layer, shape) -> None:
     """F_i = (1/N) Σ_n ŝ_ni ŝ_niᵀ, ŝ the per-sample gradient of (γ_i, β_i); direction (F_i + λI)⁻¹ ∇_i."""
     from kfac_optim.layers import ChannelNormBlock, LayerNormBlock, RMSNormBlock
-    from kfac_optim.layers import registry
 
     layer = make_layer()
     x = torch.randn(shape)
@@ -621,7 +623,7 @@ def test_norm_blocks_are_the_exact_per_unit_fisher(make_layer, shape) -> None:
         per_sample.append(torch.stack([g.reshape(-1) for g in torch.autograd.grad(loss, params, retain_graph=True)], -1))
     s_hat = torch.stack(per_sample)  # (N, units, 1 or 2)
     fisher = torch.einsum("nui,nuj->uij", s_hat, s_hat) / N
-    before = registry.registered_blocks()
+    norm_types = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d)
     try:
         for module_type, block in ((nn.LayerNorm, LayerNormBlock), (nn.RMSNorm, RMSNormBlock),
                                    (nn.GroupNorm, ChannelNormBlock), (nn.BatchNorm1d, ChannelNormBlock),
@@ -634,8 +636,8 @@ def test_norm_blocks_are_the_exact_per_unit_fisher(make_layer, shape) -> None:
         grad = torch.stack([p.grad.reshape(-1) for p in params], -1)
         optimizer.step()
     finally:
-        registry._REGISTRY.clear()
-        registry._REGISTRY.update(before)
+        for module_type in norm_types:
+            unregister_block(module_type)
     block = optimizer.blocks[0]
     torch.testing.assert_close(block.A.running, fisher, rtol=1e-10, atol=1e-12)
     moved = torch.stack([(b - p.detach()).reshape(-1) for b, p in zip(snapshot, params, strict=True)], -1)

@@ -23,6 +23,7 @@ from kfac_optim.layers.registry import (
     discover_blocks,
     register_block,
     registered_blocks,
+    unregister_block,
 )
 
 for _module_type, _block_class in (
@@ -55,4 +56,5 @@ __all__ = [
     "discover_blocks",
     "register_block",
     "registered_blocks",
+    "unregister_block",
 ]

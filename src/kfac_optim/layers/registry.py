@@ -43,6 +43,12 @@ def register_block(module_type: type[nn.Module], block_class: type[KroneckerBloc
     _REGISTRY[module_type] = block_class
 
 
+def unregister_block(module_type: type[nn.Module]) -> type[KroneckerBlock] | None:
+    """Forget ``module_type``'s own registration (its subclasses' and bases' stay); returns the
+    block class it had, or None. Takes effect for optimizers created afterwards."""
+    return _REGISTRY.pop(module_type, None)
+
+
 def registered_blocks() -> dict[type[nn.Module], type[KroneckerBlock]]:
     """A copy of the registry."""
     return dict(_REGISTRY)
