@@ -425,7 +425,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     sampled.remove_hooks()
     forward_ms = passes["forward"].median
     out["sample_fisher"] = Timing(passes["sampled"].median - forward_ms, passes["sampled"].spread, passes["sampled"].n)
-    out["sample_fisher_floor"] = Timing(passes["fwd_bwd"].median - forward_ms + out["statistics_floor"].median,
+    backward_ms = max(passes["fwd_bwd"].median - forward_ms, 0.0)  # a difference of noisy timings: never < 0
+    out["sample_fisher_floor"] = Timing(backward_ms + out["statistics_floor"].median,
                                         passes["fwd_bwd"].spread, passes["fwd_bwd"].n)
     progress.update()
     progress.close()
