@@ -113,10 +113,11 @@ def _remove_hooks(
     handles.clear()
     for module_ref, inert in copies:
         module = module_ref()
-        if module is None:
+        hooks = getattr(module, "_forward_hooks", None)  # None: gone, or a copy deepcopy abandoned
+        if hooks is None:
             continue
-        for hook_id in [key for key, hook in module._forward_hooks.items() if hook is inert]:
-            del module._forward_hooks[hook_id]
+        for hook_id in [key for key, hook in hooks.items() if hook is inert]:
+            del hooks[hook_id]
             module._forward_hooks_with_kwargs.pop(hook_id, None)
             module._forward_hooks_always_called.pop(hook_id, None)
     copies.clear()
@@ -153,6 +154,7 @@ class StatisticsCapture:
                 own = [block.module.register_forward_hook(CaptureHook(self, block), with_kwargs=True)]
             self._handles.extend(own)
         self._finalizer = weakref.finalize(self, _remove_hooks, self._handles, self.copies)
+        self._finalizer.atexit = False  # nothing to clean at interpreter exit, when modules may be half gone
 
     def _take_over(self, modules: list[nn.Module]) -> None:
         """Own ``modules``, removing the hooks of any live capture that owned one of them."""
