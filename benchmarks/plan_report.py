@@ -4,8 +4,8 @@ For each world size and grad-worker fraction, prints one table row and writes al
 max/mean load (decomposition cost ~ dim**3 per factor), the lower bound on any assignment over the
 mean, the plan's max load over that bound (1.0 is optimal), the same for plain LPT without the
 refinement, the number of process groups, and per-rank memory of factors and decompositions.
-No data and no training: the factor sizes are those of the blocks KFAC builds for the model
-(``kfac_optim.optimizer.block_dims``, on the meta device).
+No data and no training: the factors (sizes and kinds: dense, batched per group, diagonal) are
+those of the blocks KFAC builds for the model (``kfac_optim.discover_blocks``, on the meta device).
 
     python -m benchmarks.plan_report --out plan_report.json
 """
@@ -27,8 +27,9 @@ from kfac_optim.distributed.plan import (
     imbalance,
     make_plan,
     memory_per_rank,
-    work_items,
 )
+from kfac_optim.distributed.sharding import block_work_items
+from kfac_optim.layers import discover_blocks
 from kfac_optim.optimizer import block_dims
 
 MIB = 2**20
@@ -112,16 +113,23 @@ def plan_rows(
     return rows
 
 
+def torchvision_work_items(model: str) -> tuple[int, tuple[WorkItem, ...]]:
+    """The number of K-FAC blocks of a torchvision model and their work items (meta device)."""
+    with torch.device("meta"):
+        network = getattr(torchvision.models, model)(weights=None)
+    blocks = discover_blocks(network)
+    return len(blocks), tuple(block_work_items(blocks))
+
+
 def model_plan_report(model: str, worlds: list[int], fractions: list[str], method: str) -> dict[str, object]:
     """Print the largest factors' cost shares and :func:`plan_rows` for a torchvision model; return both."""
-    dims = torchvision_block_dims(model)
-    items = work_items(dims)
-    costs = sorted(((eigh_cost(it.dim), f"{it.block}.{it.factor}") for it in items), reverse=True)
+    blocks, items = torchvision_work_items(model)
+    costs = sorted(((it.cost(eigh_cost), f"{it.block}.{it.factor}") for it in items), reverse=True)
     total = math.fsum(c for c, _ in costs)
     largest = ", ".join(f"{name} ({c / total:.1%})" for c, name in costs[:3])
-    print(f"{model}: {len(dims)} blocks, {len(items)} factors; largest cost shares: {largest}")
+    print(f"{model}: {blocks} blocks, {len(items)} factors; largest cost shares: {largest}")
     rows = plan_rows(items, worlds, fractions, method)
-    return {"model": model, "method": method, "blocks": len(dims), "rows": rows}
+    return {"model": model, "method": method, "blocks": blocks, "rows": rows}
 
 
 def main() -> None:

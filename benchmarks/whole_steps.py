@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from benchmarks.step_time import add_workload_arguments, build_model, workload_shape
 from kfac_optim import KFAC, linalg
+from kfac_optim.methods import method_named
 
 RUNS = ("sync", "async", "defaults", "sgd", "kaisa")
 
@@ -113,7 +114,7 @@ def precondition_times(optimizer: KFAC, damping: float, repeats: int) -> dict[st
     grads = {b.name: torch.randn(b.G.dim, b.A.dim) for b in optimizer.blocks}
     held = {}
     for b in optimizer.blocks:
-        thresholds = b.rank_thresholds("eigen", damping)
+        thresholds = b.rank_thresholds(method_named("eigen"), damping)
         held[b.name] = {n: linalg.symmetric_eigen(f.running, torch.float32, thresholds[n], f.rank_bound)
                         for n, f in b.factors.items()}
     full = {b.name: {n: linalg.symmetric_eigen(f.running, torch.float32) for n, f in b.factors.items()}
@@ -127,7 +128,7 @@ def precondition_times(optimizer: KFAC, damping: float, repeats: int) -> dict[st
         for _ in range(repeats + 1):
             start = time.perf_counter()
             for block in optimizer.blocks:
-                block.precondition(grads[block.name], "eigen", damping)
+                block.precondition(grads[block.name], method_named("eigen"), damping)
             samples.append(time.perf_counter() - start)
         return statistics.median(samples[1:])
 

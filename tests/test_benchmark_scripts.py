@@ -73,14 +73,43 @@ def test_amp_steps_compares_fp16_with_fp32_and_writes_json_and_a_plot(tmp_path: 
 
 
 def test_whole_steps_times_each_run_and_compares_rank_aware_preconditioning(tmp_path: Path) -> None:
-    payload = whole_steps.main(["--model", "mlp", "--image-size", "4", "--batch-size", "8", "--steps", "4",
+    payload = whole_steps.main(["--model", "mlp", "--image-size", "4", "--batch-size", "8", "--steps", "3",
                                 "--factor-interval", "1", "--inverse-interval", "2",
                                 "--runs", "sync", "async", "--precondition", "--repeats", "1",
                                 "--out", str(tmp_path)])
     runs = payload["runs"]
     assert set(runs) == {"sync", "async"}
-    assert all(len(r["times_s"]) == 4 and r["first_s"] > 0 for r in runs.values())
+    assert all(len(r["times_s"]) == 3 and r["first_s"] > 0 for r in runs.values())
     precondition = runs["sync"]["precondition"]
-    # 3·4·4 = 48 inputs + bias, 4 steps of 8 rows: A's rank ≤ 32, held thin; full is 49 columns.
+    # 3·4·4 = 48 inputs + bias, 3 folds of 8 rows: A's rank ≤ 24 ≤ 49/2, held thin; full is 49 columns.
     assert precondition["dim_and_columns"]["1.A"][0] == 49 and precondition["dim_and_columns"]["1.A"][1] < 49
     assert (tmp_path / "whole_steps.json").exists() and (tmp_path / "whole_steps.png").exists()
+
+
+def test_norm_blocks_trains_every_variant_and_writes_json_and_a_plot(tmp_path: Path) -> None:
+    from benchmarks import norm_blocks
+
+    runs = norm_blocks.main(["--steps", "3", "--seeds", "0", "--batch", "4", "--length", "8", "--dim", "8",
+                             "--out", str(tmp_path)])
+    assert [r["variant"] for r in runs] == ["adamw", "kfac", "kfac+norm"]
+    assert all(len(r["losses"]) == 3 and r["held_out_loss"] > 0 for r in runs)
+    assert (tmp_path / "norm_blocks.json").exists() and (tmp_path / "norm_blocks.png").exists()
+
+
+def test_time_to_metric_finds_the_first_epoch_reaching_the_reference_final(tmp_path: Path) -> None:
+    from benchmarks import time_to_metric
+
+    histories = {
+        "adamw": [(1.0, 0.5, 0.01), (2.0, 0.9, 0.01), (3.0, 0.8, 0.01)],  # final 0.8, first reached at 2.0 s
+        "kfac": [(1.0, 0.85, 0.02), (2.0, 0.7, 0.02)],  # reaches 0.8 at 1.0 s
+        "sgd": [(1.0, 0.1, 0.005)],  # never
+    }
+    for run, rows in histories.items():
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "metrics.jsonl").write_text("\n".join(
+            json.dumps({"time_s": t, "test_acc": acc, "step_s": step}) for t, acc, step in rows))
+    report = time_to_metric.main([str(tmp_path), "--out", str(tmp_path / "out.json")])
+    runs = report["folders"][0]["runs"]
+    assert report["folders"][0]["target"] == 0.8
+    assert runs["adamw"]["time_s"] == 2.0 and runs["kfac"]["time_ratio"] == 0.5 and runs["kfac"]["step_ratio"] == 2.0
+    assert runs["sgd"]["time_s"] is None and report["summary"]["sgd"]["reached"] == "0/1"

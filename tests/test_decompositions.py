@@ -207,7 +207,7 @@ def test_async_round_is_adopted_at_the_next_decomposition_step() -> None:
         optimizer.zero_grad()
         if step == 3:
             snapshots = {name: (f.running.clone(), f.version) for name, f in block.factors.items()}
-            thresholds = block.rank_thresholds("eigen", 0.1)
+            thresholds = block.rank_thresholds(optimizer.method, 0.1)
         if step in (3, 5):
             assert block.A.decomposed_key == (1, 0.0)  # still step 0's
     for name, factor in block.factors.items():

@@ -63,19 +63,45 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def make_model(extra_layers: bool = False) -> Net:
+class ModernNet(nn.Module):
+    """Every block kind beyond Linear/Conv2d: an embedding (diagonal A), self-attention (packed
+    in_proj, out_proj), a depthwise Conv1d and a grouped Conv1d (batched per-group factors), a
+    Conv3d, then a Linear head. Input: tokens (N, 5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(11, 6, padding_idx=0)
+        self.attention = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.depthwise = nn.Conv1d(6, 6, 3, padding=1, groups=6)
+        self.grouped = nn.Conv1d(6, 4, 1, groups=2, bias=False)
+        self.volume = nn.Conv3d(1, 2, (2, 2, 1))
+        self.head = nn.Linear(2 * 3 * 4, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embedding(tokens)
+        h = h + self.attention(h, h, h, need_weights=False)[0]
+        h = torch.tanh(self.depthwise(h.transpose(1, 2)))
+        h = torch.tanh(self.grouped(h))  # (N, 4, 5)
+        h = torch.tanh(self.volume(h.unsqueeze(1).unsqueeze(-1)))  # (N, 2, 3, 4, 1)
+        return self.head(h.flatten(1))
+
+
+def make_model(extra_layers: bool = False, modern: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return Net(extra_layers)
+    return ModernNet() if modern else Net(extra_layers)
 
 
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(step: int, modern: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(GLOBAL_BATCH, 1, 4, 4, generator=generator)
+    if modern:
+        x = torch.randint(0, 11, (GLOBAL_BATCH, 5), generator=generator)
+    else:
+        x = torch.randn(GLOBAL_BATCH, 1, 4, 4, generator=generator)
     return x, torch.randint(0, 3, (GLOBAL_BATCH,), generator=generator)
 
 
-def shard(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = global_batch(step)
+def shard(step: int, rank: int, world: int, modern: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = global_batch(step, modern)
     size = GLOBAL_BATCH // world
     return x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]
 
@@ -90,8 +116,9 @@ def train(
     after_step: Callable[[], None] = lambda: None,
 ) -> None:
     """Steps on this rank's shard; ``micro_batches`` > 1 accumulates under DDP ``no_sync``."""
+    modern = isinstance(model.module if isinstance(model, DDP) else model, ModernNet)
     for step in steps:
-        x, y = shard(step, rank, world)
+        x, y = shard(step, rank, world, modern)
         optimizer.zero_grad()
         for index, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True)):
             last = index == micro_batches - 1
@@ -124,6 +151,9 @@ def symmetric_matrices(seed: int) -> list[torch.Tensor]:
     matrices = [torch.randn(n, n, generator=generator) for n in (5, 1, 9)]
     matrices.append(torch.randn(4, 4, generator=generator, dtype=torch.float64))
     return [m + m.T for m in matrices]
+
+
+MODERN_RUNS = [(1.0, "eigen"), ("mem-opt", "inverse")]
 
 
 def ddp_run(
@@ -192,6 +222,13 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     results["comm sums are the inputs"] = all(a is b for a, b in zip(sums, inputs, strict=True))
     sent = [torch.full((2, 3), float(rank)), torch.full((5,), float(rank), dtype=torch.float64)]
     results["comm broadcast"] = communicator.broadcast(sent, src=1, ranks=(0, 1)).wait()
+
+    for fraction, method in MODERN_RUNS:
+        model = DDP(make_model(modern=True))
+        optimizer = KFAC(model, grad_worker_fraction=fraction, method=method, **OPTIONS)
+        train(model, optimizer, range(STEPS), rank, world)
+        results[f"modern params {fraction} {method}"] = parameters(model)
+        results[f"modern factors {fraction} {method}"] = saved_factors(optimizer.state_dict())
 
     model, optimizer = ddp_run(rank, world, "mem-opt", steps=range(SAVE_AT))
     state = optimizer.state_dict()  # on every rank: it makes the factors global
@@ -370,6 +407,19 @@ def test_global_factors_equal_one_process_factors(two_ranks) -> None:
     expected = saved_factors(optimizer.state_dict())
     for results in two_ranks:
         assert_same(results["factors 1.0"], expected)
+
+
+@pytest.mark.parametrize(("fraction", "method"), MODERN_RUNS)
+def test_two_ranks_equal_one_process_with_embedding_attention_grouped_and_nd_conv_blocks(two_ranks, fraction, method) -> None:
+    model = make_model(modern=True)
+    optimizer = KFAC(model, method=method, **OPTIONS)
+    assert len(optimizer.blocks) == 7
+    train(model, optimizer, range(STEPS))
+    for results in two_ranks:
+        assert_same(results[f"modern params {fraction} {method}"], parameters(model))
+        assert_same(results[f"modern factors {fraction} {method}"], saved_factors(optimizer.state_dict()))
+    first, second = two_ranks
+    assert_same(first[f"modern params {fraction} {method}"], second[f"modern params {fraction} {method}"], rtol=0, atol=0)
 
 
 def test_lazy_and_eager_reduction_give_the_same_factors(two_ranks) -> None:

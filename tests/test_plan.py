@@ -426,3 +426,21 @@ def test_summary_names_the_rank_and_its_decompositions() -> None:
     line = plan.summary(plan.block("fc").owner("A"))
     assert line.startswith(f"rank {plan.block('fc').owner('A')}/2:")
     assert "fc.A" in line
+
+
+def test_factor_kinds_cost_and_hold_what_they_store() -> None:
+    """Dense (dim³ per block, count blocks), diagonal (dim); memory: n², count·n², n; decompositions
+    by method: eigen n² + n per block (n for a diagonal), inverse n² per block (n)."""
+    items = [
+        WorkItem("conv", "A", 6, count=64), WorkItem("conv", "G", 1, count=64),
+        WorkItem("emb", "A", 50_000, diagonal=True), WorkItem("emb", "G", 512),
+    ]
+    assert [item.cost(eigh_cost) for item in items] == [64 * 216.0, 64.0, 50_000.0, 512.0**3]
+    assert [item.elements for item in items] == [64 * 36, 64, 50_000, 512 * 512]
+    plan = make_plan(items, 1)
+    for method, per_dense in (("eigen", lambda n: n * n + n), ("inverse", lambda n: n * n)):
+        (memory,) = memory_per_rank(plan, method, factor_itemsize=1, inv_itemsize=1)
+        assert memory.factors == 64 * 36 + 64 + 50_000 + 512 * 512
+        assert memory.decompositions == 64 * per_dense(6) + 64 * per_dense(1) + 50_000 + per_dense(512)
+    with pytest.raises(ValueError, match="count"):
+        WorkItem("a", "A", 2, count=0)

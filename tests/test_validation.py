@@ -58,13 +58,16 @@ def test_schedule_returning_a_bad_value_is_named_when_used() -> None:
         optimizer.step()
 
 
-def test_grouped_convolution_warns_once_and_takes_the_sgd_path() -> None:
-    net = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Conv2d(4, 2, 1))
-    with pytest.warns(UserWarning, match="groups=1") as record:
+def test_a_layer_its_block_declines_warns_once_and_takes_the_sgd_path() -> None:
+    """A sparse-gradient embedding is of a registered kind that its block does not support."""
+    net = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match="sparse") as record:
         optimizer = KFAC(net, lr=0.1)
-    assert len([w for w in record if "groups=1" in str(w.message)]) == 1
+    assert len([w for w in record if "sparse" in str(w.message)]) == 1
     assert {w.filename for w in record} == {__file__}  # the warning names the user's line
     assert [b.name for b in optimizer.blocks] == ["1"]
+    (report,) = [r for r in optimizer.module_reports if r.name == "0"]
+    assert report.block is None and report.status == "unsupported" and "sparse" in report.detail
 
 
 def train_step(net: nn.Module, optimizer: KFAC, seed: int = 0) -> None:

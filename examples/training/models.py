@@ -29,7 +29,7 @@ def is_reconstruction(model: ModelConfig) -> bool:
 
 def build_network(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """The network `cfg` names, shaped for inputs of `input_shape` (C, H, W) and `num_classes`."""
-    if cfg.name in ("digits_cnn", "digits_gapcnn", "digits_autoencoder") and input_shape != (1, 8, 8):
+    if cfg.name in ("digits_cnn", "digits_gapcnn", "digits_autoencoder", "digits_vit") and input_shape != (1, 8, 8):
         raise SetupError(f"model.name={cfg.name} needs 1x8x8 inputs (data.name=digits); got {input_shape}")
     if cfg.name == "digits_cnn":
         return DigitsCNN(num_classes)
@@ -37,6 +37,8 @@ def build_network(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: i
         return DigitsGapCNN(num_classes)
     if cfg.name == "digits_autoencoder":
         return DeepAutoencoder()
+    if cfg.name == "digits_vit":
+        return DigitsViT(num_classes)
     if cfg.name in ("resnet20", "resnet32"):
         return CifarResNet(depth=int(cfg.name[len("resnet"):]), num_classes=num_classes)
     from torchvision import models
@@ -55,6 +57,28 @@ class DigitsCNN(nn.Sequential):
             nn.Linear(16 * 8 * 8, 128), nn.ReLU(),
             nn.Linear(128, num_classes),
         )
+
+
+class DigitsViT(nn.Module):
+    """A small vision transformer for 8x8 digits: 2x2 patches (a Conv2d 1->D, stride 2: 16 tokens),
+    a learned position embedding, two pre-norm ``nn.TransformerEncoderLayer`` (4 heads, MLP 2D, no
+    dropout), a final LayerNorm, mean pooling over tokens and a Linear head. D = 32."""
+
+    def __init__(self, num_classes: int = 10, dim: int = 32, depth: int = 2) -> None:
+        super().__init__()
+        self.patches = nn.Conv2d(1, dim, 2, stride=2)
+        self.position = nn.Parameter(torch.zeros(1, 16, dim))
+        nn.init.normal_(self.position, std=0.02)
+        self.encoder = nn.Sequential(*(
+            nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(depth)
+        ))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = self.patches(x).flatten(2).transpose(1, 2) + self.position  # (N, 16, D)
+        return self.head(self.norm(self.encoder(tokens)).mean(1))
 
 
 class DigitsGapCNN(nn.Sequential):

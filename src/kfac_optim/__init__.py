@@ -1,9 +1,22 @@
 """kfac_optim: K-FAC natural-gradient descent for PyTorch as one ``torch.optim.Optimizer``."""
 
 from kfac_optim import schedules
+from kfac_optim.layers import KroneckerBlock, discover_blocks, register_block
+from kfac_optim.methods import DampedInverse, Eigen, Method
 from kfac_optim.optimizer import KFAC
 from kfac_optim.schedules import MilestoneSchedule
 
-__all__ = ["KFAC", "MilestoneSchedule", "__version__", "schedules"]
+__all__ = [
+    "KFAC",
+    "DampedInverse",
+    "Eigen",
+    "KroneckerBlock",
+    "Method",
+    "MilestoneSchedule",
+    "__version__",
+    "discover_blocks",
+    "register_block",
+    "schedules",
+]
 
 __version__ = "0.1.0"

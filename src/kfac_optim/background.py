@@ -18,29 +18,33 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from kfac_optim import linalg
 
+if TYPE_CHECKING:
+    from kfac_optim.layers.base import Factor
+    from kfac_optim.methods import Method
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Job:
-    """Decompose ``matrix`` (a snapshot of a factor at ``version``) with :func:`linalg.decompose`'s
-    arguments. ``owner`` is the caller's tag (e.g. its block and factor)."""
+    """Decompose ``factor`` (a :meth:`Factor.snapshot` taken at ``version``) by ``method`` with
+    ``shift``, ``dtype`` and ``drop_below`` (see ``Method.decompose``). ``owner`` is the caller's tag
+    (e.g. its block and factor name)."""
 
     owner: Any
-    matrix: Tensor
+    factor: Factor
     version: int
-    method: str
+    method: Method
     shift: float
     dtype: torch.dtype
     drop_below: float | None
-    rank_bound: int | None
 
 
 Result = linalg.Eigen | Tensor | None
@@ -66,7 +70,7 @@ class BackgroundDecompositions:
             raise RuntimeError("a round of decompositions is already in flight; collect it first")
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kfac-decompositions")
-        device = jobs[0].matrix.device
+        device = jobs[0].factor.running.device
         stream = ready = None
         if device.type == "cuda":
             stream = torch.cuda.Stream(device)
@@ -84,7 +88,7 @@ class BackgroundDecompositions:
         self._round, self._jobs = None, []
         results, done = future.result()
         if done is not None:
-            torch.cuda.current_stream(jobs[0].matrix.device).wait_event(done)
+            torch.cuda.current_stream(jobs[0].factor.running.device).wait_event(done)
         return list(zip(jobs, results, strict=True))
 
     def close(self) -> None:
@@ -102,9 +106,6 @@ def _run(
     with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else nullcontext():
         if stream is not None and ready is not None:
             stream.wait_event(ready)
-        results = [
-            linalg.decompose(job.matrix, job.method, job.shift, job.dtype, job.drop_below, job.rank_bound)
-            for job in jobs
-        ]
+        results = [job.method.decompose(job.factor, job.shift, job.dtype, job.drop_below) for job in jobs]
         done = stream.record_event() if stream is not None else None
     return results, done

@@ -78,9 +78,7 @@ class CaptureHook:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         capture = self._capture()
-        if capture is None or not capture.armed or module is not self.block.module:
-            return
-        if not (module.training and torch.is_grad_enabled()):
+        if capture is None or module is not self.block.module or not capture.should_capture(module):
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
@@ -115,10 +113,11 @@ def _remove_hooks(
     handles.clear()
     for module_ref, inert in copies:
         module = module_ref()
-        if module is None:
+        hooks = getattr(module, "_forward_hooks", None)  # None: gone, or a copy deepcopy abandoned
+        if hooks is None:
             continue
-        for hook_id in [key for key, hook in module._forward_hooks.items() if hook is inert]:
-            del module._forward_hooks[hook_id]
+        for hook_id in [key for key, hook in hooks.items() if hook is inert]:
+            del hooks[hook_id]
             module._forward_hooks_with_kwargs.pop(hook_id, None)
             module._forward_hooks_always_called.pop(hook_id, None)
     copies.clear()
@@ -148,10 +147,14 @@ class StatisticsCapture:
         self._recording = every_backward
         self._every_backward = every_backward
         self._take_over([block.module for block in blocks])
-        self._handles: list[RemovableHandle] = [
-            block.module.register_forward_hook(CaptureHook(self, block), with_kwargs=True) for block in blocks
-        ]
+        self._handles: list[RemovableHandle] = []
+        for block in blocks:  # a block that captures its own way installs its own hooks
+            own = block.install_capture(self)
+            if own is None:
+                own = [block.module.register_forward_hook(CaptureHook(self, block), with_kwargs=True)]
+            self._handles.extend(own)
         self._finalizer = weakref.finalize(self, _remove_hooks, self._handles, self.copies)
+        self._finalizer.atexit = False  # nothing to clean at interpreter exit, when modules may be half gone
 
     def _take_over(self, modules: list[nn.Module]) -> None:
         """Own ``modules``, removing the hooks of any live capture that owned one of them."""
@@ -159,7 +162,7 @@ class StatisticsCapture:
         for module in modules:
             owner_ref = _owners.get(module)
             owner = owner_ref() if owner_ref is not None else None
-            if owner is not None and owner.active:
+            if owner is not None and owner is not self and owner.active:  # a module may carry several blocks
                 previous[id(owner)] = owner
             _owners[module] = weakref.ref(self)
         for owner in previous.values():
@@ -176,7 +179,11 @@ class StatisticsCapture:
         """Whether the hooks are still on the model."""
         return self._finalizer.alive
 
-    def record(self, block: KroneckerBlock, layer_input: Tensor, grad_output: Tensor) -> None:
+    def should_capture(self, module: nn.Module) -> bool:
+        """Whether a forward of ``module`` now records statistics: armed, training, grad enabled."""
+        return self.armed and module.training and torch.is_grad_enabled()
+
+    def record(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
         """Hand one (input, output-gradient) pair to the block, unless it must not be recorded."""
         if not self._recording:
             return

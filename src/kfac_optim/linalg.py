@@ -77,11 +77,11 @@ def _eigh(matrix: Tensor) -> tuple[Tensor, Tensor] | None:
         try:
             d, Q = torch.linalg.eigh(matrix.to(work_dtype))
         except RuntimeError as error:  # torch.linalg.LinAlgError subclasses RuntimeError
-            logger.debug("eigh of a %d x %d factor failed in %s: %s", len(matrix), len(matrix), work_dtype, error)
+            logger.debug("eigh of a %s factor failed in %s: %s", tuple(matrix.shape), work_dtype, error)
             continue
         if _all_finite(d, Q):
             return d, Q
-        logger.debug("eigh of a %d x %d factor returned non-finite values in %s", len(matrix), len(matrix), work_dtype)
+        logger.debug("eigh of a %s factor returned non-finite values in %s", tuple(matrix.shape), work_dtype)
     return None
 
 
@@ -108,7 +108,8 @@ def _low_rank_eigh(matrix: Tensor, columns: int) -> tuple[Tensor, Tensor] | None
 def symmetric_eigen(
     factor: Tensor, dtype: torch.dtype, drop_below: float | None = None, rank_bound: int | None = None
 ) -> Eigen | None:
-    """Eigendecomposition of a symmetric PSD factor ``(n, n)``, returned in ``dtype``.
+    """Eigendecomposition of a symmetric PSD factor ``(n, n)`` (or a batch ``(k, n, n)``, decomposed
+    whole and full: the options below apply to one matrix), returned in ``dtype``.
 
     Structure first: a PSD matrix's zero diagonal entries have zero rows and columns (e.g. the
     zero-padding taps of a convolution over feature maps smaller than its kernel: 4096 of the
@@ -134,6 +135,11 @@ def symmetric_eigen(
     result column-major). A rank that receives one holds it row-major, and the same matrix in the
     other layout takes another BLAS path that rounds differently, which would let DDP ranks drift.
     """
+    if factor.dim() == 3:
+        batched = _eigh(factor)
+        if batched is None:
+            return None
+        return Eigen(Q=batched[1].to(dtype).contiguous(), d=batched[0].clamp(min=0).to(dtype))
     n = len(factor)
     active = torch.nonzero(factor.diagonal() > 0).squeeze(1)  # one host sync per factor
     k = len(active)
@@ -166,46 +172,22 @@ def symmetric_eigen(
     return Eigen(Q=Q.to(dtype).contiguous(), d=d.to(dtype))
 
 
-def decompose(
-    factor: Tensor,
-    method: str,
-    shift: float,
-    dtype: torch.dtype,
-    drop_below: float | None = None,
-    rank_bound: int | None = None,
-) -> Eigen | Tensor | None:
-    """``method`` "eigen": :func:`symmetric_eigen` (``drop_below``, ``rank_bound``); "inverse":
-    :func:`damped_inverse` (``shift``). None when it failed."""
-    if method == "eigen":
-        return symmetric_eigen(factor, dtype, drop_below, rank_bound)
-    return damped_inverse(factor, shift, dtype)
-
-
 def damped_inverse(factor: Tensor, shift: float, dtype: torch.dtype) -> Tensor | None:
-    """``(F + shift·I)⁻¹`` of a symmetric factor ``(n, n)`` via Cholesky, returned in ``dtype``.
+    """``(F + shift·I)⁻¹`` of a symmetric factor ``(n, n)`` (or a batch ``(k, n, n)``) via Cholesky, in ``dtype``.
 
     Retries in float64 like :func:`symmetric_eigen`; ``None`` when both attempts fail. Row-major
     (see :func:`symmetric_eigen`).
     """
     for work_dtype in dict.fromkeys((factor.dtype, torch.float64)):
         shifted = factor.to(work_dtype)
-        shifted = shifted + shift * torch.eye(len(shifted), dtype=work_dtype, device=shifted.device)
+        shifted = shifted + shift * torch.eye(shifted.shape[-1], dtype=work_dtype, device=shifted.device)
         cholesky, info = torch.linalg.cholesky_ex(shifted)
-        if int(info) != 0:
+        if bool(info.any()):
             continue
         inverse = torch.cholesky_inverse(cholesky)
         if _all_finite(inverse):
             return inverse.to(dtype).contiguous()
     return None
-
-
-def pi_correction(a_factor: Tensor, g_factor: Tensor) -> float:
-    """Martens & Grosse's ``π = sqrt((tr A / dim A) / (tr G / dim G))``; 1 if either trace is 0."""
-    a_mean = float(torch.trace(a_factor)) / len(a_factor)
-    g_mean = float(torch.trace(g_factor)) / len(g_factor)
-    if a_mean <= 0 or g_mean <= 0:
-        return 1.0
-    return (a_mean / g_mean) ** 0.5
 
 
 def eigen_precondition(grad: Tensor, eig_a: Eigen, eig_g: Eigen, damping: float) -> Tensor:

@@ -35,15 +35,20 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.optim.optimizer import Optimizer, ParamsT
 from torch.optim.sgd import sgd
+from torch.profiler import record_function
 
 from kfac_optim import fisher as fisher_lib
 from kfac_optim import linalg
+from kfac_optim import layers
 from kfac_optim.background import BackgroundDecompositions, Job
 from kfac_optim.capture import StatisticsCapture
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.distributed.sharding import Sharding
-from kfac_optim.layers import Conv2dBlock, KroneckerBlock, block_kind
+from kfac_optim.layers import ModuleReport, discover, discover_blocks
+from kfac_optim.layers.attention import sequence_first_note
+from kfac_optim.layers.registry import SkipLayers
+from kfac_optim.methods import Method, method_named
 from kfac_optim.precision import MixedPrecision
 from kfac_optim.schedules import resolve
 
@@ -51,7 +56,9 @@ logger = logging.getLogger(__name__)
 
 IntSchedule = int | Callable[[int], int]
 FloatSchedule = float | Callable[[int], float]
-SkipLayers = Sequence[str | type[nn.Module]]
+
+LARGE_FACTOR_DIM = 4096
+"""Factors at least this wide take seconds to decompose on a CPU (``eigh`` is ``O(n³)``): noted once."""
 
 
 @dataclass(frozen=True)
@@ -70,9 +77,10 @@ class KFACOptions:
     factor_decay: float = 0.95
     factor_update_steps: IntSchedule = 1
     inv_update_steps: IntSchedule = 10
-    method: Literal["eigen", "inverse"] = "eigen"
+    method: Literal["eigen", "inverse"] | Method = "eigen"
     loss_reduction: Literal["mean", "sum"] = "mean"
     fisher: Literal["empirical", "sampled"] = "empirical"
+    weight_sharing: Literal["expand", "reduce"] = "expand"
     factor_dtype: torch.dtype = torch.float32
     inv_dtype: torch.dtype = torch.float32
 
@@ -87,10 +95,11 @@ class KFACOptions:
             value = getattr(self, name)
             if not callable(value):
                 check_interval(name, value)
-        if self.method not in ("eigen", "inverse"):
-            raise ValueError(f"method must be 'eigen' or 'inverse', got {self.method!r}")
+        method_named(self.method)  # ValueError naming method
         if self.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        if self.weight_sharing not in ("expand", "reduce"):
+            raise ValueError(f"weight_sharing must be 'expand' or 'reduce', got {self.weight_sharing!r}")
         if self.fisher not in ("empirical", "sampled"):
             raise ValueError(f"fisher must be 'empirical' or 'sampled', got {self.fisher!r}")
         for name in ("factor_dtype", "inv_dtype"):
@@ -149,60 +158,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def user_visible_name(name: str) -> str:
-    """A module's name as the uncompiled model's ``state_dict()`` spells it (no ``_orig_mod.`` parts
-    left by submodules wrapped with ``torch.compile``)."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
-
-
-def _is_skipped(name: str, module: nn.Module, skip_layers: SkipLayers) -> bool:
-    for rule in skip_layers:
-        if isinstance(rule, str):
-            if re.fullmatch(rule, name) or re.fullmatch(rule, type(module).__name__):
-                return True
-        elif isinstance(module, rule):
-            return True
-    return False
-
-
-def discover_blocks(
-    model: nn.Module,
-    trainable: set[Tensor],
-    skip_layers: SkipLayers,
-    factor_dtype: torch.dtype,
-) -> list[KroneckerBlock]:
-    """One block per supported module whose weight is among ``trainable``, in model order."""
-    blocks: list[KroneckerBlock] = []
-    claimed: set[Tensor] = set()
-    grouped_convs: list[str] = []
-    for name, module in model.named_modules():
-        kind = block_kind(module)
-        if kind is None or _is_skipped(name, module, skip_layers):
-            continue
-        if kind is Conv2dBlock and module.groups != 1:
-            grouped_convs.append(name)
-            continue
-        if module.weight not in trainable or module.weight in claimed:
-            continue
-        claimed.add(module.weight)
-        bias = module.bias
-        include_bias = bias is not None and bias in trainable and bias not in claimed
-        if include_bias:
-            claimed.add(bias)
-        blocks.append(kind(user_visible_name(name), module, include_bias, factor_dtype))
-    if grouped_convs:
-        warn_user(
-            f"K-FAC supports Conv2d with groups=1 only; {len(grouped_convs)} grouped conv layer(s) "
-            f"take the SGD path: {', '.join(grouped_convs)}",
-        )
-    return blocks
-
-
 def block_dims(model: nn.Module, skip_layers: SkipLayers = ()) -> dict[str, tuple[int, int]]:
     """``{module name: (dim_A, dim_G)}`` of the blocks ``KFAC(model, skip_layers=...)`` builds.
 
     The same discovery as the optimizer's (trainable parameters, ``skip_layers``, grouped convs
-    left to SGD). It builds the blocks, so their factors are allocated on the model's device:
+    now preconditioned too). It builds the blocks, so their factors are allocated on the model's device:
     build the model under ``torch.device("meta")`` to get the sizes without allocating anything.
     """
     model = unwrap_model(model)
@@ -216,8 +176,10 @@ class KFAC(Optimizer, Joinable):
 
     Replaces ``torch.optim.SGD(model.parameters(), lr, momentum, dampening, weight_decay,
     nesterov)`` by ``KFAC(model, lr, momentum, dampening, weight_decay, nesterov, ...)``. Layers
-    of supported kinds (``nn.Linear``, ``nn.Conv2d`` with groups=1) are preconditioned by their
-    Kronecker-factored Fisher; every other parameter follows SGD exactly.
+    of registered kinds (``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding``,
+    ``nn.MultiheadAttention``, and any added with ``kfac_optim.register_block``) are preconditioned
+    by their Kronecker-factored Fisher; every other parameter follows SGD exactly
+    (:meth:`describe` lists which is which).
 
     Args:
         model: the model being trained (plain or wrapped in DistributedDataParallel); hooks are
@@ -228,12 +190,18 @@ class KFAC(Optimizer, Joinable):
         factor_decay: running-average weight of the old factors, in [0, 1).
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable).
         inv_update_steps: refresh decompositions every this many steps (int ≥ 1 or callable).
-        method: "eigen" (exact damping of ``G ⊗ A``) or "inverse" (π-factored damping).
+        method: "eigen" (exact damping of ``G ⊗ A``) or "inverse" (π-factored damping), or a
+            ``kfac_optim.Method`` instance.
         loss_reduction: "mean" or "sum", how the loss reduces over the batch.
         fisher: "empirical" (G from the training loss's gradients) or "sampled" (the true Fisher:
             G from a second backward pass at targets sampled from the model, which the training
             loop starts with :meth:`sample_fisher` on every batch; ``loss_reduction`` then does
             not apply).
+        weight_sharing: how a weight applied at several positions of a sample (a Linear's leading
+            dims, a conv's output positions, attention's sequence) enters the factors (Eschenhagen
+            et al. 2023): "expand" (every position is a row) or "reduce" (one row per sample: the
+            mean of the inputs and the sum of the output-gradients over its positions).
+            Embeddings and normalization blocks always expand.
         skip_layers: module-name regexes (full match against the name or the class name) or
             module types whose layers take the SGD path.
         factor_dtype, inv_dtype: float32 or float64 for factors and decompositions.
@@ -284,9 +252,10 @@ class KFAC(Optimizer, Joinable):
         factor_decay: float = KFACOptions.factor_decay,
         factor_update_steps: IntSchedule = KFACOptions.factor_update_steps,
         inv_update_steps: IntSchedule = KFACOptions.inv_update_steps,
-        method: Literal["eigen", "inverse"] = KFACOptions.method,
+        method: Literal["eigen", "inverse"] | Method = KFACOptions.method,
         loss_reduction: Literal["mean", "sum"] = KFACOptions.loss_reduction,
         fisher: Literal["empirical", "sampled"] = KFACOptions.fisher,
+        weight_sharing: Literal["expand", "reduce"] = KFACOptions.weight_sharing,
         skip_layers: SkipLayers = (),
         factor_dtype: torch.dtype = KFACOptions.factor_dtype,
         inv_dtype: torch.dtype = KFACOptions.inv_dtype,
@@ -321,6 +290,7 @@ class KFAC(Optimizer, Joinable):
             method=method,
             loss_reduction=loss_reduction,
             fisher=fisher,
+            weight_sharing=weight_sharing,
             factor_dtype=factor_dtype,
             inv_dtype=inv_dtype,
         )
@@ -343,10 +313,25 @@ class KFAC(Optimizer, Joinable):
         if not trainable <= model_params:
             raise ValueError("params must all be parameters of model")
 
-        self.blocks = discover_blocks(self.model, trainable, skip_layers, factor_dtype)
+        self.method: Method = method_named(self.options.method)
+        self.blocks, self._reports = discover(self.model, trainable, skip_layers, factor_dtype)
+        for block in self.blocks:
+            if hasattr(block, "reduce"):  # blocks with positions to share weights over
+                block.reduce = self.options.weight_sharing == "reduce"
+        note = sequence_first_note(self.blocks)
+        if note is not None:
+            warn_user(note)
         if not self.blocks:
+            kinds = ", ".join(sorted({t.__name__ for t in layers.registered_blocks()}))
             warn_user(
-                "model has no supported layer (nn.Linear, nn.Conv2d) to precondition: KFAC behaves as SGD",
+                f"model has no supported layer to precondition (registered kinds: {kinds}; see KFAC.describe()): "
+                "KFAC behaves as SGD",
+            )
+        unsupported = [r for r in self._reports if r.status == "unsupported"]
+        if unsupported:
+            warn_user(
+                f"{len(unsupported)} layer(s) of registered kinds take the SGD path: "
+                + "; ".join(f"{r.name}: {r.detail}" for r in unsupported)
             )
         empirical = self.options.fisher == "empirical"
         # First (before any hook exists): with several ranks it checks they all built K-FAC alike.
@@ -369,7 +354,14 @@ class KFAC(Optimizer, Joinable):
         self._nonfinite_directions = torch.zeros(parameter_count, dtype=torch.int64, device=device)
         self._reported_nonfinite = [0] * len(self.blocks)
         self._arm_for(self._steps)
-        logger.info("KFAC preconditions %d layers: %s", len(self.blocks), [b.name for b in self.blocks])
+        self._checked_capture = False
+        logger.info("%s", self.describe())
+        factors = [(f"{block.name}.{name}", f.dim) for block in self.blocks for name, f in block.factors.items()]
+        large = [f"{name} ({dim})" for name, dim in factors if dim >= LARGE_FACTOR_DIM]
+        if large:
+            logger.warning("K-FAC factors of dim >= %d take seconds each to decompose on a CPU: %s; see "
+                           "inv_update_steps, method='inverse' and skip_layers (docs/design.md §4)",
+                           LARGE_FACTOR_DIM, ", ".join(large))
 
     # -- schedules ---------------------------------------------------------------------------
 
@@ -377,6 +369,23 @@ class KFAC(Optimizer, Joinable):
     def steps(self) -> int:
         """Optimizer steps taken (skipped overflow steps excluded)."""
         return self._steps
+
+    @property
+    def capturing(self) -> bool:
+        """Whether the hooks record statistics now (the coming step is a factor step)."""
+        return self._capture.armed
+
+    @property
+    def owned_factors(self) -> tuple[str, ...]:
+        """The factors this rank decomposes, ``"<layer>.A"`` / ``"<layer>.G"`` (all on one process)."""
+        return self._sharding.owned_factors()
+
+    def bytes_communicated(self) -> dict[str, int]:
+        """Payload bytes this rank handed to collectives so far, by kind: ``"factors"`` (the
+        factor all-reduce), ``"decompositions"`` (agreement and broadcasts) and ``"directions"``
+        (preconditioned gradients, ``f < 1``). Flat buffers as sent (packed triangles); zeros on
+        one process."""
+        return self._sharding.bytes_communicated()
 
     def damping_at(self, step: int) -> float:
         return check_damping(resolve(self.options.damping, step))
@@ -398,11 +407,33 @@ class KFAC(Optimizer, Joinable):
         """Detach the capture hooks from the model (the optimizer then never updates factors)."""
         self._capture.remove()
 
+    def describe(self) -> str:
+        """Every module with trainable parameters and what K-FAC does with them: the block that
+        preconditions them (its kind and factor shapes) or why they take the SGD path, then the
+        share of weight-matrix elements (parameters with 2+ dims) that K-FAC preconditions."""
+        preconditioned = {id(p) for block in self.blocks for p in block.parameters()}
+        matrices = {id(p): p.numel() for group in self.param_groups for p in group["params"] if p.dim() >= 2}
+        covered = sum(n for key, n in matrices.items() if key in preconditioned)
+        total = sum(matrices.values())
+        share = covered / total if total else 1.0
+        lines = [
+            f"KFAC ({self.method.name}): {len(self.blocks)} blocks precondition {covered}/{total} "
+            f"weight-matrix elements ({share:.1%})",
+            *(f"  {report}" for report in self._reports),
+        ]
+        return "\n".join(lines)
+
+    @property
+    def module_reports(self) -> list[ModuleReport]:
+        """:meth:`describe`'s rows as data, one per module with trainable parameters."""
+        return list(self._reports)
+
     def discard_pending_statistics(self) -> None:
         """Forget statistics captured since the last step (e.g. of a step that will not happen)."""
         for block in self.blocks:
             block.clear_pending()
 
+    @record_function("kfac.sample_fisher")
     def sample_fisher(
         self,
         outputs: Tensor,
@@ -431,7 +462,7 @@ class KFAC(Optimizer, Joinable):
         if not self._capture.armed or not any(block.module.training for block in self.blocks):
             return  # not a factor step, or eval mode (the hooks capture nothing)
         loss = fisher_lib.sampled_loss(outputs, likelihood, generator)
-        weights = [block.module.weight for block in self.blocks]
+        weights = [block.module_weight for block in self.blocks]
         recorded_before = sum(block.pending_samples for block in self.blocks)
         with self._capture.recording():
             torch.autograd.grad(loss, weights, retain_graph=True, allow_unused=True)
@@ -452,6 +483,7 @@ class KFAC(Optimizer, Joinable):
     # -- the step ----------------------------------------------------------------------------
 
     @torch.no_grad()
+    @record_function("kfac.step")
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one K-FAC step (see the module docstring for the order of work)."""
         loss = None
@@ -494,8 +526,11 @@ class KFAC(Optimizer, Joinable):
             self._check_something_was_recorded()
             # sample_fisher's loss is a sum over samples, whatever the training loss's reduction.
             reduction = "sum" if self.options.fisher == "sampled" else self.options.loss_reduction
-            for block in self.blocks:
-                block.fold(self.options.factor_decay, reduction, statistics_scale)
+            if not self._checked_capture:
+                self._warn_about_silent_blocks()
+            with record_function("kfac.fold"):
+                for block in self.blocks:
+                    block.fold(self.options.factor_decay, reduction, statistics_scale)
             self._sharding.factors_folded()
         else:
             self.discard_pending_statistics()
@@ -504,6 +539,21 @@ class KFAC(Optimizer, Joinable):
         elif self._adopt_at == step:  # async_delay: adopt the round in flight, the same step on every rank
             self._adopt_background_round()
             self._sharding.share_decompositions(self.options.method, self.options.inv_dtype)
+
+    def _warn_about_silent_blocks(self) -> None:
+        """At the first factor step with any statistics: warn once about blocks whose hooks never
+        fired (e.g. a layer called functionally, or whose output never reached the loss)."""
+        silent = [block.name for block in self.blocks if block.pending_samples == 0]
+        if len(silent) == len(self.blocks):
+            return  # no statistics at all (eval mode, a skipped backward): ask again next time
+        self._checked_capture = True
+        if silent:
+            warn_user(
+                f"K-FAC layer(s) {silent} produced no statistics at the first factor step (their hooks never "
+                "fired: a layer called through its parameters rather than its forward, or whose output does "
+                "not reach the loss); they take the SGD path until they do",
+                RuntimeWarning,
+            )
 
     def _check_something_was_recorded(self) -> None:
         """Warn once when every backward of a factor step ran with ``create_graph=True`` (not recorded)."""
@@ -524,11 +574,13 @@ class KFAC(Optimizer, Joinable):
         decomposition step (waiting for it if needed), then decompose in line only the factors
         that have no decomposition yet, share, and hand the rest to the worker as snapshots.
         """
-        self._sharding.synchronize_factors()
+        with record_function("kfac.reduce_factors"):
+            self._sharding.synchronize_factors()
         if self._background is not None and not only_missing:
             self._adopt_background_round()
         self._update_decompositions(damping, only_missing)
-        self._sharding.share_decompositions(self.options.method, self.options.inv_dtype)
+        with record_function("kfac.share_decompositions"):
+            self._sharding.share_decompositions(self.method, self.options.inv_dtype)
 
     def _adopt_background_round(self) -> None:
         """Hold the decompositions of the worker's round (reporting the ones that failed)."""
@@ -536,11 +588,10 @@ class KFAC(Optimizer, Joinable):
         self._adopt_at = None
         for job, result in self._background.collect():
             block, name = job.owner
-            factor = block.factors[name]
             if result is None:
                 self._report_failure(block, name)
             else:
-                factor.adopt(result, job.shift if job.method == "inverse" else 0.0, job.version)
+                block.factors[name].adopt(result, job.method.keyed_shift(job.shift), job.version)
 
     def _report_failure(self, block: KroneckerBlock, name: str) -> None:
         """One warning for a failed decomposition of factor ``name`` of ``block``."""
@@ -551,16 +602,17 @@ class KFAC(Optimizer, Joinable):
             else "it has no decomposition yet, so the layer takes the SGD direction until one succeeds"
         )
         warn_user(
-            f"K-FAC layer '{block.name}': the {self.options.method} decomposition of {name} failed, float64 "
+            f"K-FAC layer '{block.name}': the {self.method.name} decomposition of {name} failed, float64 "
             f"retry included ({block.failures} failure(s) so far); {kept}",
             RuntimeWarning,
         )
 
+    @record_function("kfac.decompose")
     def _update_decompositions(self, damping: float, only_missing: bool = False) -> None:
         """Refresh the decompositions of the initialized factors this rank owns (every factor on
         one process; with ``only_missing`` only those without one); report discards and failures.
         With ``async_decompositions``, factors that hold a decomposition go to the worker."""
-        method, inv_dtype = self.options.method, self.options.inv_dtype
+        method, inv_dtype = self.method, self.options.inv_dtype
         jobs: list[Job] = []
         factors = [(block, name, factor) for block in self.blocks for name, factor in block.factors.items()]
         if not factors:
@@ -588,10 +640,7 @@ class KFAC(Optimizer, Joinable):
                 continue
             drop_below = block.rank_thresholds(method, damping)[name]
             if self._background is not None and factor.decomposition is not None and not only_missing:
-                snapshot = factor.running.clone()
-                jobs.append(
-                    Job((block, name), snapshot, factor.version, method, shift, inv_dtype, drop_below, factor.rank_bound)
-                )
+                jobs.append(Job((block, name), factor.snapshot(), factor.version, method, shift, inv_dtype, drop_below))
             elif not factor.decompose(method, shift, inv_dtype, drop_below):
                 self._report_failure(block, name)
         if self._background is not None:
@@ -613,6 +662,7 @@ class KFAC(Optimizer, Joinable):
                 )
                 self._reported_nonfinite[index] = count
 
+    @record_function("kfac.precondition")
     def _preconditioned_directions(self, damping: float) -> dict[Tensor, Tensor]:
         """Per-parameter update directions of the K-FAC layers that have a decomposition."""
         joint: dict[str, Tensor] = {}
@@ -620,16 +670,18 @@ class KFAC(Optimizer, Joinable):
             grad = block.grad_matrix()
             if grad is None:
                 continue
-            preconditioned = block.precondition(grad, self.options.method, damping)
+            preconditioned = block.precondition(grad, self.method, damping)
             if preconditioned is not None:
                 joint[block.name] = preconditioned
-        joint = self._sharding.share_directions(joint, self.options.inv_dtype)
+        with record_function("kfac.share_directions"):
+            joint = self._sharding.share_directions(joint, self.options.inv_dtype)
         directions: dict[Tensor, Tensor] = {}
         for block in self.blocks:
             if block.name in joint:
                 directions.update(block.split(joint[block.name]))
         return directions
 
+    @record_function("kfac.kl_clip")
     def _clip_to_trust_region(self, directions: dict[Tensor, Tensor]) -> None:
         """Scale every direction by ``ν = min(1, sqrt(kl_clip / |Σ lr² ⟨d, ∇p⟩|))`` in place.
 
@@ -655,6 +707,7 @@ class KFAC(Optimizer, Joinable):
         nu = (self.options.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
         torch._foreach_mul_(list(directions.values()), nu)
 
+    @record_function("kfac.sgd")
     def _sgd_update(self, directions: dict[Tensor, Tensor]) -> None:
         """``torch.optim.SGD``'s update, per group, on the (possibly preconditioned) directions."""
         for group in self.param_groups:

@@ -23,6 +23,7 @@ Conventions:
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -158,6 +159,8 @@ class Communicator:
         self.rank, self.world_size = group_rank_and_size(process_group)
         self.group = process_group
         self.bucket_bytes = bucket_bytes
+        self.bytes_sent: Counter[str] = Counter()
+        """Payload bytes handed to collectives so far (flat buffers as sent), by the callers' ``tag``."""
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._confirmed_calls = 0
         if self.active:
@@ -228,21 +231,23 @@ class Communicator:
         self,
         tensors: Sequence[Tensor],
         *,
-        symmetric: bool = False,
+        symmetric: bool | Sequence[bool] = False,
         in_place: bool = False,
         what: str = "a K-FAC all-reduce",
+        tag: str = "other",
     ) -> Pending:
         """Sum ``tensors`` over all ranks, asynchronously; every rank must call with like shapes.
 
         ``wait()`` returns the sums: new tensors, or with ``in_place`` the inputs overwritten
         (they are copied into the buffers at the call, so they may change until ``wait()``,
-        and no ``(n, n)`` result is allocated). With ``symmetric`` every tensor is a symmetric
-        ``(n, n)`` matrix and only its upper triangle travels. One rank: ``wait()`` returns
-        ``tensors`` themselves. ``what`` names the collective in a failure (see :func:`collective`).
+        and no ``(n, n)`` result is allocated). With ``symmetric`` (for all tensors, or one flag per
+        tensor) a tensor is a symmetric ``(n, n)`` matrix and only its upper triangle travels. One
+        rank: ``wait()`` returns ``tensors`` themselves. ``what`` names the collective in a failure
+        (see :func:`collective`); ``tag`` names what is sent in :attr:`bytes_sent`.
         """
         if not self.active or not tensors:
             return Pending.done(tensors)
-        buckets = self._pack(tensors, symmetric)
+        buckets = self._pack(tensors, symmetric, tag)
         with collective(what, self.group):
             works = [
                 dist.all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -258,15 +263,16 @@ class Communicator:
         src: int,
         ranks: tuple[int, ...],
         *,
-        symmetric: bool = False,
+        symmetric: bool | Sequence[bool] = False,
         what: str = "a K-FAC broadcast",
+        tag: str = "other",
     ) -> Pending:
         """Send ``src``'s ``tensors`` to every rank of ``ranks``, asynchronously.
 
         Only the ranks in ``ranks`` (one of the ``group_ranks`` given at construction, or a
         single rank) call this, in the same order. On ``src``, ``tensors`` are the data; on the
         others, buffers of the same shapes and dtypes that ``wait()`` overwrites and returns.
-        ``symmetric``, ``what``: as in :meth:`all_reduce_sum`.
+        ``symmetric``, ``what``, ``tag``: as in :meth:`all_reduce_sum`.
         """
         if len(ranks) == 1 or not tensors:
             return Pending.done(tensors)
@@ -274,7 +280,7 @@ class Communicator:
             raise ValueError(f"rank {self.rank} and src {src} must be among {ranks}")
         group = self._groups[ranks]
         group_src = ranks.index(src)  # groups list their members ascending
-        buckets = self._pack(tensors, symmetric)
+        buckets = self._pack(tensors, symmetric, tag)
         with collective(what, self.group):
             works = [
                 dist.broadcast(b.buffer, group=group, group_src=group_src, async_op=True)
@@ -287,9 +293,11 @@ class Communicator:
 
     # -- buckets -----------------------------------------------------------------------------
 
-    def _pack(self, tensors: Sequence[Tensor], symmetric: bool) -> list[_Bucket]:
-        """Copy ``tensors`` (triangles when ``symmetric``) into buckets of one dtype and device."""
-        sizes = [linalg.triu_size(len(t)) if symmetric else t.numel() for t in tensors]
+    def _pack(self, tensors: Sequence[Tensor], symmetric: bool | Sequence[bool], tag: str) -> list[_Bucket]:
+        """Copy ``tensors`` (triangles where ``symmetric``) into buckets of one dtype and device;
+        count their bytes under ``tag``."""
+        symmetric = _per_tensor(symmetric, len(tensors))
+        sizes = [linalg.triu_size(len(t)) if sym else t.numel() for t, sym in zip(tensors, symmetric, strict=True)]
         groups: list[list[int]] = []
         used = 0
         for index, (tensor, size) in enumerate(zip(tensors, sizes)):
@@ -308,29 +316,39 @@ class Communicator:
             first = tensors[members[0]]
             buffer = torch.empty(sum(member_sizes), dtype=first.dtype, device=first.device)
             for index, part in zip(members, buffer.split(member_sizes), strict=True):
-                if symmetric:
+                if symmetric[index]:
                     linalg.pack_symmetric(tensors[index], out=part)
                 else:
                     part.copy_(tensors[index].reshape(-1))
             buckets.append(_Bucket(tuple(members), member_sizes, buffer))
+            self.bytes_sent[tag] += buffer.numel() * buffer.element_size()
         return buckets
 
     @staticmethod
     def _unpack(
         buckets: Sequence[_Bucket],
         shapes: Sequence[torch.Size],
-        symmetric: bool,
+        symmetric: bool | Sequence[bool],
         outputs: Sequence[Tensor] | None,
     ) -> list[Tensor]:
         """The tensors in ``buckets``, written into ``outputs`` when given, else new tensors."""
+        symmetric = _per_tensor(symmetric, len(shapes))
         results: list[Tensor | None] = [None] * len(shapes)
         for bucket in buckets:
             for index, part in zip(bucket.indices, bucket.buffer.split(bucket.sizes), strict=True):
                 out = None if outputs is None else outputs[index]
-                if symmetric:
+                if symmetric[index]:
                     results[index] = linalg.unpack_symmetric(part, shapes[index][0], out=out)
                 elif out is None:
                     results[index] = part.view(shapes[index])
                 else:
                     results[index] = out.copy_(part.view(shapes[index]))
         return results  # type: ignore[return-value]  (every index lies in one bucket)
+
+
+def _per_tensor(symmetric: bool | Sequence[bool], count: int) -> list[bool]:
+    """One symmetric flag per tensor, from one flag for all or a flag each."""
+    flags = [symmetric] * count if isinstance(symmetric, bool) else list(symmetric)
+    if len(flags) != count:
+        raise ValueError(f"symmetric needs one flag per tensor ({count}), got {len(flags)}")
+    return flags

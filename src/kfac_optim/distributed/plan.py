@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Literal
 
+from kfac_optim.methods import Method, method_named
+
 Factor = Literal["A", "G"]
 FACTORS: tuple[Factor, Factor] = ("A", "G")
 """The Kronecker factors of a block, in the order used by every per-factor tuple here."""
@@ -50,7 +52,6 @@ FACTORS: tuple[Factor, Factor] = ("A", "G")
 CostModel = Callable[[int], float]
 """Relative cost of decomposing one ``(dim, dim)`` factor, as a function of ``dim``."""
 
-Method = Literal["eigen", "inverse"]
 
 STRATEGIES: tuple[str, ...] = ("comm-opt", "mem-opt", "hybrid-opt")
 """Names accepted for ``grad_worker_fraction`` (see :func:`resolve_grad_workers`)."""
@@ -66,15 +67,30 @@ def eigh_cost(dim: int) -> float:
 
 @dataclass(frozen=True)
 class WorkItem:
-    """One decomposition to compute: factor ``factor`` of block ``block``, of shape ``(dim, dim)``.
+    """One decomposition to compute: factor ``factor`` of block ``block``.
 
     ``block`` is the block's unique name (the module name; ``""`` is valid for a root module).
-    ``dim`` is ``d_in [+1]`` for ``"A"`` (``+1`` with a bias) and ``d_out`` for ``"G"``.
+    ``dim`` is ``d_in [+1]`` for ``"A"`` (``+1`` with a bias) and ``d_out`` for ``"G"``. The factor
+    kind: dense ``(dim, dim)``, or ``count`` independent dense blocks ``(count, dim, dim)`` (a
+    grouped convolution), or with ``diagonal`` a vector ``(dim,)``.
     """
 
     block: str
     factor: Factor
     dim: int
+    diagonal: bool = False
+    count: int = 1
+
+    @property
+    def elements(self) -> int:
+        """Elements of the running factor."""
+        return self.dim if self.diagonal else self.count * self.dim * self.dim
+
+    def cost(self, model: CostModel) -> float:
+        """Relative decomposition cost: ``count·model(dim)`` for dense factors, ``dim`` for diagonal ones."""
+        if self.diagonal:
+            return float(self.dim)
+        return self.count * _cost(model, self.dim)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, str):
@@ -85,6 +101,8 @@ class WorkItem:
             raise TypeError(f"dim must be an int, got {type(self.dim).__name__}")
         if self.dim < 1:
             raise ValueError(f"dim must be >= 1, got {self.dim}")
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(f"count must be an int >= 1, got {self.count!r}")
 
 
 def work_items(dims: Mapping[str, tuple[int, int]]) -> tuple[WorkItem, ...]:
@@ -131,7 +149,7 @@ def assign_work(
             units[-1] += (item,)
         else:
             units.append((item,))
-    unit_costs = [math.fsum(_cost(cost, item.dim) for item in unit) for unit in units]
+    unit_costs = [math.fsum(item.cost(cost) for item in unit) for unit in units]
     order = sorted(range(len(units)), key=lambda u: (-unit_costs[u], _item_key(units[u][0])))
     ranks = _balance([unit_costs[u] for u in order], world_size, refine=refine)
     owner = {item: rank for u, rank in zip(order, ranks) for item in units[u]}
@@ -339,7 +357,7 @@ class Plan:
         """Summed decomposition cost per rank."""
         totals: list[list[float]] = [[] for _ in range(self.world_size)]
         for item in self.items:
-            totals[self._by_name[item.block].owner(item.factor)].append(_cost(cost, item.dim))
+            totals[self._by_name[item.block].owner(item.factor)].append(item.cost(cost))
         return tuple(math.fsum(t) for t in totals)
 
     def lower_bound(self, cost: CostModel = eigh_cost) -> float:
@@ -349,7 +367,7 @@ class Plan:
         """
         per_block: dict[str, list[float]] = {}
         for item in self.items:
-            per_block.setdefault(item.block, []).append(_cost(cost, item.dim))
+            per_block.setdefault(item.block, []).append(item.cost(cost))
         if self.colocated:
             units = [math.fsum(costs) for costs in per_block.values()]
         else:
@@ -458,30 +476,31 @@ class MemoryEstimate:
 
 def memory_per_rank(
     plan: Plan,
-    method: Method = "eigen",
+    method: Method | str = "eigen",
     *,
     factor_itemsize: int = 4,
     inv_itemsize: int = 4,
 ) -> tuple[MemoryEstimate, ...]:
     """Estimate per rank the bytes of factors and decompositions under ``plan``.
 
-    Every rank keeps every block's running factors, ``dim**2`` elements each (local statistics
-    are reduced lazily before decomposition steps). A rank keeps both decompositions of each block
-    it is a gradient worker of: per factor ``dim**2 + dim`` elements (``Q``, ``d``) for
-    ``"eigen"``, ``dim**2`` for ``"inverse"``. Itemsizes are bytes per element (fp32: 4).
+    Every rank keeps every block's running factors (:attr:`WorkItem.elements` each: local
+    statistics are reduced lazily before decomposition steps). A rank keeps both decompositions of
+    each block it is a gradient worker of, of ``method.elements(...)`` each (e.g. ``dim**2 + dim``
+    for a dense factor's ``Q`` and ``d`` under eigen, ``dim**2`` for its inverse, ``dim`` for a
+    diagonal one). ``method``: a :class:`~kfac_optim.methods.Method` or its name. Itemsizes are
+    bytes per element (fp32: 4).
 
     Raises:
         ValueError: an unknown ``method`` or an itemsize < 1.
     """
-    if method not in ("eigen", "inverse"):
-        raise ValueError(f"method must be 'eigen' or 'inverse', got {method!r}")
+    method = method_named(method)
     for name, size in (("factor_itemsize", factor_itemsize), ("inv_itemsize", inv_itemsize)):
         if size < 1:
             raise ValueError(f"{name} must be >= 1, got {size}")
-    factors = factor_itemsize * sum(item.dim**2 for item in plan.items)
+    factors = factor_itemsize * sum(item.elements for item in plan.items)
     decompositions = [0] * plan.world_size
     for item in plan.items:
-        elements = item.dim**2 + (item.dim if method == "eigen" else 0)
+        elements = method.elements(item.diagonal, item.dim, item.count)
         for rank in plan.block(item.block).grad_workers:
             decompositions[rank] += inv_itemsize * elements
     return tuple(MemoryEstimate(factors, d) for d in decompositions)

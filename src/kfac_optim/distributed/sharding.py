@@ -38,23 +38,30 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kfac_optim import linalg
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES, Communicator, Pending, group_rank_and_size
 from kfac_optim.distributed.consistency import Description, check_same_on_every_rank, describe
-from kfac_optim.distributed.plan import FACTORS, Plan, make_plan, work_items
+from kfac_optim.distributed.plan import FACTORS, Plan, WorkItem, make_plan
+from kfac_optim.methods import Method
 
 if TYPE_CHECKING:
     from kfac_optim.layers import Factor, KroneckerBlock
 
 logger = logging.getLogger(__name__)
 
-Method = Literal["eigen", "inverse"]
+
+def block_work_items(blocks: Sequence[KroneckerBlock]) -> list[WorkItem]:
+    """The plan's work items of ``blocks``: one per factor, with its dimension and kind."""
+    return [
+        WorkItem(block.name, name, factor.dim, factor.diagonal, factor.groups)
+        for block in blocks
+        for name, factor in block.factors.items()
+    ]
 
 
 class Sharding:
@@ -87,9 +94,7 @@ class Sharding:
         settings: Mapping[str, object] | None = None,
     ) -> None:
         self.rank, world_size = group_rank_and_size(process_group)
-        self.plan: Plan = make_plan(
-            work_items({b.name: (b.A.dim, b.G.dim) for b in blocks}), world_size, grad_worker_fraction
-        )
+        self.plan: Plan = make_plan(block_work_items(blocks), world_size, grad_worker_fraction)
         if world_size > 1:
             described: dict[str, Description] = {name: describe(v) for name, v in (settings or {}).items()}
             described["grad_worker_fraction"] = f"{self.plan.grad_workers} gradient worker(s) per layer"
@@ -115,6 +120,14 @@ class Sharding:
         return self.plan.block(block).owner(factor) == self.rank
 
     # -- factors -----------------------------------------------------------------------------
+
+    def owned_factors(self) -> tuple[str, ...]:
+        """``"<block>.<factor>"`` of every factor this rank decomposes."""
+        return tuple(f"{item.block}.{item.factor}" for item in self.plan.owned(self.rank))
+
+    def bytes_communicated(self) -> dict[str, int]:
+        """The communicator's bytes sent so far, by kind (factors, decompositions, directions)."""
+        return {kind: self.comm.bytes_sent[kind] for kind in ("factors", "decompositions", "directions")}
 
     def factors_folded(self) -> None:
         """Record a factor step: the ranks' running factors may now differ."""
@@ -145,10 +158,12 @@ class Sharding:
             )
         factors = self._factors()
         what = f"{caller}: the all-reduce of the running factors"
-        sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=True, in_place=True, what=what)
+        running = [f.running for f in factors]
+        symmetric = [f.running.dim() == 2 for f in factors]  # one (n, n) matrix: its triangle travels
+        sums = self.comm.all_reduce_sum(running, symmetric=symmetric, in_place=True, what=what, tag="factors")
         initialized = torch.stack([f.initialized for f in factors]).to(factors[0].running.dtype)
         rows = torch.tensor([f.rows_since_sync for f in factors], dtype=torch.float64, device=initialized.device)
-        counts = self.comm.all_reduce_sum([initialized, rows], what=what)
+        counts = self.comm.all_reduce_sum([initialized, rows], what=what, tag="factors")
         ranks, row_sums = counts.wait()
         for factor, total, count, row_sum in zip(factors, sums.wait(), ranks, row_sums.tolist(), strict=True):
             factor.set_global(total, count, int(row_sum))
@@ -159,7 +174,7 @@ class Sharding:
     def share_decompositions(self, method: Method, dtype: torch.dtype) -> None:
         """After owners decomposed: agree on what exists, broadcast to gradient workers.
 
-        ``method`` and ``dtype`` (the decompositions' dtype) shape the receive buffers.
+        ``method`` (what a decomposition is made of) and ``dtype`` (its dtype) shape the receive buffers.
         """
         self.decompositions_missing = False
         if not self.active or not self.blocks:
@@ -171,10 +186,11 @@ class Sharding:
             factor = self.blocks[item.block].factors[item.factor]
             held = self.decomposes(item.block, item.factor) and factor.decomposition is not None
             key = factor.decomposed_key
-            columns = _columns(factor.decomposition) if held else 0
+            columns = method.columns(factor) if held else 0
             local.append((1.0, float("nan") if key is None else key[1], columns) if held else (0.0, 0.0, 0))
         what = "KFAC.step(): the exchange of decompositions"
-        (flags,) = self.comm.all_reduce_sum([torch.tensor(local, dtype=torch.float64, device=device)], what=what).wait()
+        local_flags = torch.tensor(local, dtype=torch.float64, device=device)
+        (flags,) = self.comm.all_reduce_sum([local_flags], what=what, tag="decompositions").wait()
         available = {
             (item.block, item.factor): (held > 0, shift, int(columns))
             for item, (held, shift, columns) in zip(items, flags.tolist())
@@ -194,21 +210,23 @@ class Sharding:
         pending: list[tuple[int, list[tuple[Factor, float, int]], Pending]] = []
         for (workers, src), members in sorted(sends.items(), key=lambda kv: kv[0]):
             if src == self.rank:
-                tensors = [t for factor, _, _ in members for t in _as_tensors(factor.decomposition)]
+                tensors = [t for factor, _, _ in members for t in method.tensors(factor)]
             else:
                 tensors = [
-                    t for factor, _, columns in members for t in _receive_buffers(factor, method, dtype, device, columns)
+                    t for factor, _, columns in members for t in method.buffers(factor, dtype, device, columns)
                 ]
-            work = self.comm.broadcast(tensors, src, workers, symmetric=method == "inverse", what=what)
+            symmetric = [flag for factor, _, _ in members for flag in method.symmetric(factor)]
+            work = self.comm.broadcast(tensors, src, workers, symmetric=symmetric, what=what, tag="decompositions")
             pending.append((src, members, work))
-        per_factor = 2 if method == "eigen" else 1
         for src, members, work in pending:
             received = work.wait()
             if src == self.rank:
                 continue
-            for index, (factor, shift, _) in enumerate(members):
-                parts = received[index * per_factor : (index + 1) * per_factor]
-                factor.adopt(_from_tensors(parts, method), shift)
+            start = 0
+            for factor, shift, _ in members:
+                count = len(method.symmetric(factor))
+                factor.adopt(method.from_tensors(factor, received[start : start + count]), shift)
+                start += count
 
     # -- directions --------------------------------------------------------------------------
 
@@ -234,12 +252,9 @@ class Sharding:
             if src == self.rank:
                 tensors = [directions[name] for name in names]
             else:
-                tensors = [
-                    torch.empty(self.blocks[n].G.dim, self.blocks[n].A.dim, dtype=dtype, device=device)
-                    for n in names
-                ]
+                tensors = [torch.empty(self.blocks[n].direction_shape(), dtype=dtype, device=device) for n in names]
             what = "KFAC.step(): the broadcast of preconditioned gradients"
-            pending.append((names, self.comm.broadcast(tensors, src, row, what=what)))
+            pending.append((names, self.comm.broadcast(tensors, src, row, what=what, tag="directions")))
         shared = dict(directions)
         for names, work in pending:
             shared.update(zip(names, work.wait(), strict=True))
@@ -290,48 +305,3 @@ def _backend_device(process_group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(process_group) == dist.Backend.NCCL:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _as_tensors(decomposition: linalg.Eigen | Tensor | None) -> list[Tensor]:
-    if isinstance(decomposition, linalg.Eigen):
-        return [decomposition.Q, decomposition.d]
-    assert decomposition is not None
-    return [decomposition]
-
-
-def _columns(decomposition: linalg.Eigen | Tensor | None) -> int:
-    """Columns of a decomposition: ``r`` of an eigendecomposition's ``Q (dim, r)`` (thin when
-    ``r < dim``, see ``linalg.symmetric_eigen``), ``dim`` of an inverse."""
-    assert decomposition is not None
-    return (decomposition.Q if isinstance(decomposition, linalg.Eigen) else decomposition).shape[1]
-
-
-def _buffers(dim: int, method: Method, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
-    """Receive buffers for one factor's decomposition: ``Q (dim, columns)`` and ``d (columns,)``,
-    or an inverse ``(dim, dim)``."""
-    if method == "eigen":
-        return [torch.empty(dim, columns, dtype=dtype, device=device), torch.empty(columns, dtype=dtype, device=device)]
-    return [torch.empty(dim, dim, dtype=dtype, device=device)]
-
-
-def _receive_buffers(
-    factor: Factor, method: Method, dtype: torch.dtype, device: torch.device, columns: int
-) -> list[Tensor]:
-    """Where a receiver takes a factor's new decomposition (``columns`` as :func:`_columns`): into
-    the one it holds when that has the same kind, shapes, dtype and device (overwritten in place,
-    so no fresh pages every time), else into new buffers. The old decomposition is not used
-    between here and the adoption."""
-    held = factor.decomposition
-    if held is not None and isinstance(held, linalg.Eigen) == (method == "eigen"):
-        tensors = _as_tensors(held)
-        if tensors[0].shape == (factor.dim, columns) and all(
-            t.dtype == dtype and t.device == device and t.is_contiguous() for t in tensors
-        ):
-            return tensors
-    return _buffers(factor.dim, method, dtype, device, columns)
-
-
-def _from_tensors(parts: Sequence[Tensor], method: Method) -> linalg.Eigen | Tensor:
-    if method == "eigen":
-        return linalg.Eigen(Q=parts[0], d=parts[1])
-    return parts[0]

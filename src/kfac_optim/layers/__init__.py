@@ -1,20 +1,60 @@
-"""Kronecker blocks, one per supported module kind, and the registry that picks them."""
+"""Kronecker blocks, one per supported module kind, and the registry that picks them.
+
+Built-in registrations: ``nn.Linear``; ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Conv3d`` (any groups);
+``nn.Embedding``; ``nn.MultiheadAttention`` (input projections and ``out_proj``). Add your own
+with :func:`register_block`. Normalization layers have blocks (``layers.norm``) that are not
+registered by default.
+"""
 
 from __future__ import annotations
 
 from torch import nn
 
-from kfac_optim.layers.base import Factor, KroneckerBlock
-from kfac_optim.layers.conv import Conv2dBlock
+from kfac_optim.layers.attention import InProjectionBlock, OutProjectionBlock, ProjectionBlock
+from kfac_optim.layers.base import DiagonalFactor, Factor, KroneckerBlock
+from kfac_optim.layers.conv import ConvBlock
+from kfac_optim.layers.embedding import EmbeddingBlock
 from kfac_optim.layers.linear import LinearBlock
+from kfac_optim.layers.norm import ChannelNormBlock, LayerNormBlock, NormBlock, RMSNormBlock
+from kfac_optim.layers.registry import (
+    ModuleReport,
+    block_kind,
+    discover,
+    discover_blocks,
+    register_block,
+    registered_blocks,
+    unregister_block,
+)
 
-__all__ = ["Conv2dBlock", "Factor", "KroneckerBlock", "LinearBlock", "block_kind"]
+for _module_type, _block_class in (
+    (nn.Linear, LinearBlock),
+    (nn.Conv1d, ConvBlock),
+    (nn.Conv2d, ConvBlock),
+    (nn.Conv3d, ConvBlock),
+    (nn.Embedding, EmbeddingBlock),
+    (nn.MultiheadAttention, InProjectionBlock),
+):
+    register_block(_module_type, _block_class)
 
-
-def block_kind(module: nn.Module) -> type[KroneckerBlock] | None:
-    """The block class for a supported module, or None (the module's parameters take the SGD path)."""
-    if isinstance(module, nn.Linear):
-        return LinearBlock
-    if isinstance(module, nn.Conv2d):
-        return Conv2dBlock
-    return None
+__all__ = [
+    "ChannelNormBlock",
+    "LayerNormBlock",
+    "NormBlock",
+    "RMSNormBlock",
+    "ConvBlock",
+    "DiagonalFactor",
+    "EmbeddingBlock",
+    "Factor",
+    "InProjectionBlock",
+    "KroneckerBlock",
+    "LinearBlock",
+    "ModuleReport",
+    "OutProjectionBlock",
+    "ProjectionBlock",
+    "block_kind",
+    "discover",
+    "discover_blocks",
+    "register_block",
+    "registered_blocks",
+    "unregister_block",
+]

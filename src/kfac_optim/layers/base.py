@@ -12,35 +12,53 @@ over the N·R rows of N samples since the last fold.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
 from abc import ABC, abstractmethod
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from kfac_optim import linalg
+from kfac_optim.methods import Method
 
 logger = logging.getLogger(__name__)
 
 FactorName = Literal["A", "G"]
-Method = Literal["eigen", "inverse"]
+
+
+class Capture(Protocol):
+    """What a block that installs its own hooks needs from the statistics capture."""
+
+    def should_capture(self, module: nn.Module) -> bool:
+        """Whether a forward of ``module`` now should record statistics."""
+
+    def record(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
+        """Hand one (input, output-gradient) pair of ``block`` on (unless it must not be recorded)."""
 
 
 class Factor:
-    """One symmetric Kronecker factor ``(dim, dim)``: pending sum, running average, decomposition.
+    """One dense symmetric Kronecker factor: pending sum, running average, decomposition.
 
-    The running average only changes through device-side selects, so folding a batch needs no
-    host sync: a non-finite batch leaves the factor as it was and counts one discard.
+    ``running`` is ``(dim, dim)``, or ``(groups, dim, dim)`` for ``groups > 1`` independent
+    blocks of one layer (a grouped convolution: one Kronecker pair per group). The running average
+    only changes through device-side selects, so folding a batch needs no host sync: a non-finite
+    batch leaves the factor as it was and counts one discard.
     """
 
-    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    diagonal = False
+
+    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device, groups: int = 1) -> None:
         self.dim = dim
-        self.pending = torch.zeros(dim, dim, dtype=dtype, device=device)
+        self.groups = groups
+        shape = self.storage_shape(dim, groups)
+        self.pending = torch.zeros(shape, dtype=dtype, device=device)
         self.pending_rows = 0
-        self.running = torch.zeros(dim, dim, dtype=dtype, device=device)
+        self.running = torch.zeros(shape, dtype=dtype, device=device)
         self.initialized = torch.zeros((), dtype=torch.bool, device=device)
         self.discarded = torch.zeros((), dtype=torch.int64, device=device)
         self.reported_discards = 0
@@ -52,26 +70,48 @@ class Factor:
         self.decomposition: linalg.Eigen | Tensor | None = None
         self.decomposed_key: tuple[int, float] | None = None
 
-    def add_gram(self, rows: Tensor, append_ones: bool = False) -> None:
-        """Accumulate ``rowsᵀ rows`` for ``rows: (R, dim[-1])`` (a trailing 1 when ``append_ones``)."""
-        n = rows.shape[1]
-        linalg.add_gram_(self.pending[:n, :n], rows)
-        self._add_row_count(rows.shape[0], rows.sum(dim=0) if append_ones else None)
+    @staticmethod
+    def storage_shape(dim: int, groups: int) -> tuple[int, ...]:
+        return (dim, dim) if groups == 1 else (groups, dim, dim)
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """Leading dimensions of the storage before the factor's own: ``()`` or ``(groups,)``."""
+        return () if self.groups == 1 or self.diagonal else (self.groups,)
+
+    def diagonal_of(self, matrix: Tensor) -> Tensor:
+        """The diagonal entries of a tensor shaped as this factor's storage."""
+        return matrix.diagonal(dim1=-2, dim2=-1)
+
+    def mean_eigenvalue(self) -> float:
+        """``tr F / dim`` over all blocks (a host sync; used by the damped inverse's π)."""
+        return float(self.diagonal_of(self.running).mean())
+
+    def add_gram(self, rows: Tensor, append_ones: bool = False, group: int | None = None) -> None:
+        """Accumulate ``rowsᵀ rows`` for ``rows: (R, dim[-1])``, or ``(groups, R, dim[-1])`` per block,
+        or into block ``group`` only (a trailing 1 when ``append_ones``)."""
+        target = self.pending if group is None else self.pending[group]
+        n = rows.shape[-1]
+        if rows.dim() == 2 and target.dim() == 2:
+            linalg.add_gram_(target[:n, :n], rows)
+        else:
+            target[..., :n, :n].baddbmm_(rows.mT, rows)
+        self._add_row_count(target, rows.shape[-2], rows.sum(dim=-2) if append_ones else None)
 
     def add_column_gram(self, columns: Tensor, append_ones: bool = False) -> None:
         """As :meth:`add_gram` for the ``B·L`` rows ``columns[b, :, l]`` of ``columns: (B, dim[-1], L)``."""
         n = columns.shape[1]
         linalg.add_column_gram_(self.pending[:n, :n], columns)
         rows = columns.shape[0] * columns.shape[2]
-        self._add_row_count(rows, columns.sum(dim=(0, 2)) if append_ones else None)
+        self._add_row_count(self.pending, rows, columns.sum(dim=(0, 2)) if append_ones else None)
 
-    def _add_row_count(self, rows: int, row_sum: Tensor | None) -> None:
-        """Count ``rows`` more rows; with a bias, add their sum and count to the trailing row/column."""
+    def _add_row_count(self, target: Tensor, rows: int, row_sum: Tensor | None) -> None:
+        """Count ``rows`` more rows; with a bias, add their sum and count to ``target``'s trailing row/column."""
         if row_sum is not None:
-            n = len(row_sum)
-            self.pending[:n, n] += row_sum
-            self.pending[n, :n] += row_sum
-            self.pending[n, n] += rows
+            n = row_sum.shape[-1]
+            target[..., :n, n] += row_sum
+            target[..., n, :n] += row_sum
+            target[..., n, n] += rows
         self.pending_rows += rows
 
     def clear_pending(self) -> None:
@@ -93,8 +133,8 @@ class Factor:
         # 0 for a non-finite batch (zeroed first so 0·nan cannot leak). F and the batch are sums of
         # Gram matrices, finite iff their diagonal is (|F_ij| ≤ √(F_ii F_jj)): O(n) checks.
         batch = self.pending.mul_(scale)
-        finite = torch.isfinite(batch.diagonal().sum())
-        keep_running = self.initialized & torch.isfinite(self.running.diagonal().sum())
+        finite = torch.isfinite(self.diagonal_of(batch).sum())
+        keep_running = self.initialized & torch.isfinite(self.diagonal_of(self.running).sum())
         weight = finite.to(batch.dtype) * (1 - keep_running.to(batch.dtype) * decay)
         self.running.nan_to_num_(0.0, 0.0, 0.0).lerp_(batch.nan_to_num_(0.0, 0.0, 0.0), weight)
         self.initialized |= finite
@@ -102,6 +142,13 @@ class Factor:
         self.version += 1
         self.rows_since_sync += self.pending_rows
         self.clear_pending()
+
+    def snapshot(self) -> Factor:
+        """A shallow copy holding a copy of ``running``: what a background decomposition reads
+        while this factor keeps folding (see ``kfac_optim.background``)."""
+        copied = copy.copy(self)
+        copied.running = self.running.clone()
+        return copied
 
     @property
     def rank_bound(self) -> int | None:
@@ -111,27 +158,27 @@ class Factor:
     def decompose(self, method: Method, shift: float, dtype: torch.dtype, drop_below: float | None = None) -> bool:
         """Refresh the decomposition unless the factor and shift are unchanged since the last one.
 
-        ``eigen``: ``Q diag(d) Qᵀ`` (the shift is applied at preconditioning time), thin when the
-        eigenvalues above ``drop_below`` are few (:func:`linalg.symmetric_eigen`, which uses
-        :attr:`rank_bound`); ``inverse``: ``(F + shift·I)⁻¹``. Returns False when it failed (the
-        old one is kept).
+        ``method`` decides what is held (e.g. ``Q diag(d) Qᵀ``, thin when few eigenvalues are above
+        ``drop_below`` (see ``linalg.symmetric_eigen``, which also uses :attr:`rank_bound`), or
+        ``(F + shift·I)⁻¹``) and which part of ``shift`` it depends on. Returns False when it
+        failed (the old one is kept).
         """
         if not self.needs_decomposition(method, shift):
             return True
-        result = linalg.decompose(self.running, method, shift, dtype, drop_below, self.rank_bound)
+        result = method.decompose(self, shift, dtype, drop_below)
         if result is None:
             return False
-        self.adopt(result, shift if method == "inverse" else 0.0)
+        self.adopt(result, method.keyed_shift(shift))
         return True
 
     def needs_decomposition(self, method: Method, shift: float) -> bool:
         """Whether the factor or the shift changed since the decomposition held (or none is held)."""
-        return (self.version, shift if method == "inverse" else 0.0) != self.decomposed_key
+        return (self.version, method.keyed_shift(shift)) != self.decomposed_key
 
     def set_global(self, total: Tensor, ranks: Tensor, rows: int) -> None:
         """Become the mean of several ranks' running factors (distributed training).
 
-        ``total``: ``(dim, dim)``, the sum of the ranks' running factors, where a rank whose
+        ``total``: shaped as ``running``, the sum of the ranks' running factors, where a rank whose
         factor is not initialized contributed zeros; ``ranks``: 0-dim, how many were initialized;
         ``rows``: the sum of the ranks' ``rows_since_sync``. The result is initialized if any was,
         and counts as a new version of the factor.
@@ -167,7 +214,8 @@ class Factor:
 
     def validate_state(self, state: Any) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable :meth:`state_dict` of this
-        factor: every key present, shapes ``(dim, dim)`` (``Q: (dim, r)``, ``d: (r,)``), all finite."""
+        factor: every key present, shapes as this factor's storage (``Q: (..., dim, r)``, ``d: (..., r)``),
+        all finite."""
         if not isinstance(state, dict):
             raise ValueError(f"expected a dict, got {type(state).__name__}")
         for key in ("running", "initialized", "discarded", "version", "decomposition", "decomposed_key"):
@@ -190,11 +238,12 @@ class Factor:
         bound = state.get("rank_bound")
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
             raise ValueError(f"'rank_bound' must be None or an int >= 0, got {bound!r}")
-        square = (self.dim, self.dim)
-        expected = {"running": square, "initialized": (), "discarded": (), "decomposition": square}
+        storage = self.storage_shape(self.dim, self.groups)
+        expected = {"running": storage, "initialized": (), "discarded": (), "decomposition": storage}
         if isinstance(decomposition, dict):
             rank = decomposition["Q"].shape[-1]
-            expected.update({"decomposition Q": (self.dim, rank), "decomposition d": (rank,)})
+            batch = self.batch_shape
+            expected.update({"decomposition Q": (*batch, self.dim, rank), "decomposition d": (*batch, rank)})
         for field, tensor in tensors.items():
             if tuple(tensor.shape) != expected[field]:
                 raise ValueError(f"'{field}' has shape {tuple(tensor.shape)}, this model needs {expected[field]}")
@@ -220,6 +269,30 @@ class Factor:
         self.clear_pending()
 
 
+class DiagonalFactor(Factor):
+    """A diagonal factor stored as its diagonal ``(dim,)`` (e.g. an embedding's ``A``: token
+    frequencies), O(dim) memory; statistics are added as per-row sums of squares (or counts)."""
+
+    diagonal = True
+
+    @staticmethod
+    def storage_shape(dim: int, groups: int) -> tuple[int, ...]:
+        return (dim,)
+
+    def diagonal_of(self, matrix: Tensor) -> Tensor:
+        return matrix
+
+    def add_counts(self, counts: Tensor, rows: int) -> None:
+        """Add ``counts: (dim,)`` (the diagonal of ``Σ a aᵀ`` over ``rows`` rows) to the pending sum."""
+        self.pending += counts
+        self.pending_rows += rows
+
+    def add_gram(self, rows: Tensor, append_ones: bool = False) -> None:
+        raise TypeError("a diagonal factor takes statistics through add_counts")
+
+    add_column_gram = add_gram
+
+
 @functools.cache
 def _first_forward_parameter(module_type: type[nn.Module]) -> str:
     """The name of ``module_type.forward``'s first parameter after ``self`` (e.g. ``"input"``)."""
@@ -228,22 +301,74 @@ def _first_forward_parameter(module_type: type[nn.Module]) -> str:
 
 
 class KroneckerBlock(ABC):
-    """K-FAC block of one module with a ``weight`` (and optional ``bias``) parameter."""
+    """K-FAC block of one module with a ``weight`` (and optional ``bias``) parameter: one Kronecker
+    pair ``G ⊗ A`` of the joint weight ``[W | b]``, or ``groups`` independent pairs of its row blocks.
+
+    The extension point of the block registry (``kfac_optim.register_block``): a subclass says
+    which module instances it supports (:meth:`unsupported_reason`), which parameters it takes
+    (:meth:`create`), its factors (:meth:`make_factors`), and how a captured (input, output-grad)
+    pair becomes rows of ``a`` and ``g`` (:meth:`input_rows`, :meth:`output_grad_rows`,
+    :meth:`sample_count`, or :meth:`accumulate` whole). The joint gradient is ``(out, in [+1])``,
+    or ``(groups, out/groups, in [+1])`` for grouped blocks.
+    """
+
+    groups: int = 1
 
     def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
         self.name = name
         self.module = module
-        self.weight: nn.Parameter = module.weight
-        self.bias: nn.Parameter | None = module.bias if include_bias else None
-        out_dim = self.weight.shape[0]
-        in_dim = self.weight[0].numel() + (self.bias is not None)
-        device = self.weight.device
-        self.factors: dict[FactorName, Factor] = {
-            "A": Factor(in_dim, factor_dtype, device),
-            "G": Factor(out_dim, factor_dtype, device),
-        }
+        weight, bias = self.weight_and_bias(module)
+        self.weight: nn.Parameter = weight
+        self.bias: nn.Parameter | None = bias if include_bias else None
+        self.module_weight: nn.Parameter = weight  # the module's own (``weight`` may become an Apex master)
+        self.factors: dict[FactorName, Factor] = self.make_factors(factor_dtype, self.weight.device)
         self.pending_samples = 0
+        self._counted_task: int | None = None
         self.failures = 0
+
+    # -- the registry's questions --------------------------------------------------------------
+
+    @classmethod
+    def unsupported_reason(cls, module: nn.Module) -> str | None:
+        """Why this block cannot precondition ``module`` (None: it can). Default: it can."""
+        return None
+
+    @classmethod
+    def supports(cls, module: nn.Module) -> bool:
+        """Whether this block can precondition ``module``."""
+        return cls.unsupported_reason(module) is None
+
+    @classmethod
+    def weight_and_bias(cls, module: nn.Module) -> tuple[nn.Parameter, nn.Parameter | None]:
+        """The parameters this block preconditions: ``module.weight`` and ``module.bias`` by default."""
+        return module.weight, getattr(module, "bias", None)
+
+    @classmethod
+    def create(
+        cls, name: str, module: nn.Module, trainable: set[Tensor], claimed: set[Tensor], factor_dtype: torch.dtype
+    ) -> list[KroneckerBlock]:
+        """The blocks for ``module`` (a supported one), taking its ``weight`` (and ``bias``) when they
+        are ``trainable`` and not yet ``claimed`` by another block; adds what it takes to ``claimed``."""
+        weight, bias = cls.weight_and_bias(module)
+        if weight not in trainable or weight in claimed:
+            return []
+        claimed.add(weight)
+        include_bias = bias is not None and bias in trainable and bias not in claimed
+        if include_bias:
+            claimed.add(bias)
+        return [cls(name, module, include_bias, factor_dtype)]
+
+    def make_factors(self, dtype: torch.dtype, device: torch.device) -> dict[FactorName, Factor]:
+        """Dense ``A: (in [+1], in [+1])`` and ``G: (out, out)`` per group (the default)."""
+        out_dim = self.weight.shape[0] // self.groups
+        in_dim = self.weight[0].numel() + (self.bias is not None)
+        return {"A": Factor(in_dim, dtype, device, self.groups), "G": Factor(out_dim, dtype, device, self.groups)}
+
+    def install_capture(self, capture: Capture) -> list[RemovableHandle] | None:
+        """Hooks of a block that captures its statistics its own way (None: the default forward hook
+        on ``module``, handing :meth:`layer_input` and the output's gradient to ``capture.record``).
+        Hooks must hold ``capture`` weakly (it dies with its optimizer, and removes them then)."""
+        return None
 
     def layer_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
         """The tensor the statistics come from: the forward's first argument, positional or keyword."""
@@ -253,6 +378,22 @@ class KroneckerBlock(ABC):
         if name not in kwargs:
             raise TypeError(f"K-FAC layer '{self.name}' was called without its input argument '{name}'")
         return kwargs[name]
+
+    def describe(self) -> str:
+        """One line: the block kind and its factors' shapes and kinds."""
+        parts = []
+        for name, factor in self.factors.items():
+            kind = "diagonal" if factor.diagonal else "dense"
+            shape = "x".join(str(d) for d in factor.running.shape)
+            parts.append(f"{name} {shape} {kind}")
+        params = "weight+bias" if self.bias is not None else "weight"
+        return f"{type(self).__name__} ({params}): {', '.join(parts)}"
+
+    def direction_shape(self) -> tuple[int, ...]:
+        """Shape of the joint gradient and of the preconditioned direction."""
+        return (*self.G.batch_shape, self.G.dim, self.A.dim)
+
+    # -- statistics ------------------------------------------------------------------------------
 
     @abstractmethod
     def input_rows(self, inputs: Tensor) -> Tensor:
@@ -265,6 +406,10 @@ class KroneckerBlock(ABC):
     @abstractmethod
     def output_grad_rows(self, grad_output: Tensor) -> Tensor:
         """The output-gradient as rows ``(N·R, out)``."""
+
+    def add_output_gram(self, grad_output: Tensor, dtype: torch.dtype) -> None:
+        """Add the output-gradient rows' Gram matrix to G's pending sum."""
+        self.G.add_gram(self.output_grad_rows(grad_output).to(dtype))
 
     @abstractmethod
     def sample_count(self, inputs: Tensor) -> int:
@@ -287,8 +432,17 @@ class KroneckerBlock(ABC):
         dtype = self.A.pending.dtype
         with torch.autocast(inputs.device.type, enabled=False):
             self.add_input_gram(inputs, dtype)
-            self.G.add_gram(self.output_grad_rows(grad_output).to(dtype))
-        self.pending_samples += self.sample_count(inputs)
+            self.add_output_gram(grad_output, dtype)
+        self.count_samples(self.sample_count(inputs))
+
+    def count_samples(self, samples: int) -> None:
+        """Add ``samples`` to N, once per backward pass: a module called several times in one
+        forward (weight sharing) adds every call's rows but its samples once ("expand",
+        Eschenhagen et al. 2023). Outside a backward pass every call counts."""
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task != self._counted_task:
+            self.pending_samples += samples
+        self._counted_task = task
 
     def clear_pending(self) -> None:
         for factor in self.factors.values():
@@ -310,48 +464,45 @@ class KroneckerBlock(ABC):
         self.pending_samples = 0
 
     def shifts(self, method: Method, damping: float) -> dict[FactorName, float]:
-        """Per-factor damping shifts: none for eigen (exact damping), ``π√λ`` / ``√λ/π`` for inverse."""
-        if method == "eigen":
-            return {"A": 0.0, "G": 0.0}
-        pi = linalg.pi_correction(self.A.running, self.G.running)
-        root = damping**0.5
-        return {"A": pi * root, "G": root / pi}
+        """Per-factor damping shifts of ``method`` (e.g. none for eigen, ``π√λ`` / ``√λ/π`` for inverse)."""
+        a_shift, g_shift = method.shifts(self.A, self.G, damping)
+        return {"A": a_shift, "G": g_shift}
 
     def rank_thresholds(self, method: Method, damping: float) -> dict[FactorName, float | None]:
         """Per-factor eigenvalue thresholds below which the eigen solve treats eigenvalues as 0
-        (:func:`linalg.rank_threshold`, from the other factor's trace); None for inverse."""
-        if method != "eigen":
+        (:func:`linalg.rank_threshold`, from the other factor's trace): for the eigen method on
+        two dense ungrouped factors (the solve of ``linalg.eigen_precondition``); None otherwise."""
+        a, g = self.A, self.G
+        if method.name != "eigen" or a.diagonal or g.diagonal or a.groups > 1 or g.groups > 1:
             return {"A": None, "G": None}
-        traces = torch.stack([torch.trace(self.A.running), torch.trace(self.G.running)]).tolist()
+        traces = torch.stack([torch.trace(a.running), torch.trace(g.running)]).tolist()
         return {"A": linalg.rank_threshold(damping, traces[1]), "G": linalg.rank_threshold(damping, traces[0])}
 
     def grad_matrix(self) -> Tensor | None:
-        """The joint gradient ``[∇W | ∇b]``: ``(out, in [+1])``, or None if ``W`` has no grad."""
+        """The joint gradient ``[∇W | ∇b]`` (see :meth:`direction_shape`), or None if ``W`` has no grad."""
         weight_grad = self.weight.grad
         if weight_grad is None:
             return None
-        matrix = weight_grad.reshape(weight_grad.shape[0], -1)
+        matrix = weight_grad.reshape(*self.G.batch_shape, self.G.dim, -1)
         if self.bias is None:
             return matrix
         bias_grad = self.bias.grad if self.bias.grad is not None else torch.zeros_like(self.bias)
-        return torch.cat([matrix, bias_grad.unsqueeze(1)], dim=1)
+        return torch.cat([matrix, bias_grad.reshape(*matrix.shape[:-1], 1)], dim=-1)
 
     def precondition(self, grad: Tensor, method: Method, damping: float) -> Tensor | None:
-        """The preconditioned ``(out, in [+1])`` direction, or None before any decomposition."""
+        """The preconditioned joint direction, or None before any decomposition."""
         a, g = self.A.decomposition, self.G.decomposition
         if a is None or g is None:
             return None
-        work = grad.to(a.Q.dtype if isinstance(a, linalg.Eigen) else a.dtype)
-        if isinstance(a, linalg.Eigen):
-            return linalg.eigen_precondition(work, a, g, damping)
-        return linalg.inverse_precondition(work, a, g)
+        dtype = a.d.dtype if isinstance(a, linalg.Eigen) else a.dtype
+        return method.precondition(grad.to(dtype), self.A, self.G, damping)
 
     def split(self, direction: Tensor) -> list[tuple[nn.Parameter, Tensor]]:
-        """Cut a joint ``(out, in [+1])`` direction into per-parameter directions."""
-        weight_part = direction[:, : self.weight[0].numel()]
+        """Cut a joint direction (see :meth:`direction_shape`) into per-parameter directions."""
+        weight_part = direction[..., : direction.shape[-1] - (self.bias is not None)]
         pieces = [(self.weight, weight_part.reshape(self.weight.shape).to(self.weight.dtype))]
         if self.bias is not None:
-            pieces.append((self.bias, direction[:, -1].to(self.bias.dtype).contiguous()))
+            pieces.append((self.bias, direction[..., -1].reshape(self.bias.shape).to(self.bias.dtype).contiguous()))
         return pieces
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,168 @@
+"""The block registry: which ``KroneckerBlock`` class preconditions which module type, and discovery.
+
+Owns: ``module type → block class`` (looked up along the module type's MRO, so subclasses of a
+registered type share its block unless registered themselves), finding a model's blocks, and
+saying for every module with trainable parameters what happens to them.
+Must not know: hooks, ranks, the step.
+
+Built-in kinds are registered here the same way a user registers one::
+
+    kfac_optim.register_block(MyLayer, MyBlock)   # MyBlock subclasses kfac_optim.layers.KroneckerBlock
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from kfac_optim.layers.base import KroneckerBlock
+
+SkipLayers = Sequence[str | type[nn.Module]]
+
+_REGISTRY: dict[type[nn.Module], type[KroneckerBlock]] = {}
+
+
+def register_block(module_type: type[nn.Module], block_class: type[KroneckerBlock]) -> None:
+    """Precondition modules of ``module_type`` (and its subclasses) with ``block_class``.
+
+    Registering a type again replaces its block class (e.g. a user's block for a built-in type).
+    Takes effect for optimizers created afterwards.
+
+    Raises:
+        TypeError: ``module_type`` is not an ``nn.Module`` subclass, or ``block_class`` not a
+            ``KroneckerBlock`` subclass.
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be a subclass of torch.nn.Module, got {module_type!r}")
+    if not (isinstance(block_class, type) and issubclass(block_class, KroneckerBlock)):
+        raise TypeError(f"block_class must be a subclass of kfac_optim.layers.KroneckerBlock, got {block_class!r}")
+    _REGISTRY[module_type] = block_class
+
+
+def unregister_block(module_type: type[nn.Module]) -> type[KroneckerBlock] | None:
+    """Forget ``module_type``'s own registration (its subclasses' and bases' stay); returns the
+    block class it had, or None. Takes effect for optimizers created afterwards."""
+    return _REGISTRY.pop(module_type, None)
+
+
+def registered_blocks() -> dict[type[nn.Module], type[KroneckerBlock]]:
+    """A copy of the registry."""
+    return dict(_REGISTRY)
+
+
+def block_kind(module: nn.Module) -> type[KroneckerBlock] | None:
+    """The block class registered for ``module``'s type or its nearest registered base, or None."""
+    for klass in type(module).__mro__:
+        block_class = _REGISTRY.get(klass)
+        if block_class is not None:
+            return block_class
+    return None
+
+
+@dataclass(frozen=True)
+class ModuleReport:
+    """What K-FAC does with one module's own trainable parameters.
+
+    ``block``: the name of the block that preconditions them (None: they take the SGD path);
+    ``status``: "kfac", or why not: "skipped" (``skip_layers``), "unsupported" (a registered block
+    that declines this instance), "unregistered" (no block for the type);
+    ``detail``: the block's kind and factor shapes, or the reason in words.
+    """
+
+    name: str
+    kind: str
+    params: tuple[tuple[str, tuple[int, ...]], ...]
+    block: str | None
+    status: str
+    detail: str
+
+    def __str__(self) -> str:
+        params = ", ".join(f"{p} {'x'.join(map(str, shape)) or 'scalar'}" for p, shape in self.params)
+        where = f"K-FAC [{self.block or '<root>'}]" if self.block is not None else "SGD"
+        return f"{self.name or '<root>'} ({self.kind}; {params}): {where}: {self.detail}"
+
+
+def user_visible_name(name: str) -> str:
+    """A module's name as the uncompiled model's ``state_dict()`` spells it (no ``_orig_mod.`` parts
+    left by submodules wrapped with ``torch.compile``)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def _is_skipped(name: str, module: nn.Module, skip_layers: SkipLayers) -> bool:
+    for rule in skip_layers:
+        if isinstance(rule, str):
+            if re.fullmatch(rule, name) or re.fullmatch(rule, type(module).__name__):
+                return True
+        elif isinstance(module, rule):
+            return True
+    return False
+
+
+def discover(
+    model: nn.Module,
+    trainable: set[Tensor] | None = None,
+    skip_layers: SkipLayers = (),
+    factor_dtype: torch.dtype = torch.float32,
+) -> tuple[list[KroneckerBlock], list[ModuleReport]]:
+    """The blocks of ``model`` (model order) and one report per module with trainable parameters.
+
+    A module gets blocks when its type has a registered block class that supports the instance,
+    it is not skipped, and its parameters are in ``trainable`` (default: those that require grad)
+    and not taken by an earlier block (a parameter shared by several modules belongs to the first).
+    """
+    if trainable is None:
+        trainable = {p for p in model.parameters() if p.requires_grad}
+    blocks: list[KroneckerBlock] = []
+    claimed: set[Tensor] = set()
+    owner_of: dict[Tensor, KroneckerBlock] = {}
+    decisions: dict[str, tuple[str | None, str, str]] = {}
+    for name, module in model.named_modules():
+        kind = block_kind(module)
+        if kind is None:
+            continue
+        if _is_skipped(name, module, skip_layers):
+            decisions[name] = (None, "skipped", "skipped by skip_layers")
+            continue
+        reason = kind.unsupported_reason(module)
+        if reason is not None:
+            decisions[name] = (None, "unsupported", f"{kind.__name__}: {reason}")
+            continue
+        created = kind.create(user_visible_name(name), module, trainable, claimed, factor_dtype)
+        for block in created:
+            for param in block.parameters():
+                owner_of[param] = block
+        blocks.extend(created)
+        if created:
+            decisions[name] = (created[0].name, "kfac", "; ".join(block.describe() for block in created))
+    reports = []
+    for name, module in model.named_modules():
+        own = [(p_name, p) for p_name, p in module.named_parameters(recurse=False) if p in trainable]
+        if not own:
+            continue
+        owners = [owner_of[p] for _, p in own if p in owner_of]
+        block, status, detail = decisions.get(name, (None, "", ""))
+        if owners and block is None:  # its parameters belong to a block another module created (or tied)
+            block = owners[0].name
+            status, detail = "kfac", f"preconditioned in block {block!r}: {owners[0].describe()}"
+        elif not status:
+            status, detail = "unregistered", f"no K-FAC block registered for {type(module).__name__}"
+        leftover = [p_name for p_name, p in own if p not in owner_of]
+        if block is not None and leftover:
+            detail += f"; {', '.join(leftover)} take the SGD path"
+        params = tuple((p_name, tuple(p.shape)) for p_name, p in own)
+        reports.append(ModuleReport(name, type(module).__name__, params, block, status, detail))
+    return blocks, reports
+
+
+def discover_blocks(
+    model: nn.Module,
+    trainable: set[Tensor] | None = None,
+    skip_layers: SkipLayers = (),
+    factor_dtype: torch.dtype = torch.float32,
+) -> list[KroneckerBlock]:
+    """One block per supported module whose weight is among ``trainable``, in model order (see :func:`discover`)."""
+    return discover(model, trainable, skip_layers, factor_dtype)[0]

@@ -1,0 +1,213 @@
+"""Decomposition methods as types: how a factor is decomposed, damped, used and shipped.
+
+Owns, per method: decomposing one factor of either kind, the per-factor damping shifts, the damped
+Kronecker preconditioning of a joint gradient, the tensors a decomposition travels as (and how a
+receiver rebuilds it), and its size in elements. The optimizer turns its ``method`` argument into
+one of these (:func:`method_named`); below that no method is named by a string.
+Must not know: modules, hooks, ranks, schedules.
+
+Factor kinds (see ``layers.base``): **dense** ``(n, n)``, or ``(k, n, n)`` for ``k`` independent
+blocks (grouped convolutions), and **diagonal** ``(n,)``. A joint gradient is ``(out, in)`` (or
+``(k, out, in)``) with ``G`` on the left and ``A`` on the right.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from kfac_optim import linalg
+
+if TYPE_CHECKING:
+    from kfac_optim.layers.base import Factor
+
+Decomposition = linalg.Eigen | Tensor
+
+
+class Method(ABC):
+    """A way to apply ``(G ⊗ A + λI)⁻¹`` (exactly or approximately) from per-factor decompositions."""
+
+    name: str
+
+    @abstractmethod
+    def decompose(
+        self, factor: Factor, shift: float, dtype: torch.dtype, drop_below: float | None = None
+    ) -> Decomposition | None:
+        """The decomposition of ``factor.running`` in ``dtype`` (None: it failed in float32 and float64).
+        ``drop_below``: eigenvalues that may count as 0 (``KroneckerBlock.rank_thresholds``)."""
+
+    @abstractmethod
+    def shifts(self, a: Factor, g: Factor, damping: float) -> tuple[float, float]:
+        """The damping shifts ``(A, G)`` this method adds to the factors before decomposing."""
+
+    @abstractmethod
+    def precondition(self, grad: Tensor, a: Factor, g: Factor, damping: float) -> Tensor:
+        """The preconditioned joint gradient from the factors' decompositions (in their dtype)."""
+
+    @abstractmethod
+    def tensors(self, factor: Factor) -> list[Tensor]:
+        """The tensors ``factor``'s decomposition travels as, in a fixed order."""
+
+    @abstractmethod
+    def buffers(self, factor: Factor, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
+        """Receive buffers shaped as :meth:`tensors` for ``factor`` whose owner's decomposition has
+        ``columns`` (:meth:`columns`) (its decomposition's storage when it has the right layout, so
+        receivers do not allocate fresh pages every time)."""
+
+    def columns(self, factor: Factor) -> int:
+        """The last dimension of ``factor``'s decomposition's first tensor (``r`` of a thin ``Q``)."""
+        return self.tensors(factor)[0].shape[-1]
+
+    @abstractmethod
+    def from_tensors(self, factor: Factor, parts: Sequence[Tensor]) -> Decomposition:
+        """Rebuild a decomposition of ``factor`` from :meth:`tensors`' output."""
+
+    @abstractmethod
+    def symmetric(self, factor: Factor) -> list[bool]:
+        """Per tensor of :meth:`tensors`: whether it is one symmetric ``(n, n)`` matrix (sent as a triangle)."""
+
+    @abstractmethod
+    def elements(self, diagonal: bool, dim: int, count: int = 1) -> int:
+        """Elements of one decomposition of a factor of this kind, dimension and block count."""
+
+    def keyed_shift(self, shift: float) -> float:
+        """The part of ``shift`` a decomposition depends on (its cache key)."""
+        return shift
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _reuse(held: list[Tensor] | None, wanted: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[Tensor]:
+    """``held`` when it matches ``wanted`` shapes/dtypes on ``device`` (contiguous), else new empty tensors."""
+    if held is not None and len(held) == len(wanted) and all(
+        tuple(t.shape) == shape and t.dtype == dtype and t.device == device and t.is_contiguous()
+        for t, (shape, dtype) in zip(held, wanted, strict=True)
+    ):
+        return held
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in wanted]
+
+
+class Eigen(Method):
+    """Exact damping: ``V = Q_G [(Q_Gᵀ ∇ Q_A) / (d_G d_Aᵀ + λ)] Q_Aᵀ`` (no shifts). A diagonal
+    factor is its own eigendecomposition (``Q = I``, ``d`` the diagonal, clamped at 0)."""
+
+    name = "eigen"
+
+    def decompose(
+        self, factor: Factor, shift: float, dtype: torch.dtype, drop_below: float | None = None
+    ) -> Decomposition | None:
+        if factor.diagonal:
+            return factor.running.clamp(min=0).to(dtype)
+        return linalg.symmetric_eigen(factor.running, dtype, drop_below, factor.rank_bound)
+
+    def shifts(self, a: Factor, g: Factor, damping: float) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def keyed_shift(self, shift: float) -> float:
+        return 0.0
+
+    def precondition(self, grad: Tensor, a: Factor, g: Factor, damping: float) -> Tensor:
+        ea, eg = a.decomposition, g.decomposition
+        if not (a.diagonal or g.diagonal or a.groups > 1):
+            return linalg.eigen_precondition(grad, ea, eg, damping)
+        d_a = ea if a.diagonal else ea.d
+        d_g = eg if g.diagonal else eg.d
+        rotated = grad if g.diagonal else eg.Q.mT @ grad
+        if not a.diagonal:
+            rotated = rotated @ ea.Q
+        rotated = rotated / (d_g.unsqueeze(-1) * d_a.unsqueeze(-2) + damping)
+        if not a.diagonal:
+            rotated = rotated @ ea.Q.mT
+        return rotated if g.diagonal else eg.Q @ rotated
+
+    def tensors(self, factor: Factor) -> list[Tensor]:
+        decomposition = factor.decomposition
+        assert decomposition is not None
+        return [decomposition] if factor.diagonal else [decomposition.Q, decomposition.d]
+
+    def buffers(self, factor: Factor, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
+        batch, n = factor.batch_shape, factor.dim
+        if factor.diagonal:
+            wanted = [((n,), dtype)]
+        else:  # Q (..., n, r), d (..., r): r < n when held thin (linalg.symmetric_eigen)
+            wanted = [((*batch, n, columns), dtype), ((*batch, columns), dtype)]
+        held = None
+        if factor.decomposition is not None and isinstance(factor.decomposition, linalg.Eigen) != factor.diagonal:
+            held = self.tensors(factor)
+        return _reuse(held, wanted, device)
+
+    def from_tensors(self, factor: Factor, parts: Sequence[Tensor]) -> Decomposition:
+        return parts[0] if factor.diagonal else linalg.Eigen(Q=parts[0], d=parts[1])
+
+    def symmetric(self, factor: Factor) -> list[bool]:
+        return [False] if factor.diagonal else [False, False]
+
+    def elements(self, diagonal: bool, dim: int, count: int = 1) -> int:
+        return dim if diagonal else count * (dim * dim + dim)
+
+
+class DampedInverse(Method):
+    """π-factored damping (Martens & Grosse 2015): ``V = (G + (√λ/π) I)⁻¹ ∇ (A + π√λ I)⁻¹`` with
+    ``π = sqrt((tr A / dim A) / (tr G / dim G))`` (1 if either trace is 0), over all blocks of a
+    grouped factor together. A diagonal factor's inverse is the vector ``1 / (d + shift)``."""
+
+    name = "inverse"
+
+    def decompose(
+        self, factor: Factor, shift: float, dtype: torch.dtype, drop_below: float | None = None
+    ) -> Decomposition | None:
+        if factor.diagonal:
+            inverse = (factor.running.clamp(min=0) + shift).reciprocal().to(dtype)
+            return inverse if bool(torch.isfinite(inverse.sum())) else None
+        return linalg.damped_inverse(factor.running, shift, dtype)
+
+    def shifts(self, a: Factor, g: Factor, damping: float) -> tuple[float, float]:
+        a_mean, g_mean = a.mean_eigenvalue(), g.mean_eigenvalue()
+        pi = (a_mean / g_mean) ** 0.5 if a_mean > 0 and g_mean > 0 else 1.0
+        root = damping**0.5
+        return pi * root, root / pi
+
+    def precondition(self, grad: Tensor, a: Factor, g: Factor, damping: float) -> Tensor:
+        ia, ig = a.decomposition, g.decomposition
+        if not (a.diagonal or g.diagonal or a.groups > 1):
+            return linalg.inverse_precondition(grad, ia, ig)
+        left = grad * ig.unsqueeze(-1) if g.diagonal else ig @ grad
+        return left * ia.unsqueeze(-2) if a.diagonal else left @ ia
+
+    def tensors(self, factor: Factor) -> list[Tensor]:
+        assert factor.decomposition is not None
+        return [factor.decomposition]
+
+    def buffers(self, factor: Factor, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
+        shape = (factor.dim,) if factor.diagonal else (*factor.batch_shape, factor.dim, factor.dim)
+        held = None
+        if isinstance(factor.decomposition, Tensor):
+            held = [factor.decomposition]
+        return _reuse(held, [(shape, dtype)], device)
+
+    def from_tensors(self, factor: Factor, parts: Sequence[Tensor]) -> Decomposition:
+        return parts[0]
+
+    def symmetric(self, factor: Factor) -> list[bool]:
+        return [not factor.diagonal and factor.groups == 1]
+
+    def elements(self, diagonal: bool, dim: int, count: int = 1) -> int:
+        return dim if diagonal else count * dim * dim
+
+
+METHODS: dict[str, type[Method]] = {"eigen": Eigen, "inverse": DampedInverse}
+"""The methods the optimizer's ``method`` argument names."""
+
+
+def method_named(name: str | Method) -> Method:
+    """The :class:`Method` for ``"eigen"`` or ``"inverse"`` (a :class:`Method` is returned as is)."""
+    if isinstance(name, Method):
+        return name
+    if name not in METHODS:
+        raise ValueError(f"method must be one of {sorted(METHODS)}, got {name!r}")
+    return METHODS[name]()
