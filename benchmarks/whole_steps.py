@@ -1,6 +1,6 @@
 """Whole training steps through the public API: first step, mean, median and p95, side by side.
 
-Usage: ``python benchmarks/whole_steps.py [--model resnet18] [--steps 21] [--runs sync async] ...``
+Usage: ``python -m benchmarks.whole_steps [--model resnet18] [--steps 21] [--runs sync async] ...``
 (``--help`` lists every flag). Prints a table, writes JSON and a PNG of per-step times (``--out``).
 
 Each run builds the model afresh (same seed, same batches: one fixed random batch per step),
@@ -29,14 +29,10 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.nn.functional as F
