@@ -744,3 +744,97 @@ def test_reduce_for_attention_is_one_row_per_sample_per_projection() -> None:
     A_ref, G_ref = reference_factors(with_bias_column(a_rows[3], True), g_hat[3], N)
     torch.testing.assert_close(out_proj.A.running, A_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out_proj.G.running, G_ref, rtol=1e-12, atol=1e-12)
+
+
+# -- weight sharing across the calls of one forward (RNN-style) ----------------------------------
+
+
+def rnn_forward(layer: nn.Linear, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``h_t = layer(tanh(h_{t-1}) + x_t)``, ``h_0 = layer(x_0)``: the calls' inputs and outputs."""
+    call_inputs, outputs = [], []
+    for t, x in enumerate(inputs):
+        call_input = x if t == 0 else torch.tanh(outputs[-1]) + x
+        call_inputs.append(call_input)
+        outputs.append(layer(call_input))
+    return call_inputs, outputs
+
+
+def rnn_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over samples of ``0.5‖out_n − target_n‖²`` (positions summed)."""
+    return 0.5 * ((out - target) ** 2).reshape(len(out), -1).sum(1).mean()
+
+
+def rnn_reference(layer: nn.Linear, inputs: list[torch.Tensor], target: torch.Tensor, sharing: str):
+    """Dense A and G from per-sample output-gradients of every call (Eschenhagen et al. 2023):
+    expand: every (call, position) a row; reduce: per sample, the mean input and the summed ĝ."""
+    N = len(target)
+    call_inputs, outputs = rnn_forward(layer, inputs)
+    g_hat = torch.zeros(len(outputs), *outputs[0].shape)  # (calls, N, *positions, out)
+    for n in range(N):
+        sample_loss = 0.5 * ((outputs[-1][n] - target[n]) ** 2).sum()
+        for call, grad in enumerate(torch.autograd.grad(sample_loss, outputs, retain_graph=True)):
+            g_hat[call, n] = grad[n]
+    a = torch.stack([x.detach() for x in call_inputs])  # (calls, N, *positions, in)
+    bias = layer.bias is not None
+    if sharing == "expand":
+        return reference_factors(with_bias_column(a.reshape(-1, a.shape[-1]), bias), g_hat.reshape(-1, g_hat.shape[-1]), N)
+    a_n = a.movedim(0, 1).reshape(N, -1, a.shape[-1]).mean(1)
+    g_n = g_hat.movedim(0, 1).reshape(N, -1, g_hat.shape[-1]).sum(1)
+    return reference_factors(with_bias_column(a_n, bias), g_n, N)
+
+
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+@pytest.mark.parametrize("calls, shape", [(2, (5, 3)), (3, (4, 2, 3))], ids=["2-calls", "3-calls-positions"])
+def test_a_module_called_several_times_per_forward_matches_the_dense_reference(sharing, calls, shape) -> None:
+    layer = nn.Linear(3, 3)
+    inputs = [torch.randn(shape) for _ in range(calls)]
+    target = torch.randn(shape)
+    A_ref, G_ref = rnn_reference(layer, inputs, target, sharing)
+    layer.zero_grad()
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, weight_sharing=sharing, **DTYPES)
+    before = torch.cat([layer.weight.detach(), layer.bias.detach()[:, None]], 1)
+    rnn_loss(rnn_forward(layer, inputs)[1][-1], target).backward()
+    grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1)
+    optimizer.step()
+    block = optimizer.blocks[0]
+    torch.testing.assert_close(block.A.running, A_ref, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(block.G.running, G_ref, rtol=1e-9, atol=1e-12)
+    moved = before - torch.cat([layer.weight.detach(), layer.bias.detach()[:, None]], 1)
+    torch.testing.assert_close(moved, kron_solve(G_ref, A_ref, grad, 0.1), rtol=1e-9, atol=1e-12)
+
+
+def test_reduce_across_calls_makes_one_row_per_sample_per_backward_under_gradient_accumulation() -> None:
+    """Two backward passes (two micro-batches) before one step: 2N rows, each reduced over its own
+    pass's calls; N = both passes' samples."""
+    layer = nn.Linear(3, 3, bias=False)
+    batches = [[torch.randn(4, 3) for _ in range(2)] for _ in range(2)]
+    targets = [torch.randn(4, 3) for _ in range(2)]
+    a_rows, g_rows = [], []
+    for inputs, target in zip(batches, targets, strict=True):
+        call_inputs, outputs = rnn_forward(layer, inputs)
+        a_rows.append(torch.stack([x.detach() for x in call_inputs]).mean(0))
+        for n in range(4):
+            grads = torch.autograd.grad(0.5 * ((outputs[-1][n] - target[n]) ** 2).sum(), outputs, retain_graph=True)
+            g_rows.append(sum(g[n] for g in grads))
+    A_ref, G_ref = reference_factors(torch.cat(a_rows), torch.stack(g_rows), 8)
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, weight_sharing="reduce", **DTYPES)
+    for inputs, target in zip(batches, targets, strict=True):  # each micro-batch loss: mean over the step's 8 samples
+        (rnn_loss(rnn_forward(layer, inputs)[1][-1], target) / 2).backward()
+    optimizer.step()
+    torch.testing.assert_close(optimizer.blocks[0].A.running, A_ref, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(optimizer.blocks[0].G.running, G_ref, rtol=1e-9, atol=1e-12)
+    assert optimizer.blocks[0]._input_sums is None  # nothing held past the fold
+
+
+def test_reduce_across_calls_drops_the_held_sums_of_a_discarded_backward() -> None:
+    """zero_grad() discards a backward no step consumed: its held per-sample sums go with it."""
+    layer = nn.Linear(3, 3)
+    inputs, target = [torch.randn(4, 3) for _ in range(2)], torch.randn(4, 3)
+    A_ref, G_ref = rnn_reference(layer, inputs, target, "reduce")
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, weight_sharing="reduce", **DTYPES)
+    rnn_loss(rnn_forward(layer, [torch.randn(4, 3) for _ in range(2)])[1][-1], torch.randn(4, 3)).backward()
+    optimizer.zero_grad()
+    rnn_loss(rnn_forward(layer, inputs)[1][-1], target).backward()
+    optimizer.step()
+    torch.testing.assert_close(optimizer.blocks[0].A.running, A_ref, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(optimizer.blocks[0].G.running, G_ref, rtol=1e-9, atol=1e-12)

@@ -200,8 +200,9 @@ class KFAC(Optimizer, Joinable):
         weight_sharing: how a weight applied at several positions of a sample (a Linear's leading
             dims, a conv's output positions, attention's sequence) enters the factors (Eschenhagen
             et al. 2023): "expand" (every position is a row) or "reduce" (one row per sample: the
-            mean of the inputs and the sum of the output-gradients over its positions).
-            Embeddings and normalization blocks always expand.
+            mean of the inputs and the sum of the output-gradients over its positions; for
+            Linear blocks over every call of the module in one backward, e.g. an RNN cell).
+            Embeddings and normalization blocks always expand (docs/design.md §3).
         skip_layers: module-name regexes (full match against the name or the class name) or
             module types whose layers take the SGD path.
         factor_dtype, inv_dtype: float32 or float64 for factors and decompositions.

@@ -526,4 +526,4 @@ class KroneckerBlock(ABC):
         for name, factor in self.factors.items():
             factor.load_state_dict(state["factors"][name])
         self.failures = int(state["failures"])
-        self.pending_samples = 0
+        self.clear_pending()
