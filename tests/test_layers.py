@@ -372,6 +372,16 @@ def test_describe_names_a_tied_weight_and_the_block_that_owns_it() -> None:
     assert [b.name for b in optimizer.blocks] == ["0"]
     assert reports["1"].block == "0" and "preconditioned in block '0'" in reports["1"].detail
     assert "bias take the SGD path" in reports["1"].detail
+    assert "weight tied with Linear '1'" in reports["0"].detail and "weight tied with Linear '1'" in reports["1"].detail
+    assert "weight tied with Linear '1'" in optimizer.describe()
+
+
+def test_a_tied_weight_the_block_cannot_take_warns_that_its_second_use_is_left_out() -> None:
+    first, second = nn.Linear(3, 3), nn.Linear(3, 3)
+    second.weight = first.weight
+    with pytest.warns(UserWarning, match="tied weights: '1' \\(Linear\\) shares the weight of block '0'"):
+        optimizer = KFAC(nn.Sequential(first, second), lr=0.1)
+    assert [b.name for b in optimizer.blocks] == ["0"]
 
 
 def test_a_block_whose_hooks_never_fire_is_reported_at_the_first_factor_step() -> None:
@@ -838,3 +848,76 @@ def test_reduce_across_calls_drops_the_held_sums_of_a_discarded_backward() -> No
     optimizer.step()
     torch.testing.assert_close(optimizer.blocks[0].A.running, A_ref, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(optimizer.blocks[0].G.running, G_ref, rtol=1e-9, atol=1e-12)
+
+
+# -- tied weights: an embedding and a Linear head sharing one Parameter ----------------------------
+
+
+class TiedModel(nn.Module):
+    """``head(tanh(embedding(tokens)))`` with ``head.weight = embedding.weight`` ``(V, D)``."""
+
+    def __init__(self, vocabulary: int, dim: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocabulary, dim)
+        self.head = nn.Linear(dim, vocabulary)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        embedded = self.embedding(tokens)
+        hidden = torch.tanh(embedded)
+        return embedded, hidden, self.head(hidden)
+
+
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+def test_tied_embedding_and_head_use_the_nearest_kronecker_product_of_both_uses(sharing: str) -> None:
+    """Per use, from per-sample gradients: embedding diag(counts/(N·R)) ⊗ (1/N) Σ ĝ ĝᵀ; head
+    diag((1/N) Σ ĝ²) ⊗ (1/(N·R)) Σ a aᵀ (reduce: per sample, mean a and summed ĝ). A ⊗ G must be
+    the best rank-1 approximation (SVD) of the rearranged sum; the step (G ⊗ diag(A) + λI)⁻¹ ∇Wᵀ."""
+    V, D, N, R = 7, 3, 4, 5
+    model = TiedModel(V, D)
+    tokens, target = torch.randint(0, V, (N, R)), torch.randn(N, R, V)
+    embedded, hidden, logits = model(tokens)
+    g_emb, g_head = torch.zeros(N, R, D), torch.zeros(N, R, V)
+    for n in range(N):
+        grads = torch.autograd.grad(0.5 * ((logits[n] - target[n]) ** 2).sum(), [embedded, logits], retain_graph=True)
+        g_emb[n], g_head[n] = grads[0][n], grads[1][n]
+    x1 = torch.bincount(tokens.reshape(-1), minlength=V).double() / (N * R)
+    y1 = g_emb.reshape(-1, D).T @ g_emb.reshape(-1, D) / N
+    a = hidden.detach()
+    if sharing == "reduce":
+        a_rows, g_rows = a.mean(1), g_head.sum(1)
+    else:
+        a_rows, g_rows = a.reshape(-1, D), g_head.reshape(-1, V)
+    x2, y2 = g_rows.square().sum(0) / N, a_rows.T @ a_rows / len(a_rows)
+    rearranged = torch.outer(x1, y1.reshape(-1)) + torch.outer(x2, y2.reshape(-1))
+    U, S, Vh = torch.linalg.svd(rearranged, full_matrices=False)
+    nearest = S[0] * torch.outer(U[:, 0], Vh[0])
+
+    model.zero_grad()
+    optimizer = KFAC(model, lr=1.0, kl_clip=None, damping=0.1, weight_sharing=sharing, **DTYPES)
+    before = model.embedding.weight.detach().clone()
+    (0.5 * ((model(tokens)[2] - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
+    grad = model.embedding.weight.grad.clone()
+    optimizer.step()
+    (block,) = optimizer.blocks
+    A, G = block.A.running, block.G.running
+    torch.testing.assert_close(torch.outer(A, G.reshape(-1)), nearest, rtol=1e-9, atol=1e-12)
+    assert (A >= 0).all() and torch.linalg.eigvalsh(G).min() > -1e-12
+    moved = (before - model.embedding.weight.detach()).T
+    torch.testing.assert_close(moved, kron_solve(G, torch.diag(A), grad.T, 0.1), rtol=1e-9, atol=1e-12)
+
+
+def test_tied_block_equals_the_untied_embedding_when_the_head_records_nothing() -> None:
+    V, D = 6, 3
+    tied, plain = TiedModel(V, D), nn.Embedding(V, D)
+    with torch.no_grad():
+        plain.weight.copy_(tied.embedding.weight)
+    tokens, target = torch.randint(0, V, (4, 5)), torch.randn(4, 5, D)
+    factors = []
+    for model, embedding in ((tied, tied.embedding), (plain, plain)):
+        optimizer = KFAC(model, lr=1.0, kl_clip=None, damping=0.1, **DTYPES)
+        (0.5 * ((embedding(tokens) - target) ** 2).reshape(4, -1).sum(1).mean()).backward()
+        optimizer.step()
+        factors.append((optimizer.blocks[0].A.running, optimizer.blocks[0].G.running))
+    torch.testing.assert_close(factors[0][0], factors[1][0], rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(factors[0][1], factors[1][1], rtol=1e-12, atol=1e-15)

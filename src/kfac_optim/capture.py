@@ -70,19 +70,21 @@ class InertHook:
 
 
 class CaptureHook:
-    """The forward hook (``with_kwargs=True``) of one block's module; see the module docstring."""
+    """The forward hook (``with_kwargs=True``) of one of a block's modules (``block.captured_modules()``:
+    its own, and e.g. a module sharing its weight); see the module docstring."""
 
-    def __init__(self, capture: StatisticsCapture, block: KroneckerBlock) -> None:
+    def __init__(self, capture: StatisticsCapture, block: KroneckerBlock, module: nn.Module) -> None:
         self._capture = weakref.ref(capture)
         self.block = block
+        self.module = module
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         capture = self._capture()
-        if capture is None or module is not self.block.module or not capture.should_capture(module):
+        if capture is None or module is not self.module or not capture.should_capture(module):
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
-        layer_input = self.block.layer_input(args, kwargs).detach()
+        layer_input = self.block.layer_input(args, kwargs, module)
         block = self.block
 
         def record(grad_output: Tensor) -> None:
@@ -94,7 +96,7 @@ class CaptureHook:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> InertHook:
         inert = InertHook()
-        capture, copied_module = self._capture(), memo.get(id(self.block.module))
+        capture, copied_module = self._capture(), memo.get(id(self.module))
         if capture is not None and isinstance(copied_module, nn.Module):
             capture.copies.append((weakref.ref(copied_module), inert))
         return inert
@@ -146,12 +148,15 @@ class StatisticsCapture:
         self._accumulate = accumulate
         self._recording = every_backward
         self._every_backward = every_backward
-        self._take_over([block.module for block in blocks])
+        self._take_over([module for block in blocks for module in block.captured_modules()])
         self._handles: list[RemovableHandle] = []
         for block in blocks:  # a block that captures its own way installs its own hooks
             own = block.install_capture(self)
             if own is None:
-                own = [block.module.register_forward_hook(CaptureHook(self, block), with_kwargs=True)]
+                own = [
+                    module.register_forward_hook(CaptureHook(self, block, module), with_kwargs=True)
+                    for module in block.captured_modules()
+                ]
             self._handles.extend(own)
         self._finalizer = weakref.finalize(self, _remove_hooks, self._handles, self.copies)
         self._finalizer.atexit = False  # nothing to clean at interpreter exit, when modules may be half gone

@@ -336,3 +336,31 @@ def _packed_parts(packed: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor | None
     off_diagonal = packed[folded_size : folded_size + k * k].view(k, k)
     last = packed[folded_size + k * k :] if n % 2 else None
     return folded, off_diagonal, last
+
+
+def nearest_kronecker_sum(x1: Tensor, y1: Tensor, x2: Tensor, y2: Tensor) -> tuple[Tensor, Tensor]:
+    """``(x, y)`` with ``diag(x) ⊗ y`` the Kronecker product nearest in Frobenius norm to
+    ``diag(x1) ⊗ y1 + diag(x2) ⊗ y2`` (Van Loan & Pitsianis 1993), without a host sync.
+
+    ``x1, x2: (V,)`` non-negative diagonals, ``y1, y2: (D, D)`` symmetric PSD. The rearranged sum is
+    the rank-2 matrix ``X Yᵀ`` (``X = [x1 x2]``, ``Y = [vec y1, vec y2]``); its top left singular
+    vector is ``X c`` for ``c`` the Perron eigenvector of the 2x2 ``(YᵀY)(XᵀX)`` (non-negative
+    entries), so ``x = c1·x1 + c2·x2`` (``c1 + c2 = 1``) and ``y = ((XᵀX c)_1·y1 + (XᵀX c)_2·y2) / cᵀXᵀXc``:
+    non-negative and PSD. Exact when one term is zero or the terms are proportional. O(V + D²).
+    """
+    p = torch.stack([torch.stack([x1.dot(x1), x1.dot(x2)]), torch.stack([x2.dot(x1), x2.dot(x2)])])
+    q12 = (y1 * y2).sum()
+    q = torch.stack([torch.stack([(y1 * y1).sum(), q12]), torch.stack([q12, (y2 * y2).sum()])])
+    k = q @ p
+    a, b, c, d = k[0, 0], k[0, 1], k[1, 0], k[1, 1]
+    s = torch.sqrt(((a - d) / 2) ** 2 + (b * c).clamp(min=0))
+    # (b, λ − a) and (λ − d, c) are eigenvectors of λ = (a + d)/2 + s; each is computed from sums of
+    # non-negative terms in its own case (no cancellation); a zero one falls back to the other, then to (1, 1).
+    first, second = torch.stack([b, (d - a) / 2 + s]), torch.stack([(a - d) / 2 + s, c])
+    vector = torch.where(a >= d, second, first)
+    vector = torch.where(vector.sum() > 0, vector, torch.where(a >= d, first, second))
+    vector = torch.where(vector.sum() > 0, vector, torch.ones_like(vector))
+    vector = vector / vector.sum()
+    weights = p @ vector
+    norm = vector.dot(weights).clamp(min=torch.finfo(vector.dtype).tiny)
+    return vector[0] * x1 + vector[1] * x2, (weights[0] / norm) * y1 + (weights[1] / norm) * y2

@@ -370,14 +370,27 @@ class KroneckerBlock(ABC):
         Hooks must hold ``capture`` weakly (it dies with its optimizer, and removes them then)."""
         return None
 
-    def layer_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
-        """The tensor the statistics come from: the forward's first argument, positional or keyword."""
+    def captured_modules(self) -> list[nn.Module]:
+        """The modules whose forward calls the default capture hooks (``module`` by default; a block
+        that also owns another module's uses of its weight adds that module)."""
+        return [self.module]
+
+    def layer_input(self, args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Module | None = None) -> Any:
+        """What a forward of ``module`` (default: ``self.module``) hands to :meth:`accumulate` with its
+        output-gradient: its first argument, positional or keyword, detached."""
         if args:
-            return args[0]
-        name = _first_forward_parameter(type(self.module))
+            return args[0].detach()
+        module = self.module if module is None else module
+        name = _first_forward_parameter(type(module))
         if name not in kwargs:
             raise TypeError(f"K-FAC layer '{self.name}' was called without its input argument '{name}'")
-        return kwargs[name]
+        return kwargs[name].detach()
+
+    def tie(self, name: str, module: nn.Module) -> bool:
+        """Take the uses of this block's weight by ``module`` (called ``name``), which shares it (tied
+        weights), into the statistics; False (the default): the block cannot, and ``module``'s uses
+        are left out of the statistics (the caller warns)."""
+        return False
 
     def describe(self) -> str:
         """One line: the block kind and its factors' shapes and kinds."""

@@ -12,15 +12,60 @@ Defined behaviour:
   depend on the weight, and the gradient is preconditioned as it comes.
 - ``sparse=True``: not supported (the gradient is a sparse tensor); the layer takes the SGD path,
   which ``KFAC.describe()`` reports.
+
+Tied weights (``head.weight = embedding.weight`` for an ``nn.Linear(D, V)`` head after the
+embedding; docs/design.md §3): the block also captures the head. Each use of ``W`` gives gradients
+``u vᵀ`` with ``u`` on the V side and ``v`` on the D side: the embedding's ``(one-hot a, ĝ)``, the
+head's ``(ĝ, a)``. So the Fisher of ``W`` is approximated by the sum of two Kronecker products,
+``diag(A_emb) ⊗ G_emb + diag(G_head) ⊗ A_head`` (the head's ``G: (V, V)`` kept to its diagonal,
+``Σ ĝ²/N``, never a ``V x V`` matrix; ``A_head = (1/(N·R)) Σ a aᵀ``, or per sample with
+``reduce``), and each fold replaces that sum by the Kronecker product nearest to it in Frobenius
+norm (``linalg.nearest_kronecker_sum``): ``A (V,)`` diagonal, ``G (D, D)`` dense, as for an
+untied embedding, which it equals exactly when the head records nothing. The two uses cannot be
+summed per sample (their sides are swapped), so ``reduce`` applies within the head's call only.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kfac_optim import linalg
 from kfac_optim.layers.base import DiagonalFactor, Factor, FactorName, KroneckerBlock
+
+
+class TiedHead:
+    """Pending statistics of a Linear head sharing an embedding's weight ``(V, D)``: ``inputs``,
+    ``Σ a aᵀ: (D, D)``; ``grad_squares``, ``Σ ĝ²: (V,)`` (the diagonal of ``Σ ĝ ĝᵀ``); over ``rows`` rows."""
+
+    def __init__(self, name: str, module: nn.Linear, dtype: torch.dtype) -> None:
+        self.name = name
+        self.module = module
+        vocabulary, dim = module.weight.shape
+        self.inputs = torch.zeros(dim, dim, dtype=dtype, device=module.weight.device)
+        self.grad_squares = torch.zeros(vocabulary, dtype=dtype, device=module.weight.device)
+        self.rows = 0
+
+    def add(self, inputs: Tensor, grad_output: Tensor, reduce: bool) -> None:
+        """Add one call's rows: every position (expand), or per sample the mean input and the
+        summed output-gradient over its positions (``reduce``, inputs ``(N, *, D)`` with positions)."""
+        a, g = inputs.to(self.inputs.dtype), grad_output.to(self.inputs.dtype)
+        if reduce and a.dim() > 2:
+            a = a.reshape(a.shape[0], -1, a.shape[-1]).mean(1)
+            g = g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)
+        a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+        linalg.add_gram_(self.inputs, a)
+        self.grad_squares += g.square().sum(0)
+        self.rows += a.shape[0]
+
+    def clear(self) -> None:
+        if self.rows:
+            self.inputs.zero_()
+            self.grad_squares.zero_()
+            self.rows = 0
 
 
 class EmbeddingBlock(KroneckerBlock):
@@ -33,6 +78,32 @@ class EmbeddingBlock(KroneckerBlock):
         if getattr(module, "sparse", False):
             return "sparse gradients (sparse=True) take the SGD path"
         return None
+
+    reduce = False  # for a tied head's leading dims only; the embedding's own uses always expand
+    head: TiedHead | None = None
+
+    def tie(self, name: str, module: nn.Module) -> bool:
+        """Take the uses of a plain ``nn.Linear(D, V)`` head sharing this weight (see the module docstring)."""
+        if self.head is not None or not isinstance(module, nn.Linear) or module.weight is not self.module_weight:
+            return False
+        self.head = TiedHead(name, module, self.A.pending.dtype)
+        return True
+
+    def captured_modules(self) -> list[nn.Module]:
+        return [self.module] if self.head is None else [self.module, self.head.module]
+
+    def layer_input(self, args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Module | None = None) -> Any:
+        """The indices, or ``(head, x)`` for the tied head's input ``x``."""
+        if module is None or module is self.module:
+            return super().layer_input(args, kwargs)
+        return self.head, (args[0] if args else kwargs["input"]).detach()
+
+    def describe(self) -> str:
+        text = super().describe()
+        if self.head is None:
+            return text
+        return (f"{text}; weight tied with Linear '{self.head.name}': A, G the Kronecker product nearest "
+                "to the sum of both uses' (head: diagonal G, dense A)")
 
     def make_factors(self, dtype: torch.dtype, device: torch.device) -> dict[FactorName, Factor]:
         vocabulary, dim = self.weight.shape
@@ -56,7 +127,13 @@ class EmbeddingBlock(KroneckerBlock):
     def output_grad_rows(self, grad_output: Tensor) -> Tensor:
         return grad_output.reshape(-1, grad_output.shape[-1])
 
-    def accumulate(self, inputs: Tensor, grad_output: Tensor) -> None:
+    def accumulate(self, inputs: Tensor | tuple[TiedHead, Tensor], grad_output: Tensor) -> None:
+        if isinstance(inputs, tuple):  # the tied head's call
+            _, x = inputs
+            with torch.autocast(x.device.type, enabled=False):
+                self.head.add(x, grad_output, self.reduce)
+            self.count_samples(x.shape[0] if x.dim() > 1 else 1)
+            return
         padding = self.module.padding_idx
         if padding is not None:  # zero ĝ at padding positions (a multiply, no host sync)
             grad_output = grad_output * (inputs != padding).unsqueeze(-1).to(grad_output.dtype)
@@ -64,6 +141,34 @@ class EmbeddingBlock(KroneckerBlock):
 
     def sample_count(self, inputs: Tensor) -> int:
         return inputs.shape[0] if inputs.dim() >= 1 else 1
+
+    def clear_pending(self) -> None:
+        super().clear_pending()
+        if self.head is not None:
+            self.head.clear()
+
+    def fold(self, decay: float, loss_reduction: str, grad_scale: float | Tensor = 1.0) -> None:
+        """As :meth:`KroneckerBlock.fold`; with a tied head, the batch's factors are the nearest
+        Kronecker product to both uses' (see the module docstring)."""
+        head = self.head
+        if head is None or self.pending_samples == 0:
+            super().fold(decay, loss_reduction, grad_scale)
+            return
+        n = self.pending_samples
+        g_scale = grad_scale * (n if loss_reduction == "mean" else 1.0 / n)
+        a, g = self.A, self.G
+        v, d = linalg.nearest_kronecker_sum(
+            a.pending / max(a.pending_rows, 1), g.pending * g_scale,
+            head.grad_squares * g_scale, head.inputs / max(head.rows, 1),
+        )
+        a.pending.copy_(v)
+        g.pending.copy_(d)
+        a.pending_rows += head.rows  # rows bound the factors' ranks (see Factor.rank_bound)
+        g.pending_rows += head.rows
+        head.clear()
+        a.fold(1.0, decay)
+        g.fold(1.0, decay)
+        self.pending_samples = 0
 
     def grad_matrix(self) -> Tensor | None:
         grad = self.weight.grad

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from kfac_optim.diagnostics import warn_user
 from kfac_optim.layers.base import KroneckerBlock
 
 SkipLayers = Sequence[str | type[nn.Module]]
@@ -113,6 +114,9 @@ def discover(
     A module gets blocks when its type has a registered block class that supports the instance,
     it is not skipped, and its parameters are in ``trainable`` (default: those that require grad)
     and not taken by an earlier block (a parameter shared by several modules belongs to the first).
+    A module whose weight an earlier block took (tied weights) is offered to that block
+    (:meth:`KroneckerBlock.tie`); if it declines, the module's uses of the weight are left out of the
+    statistics, with a warning.
     """
     if trainable is None:
         trainable = {p for p in model.parameters() if p.requires_grad}
@@ -120,6 +124,8 @@ def discover(
     claimed: set[Tensor] = set()
     owner_of: dict[Tensor, KroneckerBlock] = {}
     decisions: dict[str, tuple[str | None, str, str]] = {}
+    untied: list[str] = []
+    created_by: dict[str, list[KroneckerBlock]] = {}
     for name, module in model.named_modules():
         kind = block_kind(module)
         if kind is None:
@@ -132,12 +138,18 @@ def discover(
             decisions[name] = (None, "unsupported", f"{kind.__name__}: {reason}")
             continue
         created = kind.create(user_visible_name(name), module, trainable, claimed, factor_dtype)
+        weight = kind.weight_and_bias(module)[0] if not created else None
+        owner = owner_of.get(weight) if weight is not None else None
+        if owner is not None and owner.module is not module and not owner.tie(user_visible_name(name), module):
+            untied.append(f"'{user_visible_name(name)}' ({type(module).__name__}) shares the weight of block "
+                          f"'{owner.name}' ({type(owner).__name__})")
         for block in created:
             for param in block.parameters():
                 owner_of[param] = block
         blocks.extend(created)
         if created:
-            decisions[name] = (created[0].name, "kfac", "; ".join(block.describe() for block in created))
+            decisions[name] = (created[0].name, "kfac", "")  # described below, once every tie is known
+            created_by[name] = created
     reports = []
     for name, module in model.named_modules():
         own = [(p_name, p) for p_name, p in module.named_parameters(recurse=False) if p in trainable]
@@ -145,6 +157,8 @@ def discover(
             continue
         owners = [owner_of[p] for _, p in own if p in owner_of]
         block, status, detail = decisions.get(name, (None, "", ""))
+        if name in created_by:
+            detail = "; ".join(created.describe() for created in created_by[name])
         if owners and block is None:  # its parameters belong to a block another module created (or tied)
             block = owners[0].name
             status, detail = "kfac", f"preconditioned in block {block!r}: {owners[0].describe()}"
@@ -155,6 +169,12 @@ def discover(
             detail += f"; {', '.join(leftover)} take the SGD path"
         params = tuple((p_name, tuple(p.shape)) for p_name, p in own)
         reports.append(ModuleReport(name, type(module).__name__, params, block, status, detail))
+    if untied:
+        warn_user(
+            "tied weights: " + "; ".join(untied) + ": the block cannot take the second module's uses into its "
+            "statistics, which are its own module's only (an Embedding followed by a Linear head sharing its "
+            "weight is supported; docs/design.md §3)"
+        )
     return blocks, reports
 
 
