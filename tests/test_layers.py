@@ -921,3 +921,23 @@ def test_tied_block_equals_the_untied_embedding_when_the_head_records_nothing() 
         factors.append((optimizer.blocks[0].A.running, optimizer.blocks[0].G.running))
     torch.testing.assert_close(factors[0][0], factors[1][0], rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(factors[0][1], factors[1][1], rtol=1e-12, atol=1e-15)
+
+
+def test_reduce_across_calls_with_the_sampled_fisher_records_only_the_sampled_backward() -> None:
+    """fisher="sampled": the per-sample sums come from sample_fisher's backward (one row per sample),
+    at targets drawn with the same generator; the training backward adds nothing."""
+    from kfac_optim.fisher import sample_targets
+
+    layer = nn.Linear(3, 3)
+    inputs, target = [torch.randn(5, 3) for _ in range(2)], torch.randn(5, 3)
+    sampled = sample_targets(rnn_forward(layer, inputs)[1][-1].detach(), "mse", torch.Generator().manual_seed(3))
+    A_ref, G_ref = rnn_reference(layer, inputs, sampled, "reduce")
+    G_ref = G_ref * (2 / 3) ** 2  # the sampled loss is F.mse_loss per sample: ĝ = (2/D)(out − t)
+    layer.zero_grad()
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, weight_sharing="reduce", fisher="sampled", **DTYPES)
+    out = rnn_forward(layer, inputs)[1][-1]
+    optimizer.sample_fisher(out, "mse", generator=torch.Generator().manual_seed(3))
+    rnn_loss(out, target).backward()
+    optimizer.step()
+    torch.testing.assert_close(optimizer.blocks[0].A.running, A_ref, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(optimizer.blocks[0].G.running, G_ref, rtol=1e-9, atol=1e-12)
