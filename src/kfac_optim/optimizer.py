@@ -36,6 +36,7 @@ from kfac_optim import fisher as fisher_lib
 from kfac_optim import linalg
 from kfac_optim.capture import StatisticsCapture
 from kfac_optim.diagnostics import warn_user
+from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.sharding import Sharding
 from kfac_optim.layers import Conv2dBlock, KroneckerBlock, block_kind
 from kfac_optim.precision import MixedPrecision
@@ -444,33 +445,58 @@ class KFAC(Optimizer):
                 )
 
     def _preconditioned_directions(self, damping: float) -> dict[Tensor, Tensor]:
-        """Per-parameter update directions of the K-FAC layers that have a decomposition."""
+        """Per-parameter update directions of the K-FAC layers that have a decomposition.
+
+        Under FSDP2 a direction is a ``DTensor`` laid out as its parameter (this rank's rows).
+        """
+        method = self.options.method
         joint: dict[str, Tensor] = {}
+        sharded_rows: dict[str, Tensor] = {}
         for block in self.blocks:
             grad = block.grad_matrix()
             if grad is None:
                 continue
-            preconditioned = block.precondition(grad, self.options.method, damping)
+            if self._sharding.is_row_sharded(block.name):
+                sharded_rows[block.name] = grad
+                continue
+            preconditioned = block.precondition(grad, method, damping)
             if preconditioned is not None:
                 joint[block.name] = preconditioned
         joint = self._sharding.share_directions(joint, self.options.inv_dtype)
+        if sharded_rows:
+            by_name = {block.name: block for block in self.blocks}
+
+            def precondition(name: str, whole: Tensor) -> Tensor:
+                direction = by_name[name].precondition(whole, method, damping)
+                assert direction is not None, f"{name}: preconditioned where its decompositions are missing"
+                return direction
+
+            joint.update(self._sharding.precondition_sharded(sharded_rows, precondition, self.options.inv_dtype))
         directions: dict[Tensor, Tensor] = {}
         for block in self.blocks:
             if block.name in joint:
-                directions.update(block.split(joint[block.name]))
+                directions.update((p, fsdp.like_param(p, d)) for p, d in block.split(joint[block.name]))
         return directions
 
     def _clip_to_trust_region(self, directions: dict[Tensor, Tensor]) -> None:
-        """Scale every direction by ``ν = min(1, sqrt(kl_clip / |Σ lr² ⟨d, ∇p⟩|))`` in place."""
+        """Scale every direction by ``ν = min(1, sqrt(kl_clip / |Σ lr² ⟨d, ∇p⟩|))`` in place.
+
+        FSDP2-sharded parameters contribute their rows' terms, summed over the shards.
+        """
         lr_of = {p: group["lr"] for group in self.param_groups for p in group["params"]}
-        terms = [
-            torch.vdot(direction.reshape(-1), param.grad.to(direction.dtype).reshape(-1)) * lr_of[param] ** 2
-            for param, direction in directions.items()
-            if param.grad is not None
-        ]
+        terms: list[Tensor] = []
+        sharded_terms: list[Tensor] = []
+        for param, direction in directions.items():
+            if param.grad is None:
+                continue
+            rows, grad = fsdp.local(direction), fsdp.local(param.grad)
+            term = torch.vdot(rows.reshape(-1), grad.to(rows.dtype).reshape(-1)) * lr_of[param] ** 2
+            (sharded_terms if fsdp.is_sharded(param) else terms).append(term)
+        if sharded_terms:
+            terms.append(self._sharding.sum_over_shards(torch.stack(sharded_terms).sum()))
         kl_estimate = torch.stack(terms).sum().abs()
         nu = (self.options.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
-        torch._foreach_mul_(list(directions.values()), nu)
+        torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
 
     def _sgd_update(self, directions: dict[Tensor, Tensor]) -> None:
         """``torch.optim.SGD``'s update, per group, on the (possibly preconditioned) directions."""

@@ -13,11 +13,13 @@ over the N·R rows of N samples since the last fold.
 from __future__ import annotations
 
 import logging
+import math
 from abc import ABC, abstractmethod
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from kfac_optim import linalg
 
@@ -169,7 +171,7 @@ class KroneckerBlock(ABC):
         self.weight: nn.Parameter = module.weight
         self.bias: nn.Parameter | None = module.bias if include_bias else None
         out_dim = self.weight.shape[0]
-        in_dim = self.weight[0].numel() + (self.bias is not None)
+        in_dim = math.prod(self.weight.shape[1:]) + (self.bias is not None)
         device = self.weight.device
         self.factors: dict[FactorName, Factor] = {
             "A": Factor(in_dim, factor_dtype, device),
@@ -238,14 +240,18 @@ class KroneckerBlock(ABC):
         return {"A": pi * root, "G": root / pi}
 
     def grad_matrix(self) -> Tensor | None:
-        """The joint gradient ``[∇W | ∇b]``: ``(out, in [+1])``, or None if ``W`` has no grad."""
+        """The joint gradient ``[∇W | ∇b]``: ``(out, in [+1])``, or None if ``W`` has no grad.
+
+        For parameters sharded by FSDP2 (``DTensor``s) these are this rank's rows of it.
+        """
         weight_grad = self.weight.grad
         if weight_grad is None:
             return None
-        matrix = weight_grad.reshape(weight_grad.shape[0], -1)
+        weight_grad = _local(weight_grad)
+        matrix = weight_grad.reshape(weight_grad.shape[0], math.prod(weight_grad.shape[1:]))
         if self.bias is None:
             return matrix
-        bias_grad = self.bias.grad if self.bias.grad is not None else torch.zeros_like(self.bias)
+        bias_grad = _local(self.bias.grad) if self.bias.grad is not None else matrix.new_zeros(len(matrix))
         return torch.cat([matrix, bias_grad.unsqueeze(1)], dim=1)
 
     def precondition(self, grad: Tensor, method: Method, damping: float) -> Tensor | None:
@@ -259,9 +265,10 @@ class KroneckerBlock(ABC):
         return linalg.inverse_precondition(work, a, g)
 
     def split(self, direction: Tensor) -> list[tuple[nn.Parameter, Tensor]]:
-        """Cut a joint ``(out, in [+1])`` direction into per-parameter directions."""
-        weight_part = direction[:, : self.weight[0].numel()]
-        pieces = [(self.weight, weight_part.reshape(self.weight.shape).to(self.weight.dtype))]
+        """Cut a joint ``(rows, in [+1])`` direction into per-parameter directions of ``rows`` rows
+        (all of them, or this rank's rows of FSDP2-sharded parameters)."""
+        weight_part = direction[:, : math.prod(self.weight.shape[1:])]
+        pieces = [(self.weight, weight_part.reshape(len(direction), *self.weight.shape[1:]).to(self.weight.dtype))]
         if self.bias is not None:
             pieces.append((self.bias, direction[:, -1].to(self.bias.dtype).contiguous()))
         return pieces
@@ -274,3 +281,8 @@ class KroneckerBlock(ABC):
             factor.load_state_dict(state["factors"][name])
         self.failures = int(state["failures"])
         self.pending_samples = 0
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a ``DTensor`` (an FSDP2 gradient), else ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
