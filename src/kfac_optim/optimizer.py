@@ -35,6 +35,7 @@ from torch.optim.sgd import sgd
 from kfac_optim import fisher as fisher_lib
 from kfac_optim import linalg
 from kfac_optim.capture import StatisticsCapture
+from kfac_optim.checkpoint import KFACState
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.sharding import Sharding
@@ -545,7 +546,7 @@ class KFAC(Optimizer):
     # -- checkpoints -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """``Optimizer.state_dict()`` plus ``"kfac"``: the step and every block's factors by module name.
+        """``Optimizer.state_dict()`` plus ``"kfac"``: :meth:`kfac_state_dict`.
 
         Distributed: the factors saved are the global ones, made so here by
         :meth:`synchronize_factors`, a collective: call ``state_dict()`` on every rank, then save on
@@ -553,20 +554,34 @@ class KFAC(Optimizer):
         ``grad_worker_fraction < 1`` lacks the others, and whoever loads it recomputes them from
         the saved factors at its first step.
         """
-        self.synchronize_factors()
         state = super().state_dict()
-        state["kfac"] = {
+        state["kfac"] = self.kfac_state_dict()
+        return state
+
+    def kfac_state_dict(self) -> dict[str, Any]:
+        """The step and every block's factors (and decompositions held here) by module name; a
+        collective under ``torch.distributed`` (see :meth:`state_dict`)."""
+        self.synchronize_factors()
+        return {
             "steps": self._steps,
             "blocks": {block.name: block.state_dict() for block in self.blocks},
         }
-        return state
+
+    def kfac_state(self) -> KFACState:
+        """K-FAC's state for ``torch.distributed.checkpoint`` (DCP), next to the model's and the
+        optimizer's (``get_state_dict``, which keep only SGD's part): ``dcp.save({..., "kfac":
+        optimizer.kfac_state()})``, and the same dict to ``dcp.load``; see ``kfac_optim.checkpoint``."""
+        return KFACState(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         kfac_state = state_dict.pop("kfac", None)
         super().load_state_dict(state_dict)
-        if kfac_state is None:
-            return
+        if kfac_state is not None:
+            self.load_kfac_state_dict(kfac_state)
+
+    def load_kfac_state_dict(self, kfac_state: dict[str, Any]) -> None:
+        """Restore :meth:`kfac_state_dict` (the same one on every rank); layers match by name."""
         self._steps = int(kfac_state["steps"])
         saved = kfac_state["blocks"]
         missing = [block.name for block in self.blocks if block.name not in saved]
