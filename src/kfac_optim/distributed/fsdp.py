@@ -261,9 +261,12 @@ class RowShardedPreconditioner:
 
         ``grads``: this rank's rows ``(rows, cols)`` of the joint gradient of every block to
         precondition (the same names on every rank); ``dtype``: the dtype the rows travel and
-        come back in. Every rank of the job must call this with the same names. Buckets go one
-        after the other (a preconditioner holds one bucket's whole gradients at a time); every
-        rank posts its sends and receives without waiting, so only preconditioners wait.
+        come back in. Every rank of the job must call this with the same names.
+
+        Buckets go one after the other. A preconditioner holds one bucket's gathered rows
+        ``(shards, entries)`` at a time, plus one block's whole gradient and direction: each
+        direction is written back over the rows it came from, which are then scattered. Every
+        other rank posts its sends and receives without waiting, so only preconditioners wait.
         """
         if not grads:
             return {}
@@ -275,6 +278,7 @@ class RowShardedPreconditioner:
             sizes = self._chunk_sizes(bucket)
             received = torch.empty(sum(sizes), dtype=dtype, device=device)
             received_parts.append((bucket, received))
+            gathered = None
             if self.rank in route.gather_group:
                 mine = torch.zeros(sum(sizes), dtype=dtype, device=device)
                 for name, part in zip(bucket.names, mine.split(sizes), strict=True):
@@ -285,14 +289,20 @@ class RowShardedPreconditioner:
             if route.preconditioner != self.rank:
                 in_flight.append((self._scatter(route, received, None), received))
                 continue
+            assert gathered is not None  # a preconditioner gathers from its own shard group
             if work is not None:
                 work.wait()
-            whole = self._whole_gradients(bucket, gathered, sizes)
-            directions = {name: precondition(name, whole[name]).to(dtype) for name in bucket.names}
-            del gathered, whole
-            work = self._scatter(route, received, self._send_buffers(bucket, directions, sizes))
+            offset = 0
+            for name, size in zip(bucket.names, sizes, strict=True):
+                out, cols = self.shapes[name]
+                rows = gathered[:, offset : offset + size].view(self.layout.shard_size, self._chunk(name), cols)
+                whole = rows.reshape(-1, cols)[:out]  # a copy: the shards' rows are not adjacent
+                direction = precondition(name, whole).to(dtype)
+                _copy_rows(rows, direction)
+                offset += size
+            work = self._scatter(route, received, gathered)
             if work is not None:
-                work.wait()  # then the whole directions of this bucket can go
+                work.wait()  # then the bucket's directions can go
         for work, _ in in_flight:
             if work is not None:
                 work.wait()
@@ -324,47 +334,25 @@ class RowShardedPreconditioner:
         members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         return group, members
 
-    def _gather(self, route: Route, mine: Tensor) -> tuple[dist.Work | None, list[Tensor]]:
+    def _gather(self, route: Route, mine: Tensor) -> tuple[dist.Work | None, Tensor | None]:
         """Send this rank's padded rows ``mine`` to the route's preconditioner, asynchronously.
 
-        On the preconditioner, the second item holds every shard's buffer in shard-index order
-        (filled once the work completes); elsewhere it is empty.
+        On the preconditioner, the second item is a ``(shards, entries)`` tensor with every
+        shard's rows in shard-index order (filled once the work completes); elsewhere None.
         """
-        if len(route.gather_group) == 1:
-            return None, [mine]
-        group, members = self._members(route.gather_group)
         root = route.preconditioner == self.rank
-        gathered = [torch.empty_like(mine) for _ in members] if root else None
-        work = dist.gather(mine, gathered, group=group, group_dst=members.index(route.preconditioner), async_op=True)
-        if not root:
-            return work, []
-        return work, [gathered[members.index(r)] for r in route.gather_group]
+        if len(route.gather_group) == 1:
+            return None, mine.unsqueeze(0)
+        group, members = self._members(route.gather_group)
+        gathered = mine.new_empty(len(members), len(mine)) if root else None
+        gather_list = None if gathered is None else [gathered[self.layout.shard_index(r)] for r in members]
+        work = dist.gather(mine, gather_list, group=group, group_dst=members.index(route.preconditioner), async_op=True)
+        return work, gathered
 
-    def _whole_gradients(self, bucket: _Bucket, gathered: list[Tensor], sizes: list[int]) -> dict[str, Tensor]:
-        """Every block's ``(out, cols)`` gradient from the shards' padded rows."""
-        parts = [shard.split(sizes) for shard in gathered]
-        whole = {}
-        for index, name in enumerate(bucket.names):
-            out, cols = self.shapes[name]
-            whole[name] = torch.cat([p[index].view(self._chunk(name), cols) for p in parts])[:out]
-        return whole
-
-    def _send_buffers(self, bucket: _Bucket, directions: Mapping[str, Tensor], sizes: list[int]) -> dict[int, Tensor]:
-        """One flat buffer per shard index: the padded rows of that index of every block."""
-        buffers = {}
-        for index in range(self.layout.shard_size):
-            first = next(iter(directions.values()))
-            buffer = first.new_zeros(sum(sizes))
-            for name, part in zip(bucket.names, buffer.split(sizes), strict=True):
-                chunk, cols = self._chunk(name), self.shapes[name][1]
-                rows = directions[name][index * chunk : (index + 1) * chunk]
-                part.view(chunk, cols)[: len(rows)].copy_(rows)
-            buffers[index] = buffer
-        return buffers
-
-    def _scatter(self, route: Route, received: Tensor, send: dict[int, Tensor] | None) -> dist.Work | None:
-        """Scatter ``send`` (by shard index, on the preconditioner) over the service group into
-        ``received``, asynchronously (None: nothing to wait for)."""
+    def _scatter(self, route: Route, received: Tensor, send: Tensor | None) -> dist.Work | None:
+        """Scatter the rows of ``send`` ``(shards, entries)`` (on the preconditioner) over the
+        service group, each rank getting its shard index's, into ``received``, asynchronously
+        (None: nothing to wait for)."""
         if len(route.service_group) == 1:
             if send is not None:
                 received.copy_(send[self.layout.shard_index(self.rank)])
@@ -374,3 +362,11 @@ class RowShardedPreconditioner:
         return dist.scatter(
             received, scatter_list, group=group, group_src=members.index(route.preconditioner), async_op=True
         )
+
+
+def _copy_rows(rows: Tensor, direction: Tensor) -> None:
+    """Write ``direction`` ``(out, cols)`` over the first ``out`` rows of ``rows`` ``(shards, chunk, cols)``
+    (a strided view: shard by shard)."""
+    chunk = rows.shape[1]
+    for index, part in enumerate(direction.split(chunk)):
+        rows[index, : len(part)].copy_(part)

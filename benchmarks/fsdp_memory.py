@@ -1,0 +1,190 @@
+"""Per-rank memory of K-FAC under FSDP2 (``fully_shard``) against DDP, measured on real gloo ranks.
+
+Usage: ``python benchmarks/fsdp_memory.py [--model resnet18] [--world 2] [--out fsdp_memory.json]``
+(``--help`` lists every flag). Prints a table, writes JSON and a PNG next to it.
+
+For DDP and for FSDP2 (``fully_shard`` on every Conv2d/Linear and on the root), at each
+grad-worker fraction (1 and 1/world), ``--world`` CPU processes (gloo, one thread each) build the
+model, take one K-FAC step with a factor and a decomposition update on their shard of a small
+batch, and report, per rank:
+
+  kfac          ``KFAC.memory_usage()["total"]``: running factors, pending statistics and the
+                decompositions this rank holds (the factors and pending statistics are the same
+                on every rank and under both wrappers: every rank keeps the global factors)
+  factors       ``memory_usage()["factors"] + ["pending"]``
+  params        bytes of the parameters this rank holds (whole under DDP, its shards under FSDP)
+  transient     FSDP only: the most K-FAC allocates at once to precondition (a bucket's gathered
+                gradient rows on its preconditioner, plus one block's whole gradient and direction)
+
+The headline check: FSDP's ``kfac + params`` per rank <= ``(DDP's kfac + params) / world +
+factors`` (the replicated factor state), with DDP at f = 1, KAISA's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+import torchvision
+from matplotlib.figure import Figure
+from torch import nn
+from tqdm import tqdm
+
+from benchmarks.plan_report import MIB
+from kfac_optim import KFAC
+
+FRACTIONS = ("1", "1/world")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="resnet18", help="torchvision.models builder name")
+    parser.add_argument("--world", type=int, default=2, help="gloo ranks to run")
+    parser.add_argument("--batch", type=int, default=2, help="samples per rank")
+    parser.add_argument("--image", type=int, default=32, help="input height and width")
+    parser.add_argument("--out", type=Path, default=Path("fsdp_memory.json"), help="JSON path (PNG beside it)")
+    return parser.parse_args(argv)
+
+
+def build(kind: str, model_name: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, model_name)(weights=None, num_classes=10)
+    if kind == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            fully_shard(module)
+    return fully_shard(model)
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).nbytes
+
+
+def transient_bytes(optimizer: KFAC) -> int:
+    """Most bytes K-FAC's FSDP path allocates at once on this rank (0 without sharded layers)."""
+    row_sharded = optimizer._sharding.row_sharded
+    if row_sharded is None:
+        return 0
+    itemsize = torch.empty((), dtype=optimizer.options.inv_dtype).element_size()
+    names = list(row_sharded.shapes)
+    peak = 0
+    for bucket in row_sharded.buckets(names, itemsize):
+        if bucket.route.preconditioner != row_sharded.rank:
+            continue
+        gathered = row_sharded.layout.shard_size * sum(row_sharded._chunk_sizes(bucket)) * itemsize
+        largest = max(row_sharded.shapes[n][0] * row_sharded.shapes[n][1] for n in bucket.names) * itemsize
+        peak = max(peak, gathered + 2 * largest)
+    return peak
+
+
+def measure(kind: str, fraction: str, rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    model = build(kind, args.model)
+    grad_worker_fraction = 1.0 if fraction == "1" else 1 / world
+    optimizer = KFAC(model, lr=0.1, momentum=0.9, inv_update_steps=1, grad_worker_fraction=grad_worker_fraction)
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, 3, args.image, args.image, generator=generator)
+    y = torch.randint(0, 10, (args.batch,), generator=generator)
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    usage = optimizer.memory_usage()
+    result = {
+        "kfac": usage["total"],
+        "factors": usage["factors"] + usage["pending"],
+        "decompositions": usage["decompositions"],
+        "params": sum(local_bytes(p) for p in model.parameters()),
+        "transient": transient_bytes(optimizer),
+    }
+    del model, optimizer
+    gc.collect()
+    return result
+
+
+def rank_main(rank: int, world: int, args: argparse.Namespace, directory: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=world,
+        timeout=timedelta(minutes=30),
+    )
+    try:
+        runs = [(kind, fraction) for kind in ("ddp", "fsdp") for fraction in FRACTIONS]
+        results = {}
+        for kind, fraction in tqdm(runs, desc="runs", disable=rank != 0):
+            results[f"{kind} f={fraction}"] = measure(kind, fraction, rank, world, args)
+        torch.save(results, Path(directory) / f"rank{rank}.pt")
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def summarize(per_rank: list[dict[str, dict[str, int]]], world: int) -> dict[str, Any]:
+    """The largest rank's figures per run, and the FSDP-versus-DDP check per fraction."""
+    runs = {run: {key: max(r[run][key] for r in per_rank) for key in per_rank[0][run]} for run in per_rank[0]}
+    ddp = runs["ddp f=1"]
+    budget = (ddp["kfac"] + ddp["params"]) / world + ddp["factors"]
+    checks = {}
+    for fraction in FRACTIONS:
+        fsdp = runs[f"fsdp f={fraction}"]
+        checks[f"fsdp f={fraction}"] = {
+            "kfac_plus_params": fsdp["kfac"] + fsdp["params"],
+            "with_transient": fsdp["kfac"] + fsdp["params"] + fsdp["transient"],
+            "budget": budget,
+            "within_budget": fsdp["kfac"] + fsdp["params"] <= budget,
+            "within_budget_with_transient": fsdp["kfac"] + fsdp["params"] + fsdp["transient"] <= budget,
+        }
+    return {"world": world, "runs": runs, "checks": checks}
+
+
+def plot(summary: dict[str, Any], title: str, path: Path) -> None:
+    fig = Figure(figsize=(8, 4), layout="constrained")
+    ax = fig.subplots()
+    runs = list(summary["runs"])
+    bottoms = [0.0] * len(runs)
+    for key in ("factors", "decompositions", "params", "transient"):
+        values = [summary["runs"][run][key] / MIB for run in runs]
+        ax.bar(runs, values, bottom=bottoms, label=key)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    ax.axhline(summary["checks"]["fsdp f=1"]["budget"] / MIB, color="black", linestyle="--", label="budget")
+    ax.set_ylabel("MiB per rank (largest rank)")
+    ax.legend()
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as directory:
+        mp.start_processes(rank_main, args=(args.world, args, directory), nprocs=args.world, start_method="spawn")
+        per_rank = [torch.load(Path(directory) / f"rank{r}.pt") for r in range(args.world)]
+    summary = {"model": args.model, "batch_per_rank": args.batch, **summarize(per_rank, args.world)}
+    print(f"{args.model} at {args.world} ranks, MiB per rank (largest rank):")
+    print(f"  {'run':14} {'kfac':>9} {'factors':>9} {'decomp':>9} {'params':>9} {'transient':>9}")
+    for run, row in summary["runs"].items():
+        print(f"  {run:14} " + " ".join(f"{row[k] / MIB:9.1f}" for k in ("kfac", "factors", "decompositions", "params", "transient")))
+    for run, check in summary["checks"].items():
+        print(f"  {run}: kfac + params {check['kfac_plus_params'] / MIB:.1f} MiB "
+              f"(+ transient {check['with_transient'] / MIB:.1f}) vs budget {check['budget'] / MIB:.1f} MiB: "
+              f"{'within' if check['within_budget'] else 'OVER'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2))
+    plot(summary, f"K-FAC memory per rank, {args.model}, {args.world} ranks", args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
