@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC
+from kfac_optim.distributed.fsdp import MeshLayout, assign_routes, service_groups
+from kfac_optim.distributed.plan import make_plan, work_items
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -80,6 +82,65 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
         name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
         for name, p in model.named_parameters()
     }
+
+
+# -- routes: who preconditions which block for whom (pure, no ranks) ---------------------------
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 4])
+def test_mesh_layout_rows_follow_torch_chunk_as_fully_shard_does(shards: int) -> None:
+    layout = MeshLayout((tuple(range(shards)),), 0)
+    for out in range(1, 10):
+        chunks = torch.arange(out).chunk(shards)
+        for rank in range(shards):
+            first, count = layout.rows(out, rank)
+            expected = chunks[rank].tolist() if rank < len(chunks) else []
+            assert list(range(first, first + count)) == expected
+
+
+def routes_for(world: int, fraction: float, shard_groups: tuple[tuple[int, ...], ...]):
+    dims = {f"layer{i}": (10 + i, 12 + i) for i in range(8)}  # (dim_A, dim_G)
+    plan = make_plan(work_items(dims), world, fraction)
+    shapes = {name: (g, a) for name, (a, g) in dims.items()}
+    workers = {name: plan.block(name).grad_workers for name in dims}
+    return plan, workers, assign_routes(shapes, workers, plan.receiver_groups, MeshLayout(shard_groups, 0))
+
+
+def test_fsdp_at_f_1_spreads_preconditioning_over_the_shard_group() -> None:
+    _, _, routes = routes_for(4, 1.0, ((0, 1, 2, 3),))
+    assert all(len(r) == 1 and r[0].service_group == (0, 1, 2, 3) for r in routes.values())
+    per_rank = [sum(r[0].preconditioner == rank for r in routes.values()) for rank in range(4)]
+    assert per_rank == [2, 2, 2, 2]
+
+
+def test_fsdp_at_mem_opt_preconditions_each_block_on_its_owner() -> None:
+    plan, _, routes = routes_for(4, 0.25, ((0, 1, 2, 3),))
+    for name, (route,) in routes.items():
+        assert route.preconditioner == plan.block(name).owner("A") == plan.block(name).owner("G")
+
+
+def test_hsdp_gradient_workers_serve_their_own_shard_group() -> None:
+    """2 x 2 mesh, f = 1/2: one gradient worker per block in each shard group, serving it."""
+    _, workers, routes = routes_for(4, 0.5, ((0, 1), (2, 3)))
+    for name, block_routes in routes.items():
+        assert sorted(r.service_group for r in block_routes) == [(0, 1), (2, 3)]
+        for route in block_routes:
+            assert route.preconditioner in workers[name] and route.preconditioner in route.service_group
+            assert route.gather_group == route.service_group
+
+
+def test_hsdp_at_mem_opt_gathers_from_one_shard_group_and_serves_every_rank() -> None:
+    plan, _, routes = routes_for(4, 0.25, ((0, 1), (2, 3)))
+    for name, (route,) in routes.items():
+        assert route.service_group == (0, 1, 2, 3)
+        assert route.preconditioner == plan.block(name).owner("A") and route.preconditioner in route.gather_group
+        assert len(route.gather_group) == 2
+
+
+def test_plan_rows_that_cut_across_shard_groups_are_rejected() -> None:
+    layout = MeshLayout(((0, 1, 2), (3, 4, 5)), 0)
+    with pytest.raises(ValueError, match="grad_worker_fraction"):
+        service_groups(((0, 1), (2, 3), (4, 5)), layout)
 
 
 # -- what the ranks do --------------------------------------------------------------------------
