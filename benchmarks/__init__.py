@@ -1,4 +1,5 @@
-"""The project's training harness: `benchmarks/train.py` and the small modules it is built from.
+"""Measurement scripts (step time, scaling, communication bytes, work plans, AMP steps) and RESULTS.md.
 
-Nothing in `kfac_optim` imports this package; it imports `kfac_optim` only to build the optimizer.
+Run from the repository root as modules, e.g. ``python -m benchmarks.step_time --help``. They use
+`kfac_optim` and, for data and models, the training application in `examples.training`.
 """

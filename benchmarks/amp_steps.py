@@ -1,6 +1,6 @@
 """K-FAC in fp16 (autocast + ``torch.amp.GradScaler``) against fp32: skipped steps and loss after N steps.
 
-    python benchmarks/amp_steps.py [--steps 200] [--batch 64] [--init-scale 65536] [--device cpu] [--out DIR]
+    python -m benchmarks.amp_steps [--steps 200] [--batch 64] [--init-scale 65536] [--device cpu] [--out DIR]
 
 Trains the digits CNN (``benchmarks.models.DigitsCNN`` on the main job's digits split, pixels in
 [0, 1]) from the same initial weights on the same batches, once in fp32 and once in fp16 with a
@@ -20,17 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from benchmarks.config import DataConfig
-from benchmarks.data import load_datasets
-from benchmarks.models import DigitsCNN
+from examples.training.config import DataConfig
+from examples.training.data import load_datasets
+from examples.training.models import DigitsCNN
 from kfac_optim import KFAC
 
 KFAC_OPTIONS = dict(lr=0.1, momentum=0.9, weight_decay=5e-4, damping=0.03, kl_clip=1e-3,

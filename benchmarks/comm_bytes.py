@@ -1,7 +1,7 @@
 """Bytes distributed K-FAC communicates on a torchvision model's layers (no data, no ranks needed).
 
 At every decomposition step each rank all-reduces every running factor once (lazy reduction,
-DESIGN §5). Factors travel as packed upper triangles, ``n(n+1)/2`` fp32 entries of an ``(n, n)``
+docs/design.md §5). Factors travel as packed upper triangles, ``n(n+1)/2`` fp32 entries of an ``(n, n)``
 factor, in buckets of at most ``comm.DEFAULT_BUCKET_BYTES``, plus one fp32 count per factor. This
 compares that payload with whole ``(n, n)`` factors, and adds what the strategies broadcast:
 decompositions at ``f = 1`` (eigen: ``Q (n, n)`` and ``d (n,)``, not symmetric; inverse: a packed
@@ -17,24 +17,21 @@ routes the optimizer computes, next to FSDP's own traffic per step: the paramete
 (forward, and again in backward with ``reshard_after_forward``) and the gradient reduce-scatter,
 each ``(world − 1)/world`` of the parameters' bytes received per rank.
 
-    python benchmarks/comm_bytes.py [--model resnet50] [--fsdp-world 8] [--out comm_bytes.json]
+    python -m benchmarks.comm_bytes [--model resnet50] [--fsdp-world 8] [--out comm_bytes.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import math
 
+import torch
 import torchvision
 
-from benchmarks.plan_report import MIB, kfac_block_dims
+from benchmarks.plan_report import MIB, torchvision_block_dims
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES
 from kfac_optim.distributed.fsdp import MeshLayout, assign_routes
 from kfac_optim.distributed.plan import make_plan, work_items
@@ -105,8 +102,7 @@ def main() -> None:
     parser.add_argument("--fsdp-world", type=int, default=8, help="ranks of the FSDP2 mesh to count for")
     parser.add_argument("--out", type=Path, help="also write the numbers as JSON here")
     args = parser.parse_args()
-    model = getattr(torchvision.models, args.model)(weights=None)
-    dims = kfac_block_dims(model)
+    dims = torchvision_block_dims(args.model)
     numbers = comm_bytes(dims)
     ratio = numbers["factor_allreduce_packed"] / numbers["factor_allreduce_unpacked"]
     numbers["packed_over_unpacked"] = ratio
@@ -118,7 +114,8 @@ def main() -> None:
           f"{numbers['eigen_broadcast_f1'] / MIB:.1f} MiB, inverse {numbers['inverse_broadcast_f1'] / MIB:.1f} MiB")
     print(f"  preconditioned-gradient broadcasts at f=1/world per step: "
           f"{numbers['gradient_broadcast_per_step_mem_opt'] / MIB:.1f} MiB")
-    param_bytes = FP32 * sum(p.numel() for p in model.parameters())
+    with torch.device("meta"):
+        param_bytes = FP32 * sum(p.numel() for p in getattr(torchvision.models, args.model)(weights=None).parameters())
     fsdp = [fsdp_bytes(dims, param_bytes, args.fsdp_world, f) for f in (1.0, 1 / args.fsdp_world)]
     print(f"  FSDP2 at {args.fsdp_world} ranks, per step and rank (received): FSDP all-gathers "
           f"{fsdp[0]['fsdp_all_gather_per_step'] / MIB:.1f} MiB + reduce-scatter "

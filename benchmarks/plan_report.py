@@ -4,9 +4,10 @@ For each world size and grad-worker fraction, prints one table row and writes al
 max/mean load (decomposition cost ~ dim**3 per factor), the lower bound on any assignment over the
 mean, the plan's max load over that bound (1.0 is optimal), the same for plain LPT without the
 refinement, the number of process groups, and per-rank memory of factors and decompositions.
-No data and no training: the layer shapes come from the model's Conv2d/Linear modules.
+No data and no training: the factor sizes are those of the blocks KFAC builds for the model
+(``kfac_optim.optimizer.block_dims``, on the meta device).
 
-    python benchmarks/plan_report.py --out plan_report.json
+    python -m benchmarks.plan_report --out plan_report.json
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torchvision
-from torch import nn
 
 from kfac_optim.distributed.plan import (
     STRATEGIES,
@@ -29,21 +29,16 @@ from kfac_optim.distributed.plan import (
     memory_per_rank,
     work_items,
 )
+from kfac_optim.optimizer import block_dims
 
 MIB = 2**20
 
 
-def kfac_block_dims(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """``{name: (dim_A, dim_G)}`` of every Conv2d and Linear: A = in*kh*kw (+1 bias), G = out."""
-    dims = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Conv2d):
-            kh, kw = module.kernel_size
-            fan_in = module.in_channels // module.groups * kh * kw
-            dims[name] = (fan_in + (module.bias is not None), module.out_channels)
-        elif isinstance(module, nn.Linear):
-            dims[name] = (module.in_features + (module.bias is not None), module.out_features)
-    return dims
+def torchvision_block_dims(model: str) -> dict[str, tuple[int, int]]:
+    """``{name: (dim_A, dim_G)}`` of the K-FAC blocks of a torchvision model, built on the meta device."""
+    with torch.device("meta"):
+        network = getattr(torchvision.models, model)(weights=None)
+    return block_dims(network)
 
 
 def parse_args() -> argparse.Namespace:
@@ -119,7 +114,7 @@ def plan_rows(
 
 def model_plan_report(model: str, worlds: list[int], fractions: list[str], method: str) -> dict[str, object]:
     """Print the largest factors' cost shares and :func:`plan_rows` for a torchvision model; return both."""
-    dims = kfac_block_dims(getattr(torchvision.models, model)(weights=None))
+    dims = torchvision_block_dims(model)
     items = work_items(dims)
     costs = sorted(((eigh_cost(it.dim), f"{it.block}.{it.factor}") for it in items), reverse=True)
     total = math.fsum(c for c, _ in costs)

@@ -1,6 +1,6 @@
 """How K-FAC's per-rank work shrinks with the number of ranks, measured and planned.
 
-Usage: ``python benchmarks/scaling.py [--model resnet18|resnet50|mlp] [--worlds 1 2] ...``
+Usage: ``python -m benchmarks.scaling [--model resnet18|resnet50|mlp] [--worlds 1 2] ...``
 (``--help`` lists every flag). Prints two tables, writes JSON and a PNG (``--out``).
 
 **Measured** (gloo ranks on this machine, one thread each, file:// rendezvous): for every world
@@ -42,9 +42,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.distributed as dist

@@ -1,6 +1,6 @@
 """Where the milliseconds of a K-FAC step go, each part next to its floor.
 
-Usage: ``python benchmarks/step_time.py [--model resnet18|resnet50|mlp] [--threads 1] ...``
+Usage: ``python -m benchmarks.step_time [--model resnet18|resnet50|mlp] [--threads 1] ...``
 (``--help`` lists every flag). Prints a table and writes JSON (``--json``).
 
 Method: each part of the K-FAC step is timed **in isolation** by calling the optimizer's own
@@ -61,11 +61,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from kfac_optim import KFAC  # noqa: E402
-from kfac_optim.capture import StatisticsCapture  # noqa: E402
-from kfac_optim.layers import LinearBlock  # noqa: E402
+from kfac_optim import KFAC
+from kfac_optim.capture import StatisticsCapture
+from kfac_optim.layers import LinearBlock
 
 MODELS = {
     # name: (image size, batch size)

@@ -1,4 +1,4 @@
-"""Native mixed precision (DESIGN §6): ``torch.amp.GradScaler("cpu")`` with fp16 autocast, bf16.
+"""Native mixed precision (docs/design.md §6): ``torch.amp.GradScaler("cpu")`` with fp16 autocast, bf16.
 
 Every test compares a run with a control run (another loss scale, fp32, plain SGD, or one process
 on the concatenated batch) instead of numbers copied from a previous run.

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from benchmarks import amp_steps, comm_bytes, scaling, step_time
-from benchmarks.plan_report import kfac_block_dims
+from kfac_optim.optimizer import block_dims
 
 
 def test_comm_bytes_counts_packed_triangles_and_whole_factors() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(10, 6, bias=False))
-    dims = kfac_block_dims(model)
+    dims = block_dims(model)
     assert dims == {"0": (28, 4), "2": (10, 6)}
     numbers = comm_bytes.comm_bytes(dims)
     sizes = [28, 4, 10, 6]

@@ -1,4 +1,4 @@
-"""Distributed K-FAC on real gloo ranks against one process on the concatenated batch (DESIGN §5, §8).
+"""Distributed K-FAC on real gloo ranks against one process on the concatenated batch (docs/design.md §5, §8).
 
 Each scenario group is one spawn of 2, 3 or 4 CPU ranks (file:// rendezvous in a tmp dir, one
 thread each, a deadline that fails the test instead of hanging). The ranks run DDP on their shard

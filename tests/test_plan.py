@@ -13,7 +13,6 @@ import random
 import pytest
 import torch
 
-from benchmarks.plan_report import kfac_block_dims
 from kfac_optim.distributed.plan import (
     BlockPlan,
     FACTORS,
@@ -28,6 +27,7 @@ from kfac_optim.distributed.plan import (
     resolve_grad_workers,
     work_items,
 )
+from kfac_optim.optimizer import block_dims
 
 torch.set_num_threads(1)
 
@@ -37,7 +37,9 @@ WORLDS = (2, 3, 4, 8)
 @pytest.fixture(scope="module")
 def resnet50_items() -> tuple[WorkItem, ...]:
     torchvision = pytest.importorskip("torchvision")
-    return work_items(kfac_block_dims(torchvision.models.resnet50()))
+    with torch.device("meta"):  # the factor sizes only: nothing is allocated
+        model = torchvision.models.resnet50()
+    return work_items(block_dims(model))
 
 
 def random_items(rng: random.Random, blocks: int, max_dim: int = 64) -> tuple[WorkItem, ...]:

@@ -1,4 +1,4 @@
-"""With preconditioning off, KFAC is torch.optim.SGD bit for bit (DESIGN §3)."""
+"""With preconditioning off, KFAC is torch.optim.SGD bit for bit (docs/design.md §3)."""
 
 from __future__ import annotations
 

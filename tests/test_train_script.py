@@ -1,7 +1,7 @@
-"""Specification of `benchmarks/train.py`, the main job: CLI, outputs, resume, accumulation, DDP, AMP.
+"""Specification of `python -m examples.train`, the training application: CLI, outputs, resume,
+accumulation, DDP, AMP.
 
 Runs are real but tiny (digits, one or two epochs; ResNet-50 on a few 32x32 synthetic images).
-The K-FAC parts run whenever `kfac_optim.KFAC` is importable and are skipped otherwise.
 """
 
 from __future__ import annotations
@@ -18,26 +18,20 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks import train
-from benchmarks.config import ModelConfig, ScheduleConfig, load_experiment
-from benchmarks.models import build_model
-from benchmarks.optimizers import LRFactor
+from examples import train
+from examples.training.config import ModelConfig, ScheduleConfig, load_experiment
+from examples.training.models import build_network
+from examples.training.optimizers import LRFactor
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "train.py"
 DIGITS = ROOT / "configs" / "digits.yaml"
 TIMINGS = {"time_s", "epoch_s", "step_s", "images_per_s"}
 
 
-def has_kfac() -> bool:
-    try:
-        from kfac_optim import KFAC  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-requires_kfac = pytest.mark.skipif(not has_kfac(), reason="kfac_optim.KFAC is not available yet")
+def module_env() -> dict[str, str]:
+    """The environment for `python -m examples...` in a subprocess: the repository root importable."""
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
 def records(out_dir: Path, run: str) -> list[dict]:
@@ -57,7 +51,8 @@ def run_main(*args: str) -> int:
 
 
 def test_help_lists_the_flags_and_every_config_key() -> None:
-    result = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30)
+    result = subprocess.run([sys.executable, "-m", "examples.train", "--help"], capture_output=True, text=True,
+                            timeout=30, cwd=ROOT, env=module_env())
     assert result.returncode == 0
     for text in ("--config", "--runs", "--resume", "--set", "--amp", "--accum-steps", "optim.lr", "train.target"):
         assert text in result.stdout
@@ -166,14 +161,12 @@ def test_synthetic_imagenet_resnet50_bf16_smoke_run(tmp_path: Path) -> None:
     _resnet50_smoke(tmp_path, "sgd")
 
 
-@requires_kfac
 def test_one_epoch_kfac_run_writes_json_lines(tmp_path: Path) -> None:
     assert run_main("--runs", "kfac", "--epochs", 1, "--out-dir", tmp_path) == 0
     (record,) = records(tmp_path, "kfac")
     assert record["test_acc"] > 0.5
 
 
-@requires_kfac
 @pytest.mark.parametrize("config", ["digits.yaml", "digits_autoencoder.yaml"])
 def test_sampled_fisher_runs_draw_their_own_targets_and_learn(tmp_path: Path, config: str) -> None:
     metric = {"digits.yaml": "test_acc", "digits_autoencoder.yaml": "train_mse"}[config]
@@ -191,20 +184,18 @@ def test_sampled_fisher_runs_draw_their_own_targets_and_learn(tmp_path: Path, co
 
 
 def test_gap_cnn_maps_digits_to_logits_with_conv_and_linear_layers_only() -> None:
-    model = build_model(ModelConfig(name="digits_gapcnn"), (1, 8, 8), 10)
+    model = build_network(ModelConfig(name="digits_gapcnn"), (1, 8, 8), 10)
     assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
     with_params = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
     assert [type(m) for m in with_params] == [nn.Conv2d] * 3 + [nn.Linear]  # every one a K-FAC layer
 
 
-@requires_kfac
 def test_gap_cnn_trains_one_kfac_epoch(tmp_path: Path) -> None:
     assert run_main("--runs", "kfac", "--epochs", 1, "--set", "model.name=digits_gapcnn", "--out-dir", tmp_path) == 0
     (record,) = records(tmp_path, "kfac")
     assert math.isfinite(record["train_loss"]) and record["test_acc"] > 0.2
 
 
-@requires_kfac
 def test_synthetic_imagenet_resnet50_bf16_kfac_smoke_run(tmp_path: Path) -> None:
     # Only the first stage and the stem are preconditioned: the eigendecompositions of the
     # deeper layers (up to 4608x4608) would dominate a smoke test on 2 CPU cores.
@@ -215,11 +206,10 @@ def test_synthetic_imagenet_resnet50_bf16_kfac_smoke_run(tmp_path: Path) -> None
 @pytest.mark.skipif(importlib.util.find_spec("torch.distributed.run") is None, reason="torchrun unavailable")
 def test_two_rank_gloo_run_matches_one_process_on_the_same_global_batches(tmp_path: Path) -> None:
     """torchrun with 2 CPU ranks: DDP over gloo; each rank takes half of every global batch."""
-    runs = ["sgd", "kfac"] if has_kfac() else ["sgd"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
-               "--runs", *runs, "--epochs", "1", "--out-dir", str(tmp_path / "ddp")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    runs = ["sgd", "kfac"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "examples.train", "--runs", *runs, "--epochs", "1", "--out-dir", str(tmp_path / "ddp")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=module_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert run_main("--runs", "sgd", "--epochs", 1, "--out-dir", tmp_path / "single") == 0
     (ddp,), (single,) = records(tmp_path / "ddp", "sgd"), records(tmp_path / "single", "sgd")

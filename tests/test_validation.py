@@ -1,4 +1,4 @@
-"""Bad input gets a clear error naming the argument; faults are survived with a warning (DESIGN §7)."""
+"""Bad input gets a clear error naming the argument; faults are survived with a warning (docs/design.md §7)."""
 
 from __future__ import annotations
 

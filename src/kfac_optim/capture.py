@@ -1,6 +1,7 @@
 """Hooks that capture layer inputs and output-gradients into the blocks' pending statistics.
 
-Owns: the forward hooks on supported modules, their handles, and whether they are armed.
+Owns: the forward hooks on supported modules, their lifetime, which capture owns a module, and
+whether the hooks are armed.
 Must not know: factor math (blocks do it), step counting or schedules (the optimizer arms us).
 
 When armed, a module in training mode called with grad enabled and an output that requires grad
@@ -13,6 +14,20 @@ pair is handed to the block. Nothing is computed in the forward pass, so:
   - an in-place op on the output (``ReLU(inplace=True)``) is safe: a tensor hook registered before
     the in-place op sees the gradient of the layer's own output.
 ``register_full_backward_hook`` is deliberately not used (it breaks on in-place ops after the layer).
+The input is taken however the layer was called (positionally or by keyword).
+
+Double backward (docs/design.md §4, "Capture"): an output-gradient that arrives with grad enabled
+belongs to a backward run with ``create_graph=True``, which builds a graph for a later backward
+(a gradient penalty's ``torch.autograd.grad(loss, x, create_graph=True)``). It is not recorded:
+statistics are plain tensors, and the step records the output-gradients of the backward that
+produces ``.grad`` (which then runs without ``create_graph``), once.
+
+Lifetime (docs/design.md §4): the hooks die with their capture, i.e. with the optimizer that owns
+it (a finalizer removes them), and hold it only weakly. A module has at most one live capture: a
+new one takes the module over and removes the old capture's hooks, with a warning. A hook records
+only for the module object it was registered on: ``copy.deepcopy(model)`` gives the copy inert
+placeholders (removed again by :meth:`StatisticsCapture.remove`), and a shallow copy sharing the
+hook dict is ignored.
 
 With ``every_backward=False`` (the sampled Fisher) output-gradients are recorded only inside
 :meth:`StatisticsCapture.recording`, the optimizer's extra backward pass at sampled targets; the
@@ -23,22 +38,90 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from kfac_optim.diagnostics import warn_user
 from kfac_optim.layers import KroneckerBlock
 
 logger = logging.getLogger(__name__)
 
 Accumulate = Callable[[KroneckerBlock, Tensor, Tensor], None]
 
+# Which live capture owns a module (weakly, both ways: neither keeps the other alive).
+_owners: weakref.WeakKeyDictionary[nn.Module, weakref.ref[StatisticsCapture]] = weakref.WeakKeyDictionary()
+
 
 def accumulate_plainly(block: KroneckerBlock, inputs: Tensor, grad_output: Tensor) -> None:
     """The default hand-off: ``block.accumulate(inputs, grad_output)``."""
     block.accumulate(inputs, grad_output)
+
+
+class InertHook:
+    """What a copied or pickled model gets in place of a capture hook: it does nothing."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+class CaptureHook:
+    """The forward hook (``with_kwargs=True``) of one block's module; see the module docstring."""
+
+    def __init__(self, capture: StatisticsCapture, block: KroneckerBlock) -> None:
+        self._capture = weakref.ref(capture)
+        self.block = block
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        capture = self._capture()
+        if capture is None or not capture.armed or module is not self.block.module:
+            return
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return
+        layer_input = self.block.layer_input(args, kwargs).detach()
+        block = self.block
+
+        def record(grad_output: Tensor) -> None:
+            live = self._capture()
+            if live is not None:
+                live.record(block, layer_input, grad_output)
+
+        output.register_hook(record)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> InertHook:
+        inert = InertHook()
+        capture, copied_module = self._capture(), memo.get(id(self.block.module))
+        if capture is not None and isinstance(copied_module, nn.Module):
+            capture.copies.append((weakref.ref(copied_module), inert))
+        return inert
+
+    def __reduce__(self) -> tuple[type[InertHook], tuple[()]]:
+        return InertHook, ()
+
+
+def _remove_hooks(
+    handles: list[RemovableHandle],
+    copies: list[tuple[weakref.ref[nn.Module], InertHook]],
+) -> None:
+    """Remove the hooks of a capture and the placeholders on deep copies of its modules."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+    for module_ref, inert in copies:
+        module = module_ref()
+        if module is None:
+            continue
+        for hook_id in [key for key, hook in module._forward_hooks.items() if hook is inert]:
+            del module._forward_hooks[hook_id]
+            module._forward_hooks_with_kwargs.pop(hook_id, None)
+            module._forward_hooks_always_called.pop(hook_id, None)
+    copies.clear()
 
 
 class StatisticsCapture:
@@ -47,6 +130,8 @@ class StatisticsCapture:
     ``accumulate(block, input, output_grad)`` receives each captured pair (the optimizer passes
     one that handles loss scaling, see ``precision``). ``every_backward``: record the
     output-gradients of every backward pass (True) or only those inside :meth:`recording`.
+    ``graph_backward_skipped`` is set when an output-gradient of a ``create_graph=True`` backward
+    was passed over (the optimizer reports a step whose every backward was such).
     """
 
     def __init__(
@@ -55,29 +140,50 @@ class StatisticsCapture:
         accumulate: Accumulate = accumulate_plainly,
         every_backward: bool = True,
     ) -> None:
+        blocks = list(blocks)
         self.armed = False
+        self.graph_backward_skipped = False
+        self.copies: list[tuple[weakref.ref[nn.Module], InertHook]] = []
         self._accumulate = accumulate
         self._recording = every_backward
         self._every_backward = every_backward
+        self._take_over([block.module for block in blocks])
         self._handles: list[RemovableHandle] = [
-            block.module.register_forward_hook(self._forward_hook(block)) for block in blocks
+            block.module.register_forward_hook(CaptureHook(self, block), with_kwargs=True) for block in blocks
         ]
+        self._finalizer = weakref.finalize(self, _remove_hooks, self._handles, self.copies)
 
-    def _forward_hook(self, block: KroneckerBlock):
-        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-            if not (self.armed and module.training and torch.is_grad_enabled()):
-                return
-            if not isinstance(output, Tensor) or not output.requires_grad:
-                return
-            layer_input = inputs[0].detach()
+    def _take_over(self, modules: list[nn.Module]) -> None:
+        """Own ``modules``, removing the hooks of any live capture that owned one of them."""
+        previous: dict[int, StatisticsCapture] = {}
+        for module in modules:
+            owner_ref = _owners.get(module)
+            owner = owner_ref() if owner_ref is not None else None
+            if owner is not None and owner.active:
+                previous[id(owner)] = owner
+            _owners[module] = weakref.ref(self)
+        for owner in previous.values():
+            owner.remove()
+        if previous:
+            warn_user(
+                "the model already has a live KFAC optimizer: the new one takes its layers over and the old "
+                "one's hooks are removed (it no longer updates its factors). Call remove_hooks() on the old "
+                "optimizer, or drop it, before creating a new one to silence this warning.",
+            )
 
-            def record(grad_output: Tensor) -> None:
-                if self._recording:
-                    self._accumulate(block, layer_input, grad_output)
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are still on the model."""
+        return self._finalizer.alive
 
-            output.register_hook(record)
-
-        return hook
+    def record(self, block: KroneckerBlock, layer_input: Tensor, grad_output: Tensor) -> None:
+        """Hand one (input, output-gradient) pair to the block, unless it must not be recorded."""
+        if not self._recording:
+            return
+        if torch.is_grad_enabled():  # a create_graph=True backward: see the module docstring
+            self.graph_backward_skipped = True
+            return
+        self._accumulate(block, layer_input, grad_output)
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -89,8 +195,6 @@ class StatisticsCapture:
             self._recording = self._every_backward
 
     def remove(self) -> None:
-        """Remove every hook from the model (idempotent)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        """Remove every hook from the model and from deep copies of it (idempotent)."""
+        self._finalizer()
         self.armed = False

@@ -4,7 +4,7 @@ Owns: the supported likelihoods and the loss whose output-gradients give G's sta
 ``KFAC(fisher="sampled")``.
 Must not know: hooks, blocks, the step.
 
-The empirical Fisher (DESIGN §3) takes G from the gradients of the training loss at the data's
+The empirical Fisher (docs/design.md §3) takes G from the gradients of the training loss at the data's
 targets, so it shrinks with the residuals as training converges. The true Fisher (Martens &
 Grosse 2015, §5) takes the expectation over targets ``y`` drawn from the model's predictive
 distribution instead; one draw per sample gives an unbiased estimate. For outputs ``f`` of N

@@ -1,7 +1,7 @@
 """Damped eigen/inverse math for symmetric positive semi-definite Kronecker factors.
 
 Owns: the eigendecomposition and inverse of one factor (with a float64 retry), the damped
-Kronecker solves of DESIGN §3, and packing a symmetric matrix to its upper triangle.
+Kronecker solves of docs/design.md §3, and packing a symmetric matrix to its upper triangle.
 Must not know: layers, modules, ranks or optimizer state.
 """
 

@@ -5,7 +5,7 @@ Delegates: capture (hooks), layers (factor math), linalg (decompositions), sched
 precision (GradScaler and Apex loss scaling), distributed (sharding).
 
 One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient ``∇W``
-(DESIGN §4; ``k`` is the step counter, ``λ`` the damping at ``k``)::
+(docs/design.md §4; ``k`` is the step counter, ``λ`` the damping at ``k``)::
 
     if GradScaler found inf/nan:         drop this backward's statistics, return   (see precision)
     ∇ ← ∇ / s under GradScaler;          batch G ← batch G / s²                    (loss scale s)
@@ -21,6 +21,8 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,7 +56,7 @@ SkipLayers = Sequence[str | type[nn.Module]]
 class KFACOptions:
     """The K-FAC hyperparameters (the SGD ones live in ``param_groups``), validated on creation.
 
-    ``damping``: λ, in Fisher units of a per-sample loss (DESIGN §3), so it keeps its meaning at
+    ``damping``: λ, in Fisher units of a per-sample loss (docs/design.md §3), so it keeps its meaning at
     any batch size. ``kl_clip``: the trust-region size ν is computed from (None: no clipping).
     ``factor_decay``: weight of the old factor in the running average (0: no averaging).
     ``fisher``: where G's statistics come from: "empirical" (the training loss's backward) or
@@ -75,8 +77,8 @@ class KFACOptions:
     def __post_init__(self) -> None:
         if not callable(self.damping):
             check_damping(self.damping)
-        if self.kl_clip is not None and not self.kl_clip > 0:
-            raise ValueError(f"kl_clip must be > 0 or None, got {self.kl_clip}")
+        if self.kl_clip is not None and not 0 < self.kl_clip < math.inf:
+            raise ValueError(f"kl_clip must be a finite number > 0 or None, got {self.kl_clip}")
         if not 0 <= self.factor_decay < 1:
             raise ValueError(f"factor_decay must be in [0, 1), got {self.factor_decay}")
         for name in ("factor_update_steps", "inv_update_steps"):
@@ -95,9 +97,37 @@ class KFACOptions:
 
 
 def check_damping(value: float) -> float:
-    if not value > 0:
-        raise ValueError(f"damping must be > 0, got {value}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"damping must be a finite number > 0, got {value}")
     return value
+
+
+def check_hyperparameter(name: str, value: float | Tensor, minimum: float = 0.0) -> None:
+    """A finite real number (or a 1-element tensor, for ``lr``) ``>= minimum``, else an error naming it."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a float or a 1-element tensor")
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not minimum <= float(value) < math.inf:
+        raise ValueError(f"{name} must be a finite number >= {minimum}, got {value}")
+
+
+def check_skip_layers(skip_layers: Any) -> tuple[str | type[nn.Module], ...]:
+    """``skip_layers`` as a tuple of valid full-match regexes and module types, else an error naming it."""
+    if isinstance(skip_layers, (str, type)) or not isinstance(skip_layers, Sequence | set | frozenset):
+        raise TypeError(
+            f"skip_layers must be a sequence of name patterns or module types, got {type(skip_layers).__name__}"
+        )
+    for rule in skip_layers:
+        if isinstance(rule, str):
+            try:
+                re.compile(rule)
+            except re.error as error:
+                raise ValueError(f"skip_layers: {rule!r} is not a valid regular expression ({error})") from None
+        elif not (isinstance(rule, type) and issubclass(rule, nn.Module)):
+            raise TypeError(f"skip_layers entries must be str patterns or nn.Module subclasses, got {rule!r}")
+    return tuple(skip_layers)
 
 
 def check_interval(name: str, value: int) -> int:
@@ -107,9 +137,20 @@ def check_interval(name: str, value: int) -> int:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module that owns the layers: ``model.module`` for DDP / DataParallel wrappers."""
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    return model.module if isinstance(model, wrappers) else model
+    """The module that owns the layers: inside DDP / DataParallel wrappers and ``torch.compile``."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
+
+
+def user_visible_name(name: str) -> str:
+    """A module's name as the uncompiled model's ``state_dict()`` spells it (no ``_orig_mod.`` parts
+    left by submodules wrapped with ``torch.compile``)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def _is_skipped(name: str, module: nn.Module, skip_layers: SkipLayers) -> bool:
@@ -146,13 +187,26 @@ def discover_blocks(
         include_bias = bias is not None and bias in trainable and bias not in claimed
         if include_bias:
             claimed.add(bias)
-        blocks.append(kind(name, module, include_bias, factor_dtype))
+        blocks.append(kind(user_visible_name(name), module, include_bias, factor_dtype))
     if grouped_convs:
         warn_user(
             f"K-FAC supports Conv2d with groups=1 only; {len(grouped_convs)} grouped conv layer(s) "
             f"take the SGD path: {', '.join(grouped_convs)}",
         )
     return blocks
+
+
+def block_dims(model: nn.Module, skip_layers: SkipLayers = ()) -> dict[str, tuple[int, int]]:
+    """``{module name: (dim_A, dim_G)}`` of the blocks ``KFAC(model, skip_layers=...)`` builds.
+
+    The same discovery as the optimizer's (trainable parameters, ``skip_layers``, grouped convs
+    left to SGD). It builds the blocks, so their factors are allocated on the model's device:
+    build the model under ``torch.device("meta")`` to get the sizes without allocating anything.
+    """
+    model = unwrap_model(model)
+    trainable = {p for p in model.parameters() if p.requires_grad}
+    blocks = discover_blocks(model, trainable, skip_layers, KFACOptions.factor_dtype)
+    return {block.name: (block.A.dim, block.G.dim) for block in blocks}
 
 
 class KFAC(Optimizer):
@@ -181,7 +235,7 @@ class KFAC(Optimizer):
         skip_layers: module-name regexes (full match against the name or the class name) or
             module types whose layers take the SGD path.
         factor_dtype, inv_dtype: float32 or float64 for factors and decompositions.
-        grad_worker_fraction: distributed strategy (DESIGN §5), KAISA's ``f`` in (0, 1] or
+        grad_worker_fraction: distributed strategy (docs/design.md §5), KAISA's ``f`` in (0, 1] or
             "comm-opt" (f = 1: every rank holds every decomposition), "mem-opt" (f = 1/world:
             one rank per layer holds them and broadcasts its preconditioned gradient) or
             "hybrid-opt"; ``f·world`` must divide the world size. Ignored on one process.
@@ -231,18 +285,11 @@ class KFAC(Optimizer):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("lr must be a float or a 1-element tensor")
-        if lr < 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if momentum < 0:
-            raise ValueError(f"momentum must be >= 0, got {momentum}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        for name, value in (("lr", lr), ("momentum", momentum), ("dampening", dampening), ("weight_decay", weight_decay)):
+            check_hyperparameter(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov requires momentum > 0 and dampening = 0")
-        if isinstance(skip_layers, (str, type)):
-            raise TypeError("skip_layers must be a sequence of name patterns or module types")
+        skip_layers = check_skip_layers(skip_layers)
         self.options = KFACOptions(
             damping=damping,
             kl_clip=kl_clip,
@@ -284,6 +331,13 @@ class KFAC(Optimizer):
         self._sharding = Sharding(self.blocks, grad_worker_fraction, process_group)
         self._steps = 0
         self._warned_nothing_sampled = False
+        self._warned_graph_backward = False
+        # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (left out of
+        # ν), on the device; and per block, how many of those steps were reported.
+        device = self.blocks[0].weight.device if self.blocks else torch.device("cpu")
+        parameter_count = sum(len(block.parameters()) for block in self.blocks)
+        self._nonfinite_directions = torch.zeros(parameter_count, dtype=torch.int64, device=device)
+        self._reported_nonfinite = [0] * len(self.blocks)
         self._arm_for(self._steps)
         logger.info("KFAC preconditions %d layers: %s", len(self.blocks), [b.name for b in self.blocks])
 
@@ -389,6 +443,7 @@ class KFAC(Optimizer):
         if self._sharding.decompositions_missing:  # a loaded checkpoint lacks some: from its factors
             self._decomposition_step(damping, only_missing=True)
         if self.is_factor_step(step):
+            self._check_something_was_recorded()
             # sample_fisher's loss is a sum over samples, whatever the training loss's reduction.
             reduction = "sum" if self.options.fisher == "sampled" else self.options.loss_reduction
             for block in self.blocks:
@@ -408,6 +463,18 @@ class KFAC(Optimizer):
         self._arm_for(self._steps)
         return loss
 
+    def _check_something_was_recorded(self) -> None:
+        """Warn once when every backward of a factor step ran with ``create_graph=True`` (not recorded)."""
+        skipped, self._capture.graph_backward_skipped = self._capture.graph_backward_skipped, False
+        if skipped and not self._warned_graph_backward and not any(b.pending_samples for b in self.blocks):
+            warn_user(
+                "every backward since the last step ran with create_graph=True: K-FAC records the "
+                "output-gradients of the backward that produces .grad without create_graph (e.g. the "
+                "final backward of a gradient penalty), so the factors were not updated on this step",
+                RuntimeWarning,
+            )
+            self._warned_graph_backward = True
+
     def _decomposition_step(self, damping: float, only_missing: bool = False) -> None:
         """Make the factors global (lazy reduction), decompose what this rank owns, share them."""
         self._sharding.synchronize_factors()
@@ -422,7 +489,11 @@ class KFAC(Optimizer):
         if not factors:
             return
         # One host sync per decomposition step for the device-side health flags.
-        health = torch.stack([torch.stack([f.initialized.long(), f.discarded]) for _, _, f in factors]).tolist()
+        flags = torch.cat(
+            [torch.stack([f.initialized.long(), f.discarded]) for _, _, f in factors] + [self._nonfinite_directions]
+        ).tolist()
+        health = [flags[2 * i : 2 * i + 2] for i in range(len(factors))]
+        self._report_nonfinite_directions(flags[2 * len(factors) :])
         for (block, name, factor), (initialized, discarded) in zip(factors, health):
             if discarded > factor.reported_discards:
                 warn_user(
@@ -444,6 +515,20 @@ class KFAC(Optimizer):
                     "float64; the last good decomposition is kept",
                     RuntimeWarning,
                 )
+
+    def _report_nonfinite_directions(self, parameter_counts: list[int]) -> None:
+        """Warn about layers whose direction was non-finite since the last report (see the KL clip)."""
+        counts = iter(parameter_counts)
+        for index, block in enumerate(self.blocks):
+            count = max(next(counts) for _ in block.parameters())  # a layer's parameters fail together
+            if count > self._reported_nonfinite[index]:
+                warn_user(
+                    f"K-FAC layer '{block.name}': {count - self._reported_nonfinite[index]} step(s) with a "
+                    "non-finite gradient; that layer's update was non-finite and it was left out of the KL "
+                    "clip, so the other layers were not affected",
+                    RuntimeWarning,
+                )
+                self._reported_nonfinite[index] = count
 
     def _preconditioned_directions(self, damping: float) -> dict[Tensor, Tensor]:
         """Per-parameter update directions of the K-FAC layers that have a decomposition.
@@ -482,20 +567,31 @@ class KFAC(Optimizer):
     def _clip_to_trust_region(self, directions: dict[Tensor, Tensor]) -> None:
         """Scale every direction by ``ν = min(1, sqrt(kl_clip / |Σ lr² ⟨d, ∇p⟩|))`` in place.
 
-        FSDP2-sharded parameters contribute their rows' terms, summed over the shards.
+        The sum runs over the layers whose term is finite: a layer with a non-finite gradient has a
+        non-finite direction (its preconditioner mixes all its entries) and is left out, so one bad
+        entry cannot make every layer's update non-finite through ν. Such layers are counted on the
+        device and reported at the next decomposition step (no host sync here). FSDP2-sharded
+        parameters contribute their rows' terms, summed over the shards.
         """
         lr_of = {p: group["lr"] for group in self.param_groups for p in group["params"]}
-        terms: list[Tensor] = []
-        sharded_terms: list[Tensor] = []
-        for param, direction in directions.items():
-            if param.grad is None:
-                continue
-            rows, grad = fsdp.local(direction), fsdp.local(param.grad)
-            term = torch.vdot(rows.reshape(-1), grad.to(rows.dtype).reshape(-1)) * lr_of[param] ** 2
-            (sharded_terms if fsdp.is_sharded(param) else terms).append(term)
-        if sharded_terms:
-            terms.append(self._sharding.sum_over_shards(torch.stack(sharded_terms).sum()))
-        kl_estimate = torch.stack(terms).sum().abs()
+        zero = self._nonfinite_directions.new_zeros((), dtype=next(iter(directions.values())).dtype)
+
+        def term(param: Tensor) -> Tensor:
+            if param not in directions or param.grad is None:
+                return zero
+            rows, grad = fsdp.local(directions[param]), fsdp.local(param.grad)
+            return torch.vdot(rows.reshape(-1), grad.to(rows.dtype).reshape(-1)) * lr_of[param] ** 2
+
+        # one per K-FAC parameter, in block order; 0 for those without a direction
+        params = [param for block in self.blocks for param in block.parameters()]
+        per_parameter = torch.stack([term(param) for param in params])
+        if self._sharding.row_sharded is not None:  # one all-reduce of the terms over the shard group
+            sharded = [fsdp.is_sharded(p) for p in params]
+            summed = self._sharding.sum_over_shards(per_parameter.clone())
+            per_parameter = torch.stack([summed[i] if s else per_parameter[i] for i, s in enumerate(sharded)])
+        finite = torch.isfinite(per_parameter)
+        self._nonfinite_directions += ~finite
+        kl_estimate = per_parameter.where(finite, 0.0).sum().abs()
         nu = (self.options.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
         torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
 
@@ -559,7 +655,7 @@ class KFAC(Optimizer):
         return state
 
     def kfac_state_dict(self) -> dict[str, Any]:
-        """The step and every block's factors (and decompositions held here) by module name; a
+        """The step and every block's factors (and the decompositions held here) by module name; a
         collective under ``torch.distributed`` (see :meth:`state_dict`)."""
         self.synchronize_factors()
         return {
@@ -574,16 +670,45 @@ class KFAC(Optimizer):
         return KFACState(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``Optimizer.load_state_dict`` plus the ``"kfac"`` entry of :meth:`state_dict`.
+
+        The whole K-FAC entry is checked first (keys, shapes against this model, finiteness): a
+        checkpoint that does not fit raises ``ValueError`` naming the layer and the field, and the
+        optimizer is left exactly as it was. Layers of the model missing from the checkpoint start
+        fresh and saved layers the model lacks are ignored, both with a warning.
+        """
         state_dict = dict(state_dict)
         kfac_state = state_dict.pop("kfac", None)
+        if kfac_state is not None:
+            saved = self._validate_kfac_state(kfac_state)
         super().load_state_dict(state_dict)
         if kfac_state is not None:
-            self.load_kfac_state_dict(kfac_state)
+            self._restore_kfac_state(kfac_state["steps"], saved)
 
     def load_kfac_state_dict(self, kfac_state: dict[str, Any]) -> None:
-        """Restore :meth:`kfac_state_dict` (the same one on every rank); layers match by name."""
-        self._steps = int(kfac_state["steps"])
+        """Restore :meth:`kfac_state_dict` (the same one on every rank), checked as in
+        :meth:`load_state_dict`; layers match by name."""
+        self._restore_kfac_state(kfac_state["steps"], self._validate_kfac_state(kfac_state))
+
+    def _restore_kfac_state(self, steps: int, saved: dict[str, Any]) -> None:
+        self._steps = int(steps)
+        for block in self.blocks:
+            if block.name in saved:
+                block.load_state_dict(saved[block.name])
+        self._sharding.loaded()
+        self._arm_for(self._steps)
+
+    def _validate_kfac_state(self, kfac_state: Any) -> dict[str, Any]:
+        """Check a checkpoint's ``"kfac"`` entry against this model; return its blocks by name."""
+        if not isinstance(kfac_state, dict) or not isinstance(kfac_state.get("blocks"), dict):
+            raise ValueError("K-FAC checkpoint: the 'kfac' entry must be a dict with 'steps' and 'blocks'")
+        steps = kfac_state.get("steps")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"K-FAC checkpoint: 'steps' must be an int >= 0, got {steps!r}")
         saved = kfac_state["blocks"]
+        for block in self.blocks:
+            if block.name in saved:
+                block.validate_state(saved[block.name])
         missing = [block.name for block in self.blocks if block.name not in saved]
         unknown = sorted(set(saved) - {block.name for block in self.blocks})
         if missing or unknown:
@@ -591,11 +716,14 @@ class KFAC(Optimizer):
                 f"K-FAC checkpoint does not match the model: layers without saved factors {missing} "
                 f"start fresh; saved layers not in the model {unknown} are ignored",
             )
-        for block in self.blocks:
-            if block.name in saved:
-                block.load_state_dict(saved[block.name])
-        self._sharding.loaded()
-        self._arm_for(self._steps)
+        return saved
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a KFAC optimizer cannot be pickled, deep-copied or torch.save()d: it holds hooks on the model "
+            "and (when distributed) process groups. Save optimizer.state_dict() instead and load it with "
+            "load_state_dict() into a KFAC built on the model."
+        )
 
     # -- distributed -------------------------------------------------------------------------
 

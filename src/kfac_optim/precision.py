@@ -5,7 +5,7 @@ gradients, the factor by which G statistics captured under a loss scale are corr
 glue (loss scale, O1 casts around hook math, O2 master parameters), and detecting misuse.
 Must not know: factor math (blocks take plain scales), ranks, schedules.
 
-**Native AMP** (DESIGN §6). ``KFAC._step_supports_amp_scaling`` makes ``scaler.step(optimizer)``
+**Native AMP** (docs/design.md §6). ``KFAC._step_supports_amp_scaling`` makes ``scaler.step(optimizer)``
 call ``step()`` with ``optimizer.found_inf`` and ``optimizer.grad_scale`` set (then delete them):
 
 - ``found_inf`` is read once per step (the only host sync added); on inf the step is skipped;

@@ -1,7 +1,7 @@
 """Runs the distributed work plan for the optimizer's blocks, on one rank.
 
 Owns: when running factors are made global, which decompositions this rank computes and holds,
-and sharing decompositions and preconditioned gradients as the plan's strategy says (DESIGN §5).
+and sharing decompositions and preconditioned gradients as the plan's strategy says (docs/design.md §5).
 Must not know: how factors, decompositions or directions are computed (the blocks and ``linalg``
 do that), schedules, param groups. It moves the blocks' tensors between ranks.
 

@@ -4,7 +4,7 @@ Owns: pending statistics (sums since the last fold, with their counts), running 
 decompositions, and turning a layer's gradient into the preconditioned direction.
 Must not know: hooks, param groups, ranks, loss scaling (callers pass plain scales).
 
-Conventions (DESIGN §3), for a layer with joint weight ``[W | b]`` of shape ``(out, in [+1])``:
+Conventions (docs/design.md §3), for a layer with joint weight ``[W | b]`` of shape ``(out, in [+1])``:
   ``A = (1/(N·R)) Σ a aᵀ``: ``(in [+1], in [+1])``, ``a`` the input rows with a trailing 1 for a bias;
   ``G = (1/N) Σ ĝ ĝᵀ``: ``(out, out)``, ``ĝ = N·g`` for a mean-reduced loss (``ĝ = g`` for "sum"),
 over the N·R rows of N samples since the last fold.
@@ -12,6 +12,8 @@ over the N·R rows of N samples since the last fold.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 from abc import ABC, abstractmethod
@@ -78,15 +80,21 @@ class Factor:
             self.pending_rows = 0
 
     def fold(self, scale: float | Tensor, decay: float) -> None:
-        """``F ← decay·F + (1−decay)·scale·pending`` (``F ← scale·pending`` on the first fold)."""
+        """``F ← decay·F + (1−decay)·scale·pending`` (``F ← scale·pending`` on the first fold).
+
+        A non-finite batch leaves ``F`` as it was (one discard counted); a non-finite ``F``
+        (however it got there) is reset to the batch instead of being averaged into.
+        """
         # In place, no n×n temporaries (fresh CPU pages cost more than the arithmetic; isfinite
         # and where are slow on CPU): F ← F + w·(batch − F) with w = 1 − decay once initialized,
-        # 1 before (exactly batch), 0 for a non-finite batch (zeroed first so 0·nan cannot leak).
-        # A sum of Gram matrices is finite iff its diagonal is (|F_ij| ≤ √(F_ii F_jj)): O(n) check.
+        # 1 before or when F is not finite (exactly batch: non-finite entries of F are zeroed first),
+        # 0 for a non-finite batch (zeroed first so 0·nan cannot leak). F and the batch are sums of
+        # Gram matrices, finite iff their diagonal is (|F_ij| ≤ √(F_ii F_jj)): O(n) checks.
         batch = self.pending.mul_(scale)
         finite = torch.isfinite(batch.diagonal().sum())
-        weight = finite.to(batch.dtype) * (1 - self.initialized.to(batch.dtype) * decay)
-        self.running.lerp_(batch.nan_to_num_(0.0, 0.0, 0.0), weight)
+        keep_running = self.initialized & torch.isfinite(self.running.diagonal().sum())
+        weight = finite.to(batch.dtype) * (1 - keep_running.to(batch.dtype) * decay)
+        self.running.nan_to_num_(0.0, 0.0, 0.0).lerp_(batch.nan_to_num_(0.0, 0.0, 0.0), weight)
         self.initialized |= finite
         self.discarded += ~finite
         self.version += 1
@@ -143,8 +151,40 @@ class Factor:
             "decomposed_key": self.decomposed_key,
         }
 
+    def validate_state(self, state: Any) -> None:
+        """Raise ``ValueError`` naming the field if ``state`` is not a usable :meth:`state_dict` of this
+        factor: every key present, shapes ``(dim, dim)`` (``Q: (dim, r)``, ``d: (r,)``), all finite."""
+        if not isinstance(state, dict):
+            raise ValueError(f"expected a dict, got {type(state).__name__}")
+        for key in ("running", "initialized", "discarded", "version", "decomposition", "decomposed_key"):
+            if key not in state:
+                raise ValueError(f"'{key}' is missing")
+        tensors = {"running": state["running"], "initialized": state["initialized"], "discarded": state["discarded"]}
+        decomposition = state["decomposition"]
+        if isinstance(decomposition, dict):
+            for key in ("Q", "d"):
+                if key not in decomposition:
+                    raise ValueError(f"'decomposition' has no '{key}'")
+            tensors.update({"decomposition Q": decomposition["Q"], "decomposition d": decomposition["d"]})
+        elif decomposition is not None:
+            tensors["decomposition"] = decomposition
+        for field, tensor in tensors.items():
+            if not isinstance(tensor, Tensor):
+                raise ValueError(f"'{field}' must be a tensor, got {type(tensor).__name__}")
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise ValueError(f"'{field}' is non-finite")
+        square = (self.dim, self.dim)
+        expected = {"running": square, "initialized": (), "discarded": (), "decomposition": square}
+        if isinstance(decomposition, dict):
+            rank = decomposition["Q"].shape[-1]
+            expected.update({"decomposition Q": (self.dim, rank), "decomposition d": (rank,)})
+        for field, tensor in tensors.items():
+            if tuple(tensor.shape) != expected[field]:
+                raise ValueError(f"'{field}' has shape {tuple(tensor.shape)}, this model needs {expected[field]}")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (tensors move to this factor's device and dtypes)."""
+        """Restore from :meth:`state_dict` (tensors move to this factor's device and dtypes); the
+        caller validates ``state`` first (:meth:`validate_state`)."""
         device, dtype = self.running.device, self.running.dtype
         self.running = state["running"].to(device, dtype, copy=True)
         self.initialized = state["initialized"].to(device, copy=True)
@@ -160,6 +200,13 @@ class Factor:
         key = state["decomposed_key"]
         self.decomposed_key = None if key is None or decomposition is None else tuple(key)
         self.clear_pending()
+
+
+@functools.cache
+def _first_forward_parameter(module_type: type[nn.Module]) -> str:
+    """The name of ``module_type.forward``'s first parameter after ``self`` (e.g. ``"input"``)."""
+    parameters = list(inspect.signature(module_type.forward).parameters)
+    return parameters[1]
 
 
 class KroneckerBlock(ABC):
@@ -180,6 +227,15 @@ class KroneckerBlock(ABC):
         self.pending_samples = 0
         self.failures = 0
 
+    def layer_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+        """The tensor the statistics come from: the forward's first argument, positional or keyword."""
+        if args:
+            return args[0]
+        name = _first_forward_parameter(type(self.module))
+        if name not in kwargs:
+            raise TypeError(f"K-FAC layer '{self.name}' was called without its input argument '{name}'")
+        return kwargs[name]
+
     @abstractmethod
     def input_rows(self, inputs: Tensor) -> Tensor:
         """The layer input as rows ``(N·R, in)`` without the bias column."""
@@ -195,6 +251,10 @@ class KroneckerBlock(ABC):
     @abstractmethod
     def sample_count(self, inputs: Tensor) -> int:
         """N, the number of samples in a (possibly unbatched) input."""
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters this block preconditions: ``weight`` and, when included, ``bias``."""
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
 
     @property
     def A(self) -> Factor:  # noqa: N802 (the paper's name)
@@ -275,6 +335,20 @@ class KroneckerBlock(ABC):
 
     def state_dict(self) -> dict[str, Any]:
         return {"factors": {name: factor.state_dict() for name, factor in self.factors.items()}, "failures": self.failures}
+
+    def validate_state(self, state: Any) -> None:
+        """Raise ``ValueError`` naming the layer, factor and field if ``state`` (a :meth:`state_dict`)
+        does not fit this block; nothing is modified."""
+        where = f"K-FAC checkpoint, layer '{self.name}'"
+        if not isinstance(state, dict) or not isinstance(state.get("factors"), dict) or "failures" not in state:
+            raise ValueError(f"{where}: expected a dict with 'factors' and 'failures'")
+        for name, factor in self.factors.items():
+            if name not in state["factors"]:
+                raise ValueError(f"{where}, factor {name}: missing")
+            try:
+                factor.validate_state(state["factors"][name])
+            except ValueError as error:
+                raise ValueError(f"{where}, factor {name}: {error}") from None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, factor in self.factors.items():

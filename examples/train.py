@@ -1,9 +1,11 @@
 """Train and compare the runs of a YAML config; the project's main job.
 
-    python benchmarks/train.py                                   # configs/digits.yaml: SGD vs K-FAC
-    python benchmarks/train.py --config configs/digits_autoencoder.yaml
-    python benchmarks/train.py --runs sgd --epochs 5 --set optim.lr=0.05
-    torchrun --standalone --nproc_per_node=2 benchmarks/train.py --config configs/digits.yaml
+    python -m examples.train                                   # configs/digits.yaml: SGD vs K-FAC
+    python -m examples.train --config configs/digits_autoencoder.yaml
+    python -m examples.train --runs sgd --epochs 5 --set optim.lr=0.05
+    torchrun --standalone --nproc_per_node=2 -m examples.train --config configs/digits.yaml
+
+Run from the repository root (``examples`` is a folder beside the library, not an installed package).
 
 Each run trains from the same seed. Outputs go to --out-dir (default runs/<config name>/):
 <run>/metrics.jsonl (one JSON record per epoch), <run>/checkpoint.pt, <run>/config.yaml,
@@ -17,10 +19,7 @@ import shlex
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.config import AMP_MODES, DEVICES, Experiment, SetupError, describe_keys, load_experiment
+from examples.training.config import AMP_MODES, DEVICES, Experiment, SetupError, describe_keys, load_experiment
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "digits.yaml"
 # --flag -> the train.* key it sets in every run
@@ -31,7 +30,7 @@ TRAIN_FLAGS = {"epochs": int, "batch_size": int, "accum_steps": int, "amp": str,
 def build_parser() -> argparse.ArgumentParser:
     """The command line; `--help` also lists every config key with its default."""
     parser = argparse.ArgumentParser(
-        prog="train.py",
+        prog="python -m examples.train",
         description=__doc__.split("\n\n")[0] + " Trains every run of the config (or those of --runs), "
         "prints a comparison table and writes per-epoch JSON lines, a plot and checkpoints.",
         epilog="overrides (--set KEY=VALUE, applied after the flags above; VALUE is YAML):\n"
@@ -83,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
 
-    from benchmarks import distributed, trainer  # torch is imported only once the arguments are good
+    from examples.training import process_group, trainer  # torch is imported only once the arguments are good
 
-    env = distributed.setup(experiment.runs[0].train.device)
+    env = process_group.setup(experiment.runs[0].train.device)
     out_dir = args.out_dir or Path("runs") / experiment.name
     try:
         try:
@@ -99,20 +98,20 @@ def main(argv: list[str] | None = None) -> int:
         if env.is_main:
             _report(experiment, histories, out_dir, argv)
     finally:
-        distributed.teardown()
+        process_group.teardown()
     return 0
 
 
 def _report(experiment: Experiment, histories: dict, out_dir: Path, argv: list[str] | None) -> None:
     """Print the table; write summary.md and plot.png."""
-    from benchmarks.plotting import plot_runs
-    from benchmarks.report import format_table, summarize
+    from examples.training.plotting import plot_runs
+    from examples.training.report import format_table, summarize
 
     train = experiment.runs[0].train
     summaries = [summarize(name, records, train.metric, train.target, train.higher_is_better)
                  for name, records in histories.items()]
     table = format_table(summaries, train.metric, train.target)
-    command = shlex.join(["python", "benchmarks/train.py", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "-m", "examples.train", *(sys.argv[1:] if argv is None else argv)])
     (out_dir / "summary.md").write_text(f"`{command}`\n\n{table}\n", encoding="utf-8")
     plot_runs(histories, train.metric, train.target, train.higher_is_better,
               f"{experiment.name}: {train.metric}", out_dir / "plot.png")

@@ -1,6 +1,6 @@
 """Grid search over a config's runs under one budget, so that the compared runs are each tuned.
 
-    python benchmarks/sweep.py --config configs/digits.yaml \\
+    python -m examples.sweep --config configs/digits.yaml \\
         --grid sgd.optim.lr=0.03,0.1,0.3 --grid kfac.optim.lr=0.03,0.1,0.3 \\
         --grid kfac.optim.kfac.damping=0.01,0.1,1
 
@@ -19,11 +19,8 @@ import shlex
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.config import SECTIONS, SetupError, load_experiment, parse_override
-from benchmarks.train import DEFAULT_CONFIG
+from examples.training.config import SECTIONS, SetupError, load_experiment, parse_override
+from examples.train import DEFAULT_CONFIG
 
 
 def parse_grid(text: str) -> tuple[str, list[str]]:
@@ -49,7 +46,7 @@ def grid_for(run: str, grid: dict[str, list[str]]) -> dict[str, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="sweep.py", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m examples.sweep", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML config (default: configs/digits.yaml)")
@@ -69,14 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
 
-    from benchmarks import distributed
-    from benchmarks.report import format_table, summarize
-    from benchmarks.trainer import Trainer, preflight
+    from examples.training import process_group
+    from examples.training.report import format_table, summarize
+    from examples.training.trainer import Trainer, preflight
 
-    env = distributed.setup(experiment.runs[0].train.device)
+    env = process_group.setup(experiment.runs[0].train.device)
     out_dir = args.out_dir or Path("runs") / f"{experiment.name}-sweep"
     train = experiment.runs[0].train
-    sections = [f"`{shlex.join(['python', 'benchmarks/sweep.py', *(sys.argv[1:] if argv is None else argv)])}`"]
+    sections = [f"`{shlex.join(['python', '-m', 'examples.sweep', *(sys.argv[1:] if argv is None else argv)])}`"]
     for base in experiment.runs:
         axes = grid_for(base.name, grid)
         scored = []
@@ -104,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "sweep.md").write_text("\n\n".join(sections) + "\n", encoding="utf-8")
-    distributed.teardown()
+    process_group.teardown()
     return 0
 
 

@@ -31,13 +31,13 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from tqdm import tqdm
 
-from benchmarks import data as data_lib
-from benchmarks.config import RunConfig, SetupError, TrainConfig
-from benchmarks.distributed import DistEnv, all_reduce_max, all_reduce_sum, barrier
-from benchmarks.models import build_model, is_reconstruction
-from benchmarks.optimizers import build_lr_scheduler, build_optimizer, kfac_class, kfac_kwargs
-from benchmarks.precision import Precision, check_supported
-from benchmarks.report import Record, append_record, write_records
+from examples.training import data as data_lib
+from examples.training.config import RunConfig, SetupError, TrainConfig
+from examples.training.process_group import DistEnv, all_reduce_max, all_reduce_sum, barrier
+from examples.training.models import build_network, is_reconstruction
+from examples.training.optimizers import build_lr_scheduler, build_optimizer, kfac_kwargs
+from examples.training.mixed_precision import Precision, check_supported
+from examples.training.report import Record, append_record, write_records
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -55,11 +55,10 @@ def micro_batch_size(train: TrainConfig, world_size: int) -> int:
 
 
 def preflight(run: RunConfig, env: DistEnv) -> None:
-    """Fail before any training for what would fail later: batch split, AMP mode, missing KFAC."""
+    """Fail before any training for what would fail later: batch split, AMP mode, K-FAC options."""
     micro_batch_size(run.train, env.world_size)
     check_supported(run.train.amp, env.device)
     if run.optim.name == "kfac":
-        kfac_class()
         kfac_kwargs(run.optim.kfac, steps_per_epoch=1)
 
 
@@ -97,7 +96,7 @@ class Trainer:
         if self.steps_per_epoch == 0:
             raise SetupError(f"run {run.name!r}: train.batch_size={tc.batch_size} is larger than the "
                              f"training set ({len(datasets.train)} examples)")
-        self.model: nn.Module = build_model(run.model, datasets.input_shape, datasets.num_classes).to(env.device)
+        self.model: nn.Module = build_network(run.model, datasets.input_shape, datasets.num_classes).to(env.device)
         self.precision = Precision(tc.amp, env.device)
         self._warm_up()
         optimizer = build_optimizer(run.optim, self.model, self.steps_per_epoch)

@@ -1,4 +1,4 @@
-"""The networks the benchmarks train, and the task (loss and metrics) each one is trained for.
+"""The networks the training application trains, and the task (loss and metrics) each one is trained for.
 
 - `digits_cnn`: two 3x3 convs (16 channels, same padding) and a 1024->128->10 MLP, for 8x8 digits.
 - `digits_gapcnn`: three 3x3 convs (32, 32, 64 channels, the last with stride 2), global average
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks.config import ModelConfig, SetupError
+from examples.training.config import ModelConfig, SetupError
 
 RECONSTRUCTION_MODELS = frozenset({"digits_autoencoder"})
 
@@ -27,7 +27,7 @@ def is_reconstruction(model: ModelConfig) -> bool:
     return model.name in RECONSTRUCTION_MODELS
 
 
-def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+def build_network(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """The network `cfg` names, shaped for inputs of `input_shape` (C, H, W) and `num_classes`."""
     if cfg.name in ("digits_cnn", "digits_gapcnn", "digits_autoencoder") and input_shape != (1, 8, 8):
         raise SetupError(f"model.name={cfg.name} needs 1x8x8 inputs (data.name=digits); got {input_shape}")

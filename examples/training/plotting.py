@@ -10,7 +10,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from benchmarks.report import Record
+from examples.training.report import Record
 
 
 def plot_runs(histories: Mapping[str, Sequence[Record]], metric: str, target: float | None,

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from benchmarks.config import SetupError
+from examples.training.config import SetupError
 
 
 def import_apex_amp(mode: str) -> ModuleType:

@@ -1,7 +1,6 @@
 """Optimizers and schedules built from a run's `optim` and `schedule` sections.
 
-`sgd` and `adamw` are torch's; `kfac` is `kfac_optim.KFAC`, imported only when a run asks for it
-(so the SGD and AdamW paths work with any build of the package). Schedules are expressed in
+`sgd` and `adamw` are torch's; `kfac` is `kfac_optim.KFAC`. Schedules are expressed in
 epochs in the config and converted to optimizer steps here, once `steps_per_epoch` is known:
 K-FAC's `{initial, epochs, gamma}` values become `kfac_optim.schedules.MilestoneSchedule`s.
 """
@@ -17,21 +16,11 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from benchmarks.config import OptimConfig, ScheduleConfig, SetupError
+from kfac_optim import KFAC, MilestoneSchedule
+
+from examples.training.config import OptimConfig, ScheduleConfig, SetupError
 
 _SCHEDULE_KEYS = frozenset({"initial", "epochs", "gamma"})
-
-
-def kfac_class() -> type[Optimizer]:
-    """`kfac_optim.KFAC`, or a SetupError that says it is not in this build of the package."""
-    try:
-        from kfac_optim import KFAC
-    except ImportError as err:
-        raise SetupError(
-            f"optim.name=kfac needs kfac_optim.KFAC, which the installed kfac_optim does not provide ({err}); "
-            "choose another run (--runs) or optimizer (--set optim.name=sgd)"
-        ) from err
-    return KFAC
 
 
 def kfac_kwargs(options: dict[str, Any], steps_per_epoch: int) -> dict[str, Any]:
@@ -44,8 +33,6 @@ def kfac_kwargs(options: dict[str, Any], steps_per_epoch: int) -> dict[str, Any]
             if set(value) != _SCHEDULE_KEYS:
                 raise SetupError(f"optim.kfac.{key}: a schedule has exactly the keys {sorted(_SCHEDULE_KEYS)}; "
                                  f"got {sorted(value)}")
-            from kfac_optim.schedules import MilestoneSchedule
-
             value = MilestoneSchedule(value["initial"], tuple(round(e * steps_per_epoch) for e in value["epochs"]),
                                       value["gamma"])
         elif key.endswith("_dtype"):
@@ -66,9 +53,9 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, steps_per_epoch: int) ->
     if cfg.name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                  weight_decay=cfg.weight_decay)
-    return kfac_class()(model, lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,
-                        weight_decay=cfg.weight_decay, nesterov=cfg.nesterov,
-                        **kfac_kwargs(cfg.kfac, steps_per_epoch))
+    return KFAC(model, lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,
+                weight_decay=cfg.weight_decay, nesterov=cfg.nesterov,
+                **kfac_kwargs(cfg.kfac, steps_per_epoch))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from benchmarks.config import SetupError
+from examples.training.config import SetupError
 
 
 @dataclass(frozen=True)
