@@ -1,6 +1,6 @@
 """Per-rank memory of K-FAC under FSDP2 (``fully_shard``) against DDP, measured on real gloo ranks.
 
-Usage: ``python benchmarks/fsdp_memory.py [--model resnet18] [--world 2] [--out fsdp_memory.json]``
+Usage: ``python -m benchmarks.fsdp_memory [--model resnet18] [--world 2] [--out fsdp_memory.json]``
 (``--help`` lists every flag). Prints a table, writes JSON and a PNG next to it.
 
 For DDP and for FSDP2 (``fully_shard`` on every Conv2d/Linear and on the root), at each
@@ -25,14 +25,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.distributed as dist
