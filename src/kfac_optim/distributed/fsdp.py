@@ -254,6 +254,19 @@ class RowShardedPreconditioner:
                 used += size
         return buckets
 
+    def peak_bytes(self, itemsize: int) -> int:
+        """The most bytes :meth:`preconditioned_rows` holds at once on this rank, for every block:
+        the largest bucket it preconditions (gathered rows of every shard) plus one block's whole
+        gradient and direction; 0 on a rank that preconditions nothing. Rows sent and received
+        (about this rank's shard of the gradients) are not counted."""
+        peak = 0
+        for bucket in self.buckets(list(self.shapes), itemsize):
+            if bucket.route.preconditioner == self.rank:
+                gathered = self.layout.shard_size * sum(self._chunk_sizes(bucket))
+                largest = max(math.prod(self.shapes[name]) for name in bucket.names)
+                peak = max(peak, (gathered + 2 * largest) * itemsize)
+        return peak
+
     def preconditioned_rows(
         self, grads: Mapping[str, Tensor], precondition: Precondition, dtype: torch.dtype
     ) -> dict[str, Tensor]:
