@@ -8,13 +8,15 @@ grad-worker fraction (1 and 1/world), ``--world`` CPU processes (gloo, one threa
 model, take one K-FAC step with a factor and a decomposition update on their shard of a small
 batch, and report, per rank:
 
-  kfac          ``KFAC.memory_usage()["total"]``: running factors, pending statistics and the
-                decompositions this rank holds (the factors and pending statistics are the same
-                on every rank and under both wrappers: every rank keeps the global factors)
+  kfac          ``KFAC.memory_usage()["total"]``: running factors, pending statistics, the
+                decompositions this rank holds and, under FSDP, ``sharded_preconditioning`` (the
+                factors and pending statistics are the same on every rank and under both wrappers:
+                every rank keeps the global factors)
   factors       ``memory_usage()["factors"] + ["pending"]``
+  transient     ``memory_usage()["sharded_preconditioning"]``: the most K-FAC's FSDP path holds at
+                once (a bucket's gathered gradient rows on its preconditioner, plus one layer's
+                whole gradient and direction)
   params        bytes of the parameters this rank holds (whole under DDP, its shards under FSDP)
-  transient     FSDP only: the most K-FAC allocates at once to precondition (a bucket's gathered
-                gradient rows on its preconditioner, plus one block's whole gradient and direction)
 
 The headline check: FSDP's ``kfac + params`` per rank <= ``(DDP's kfac + params) / world +
 factors`` (the replicated factor state), with DDP at f = 1, KAISA's default.
@@ -76,14 +78,6 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).nbytes
 
 
-def transient_bytes(optimizer: KFAC) -> int:
-    """Most bytes K-FAC's FSDP path allocates at once on this rank (0 without sharded layers)."""
-    row_sharded = optimizer._sharding.row_sharded
-    if row_sharded is None:
-        return 0
-    return row_sharded.peak_bytes(torch.empty((), dtype=optimizer.options.inv_dtype).element_size())
-
-
 def measure(kind: str, fraction: str, rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     model = build(kind, args.model)
     grad_worker_fraction = 1.0 if fraction == "1" else 1 / world
@@ -101,8 +95,8 @@ def measure(kind: str, fraction: str, rank: int, world: int, args: argparse.Name
         "kfac": usage["total"],
         "factors": usage["factors"] + usage["pending"],
         "decompositions": usage["decompositions"],
+        "transient": usage["sharded_preconditioning"],
         "params": sum(local_bytes(p) for p in model.parameters()),
-        "transient": transient_bytes(optimizer),
     }
     del model, optimizer
     gc.collect()
@@ -136,10 +130,8 @@ def summarize(per_rank: list[dict[str, dict[str, int]]], world: int) -> dict[str
         fsdp = runs[f"fsdp f={fraction}"]
         checks[f"fsdp f={fraction}"] = {
             "kfac_plus_params": fsdp["kfac"] + fsdp["params"],
-            "with_transient": fsdp["kfac"] + fsdp["params"] + fsdp["transient"],
             "budget": budget,
             "within_budget": fsdp["kfac"] + fsdp["params"] <= budget,
-            "within_budget_with_transient": fsdp["kfac"] + fsdp["params"] + fsdp["transient"] <= budget,
         }
     return {"world": world, "runs": runs, "checks": checks}
 
@@ -149,7 +141,7 @@ def plot(summary: dict[str, Any], title: str, path: Path) -> None:
     ax = fig.subplots()
     runs = list(summary["runs"])
     bottoms = [0.0] * len(runs)
-    for key in ("factors", "decompositions", "params", "transient"):
+    for key in ("factors", "decompositions", "transient", "params"):
         values = [summary["runs"][run][key] / MIB for run in runs]
         ax.bar(runs, values, bottom=bottoms, label="factors + pending" if key == "factors" else key)
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
@@ -167,13 +159,12 @@ def main(argv: list[str] | None = None) -> None:
         per_rank = [torch.load(Path(directory) / f"rank{r}.pt") for r in range(args.world)]
     summary = {"model": args.model, "method": args.method, "batch_per_rank": args.batch, **summarize(per_rank, args.world)}
     print(f"{args.model} at {args.world} ranks, method {args.method}, MiB per rank (largest rank):")
-    print(f"  {'run':14} {'kfac':>9} {'factors':>9} {'decomp':>9} {'params':>9} {'transient':>9}")
+    print(f"  {'run':14} {'kfac':>9} {'factors':>9} {'decomp':>9} {'transient':>9} {'params':>9}")
     for run, row in summary["runs"].items():
-        print(f"  {run:14} " + " ".join(f"{row[k] / MIB:9.1f}" for k in ("kfac", "factors", "decompositions", "params", "transient")))
+        print(f"  {run:14} " + " ".join(f"{row[k] / MIB:9.1f}" for k in ("kfac", "factors", "decompositions", "transient", "params")))
     for run, check in summary["checks"].items():
-        print(f"  {run}: kfac + params {check['kfac_plus_params'] / MIB:.1f} MiB "
-              f"(+ transient {check['with_transient'] / MIB:.1f}) vs budget {check['budget'] / MIB:.1f} MiB: "
-              f"{'within' if check['within_budget'] else 'OVER'}")
+        print(f"  {run}: kfac + params {check['kfac_plus_params'] / MIB:.1f} MiB vs budget "
+              f"{check['budget'] / MIB:.1f} MiB: {'within' if check['within_budget'] else 'OVER'}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))
     plot(summary, f"K-FAC memory per rank, {args.model}, {args.world} ranks", args.out.with_suffix(".png"))

@@ -742,13 +742,18 @@ class KFAC(Optimizer):
         ``"factors"``: running A and G of every layer (every rank keeps all of them);
         ``"pending"``: statistics captured since the last fold; ``"decompositions"``: the
         eigendecompositions or inverses this rank holds (all layers with ``f = 1``, about
-        ``f`` of them otherwise). Momentum buffers are SGD's and not counted.
+        ``f`` of them otherwise); ``"sharded_preconditioning"``: under FSDP2, the most this rank
+        holds at once while preconditioning sharded layers (gathered gradient rows and one whole
+        gradient and direction; 0 without sharded layers). Momentum buffers are SGD's and not counted.
         """
         factors = [factor for block in self.blocks for factor in block.factors.values()]
+        row_sharded = self._sharding.row_sharded
+        itemsize = torch.empty((), dtype=self.options.inv_dtype).element_size()
         usage = {
             "factors": sum(f.running.nbytes for f in factors),
             "pending": sum(f.pending.nbytes for f in factors),
             "decompositions": sum(linalg.nbytes(f.decomposition) for f in factors),
+            "sharded_preconditioning": 0 if row_sharded is None else row_sharded.peak_bytes(itemsize),
         }
         usage["total"] = sum(usage.values())
         return usage
