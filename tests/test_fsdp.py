@@ -146,19 +146,21 @@ def test_plan_rows_that_cut_across_shard_groups_are_rejected() -> None:
 # -- what the ranks do --------------------------------------------------------------------------
 
 
-def sharded_model(mesh: Any = None, **fsdp_kwargs: Any) -> Net:
-    """``fully_shard`` on every K-FAC layer and on the root."""
+def sharded_model(mesh: Any = None, root_only: bool = False, **fsdp_kwargs: Any) -> Net:
+    """``fully_shard`` on every K-FAC layer (unless ``root_only``) and on the root."""
     from torch.distributed.fsdp import fully_shard
 
     model = make_model()
-    for layer in (model.conv, model.fc1, model.fc2, model.head):
+    for layer in () if root_only else (model.conv, model.fc1, model.fc2, model.head):
         fully_shard(layer, mesh=mesh, **fsdp_kwargs)
     fully_shard(model, mesh=mesh, **fsdp_kwargs)
     return model
 
 
-def kfac_run(rank: int, world: int, fraction: float, mesh: Any = None, **fsdp_kwargs: Any) -> dict[str, torch.Tensor]:
-    model = sharded_model(mesh, **fsdp_kwargs)
+def kfac_run(
+    rank: int, world: int, fraction: float, mesh: Any = None, root_only: bool = False, **fsdp_kwargs: Any
+) -> dict[str, torch.Tensor]:
+    model = sharded_model(mesh, root_only, **fsdp_kwargs)
     optimizer = KFAC(model, grad_worker_fraction=fraction, **OPTIONS)
     train(model, optimizer, range(STEPS), rank, world)
     return full_parameters(model)
@@ -208,6 +210,7 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     for fraction in (1.0, 0.5):
         results[f"params {fraction}"] = kfac_run(rank, world, fraction)
     results["params keep unsharded"] = kfac_run(rank, world, 1.0, reshard_after_forward=False)
+    results["params root only"] = kfac_run(rank, world, 0.5, root_only=True)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     results["params bf16"] = kfac_run(rank, world, 0.5, mp_policy=policy)
     results.update(sgd_runs(rank, world))
@@ -309,7 +312,7 @@ def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
         torch.testing.assert_close(actual[key], expected[key], **(tolerance or TOLERANCE), msg=key)
 
 
-@pytest.mark.parametrize("key", ["params 1.0", "params 0.5", "params keep unsharded"])
+@pytest.mark.parametrize("key", ["params 1.0", "params 0.5", "params keep unsharded", "params root only"])
 def test_two_fsdp_ranks_equal_one_process_on_the_concatenated_batch(two_ranks, reference, key: str) -> None:
     for results in two_ranks:
         assert_same(results[key], reference)
@@ -352,10 +355,15 @@ def test_dcp_checkpoint_from_two_fsdp_ranks_resumes_on_four(four_ranks, referenc
         assert_same(results["params dcp resumed"], reference)
 
 
+SINGLE_PROCESS_DCP = "ignore:torch.distributed is disabled:UserWarning"  # DCP's note that it loads in one process
+
+
+@pytest.mark.filterwarnings(SINGLE_PROCESS_DCP)
 def test_dcp_checkpoint_from_two_fsdp_ranks_loads_in_one_process(two_ranks, directory, reference) -> None:
     assert_same(resume_from_checkpoint(make_model(), directory / "dcp"), reference)
 
 
+@pytest.mark.filterwarnings(SINGLE_PROCESS_DCP)
 def test_dcp_checkpoint_holds_global_factors_by_module_name(two_ranks, directory) -> None:
     """What DCP wrote: one copy of each layer's global factors, keyed by its name; no decompositions."""
     import torch.distributed.checkpoint as dcp
