@@ -14,7 +14,7 @@ Rank ``k`` of a shard group holds rows ``[k·c, min((k+1)·c, out))`` with ``c =
 backward FSDP has averaged the gradients over every rank (reduce-scatter, and all-reduce over the
 replicas), so the shards hold exactly DDP's averaged gradient, cut into rows.
 
-**Data flow** (DESIGN §10). ``V = G⁻¹ ∇W A⁻¹`` needs whole columns on the G side, so each block
+**Data flow** (docs/design.md §5). ``V = G⁻¹ ∇W A⁻¹`` needs whole columns on the G side, so each block
 is preconditioned whole, once per *service group*, by one rank that holds its decompositions
 (one of its gradient workers in the KAISA plan):
 
@@ -27,10 +27,9 @@ The service groups are the KAISA plan's rows (receiver groups) or the shard grou
 larger (one must contain the other). With ``f = 1/world`` (mem-opt) the one service group is every
 rank and the block's owner preconditions it; with ``f = 1`` every rank is a gradient worker and
 the preconditioning of the blocks is balanced over the shard group; under HSDP with ``f`` equal
-to ``1/s`` each shard group has its own gradient worker per block. A rank holds a full gradient
-only for the blocks it preconditions (about ``1/world`` of them at a time per service group),
-never every layer's. Blocks are moved in buckets, one ``gather`` and one ``scatter`` per
-preconditioning rank and bucket.
+to ``1/s`` each shard group has its own gradient worker per block. A rank holds whole gradients
+only of the blocks it preconditions, one bucket at a time, never every layer's. Blocks move in
+buckets, one ``gather`` and one ``scatter`` per bucket (a bucket: blocks of one preconditioner).
 
 Bytes per step, per block of ``out × cols`` entries: each rank of the preconditioner's shard
 group sends ``c·cols`` entries, and each rank of the service group receives ``c·cols``; FSDP itself
@@ -231,6 +230,8 @@ class RowShardedPreconditioner:
         self._group_for = group_for
         self._bucket_bytes = bucket_bytes
         self.shard_group = group_for(layout.group_of(self.rank))
+        mine = [name for name, routes in self.routes.items() if any(r.preconditioner == self.rank for r in routes)]
+        logger.info("FSDP2: rank %d preconditions %d of %d sharded layers: %s", self.rank, len(mine), len(blocks), mine)
 
     def my_route(self, name: str) -> Route:
         """The route that serves this rank for block ``name``."""
