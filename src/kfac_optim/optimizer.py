@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.optim.optimizer import Optimizer, ParamsT
 from torch.optim.sgd import sgd
 
@@ -40,6 +41,7 @@ from kfac_optim.capture import StatisticsCapture
 from kfac_optim.checkpoint import KFACState
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed import fsdp
+from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.distributed.sharding import Sharding
 from kfac_optim.layers import Conv2dBlock, KroneckerBlock, block_kind
 from kfac_optim.precision import MixedPrecision
@@ -209,7 +211,7 @@ def block_dims(model: nn.Module, skip_layers: SkipLayers = ()) -> dict[str, tupl
     return {block.name: (block.A.dim, block.G.dim) for block in blocks}
 
 
-class KFAC(Optimizer):
+class KFAC(Optimizer, Joinable):
     """K-FAC natural-gradient descent with SGD's update rule, as one optimizer.
 
     Replaces ``torch.optim.SGD(model.parameters(), lr, momentum, dampening, weight_decay,
@@ -316,6 +318,7 @@ class KFAC(Optimizer):
             "foreach": foreach,
         }
         super().__init__(params, defaults)
+        Joinable.__init__(self)
         trainable = {p for group in self.param_groups for p in group["params"]}
         if not trainable <= model_params:
             raise ValueError("params must all be parameters of model")
@@ -326,9 +329,13 @@ class KFAC(Optimizer):
                 "model has no supported layer (nn.Linear, nn.Conv2d) to precondition: KFAC behaves as SGD",
             )
         empirical = self.options.fisher == "empirical"
+        # First (before any hook exists): with several ranks it checks they all built K-FAC alike.
+        self._sharding = Sharding(
+            self.blocks, grad_worker_fraction, process_group, settings=vars(self.options)
+        )
         self._precision = MixedPrecision(self, grad_scaler, statistics_loss_scaled=empirical)
         self._capture = StatisticsCapture(self.blocks, self._precision.accumulate, every_backward=empirical)
-        self._sharding = Sharding(self.blocks, grad_worker_fraction, process_group)
+        self._join = JoinSupport(self, model)
         self._steps = 0
         self._warned_nothing_sampled = False
         self._warned_graph_backward = False
@@ -438,8 +445,26 @@ class KFAC(Optimizer):
             statistics_scale = 1.0
         self._precision.bind_master_params(self.blocks)
 
+        self._join.check_step()
         step = self._steps
         damping = self.damping_at(step)
+        self._update_factors_and_decompositions(step, damping, statistics_scale)
+
+        directions = self._preconditioned_directions(damping)
+        if self.options.kl_clip is not None and directions:
+            self._clip_to_trust_region(directions)
+        self._sgd_update(directions)
+
+        self._steps += 1
+        self._arm_for(self._steps)
+        return loss
+
+    def _update_factors_and_decompositions(self, step: int, damping: float, statistics_scale: float | Tensor) -> None:
+        """Fold the statistics on factor steps, refresh the decompositions on decomposition steps.
+
+        Every K-FAC collective of a step with ``grad_worker_fraction=1`` happens here, so a rank
+        that ran out of inputs under ``Join`` runs it too (:meth:`_shadow_step`).
+        """
         if self._sharding.decompositions_missing:  # a loaded checkpoint lacks some: from its factors
             self._decomposition_step(damping, only_missing=True)
         if self.is_factor_step(step):
@@ -453,15 +478,6 @@ class KFAC(Optimizer):
             self.discard_pending_statistics()
         if self.is_inverse_step(step):
             self._decomposition_step(damping)
-
-        directions = self._preconditioned_directions(damping)
-        if self.options.kl_clip is not None and directions:
-            self._clip_to_trust_region(directions)
-        self._sgd_update(directions)
-
-        self._steps += 1
-        self._arm_for(self._steps)
-        return loss
 
     def _check_something_was_recorded(self) -> None:
         """Warn once when every backward of a factor step ran with ``create_graph=True`` (not recorded)."""
@@ -645,19 +661,27 @@ class KFAC(Optimizer):
         """``Optimizer.state_dict()`` plus ``"kfac"``: :meth:`kfac_state_dict`.
 
         Distributed: the factors saved are the global ones, made so here by
-        :meth:`synchronize_factors`, a collective: call ``state_dict()`` on every rank, then save on
-        one. Decompositions are those this rank holds; a checkpoint saved under
-        ``grad_worker_fraction < 1`` lacks the others, and whoever loads it recomputes them from
-        the saved factors at its first step.
+        :meth:`synchronize_factors`, a collective when a factor step happened since the last
+        decomposition step (or synchronization): call ``state_dict()`` on every rank, then save on
+        one. Right after a decomposition step (``steps % inv_update_steps == 0`` before it) or a
+        ``synchronize_factors()`` the factors are global already and it communicates nothing, so
+        calling it on one rank only is then safe; otherwise that rank fails with an error naming
+        this call once ``init_process_group``'s timeout has passed. Decompositions are those this
+        rank holds; a checkpoint saved under ``grad_worker_fraction < 1`` lacks the others, and
+        whoever loads it recomputes them from the saved factors at its first step.
         """
+        self._sharding.synchronize_factors("KFAC.state_dict()", confirm=True)
         state = super().state_dict()
-        state["kfac"] = self.kfac_state_dict()
+        state["kfac"] = self._kfac_state()
         return state
 
     def kfac_state_dict(self) -> dict[str, Any]:
-        """The step and every block's factors (and the decompositions held here) by module name; a
-        collective under ``torch.distributed`` (see :meth:`state_dict`)."""
-        self.synchronize_factors()
+        """The ``"kfac"`` entry of :meth:`state_dict`: the step and every block's factors (and the
+        decompositions held here) by module name; a collective as :meth:`state_dict` is."""
+        self._sharding.synchronize_factors("KFAC.kfac_state_dict()", confirm=True)
+        return self._kfac_state()
+
+    def _kfac_state(self) -> dict[str, Any]:
         return {
             "steps": self._steps,
             "blocks": {block.name: block.state_dict() for block in self.blocks},
@@ -734,7 +758,34 @@ class KFAC(Optimizer):
         saving; calling it after every step gives eager reduction (the same factors). A no-op on
         one process and when no factor step happened since the last reduction.
         """
-        self._sharding.synchronize_factors()
+        self._sharding.synchronize_factors("KFAC.synchronize_factors()", confirm=True)
+
+    # -- uneven inputs (torch.distributed.algorithms.Join) -----------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """``Joinable``: the hook with which a rank that ran out of inputs takes part in the other
+        ranks' K-FAC collectives; use ``Join([ddp_model, optimizer])`` (``kfac_optim.distributed.join``).
+
+        Raises:
+            ValueError: ``grad_worker_fraction < 1`` (a joined rank cannot precondition).
+        """
+        return self._join.hook()
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._join.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._join.process_group
+
+    def _shadow_step(self) -> None:
+        """A joined rank's part in one ``step()`` of the others: count it, fold nothing, and run
+        the decomposition step's collectives (and decompositions) when it is one."""
+        step = self._steps
+        self._update_factors_and_decompositions(step, self.damping_at(step), 1.0)
+        self._steps += 1
+        self._arm_for(self._steps)
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state on this rank, by category, and their ``"total"``.

@@ -15,13 +15,18 @@ Conventions:
   NCCL, CPU tensors over gloo; nothing here assumes a backend.
 - Every operation is a no-op with one rank (no process group, or a group of one): ``wait()``
   hands back the tensors it was given.
+- Every operation is labelled (``what``: the user's call and the collective's job); a failure at
+  launch or at ``wait()`` is re-raised by :func:`collective` naming K-FAC, the call and the usual
+  causes, instead of the backend's bare "size mismatch" or "connection closed".
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -33,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """Upper bound on one flat buffer (a tensor larger than this travels alone in its own)."""
+
+_communicators_per_group: dict[str, int] = {}
+"""How many active communicators this process made per process group (their store keys' prefix)."""
 
 
 def group_rank_and_size(process_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -54,12 +62,50 @@ def group_rank_and_size(process_group: dist.ProcessGroup | None) -> tuple[int, i
     return rank, dist.get_world_size(process_group)
 
 
-class Pending:
-    """Collectives in flight. :meth:`wait` completes them and returns the results once."""
+CAUSES = (
+    "K-FAC's collectives run inside KFAC(...), step(), state_dict() and synchronize_factors(): call "
+    "them on every rank, in the same order, with KFAC constructed alike on every rank. A rank that "
+    "died or hangs makes the others fail here once the process group's timeout "
+    "(init_process_group(timeout=...)) has passed."
+)
+"""The usual causes of a failed K-FAC collective, appended to its error message."""
 
-    def __init__(self, works: Sequence[dist.Work], finish: Callable[[], list[Tensor]]) -> None:
+
+@contextmanager
+def collective(what: str, process_group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Re-raise a failure of the collectives launched or awaited inside as one naming ``what``.
+
+    ``what``: the user's call and the collective's job, e.g. "KFAC.state_dict(): the all-reduce
+    of the running factors". A ``torch.distributed.DistError`` keeps its type (DistBackendError,
+    DistNetworkError, ...), any other ``RuntimeError`` becomes a ``RuntimeError``; the backend's
+    error is chained as the cause. Wrap only collective calls: any ``RuntimeError`` is taken for
+    one.
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        rank, world = group_rank_and_size(process_group)
+        message = f"{what} failed on rank {rank} of {world}: {error}\n{CAUSES}"
+        raise (type(error)(message) if isinstance(error, dist.DistError) else RuntimeError(message)) from error
+
+
+class Pending:
+    """Collectives in flight. :meth:`wait` completes them and returns the results once.
+
+    ``what`` and ``process_group`` name them in a failure (see :func:`collective`).
+    """
+
+    def __init__(
+        self,
+        works: Sequence[dist.Work],
+        finish: Callable[[], list[Tensor]],
+        what: str = "a K-FAC collective",
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self._works = list(works)
         self._finish = finish
+        self._what = what
+        self._group = process_group
 
     @classmethod
     def done(cls, tensors: Sequence[Tensor]) -> Pending:
@@ -69,8 +115,9 @@ class Pending:
 
     def wait(self) -> list[Tensor]:
         """Block until the collectives finished (CUDA: until queued on the current stream)."""
-        for work in self._works:
-            work.wait()
+        with collective(self._what, self._group):
+            for work in self._works:
+                work.wait()
         self._works = []  # the backend's work objects (and the buffers they hold) need not outlive the wait
         return self._finish()
 
@@ -112,13 +159,50 @@ class Communicator:
         self.group = process_group
         self.bucket_bytes = bucket_bytes
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self._confirmed_calls = 0
         if self.active:
+            name = self._process_group().group_name
+            self._instance = _communicators_per_group.get(name, 0)
+            _communicators_per_group[name] = self._instance + 1
             self._create_groups(group_ranks)
 
     @property
     def active(self) -> bool:
         """Whether there is anyone to talk to (more than one rank)."""
         return self.world_size > 1
+
+    def _process_group(self) -> dist.ProcessGroup:
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def confirm_every_rank_calls(self, call: str, why: str) -> None:
+        """Before collectives that ``call`` runs only sometimes: make sure every rank made it.
+
+        Each rank writes a key for this call to the process group's store and waits for the
+        others' keys, up to the store's timeout (``init_process_group(timeout=...)``). The store
+        is not the backend's transport, so a rank that went on to another collective cannot be
+        matched against this one (gloo aborts the process on a size mismatch). ``why``: why
+        ``call`` communicates now, for the message. Every communicator of a group is created on
+        every rank in the same order and confirms the same calls, so the keys line up.
+
+        Raises:
+            RuntimeError: some rank did not make the call in time; the message names them.
+        """
+        if not self.active:
+            return
+        store = self._process_group().get_group_store()
+        prefix = f"kfac_optim/{self._instance}/{self._confirmed_calls}"
+        self._confirmed_calls += 1
+        keys = [f"{prefix}/{rank}" for rank in range(self.world_size)]
+        store.set(keys[self.rank], call)
+        try:
+            store.wait(keys)
+        except RuntimeError as error:
+            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            raise RuntimeError(
+                f"{call} is a collective now ({why}), but rank(s) {missing} of the K-FAC process group did "
+                f"not call it within the store's timeout of {store.timeout} ({error}). Call it on every "
+                "rank (and save on one)."
+            ) from error
 
     def _create_groups(self, group_ranks: Sequence[tuple[int, ...]]) -> None:
         everyone = tuple(range(self.world_size))
@@ -146,7 +230,12 @@ class Communicator:
     # -- collectives -------------------------------------------------------------------------
 
     def all_reduce_sum(
-        self, tensors: Sequence[Tensor], *, symmetric: bool = False, in_place: bool = False
+        self,
+        tensors: Sequence[Tensor],
+        *,
+        symmetric: bool = False,
+        in_place: bool = False,
+        what: str = "a K-FAC all-reduce",
     ) -> Pending:
         """Sum ``tensors`` over all ranks, asynchronously; every rank must call with like shapes.
 
@@ -154,28 +243,35 @@ class Communicator:
         (they are copied into the buffers at the call, so they may change until ``wait()``,
         and no ``(n, n)`` result is allocated). With ``symmetric`` every tensor is a symmetric
         ``(n, n)`` matrix and only its upper triangle travels. One rank: ``wait()`` returns
-        ``tensors`` themselves.
+        ``tensors`` themselves. ``what`` names the collective in a failure (see :func:`collective`).
         """
         if not self.active or not tensors:
             return Pending.done(tensors)
         buckets = self._pack(tensors, symmetric)
-        works = [
-            dist.all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            for b in buckets
-        ]
+        with collective(what, self.group):
+            works = [
+                dist.all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                for b in buckets
+            ]
         shapes = [t.shape for t in tensors]
         outputs = tensors if in_place else None
-        return Pending(works, lambda: self._unpack(buckets, shapes, symmetric, outputs=outputs))
+        return Pending(works, partial(self._unpack, buckets, shapes, symmetric, outputs), what, self.group)
 
     def broadcast(
-        self, tensors: Sequence[Tensor], src: int, ranks: tuple[int, ...], *, symmetric: bool = False
+        self,
+        tensors: Sequence[Tensor],
+        src: int,
+        ranks: tuple[int, ...],
+        *,
+        symmetric: bool = False,
+        what: str = "a K-FAC broadcast",
     ) -> Pending:
         """Send ``src``'s ``tensors`` to every rank of ``ranks``, asynchronously.
 
         Only the ranks in ``ranks`` (one of the ``group_ranks`` given at construction, or a
         single rank) call this, in the same order. On ``src``, ``tensors`` are the data; on the
         others, buffers of the same shapes and dtypes that ``wait()`` overwrites and returns.
-        ``symmetric``: as in :meth:`all_reduce_sum`.
+        ``symmetric``, ``what``: as in :meth:`all_reduce_sum`.
         """
         if len(ranks) == 1 or not tensors:
             return Pending.done(tensors)
@@ -184,14 +280,15 @@ class Communicator:
         group = self._groups[ranks]
         group_src = ranks.index(src)  # groups list their members ascending
         buckets = self._pack(tensors, symmetric)
-        works = [
-            dist.broadcast(b.buffer, group=group, group_src=group_src, async_op=True)
-            for b in buckets
-        ]
+        with collective(what, self.group):
+            works = [
+                dist.broadcast(b.buffer, group=group, group_src=group_src, async_op=True)
+                for b in buckets
+            ]
         if self.rank == src:
-            return Pending(works, lambda: list(tensors))
+            return Pending(works, lambda: list(tensors), what, self.group)
         shapes = [t.shape for t in tensors]
-        return Pending(works, lambda: self._unpack(buckets, shapes, symmetric, outputs=tensors))
+        return Pending(works, partial(self._unpack, buckets, shapes, symmetric, tensors), what, self.group)
 
     # -- buckets -----------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ from torch import Tensor
 from kfac_optim import linalg
 from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES, Communicator, Pending, group_rank_and_size
+from kfac_optim.distributed.consistency import Description, check_same_on_every_rank, describe
 from kfac_optim.distributed.plan import FACTORS, Plan, make_plan, work_items
 
 if TYPE_CHECKING:
@@ -73,10 +74,15 @@ class Sharding:
         process_group: the group K-FAC runs on (None: the whole job when ``torch.distributed``
             is initialized; a single process otherwise).
         bucket_bytes: upper bound on one flat communication buffer.
+        settings: ``{name: value}`` of the options that every rank must share (the optimizer's
+            K-FAC hyperparameters); with more than one rank they are compared across ranks at
+            construction, with the resolved grad-worker count and the layer list (names, kinds,
+            weight shapes and dtypes, bias), before any other collective (see ``consistency``).
 
     Raises:
         ValueError: a bad ``grad_worker_fraction`` for this world size (the message names it),
-            or a ``process_group`` that cannot be used (see :class:`Communicator`).
+            a ``process_group`` that cannot be used (see :class:`Communicator`), or settings or
+            layers that differ across ranks (on every rank; the message names the first).
     """
 
     def __init__(
@@ -85,11 +91,18 @@ class Sharding:
         grad_worker_fraction: float | str = 1.0,
         process_group: dist.ProcessGroup | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        settings: Mapping[str, object] | None = None,
     ) -> None:
         self.rank, world_size = group_rank_and_size(process_group)
         self.plan: Plan = make_plan(
             work_items({b.name: (b.A.dim, b.G.dim) for b in blocks}), world_size, grad_worker_fraction
         )
+        if world_size > 1:
+            described: dict[str, Description] = {name: describe(v) for name, v in (settings or {}).items()}
+            described["grad_worker_fraction"] = f"{self.plan.grad_workers} gradient worker(s) per layer"
+            described["layers"] = tuple(_describe_block(b) for b in blocks)
+            device = blocks[0].weight.device if blocks else _backend_device(process_group)
+            check_same_on_every_rank(described, process_group, device)
         self.comm = Communicator(process_group, self.plan.groups, bucket_bytes)
         by_name = {b.name: b for b in blocks}
         self.blocks: dict[str, KroneckerBlock] = {bp.block: by_name[bp.block] for bp in self.plan.blocks}
@@ -156,19 +169,34 @@ class Sharding:
         """Record a factor step: the ranks' running factors may now differ."""
         self._folded = True
 
-    def synchronize_factors(self) -> None:
+    @property
+    def factors_global(self) -> bool:
+        """Whether every rank holds the global factors now (no factor step since the last
+        reduction, or one rank): :meth:`synchronize_factors` then communicates nothing."""
+        return not (self.active and self._folded and self.blocks)
+
+    def synchronize_factors(self, caller: str = "KFAC.step()", confirm: bool = False) -> None:
         """Replace every rank's running factors by the global ones (a collective on all ranks).
 
         Runs only if a factor step happened since the last time; every rank takes the same
-        factor steps, so all ranks agree on whether to communicate.
+        factor steps, so all ranks agree on whether to communicate. ``caller``: the call this runs
+        in, for messages. ``confirm``: for public calls that users may make on one rank only
+        (``state_dict()``, ``synchronize_factors()``): every rank's call is first confirmed through
+        the store (:meth:`Communicator.confirm_every_rank_calls`), so a call on one rank raises an
+        error naming it instead of meeting another collective.
         """
-        factors = self._factors()
-        if not (self.active and self._folded and factors):
+        if self.factors_global:
             self._folded = False
             return
-        sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=True, in_place=True)
+        if confirm:
+            self.comm.confirm_every_rank_calls(
+                caller, "a factor step happened since the last decomposition step: the ranks average their factors"
+            )
+        factors = self._factors()
+        what = f"{caller}: the all-reduce of the running factors"
+        sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=True, in_place=True, what=what)
         initialized = torch.stack([f.initialized for f in factors]).to(factors[0].running.dtype)
-        counts = self.comm.all_reduce_sum([initialized])
+        counts = self.comm.all_reduce_sum([initialized], what=what)
         (ranks,) = counts.wait()
         for factor, total, count in zip(factors, sums.wait(), ranks, strict=True):
             factor.set_global(total, count)
@@ -192,7 +220,8 @@ class Sharding:
             held = self.decomposes(item.block, item.factor) and factor.decomposition is not None
             key = factor.decomposed_key
             local.append((1.0, float("nan") if key is None else key[1]) if held else (0.0, 0.0))
-        (flags,) = self.comm.all_reduce_sum([torch.tensor(local, dtype=torch.float64, device=device)]).wait()
+        what = "KFAC.step(): the exchange of decompositions"
+        (flags,) = self.comm.all_reduce_sum([torch.tensor(local, dtype=torch.float64, device=device)], what=what).wait()
         available = {(item.block, item.factor): (held > 0, shift) for item, (held, shift) in zip(items, flags.tolist())}
         self._ready = {
             name for name in self.blocks if all(available[(name, f)][0] for f in FACTORS)
@@ -212,7 +241,8 @@ class Sharding:
                 tensors = [t for factor, _ in members for t in _as_tensors(factor.decomposition)]
             else:
                 tensors = [t for factor, _ in members for t in _receive_buffers(factor, method, dtype, device)]
-            pending.append((src, members, self.comm.broadcast(tensors, src, workers, symmetric=method == "inverse")))
+            work = self.comm.broadcast(tensors, src, workers, symmetric=method == "inverse", what=what)
+            pending.append((src, members, work))
         per_factor = 2 if method == "eigen" else 1
         for src, members, work in pending:
             received = work.wait()
@@ -250,7 +280,8 @@ class Sharding:
                     torch.empty(self.blocks[n].G.dim, self.blocks[n].A.dim, dtype=dtype, device=device)
                     for n in names
                 ]
-            pending.append((names, self.comm.broadcast(tensors, src, row)))
+            what = "KFAC.step(): the broadcast of preconditioned gradients"
+            pending.append((names, self.comm.broadcast(tensors, src, row, what=what)))
         shared = dict(directions)
         for names, work in pending:
             shared.update(zip(names, work.wait(), strict=True))
@@ -312,6 +343,20 @@ class Sharding:
 
     def _device(self) -> torch.device:
         return next(iter(self.blocks.values())).weight.device
+
+
+def _describe_block(block: KroneckerBlock) -> str:
+    """One entry of the layer list ranks compare: name, kind, weight shape and dtype, bias."""
+    weight = block.weight
+    bias = " + bias" if block.bias is not None else ""
+    return f"{block.name!r}: {type(block.module).__name__} weight {tuple(weight.shape)} {weight.dtype}{bias}"
+
+
+def _backend_device(process_group: dist.ProcessGroup | None) -> torch.device:
+    """Where a small collective's tensor must live without a model tensor to go by."""
+    if dist.get_backend(process_group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _as_tensors(decomposition: linalg.Eigen | Tensor | None) -> list[Tensor]:

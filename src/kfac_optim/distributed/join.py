@@ -1,0 +1,141 @@
+"""Uneven inputs: ``KFAC`` under ``torch.distributed.algorithms.Join`` (DDP's join context manager).
+
+Owns: the join hook (what a rank that ran out of inputs does while the others still step, and
+once all have joined) and the checks that ``Join`` is used in the way the hook relies on.
+Must not know: how factors are folded or decomposed (the optimizer's ``_shadow_step`` runs the
+same code as ``step()``), the plan's details.
+
+Usage: ``with Join([ddp_model, optimizer]): for batch in this_ranks_batches: ...`` with one
+forward, backward and ``step()`` per batch. The DDP model comes first: its hook answers the
+others' per-iteration "who is still here" all-reduce and their gradient all-reduces; then, once
+per iteration the others run, ``KFAC``'s main hook takes part in their ``step()``'s collectives:
+
+- it counts the step and follows the same factor / decomposition schedule;
+- on decomposition steps it joins the all-reduce of the running factors with its own (it folds
+  nothing more: as for a layer that saw no input, its factor keeps its value, docs/design.md
+  §5), then decomposes the factors it owns (it holds the same global factors as everyone) and
+  joins the decomposition broadcasts as owner and as receiver.
+
+``grad_worker_fraction < 1`` is refused: there a rank preconditions and broadcasts the gradients of
+the layers it owns every step, and a joined rank has no gradient (DDP's hook sends zeros and keeps
+no result). Once every rank has joined, the post hook makes the factors global and gives every rank
+the momentum buffers of the last rank to join (DDP's post hook gives it that rank's parameters),
+so the ranks leave ``Join`` identical and stay so.
+
+Not seen by a joined rank: steps the others skip (a ``GradScaler`` overflow), and ``no_sync``
+gradient accumulation (several iterations per step). There the ranks' step counts part ways and
+their collectives no longer match: an error, or with gloo possibly an abort on a size mismatch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import JoinHook
+
+if TYPE_CHECKING:
+    from kfac_optim.optimizer import KFAC
+
+
+class KFACJoinHook(JoinHook):
+    """The join hook of one ``KFAC`` optimizer (see the module docstring)."""
+
+    def __init__(self, optimizer: KFAC) -> None:
+        super().__init__()
+        self.optimizer = optimizer
+
+    def main_hook(self) -> None:
+        """Take part in one ``step()`` of the ranks that still have inputs."""
+        self.optimizer._shadow_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """All ranks joined: make the factors global and adopt the last joiner's momentum buffers."""
+        optimizer = self.optimizer
+        sharding = optimizer._sharding
+        if not sharding.active:
+            return
+        sharding.synchronize_factors("Join's KFAC post hook")
+        _adopt_momentum_of_last_joiner(optimizer, is_last_joiner)
+
+
+class JoinSupport:
+    """What ``KFAC`` needs to be a ``Joinable``: its hook, device and process group, and the checks.
+
+    ``model``: the model as given to ``KFAC`` (the DDP wrapper, when there is one, whose join
+    configuration tells whether it runs under ``Join``).
+    """
+
+    def __init__(self, optimizer: KFAC, model: nn.Module) -> None:
+        self._optimizer = optimizer
+        self._ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+
+    def hook(self) -> KFACJoinHook:
+        """The join hook; refuses what it cannot shadow (every rank calls this in ``Join(...)``).
+
+        Raises:
+            ValueError: ``grad_worker_fraction < 1`` on more than one rank.
+        """
+        sharding = self._optimizer._sharding
+        if sharding.active and sharding.plan.broadcasts_gradients:
+            raise ValueError(
+                "KFAC under Join needs grad_worker_fraction=1 (comm-opt): with "
+                f"{sharding.plan.grad_workers} gradient worker(s) per layer a rank that ran out of inputs "
+                "would have to precondition gradients it does not have"
+            )
+        return KFACJoinHook(self._optimizer)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the first parameter (for ``Join``'s own all-reduces)."""
+        return self._optimizer.param_groups[0]["params"][0].device
+
+    @property
+    def process_group(self) -> Any:
+        """The group K-FAC runs on (the default group's object when none was given, as DDP's)."""
+        group = self._optimizer._sharding.comm.group
+        return dist.group.WORLD if group is None else group
+
+    def check_step(self) -> None:
+        """At ``step()``: refuse a ``Join`` the hook cannot work in, on every rank at once.
+
+        Raises:
+            ValueError: ``KFAC`` is the first joinable (``Join``'s per-iteration all-reduce would
+                then be matched against the DDP model's), or the DDP model is under ``Join`` and
+                ``KFAC`` is not (a joined rank would not take part in K-FAC's collectives).
+        """
+        config = self._optimizer._join_config
+        if config.enable and config.is_first_joinable:
+            raise ValueError("Join: pass the DDP model before the KFAC optimizer, Join([model, optimizer])")
+        ddp_config = getattr(self._ddp, "_join_config", None)
+        if ddp_config is not None and ddp_config.enable and not config.enable and self._optimizer._sharding.active:
+            raise ValueError(
+                "the DDP model runs under Join but its KFAC optimizer does not: pass both, "
+                "Join([model, optimizer])"
+            )
+
+
+def _adopt_momentum_of_last_joiner(optimizer: KFAC, is_last_joiner: bool) -> None:
+    """Every rank takes the momentum buffers of the highest-ranked last joiner (DDP's choice of the
+    rank whose parameters it broadcasts); a buffer that rank lacks is dropped."""
+    comm = optimizer._sharding.comm
+    everyone = tuple(range(comm.world_size))
+    what = "Join's KFAC post hook: the broadcast of momentum buffers"
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    device = params[0].device
+    last = torch.zeros(comm.world_size, device=device)
+    last[comm.rank] = float(is_last_joiner)
+    (last,) = comm.all_reduce_sum([last], what=what).wait()
+    source = int(last.nonzero().max())
+    held = torch.tensor([float("momentum_buffer" in optimizer.state.get(p, {})) for p in params], device=device)
+    (held,) = comm.broadcast([held], source, everyone, what=what).wait()
+    present = [p for p, flag in zip(params, held.tolist(), strict=True) if flag]
+    buffers = [optimizer.state.get(p, {}).get("momentum_buffer") for p in present]
+    buffers = [torch.zeros_like(p) if b is None else b for p, b in zip(present, buffers, strict=True)]
+    received = comm.broadcast(buffers, source, everyone, what=what).wait()
+    for p in params:
+        optimizer.state.get(p, {}).pop("momentum_buffer", None)
+    for p, buffer in zip(present, received, strict=True):
+        optimizer.state[p]["momentum_buffer"] = buffer

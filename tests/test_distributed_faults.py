@@ -1,0 +1,337 @@
+"""Distributed K-FAC when ranks part ways (issue 11, "Ranks"): mismatched settings, uneven inputs
+under ``Join``, a collective called on one rank only, a rank that dies.
+
+One spawn of 2 real gloo ranks runs every scenario in turn (the cheap, group-preserving ones
+first) and saves what each rank saw; the tests read it in this process. Scenarios that break a
+process group run on a group of their own with a short timeout: the collective mismatch of
+``state_dict()`` on one rank, then, last, a rank that dies in the middle of a step.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from kfac_optim import KFAC
+from kfac_optim.schedules import MilestoneSchedule
+from tests.test_distributed import make_model, parameters, saved_factors, shard, train
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+WORLD = 2
+DEADLINE_S = 120.0
+GROUP_TIMEOUT_S = 30.0  # the default group: generous, a loaded box is slow
+FAULT_TIMEOUT_S = 5.0  # the groups that are broken on purpose
+OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, damping=0.1, kl_clip=1e-2, factor_decay=0.9, inv_update_steps=2)
+JOIN_BATCHES = (6, 4)  # per rank: rank 1 runs out of inputs two steps early
+DEAD_RANK_EXIT_CODE = 17
+
+
+def outcome(action: Callable[[], object]) -> str:
+    """"ok", or the type and message of what ``action`` raised."""
+    try:
+        action()
+    except Exception as error:  # noqa: BLE001 (the tests look at which exception and what it says)
+        return f"{type(error).__name__}: {error}"
+    return "ok"
+
+
+class Wide(nn.Module):
+    """Same layer names as ``Net`` in test_distributed for fc1/fc2, another width."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, hidden)
+        self.fc2 = nn.Linear(hidden, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x.flatten(1))))
+
+
+# per rank: (model factory, KFAC keyword arguments); rank r uses entry r
+MISMATCHES: dict[str, tuple[tuple[Callable[[], nn.Module], dict[str, Any]], ...]] = {
+    "damping": ((make_model, dict(damping=0.1)), (make_model, dict(damping=0.2))),
+    "inv_update_steps": ((make_model, dict(inv_update_steps=10)), (make_model, dict(inv_update_steps=5))),
+    "method": ((make_model, dict(method="eigen")), (make_model, dict(method="inverse"))),
+    "factor_dtype": ((make_model, {}), (make_model, dict(factor_dtype=torch.float64))),
+    "grad_worker_fraction": ((make_model, dict(grad_worker_fraction=1.0)), (make_model, dict(grad_worker_fraction="mem-opt"))),
+    "damping schedule": (
+        (make_model, dict(damping=MilestoneSchedule(0.1, milestones=(100,), gamma=0.5))),
+        (make_model, dict(damping=MilestoneSchedule(0.1, milestones=(200,), gamma=0.5))),
+    ),
+    "skip_layers": ((make_model, {}), (make_model, dict(skip_layers=["fc2"]))),
+    "layer shapes": ((lambda: Wide(8), {}), (lambda: Wide(9), {})),
+    "same settings spelled differently": (
+        (make_model, dict(grad_worker_fraction="comm-opt", damping=MilestoneSchedule(0.1, milestones=(100,)))),
+        (make_model, dict(grad_worker_fraction=1.0, damping=MilestoneSchedule(0.1, milestones=(100,)))),
+    ),
+}
+
+
+# -- what the ranks do --------------------------------------------------------------------------
+
+
+def factors(optimizer: KFAC) -> dict[str, torch.Tensor]:
+    """A copy of the factors ``state_dict()`` saves (later steps update them in place)."""
+    return {key: factor.clone() for key, factor in saved_factors(optimizer.state_dict()).items()}
+
+
+def mismatched_settings(rank: int) -> dict[str, str]:
+    results = {}
+    for case, per_rank in MISMATCHES.items():
+        factory, kwargs = per_rank[rank]
+        results[case] = outcome(lambda: KFAC(factory(), lr=0.1, **kwargs))  # noqa: B023 (called at once)
+    return results
+
+
+def state(model: nn.Module, optimizer: KFAC) -> dict[str, Any]:
+    """What must agree across ranks: parameters, steps, global factors, decompositions, momentum."""
+    decompositions = {
+        f"{block.name}.{name}": factor.decomposition.Q.clone()
+        for block in optimizer.blocks for name, factor in block.factors.items() if factor.decomposition is not None
+    }
+    names = {p: n for n, p in (model.module if isinstance(model, DDP) else model).named_parameters()}
+    momentum = {names[p]: s["momentum_buffer"].clone() for p, s in optimizer.state.items() if "momentum_buffer" in s}
+    return {
+        "params": parameters(model),
+        "steps": optimizer.steps,
+        "factors": factors(optimizer),  # state_dict() on every rank
+        "decompositions": decompositions,
+        "momentum": momentum,
+    }
+
+
+def uneven_inputs(rank: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    model = DDP(make_model())
+    optimizer = KFAC(model, **OPTIONS)
+    with Join([model, optimizer]):
+        train(model, optimizer, range(JOIN_BATCHES[rank]), rank, WORLD)
+    results["joined"] = state(model, optimizer)
+    train(model, optimizer, range(6, 9), rank, WORLD)  # an even epoch after: the ranks stay identical
+    results["after"] = state(model, optimizer)
+
+    model = DDP(make_model())
+    optimizer = KFAC(model, grad_worker_fraction="mem-opt", **OPTIONS)
+    results["refused mem-opt"] = outcome(lambda: Join([model, optimizer]))
+    model = DDP(make_model())
+    optimizer = KFAC(model, **OPTIONS)
+
+    def optimizer_first() -> None:
+        with Join([optimizer, model]):
+            train(model, optimizer, range(JOIN_BATCHES[rank]), rank, WORLD)
+
+    results["refused optimizer first"] = outcome(optimizer_first)
+    model = DDP(make_model())
+    optimizer = KFAC(model, **OPTIONS)
+
+    def model_only() -> None:
+        with Join([model]):
+            train(model, optimizer, range(JOIN_BATCHES[rank]), rank, WORLD)
+
+    results["refused model only"] = outcome(model_only)
+    return results
+
+
+def state_dict_on_rank_zero(rank: int) -> dict[str, Any]:
+    """The habit ``if rank == 0: torch.save(optimizer.state_dict())``, with the ranks then going on."""
+    results: dict[str, Any] = {}
+    group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S))  # broken at the end
+    model = DDP(make_model(), process_group=group)
+    optimizer = KFAC(model, process_group=group, **OPTIONS)
+    train(model, optimizer, range(3), rank, WORLD)  # step 2 decomposed: the factors are global
+    if rank == 0:
+        results["right after a decomposition step"] = factors(optimizer)
+    dist.barrier()  # on the default group: rank 1 waits until rank 0 saved
+    results["on every rank"] = factors(optimizer)
+    train(model, optimizer, range(3, 4), rank, WORLD)  # step 3 folds only: the factors are local
+    if rank == 0:  # waits for rank 1's call up to the store's timeout (init_process_group's): shortened
+        store = dist.group.WORLD.get_group_store()
+        store.set_timeout(timedelta(seconds=FAULT_TIMEOUT_S))
+        results["after a factor step"] = outcome(optimizer.state_dict)
+        store.set_timeout(timedelta(seconds=GROUP_TIMEOUT_S))
+    else:  # goes on with the next step; its DDP gradient all-reduce times out, matched by nothing
+        results["after a factor step"] = outcome(lambda: train(model, optimizer, range(4, 5), rank, WORLD))
+    return results
+
+
+def dead_peer(rank: int, directory: Path, results: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 dies inside a step (after saving ``results``, the other scenarios'); rank 0 must raise
+    from K-FAC's collective within the timeout."""
+    group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S))
+    model = DDP(make_model(), process_group=group)
+    optimizer = KFAC(model, process_group=group, **OPTIONS)
+    train(model, optimizer, range(4), rank, WORLD)
+    if rank == 1:  # dies as step 4, a decomposition step, begins
+        torch.save(results, directory / f"results-{rank}.pt")
+        optimizer.register_step_pre_hook(lambda *_: os._exit(DEAD_RANK_EXIT_CODE))
+    start = time.monotonic()
+    raised = outcome(lambda: train(model, optimizer, range(4, 6), rank, WORLD))
+    return {"raised": raised, "seconds": time.monotonic() - start}
+
+
+def _rank_main(rank: int, directory: str) -> None:
+    torch.set_num_threads(1)
+    path = Path(directory)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{path / 'rendezvous'}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+    results: dict[str, Any] = {}
+    scenarios: dict[str, Callable[[], Any]] = {
+        "mismatch": lambda: mismatched_settings(rank),
+        "join": lambda: uneven_inputs(rank),
+        "state_dict": lambda: state_dict_on_rank_zero(rank),
+        "dead peer": lambda: dead_peer(rank, path, results),
+    }
+    for name, scenario in scenarios.items():
+        try:
+            results[name] = scenario()
+        except Exception:  # noqa: BLE001 (reported by that scenario's tests, with this traceback)
+            results[name] = {"error": traceback.format_exc()}
+        if name != "dead peer":
+            dist.barrier()
+    torch.save(results, path / f"results-{rank}.pt")
+    gc.collect()
+    os._exit(0)  # the default group has a dead peer: do not wait for it in destroy_process_group
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every rank's results (rank 1's as saved right before it died)."""
+    directory = tmp_path_factory.mktemp("distributed_faults")
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=_rank_main, args=(rank, str(directory))) for rank in range(WORLD)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + DEADLINE_S
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    if any(process.is_alive() for process in processes):
+        for process in processes:
+            process.kill()
+        pytest.fail(f"the ranks did not finish in {DEADLINE_S:.0f} s")
+    results = [torch.load(directory / f"results-{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    for result, process in zip(results, processes, strict=True):
+        result["exit code"] = process.exitcode
+    return results
+
+
+def scenario(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """Every rank's results of scenario ``name``; a failure with the traceback if it raised."""
+    for rank, results in enumerate(ranks):
+        assert name in results, f"rank {rank} did not run {name!r}"
+        assert "error" not in results[name], f"rank {rank}, {name!r}:\n{results[name]['error']}"
+    return [results[name] for results in ranks]
+
+
+def assert_identical(first: Any, second: Any, what: str) -> None:
+    if isinstance(first, dict):
+        assert first.keys() == second.keys(), what
+        for key in first:
+            assert_identical(first[key], second[key], f"{what}/{key}")
+    elif isinstance(first, torch.Tensor):
+        torch.testing.assert_close(first, second, rtol=0, atol=0, msg=what)
+    else:
+        assert first == second, what
+
+
+# -- 10: mismatched settings ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [c for c in MISMATCHES if c != "same settings spelled differently"])
+def test_mismatched_settings_raise_on_every_rank_naming_the_option_and_the_ranks(ranks, case: str) -> None:
+    option = {"damping schedule": "damping", "skip_layers": "layers", "layer shapes": "layers"}.get(case, case)
+    for rank, results in enumerate(scenario(ranks, "mismatch")):
+        message = results[case]
+        assert message.startswith("ValueError: KFAC settings differ across ranks"), message
+        assert f"{option} " in message and "ranks [0]" in message and "ranks [1]" in message, message
+        assert f"this is rank {rank}" in message
+
+
+def test_mismatched_layer_list_names_the_first_differing_layer(ranks) -> None:
+    results = scenario(ranks, "mismatch")[0]
+    message = results["layer shapes"]
+    assert "'fc1': Linear weight (8, 16)" in message and "'fc1': Linear weight (9, 16)" in message, message
+    message = results["skip_layers"]
+    assert "rank 0: 4 entries, rank 1: 3 entries" in message, message
+
+
+def test_equivalent_settings_pass_the_check(ranks) -> None:
+    for results in scenario(ranks, "mismatch"):
+        assert results["same settings spelled differently"] == "ok"
+
+
+# -- 11: uneven inputs under Join ----------------------------------------------------------------
+
+
+def test_join_with_uneven_inputs_leaves_identical_ranks(ranks) -> None:
+    first, second = (results["joined"] for results in scenario(ranks, "join"))
+    assert first["steps"] == second["steps"] == max(JOIN_BATCHES)
+    assert first["decompositions"] and first["momentum"]
+    assert_identical(first, second, "after Join")
+
+
+def test_ranks_stay_identical_when_training_goes_on_after_join(ranks) -> None:
+    first, second = (results["after"] for results in scenario(ranks, "join"))
+    assert_identical(first, second, "after Join and three more steps")
+    before = scenario(ranks, "join")[0]["joined"]["params"]
+    assert not torch.equal(first["params"]["fc1.weight"], before["fc1.weight"])
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("refused mem-opt", "ValueError: KFAC under Join needs grad_worker_fraction=1"),
+        ("refused optimizer first", "ValueError: Join: pass the DDP model before the KFAC optimizer"),
+        ("refused model only", "ValueError: the DDP model runs under Join but its KFAC optimizer does not"),
+    ],
+)
+def test_join_uses_kfac_cannot_shadow_are_refused_on_every_rank(ranks, key: str, expected: str) -> None:
+    for results in scenario(ranks, "join"):
+        assert results[key].startswith(expected), results[key]
+
+
+# -- 12: a collective on one rank only -----------------------------------------------------------
+
+
+def test_state_dict_right_after_a_decomposition_step_needs_no_other_rank(ranks) -> None:
+    results = scenario(ranks, "state_dict")
+    alone = results[0]["right after a decomposition step"]
+    for result in results:
+        assert_identical(result["on every rank"], alone, "factors")
+
+
+def test_state_dict_on_one_rank_after_a_factor_step_fails_naming_kfac_and_the_call(ranks) -> None:
+    first, second = (results["after a factor step"] for results in scenario(ranks, "state_dict"))
+    assert first.startswith("RuntimeError: KFAC.state_dict() is a collective now"), first
+    assert "rank(s) [1] of the K-FAC process group did not call it" in first, first
+    assert "Timed out" in second, second  # its DDP all-reduce, matched by nothing (no gloo abort)
+
+
+# -- 13: a rank that dies ------------------------------------------------------------------------
+
+
+def test_survivor_of_a_dead_peer_raises_from_kfac_within_the_timeout(ranks) -> None:
+    assert [results["exit code"] for results in ranks] == [0, DEAD_RANK_EXIT_CODE]
+    assert "dead peer" not in ranks[1]  # it died inside that step
+    survivor = scenario(ranks[:1], "dead peer")[0]
+    assert "KFAC.step(): the all-reduce of the running factors failed on rank 0 of 2" in survivor["raised"], survivor
+    assert survivor["seconds"] < FAULT_TIMEOUT_S + 2.0
