@@ -25,6 +25,12 @@ reads them whole. Decompositions are not saved: under ``grad_worker_fraction < 1
 holds different ones; they are recomputed from the factors at the first step after loading
 (identical to the saved run's when the checkpoint follows a decomposition step, as the factors
 then are those decomposed). The health counters (``discarded``, ``failures``) are one rank's.
+
+``get_state_dict`` initializes an optimizer that has no per-parameter state by calling
+``step()`` once with zero gradients and lr 0 (DCP's ``_init_optim_state``). On the fresh optimizer
+one loads into, that step is undone by the loaded step count; on a live optimizer it happens only
+with ``momentum=0`` and cleared gradients, and would count one K-FAC step: save before
+``zero_grad()`` then.
 """
 
 from __future__ import annotations
