@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC
-from kfac_optim.distributed.fsdp import MeshLayout, assign_routes, service_groups
+from kfac_optim.distributed.fsdp import MeshLayout, assign_routes, mesh_layout, service_groups
 from kfac_optim.distributed.plan import make_plan, work_items
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
@@ -226,6 +226,15 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     optimizer.load_state_dict(plain["optimizer"])
     train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
     results["params plain resumed"] = full_parameters(model)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    column_sharded = distribute_tensor(torch.zeros(4, 4), init_device_mesh("cpu", (world,)), [Shard(1)])
+    try:
+        mesh_layout(column_sharded)
+    except ValueError as error:
+        results["column sharding error"] = str(error)
     return results
 
 
@@ -384,3 +393,9 @@ def test_dcp_checkpoint_holds_global_factors_by_module_name(two_ranks, directory
     for block in optimizer.blocks:
         for name, factor in block.factors.items():
             torch.testing.assert_close(factor.running, expected["blocks"][block.name]["factors"][name]["running"], **TOLERANCE)
+
+
+def test_parameters_sharded_other_than_by_rows_are_rejected_naming_the_placements(two_ranks) -> None:
+    """Tensor parallelism's column sharding (Shard(1)) is not FSDP2's layout: a clear error."""
+    for results in two_ranks:
+        assert "Shard(0)" in results["column sharding error"] and "Shard(dim=1)" in results["column sharding error"]
