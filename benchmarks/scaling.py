@@ -8,22 +8,24 @@ size and grad-worker fraction, ``world`` processes train the model under DDP on 
 same global batch, with factor and decomposition updates on every step so that each timed step
 holds every phase. Each rank times, per step (median over ``--steps`` after ``--warmup``):
 
-  decompose              ``_update_decompositions``: the decompositions this rank owns
-  precondition           preconditioning this rank computes (its gradient-worker blocks)
-  factor all-reduce      ``synchronize_factors``: the packed, bucketed running-factor sum
-  share decompositions   ``share_decompositions``: agreeing on what exists, owner broadcasts
-  share gradients        ``share_directions``: preconditioned-gradient broadcasts (f < 1)
+  decompose              ``kfac.decompose``: the decompositions this rank owns
+  precondition           ``kfac.precondition``: preconditioning this rank computes (its
+                         gradient-worker blocks), less the nested share gradients
+  factor all-reduce      ``kfac.reduce_factors``: the packed, bucketed running-factor sum
+  share decompositions   ``kfac.share_decompositions``: agreeing on what exists, owner broadcasts
+  share gradients        ``kfac.share_directions``: preconditioned-gradient broadcasts (f < 1)
 
-and counts the bytes it hands to collectives in each phase (flat buffers: packed triangles,
-payloads as in ``comm_bytes.py``). The communication phases include waiting for slower ranks;
+(the ``torch.profiler`` ranges of ``KFAC.step``; step times are taken under the profiler) and
+counts the bytes it hands to collectives in each phase (``KFAC.bytes_communicated()``: flat
+buffers, packed triangles, payloads as in ``comm_bytes.py``). The communication phases include waiting for slower ranks;
 the compute phases do not. The headline is the slowest rank's decompose + precondition over
 the one-process figure (KAISA's memory-optimal f = 1/world should approach 1/world).
 
 **Planned** (no ranks, no data): the plan's load balance and per-rank memory for ``--plan-model``
 (ResNet-50) at ``--plan-worlds`` (8 to 1024), as ``plan_report.py`` prints them.
 
-Knows the optimizer's internals on purpose (it is their benchmark); the package knows nothing
-of it. On a 2-core machine more than 2 ranks share cores and their times stop meaning much.
+Uses only the optimizer's public surface; the package knows nothing of it. On a 2-core machine
+more than 2 ranks share cores and their times stop meaning much.
 """
 
 from __future__ import annotations
@@ -34,11 +36,9 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -57,65 +57,45 @@ from kfac_optim import KFAC
 
 PHASES = ("decompose", "precondition", "factor all-reduce", "share decompositions", "share gradients")
 COMPUTE = ("decompose", "precondition")
+RANGES = {  # the profiler ranges of KFAC.step (docs/design.md §4) -> phases
+    "kfac.decompose": "decompose", "kfac.precondition": "precondition", "kfac.reduce_factors": "factor all-reduce",
+    "kfac.share_decompositions": "share decompositions", "kfac.share_directions": "share gradients",
+}
+BYTE_KINDS = {"factors": "factor all-reduce", "decompositions": "share decompositions", "directions": "share gradients"}
 DEADLINE_S = 1800.0
 
 
 class PhaseMeter:
     """Per-step wall time and collective bytes of each phase, on one rank.
 
-    Wraps the optimizer's phase methods (instance attributes shadow the class's). Time spent in
-    a nested phase (share gradients inside preconditioning) is counted for the inner one only.
+    Reads the optimizer's public instrumentation (docs/design.md §4): the ``torch.profiler``
+    ranges ``step()`` marks its phases with, and ``KFAC.bytes_communicated()``. Time spent in a
+    nested phase (share gradients inside preconditioning) is counted for the inner one only.
     """
 
     def __init__(self, optimizer: KFAC) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.bytes: dict[str, int] = defaultdict(int)
-        self._stack: list[str] = []
-        sharding = optimizer._sharding
-        self._wrap(optimizer, "_update_decompositions", "decompose")
-        self._wrap(optimizer, "_preconditioned_directions", "precondition")
-        self._wrap(sharding, "synchronize_factors", "factor all-reduce")
-        self._wrap(sharding, "share_decompositions", "share decompositions")
-        self._wrap(sharding, "share_directions", "share gradients")
-        pack = sharding.comm._pack
-
-        def counting_pack(*args: Any, **kwargs: Any) -> Any:
-            buckets = pack(*args, **kwargs)
-            self.bytes[self._stack[-1] if self._stack else "other"] += sum(
-                b.buffer.numel() * b.buffer.element_size() for b in buckets
-            )
-            return buckets
-
-        sharding.comm._pack = counting_pack
-
-    def _wrap(self, owner: Any, method: str, phase: str) -> None:
-        original: Callable[..., Any] = getattr(owner, method)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            with self.phase(phase):
-                return original(*args, **kwargs)
-
-        setattr(owner, method, timed)
+        self.optimizer = optimizer
+        self.sent_before = optimizer.bytes_communicated()
+        self.events: list[Any] = []
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time ``name``, excluding what nested phases take."""
-        self._stack.append(name)
-        start = time.perf_counter()
-        nested_before = sum(self.seconds[p] for p in PHASES if p != name)
-        try:
+    def step(self) -> Iterator[None]:
+        """Profile one training step (the CPU profiler adds a little to every op it records)."""
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             yield
-        finally:
-            nested = sum(self.seconds[p] for p in PHASES if p != name) - nested_before
-            self.seconds[name] += time.perf_counter() - start - nested
-            self._stack.pop()
+        self.events = [e for e in profile.events() if e.name in RANGES]
 
     def take(self) -> tuple[dict[str, float], dict[str, int]]:
-        """This step's seconds and bytes per phase; resets the meter."""
-        seconds = {p: self.seconds.get(p, 0.0) for p in PHASES}
-        sent = {p: self.bytes.get(p, 0) for p in PHASES}
-        self.seconds.clear()
-        self.bytes.clear()
+        """The last step's seconds and bytes per phase."""
+        seconds = dict.fromkeys(PHASES, 0.0)
+        for event in self.events:
+            seconds[RANGES[event.name]] += event.cpu_time_total / 1e6
+        seconds["precondition"] -= seconds["share gradients"]
+        sent_now = self.optimizer.bytes_communicated()
+        sent = dict.fromkeys(PHASES, 0)
+        for kind, phase in BYTE_KINDS.items():
+            sent[phase] = sent_now[kind] - self.sent_before[kind]
+        self.sent_before = sent_now
         return seconds, sent
 
 
@@ -147,15 +127,16 @@ def run_rank(rank: int, world: int, config: dict[str, Any], directory: str) -> N
         for step in range(config["warmup"] + config["steps"]):
             x, y = global_batch(step, config["batch_size"], config["image_size"])
             x, y = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            F.cross_entropy(net(x), y).backward()
-            optimizer.step()
-            total = time.perf_counter() - start
+            with meter.step():
+                start = time.perf_counter()
+                optimizer.zero_grad()
+                F.cross_entropy(net(x), y).backward()
+                optimizer.step()
+                total = time.perf_counter() - start
             seconds, sent = meter.take()
             if step >= config["warmup"]:
                 steps.append({"step_s": total, "seconds": seconds, "bytes": sent})
-        owned = [f"{item.block}.{item.factor}" for item in optimizer._sharding.plan.owned(rank)]
+        owned = optimizer.owned_factors
         result = {
             "rank": rank,
             "owned_factors": len(owned),

@@ -3,8 +3,10 @@
 Usage: ``python -m benchmarks.step_time [--model resnet18|resnet50|mlp] [--threads 1] ...``
 (``--help`` lists every flag). Prints a table and writes JSON (``--json``).
 
-Method: each part of the K-FAC step is timed **in isolation** by calling the optimizer's own
-internals on one captured batch (median over repeats), then **amortized analytically** over the
+Method: each part of the K-FAC step is timed **in isolation**, on one captured batch, by calling
+the library's own public parts (the blocks and capture hooks ``KFAC`` builds, through
+``discover_blocks`` and ``StatisticsCapture``) or by reading the ``torch.profiler`` ranges of
+whole ``KFAC.step()`` calls (docs/design.md §4) (median over repeats), then **amortized analytically** over the
 factor / inverse intervals (``--factor-interval``, ``--inverse-interval``):
 
     step = fwd+bwd (plain) + hooks·(1 − 1/f) + (statistics + fold)/f + decompositions/i
@@ -22,9 +24,10 @@ Parts and their floors (the bare torch calls of the same shapes, timed in the sa
                             (eigen) or ``cholesky`` + ``cholesky_inverse`` (inverse) of the same
                             factor. Timed once per distinct factor size (eigh of a 4608² factor
                             takes seconds), multiplied by how many factors have that size.
-  preconditioning           ``optimizer._preconditioned_directions``; floor: the 4 (eigen) or 2
-                            (inverse) bare ``torch.matmul`` calls per block
-  KL clip + update          ``_clip_to_trust_region`` + ``_sgd_update``; floor: a
+  preconditioning           the ``kfac.precondition`` range of non-factor steps of a ``KFAC`` loaded
+                            (``load_state_dict``) with these decompositions; floor: the 4 (eigen)
+                            or 2 (inverse) bare ``torch.matmul`` calls per block
+  KL clip + update          the ``kfac.kl_clip`` + ``kfac.sgd`` ranges (inverse method); floor: a
                             ``torch.optim.SGD`` step on the same parameters + one dot per block
 
 Sampled Fisher (``KFAC(fisher="sampled")``, not in the amortized step above): ``sample_fisher`` on
@@ -37,8 +40,8 @@ Check: a whole non-factor step (``zero_grad``, fwd+bwd, ``step()``, inverse meth
 the public API next to the sum of its parts (unarmed fwd+bwd + preconditioning + clip & update):
 a ratio well above 1 means work outside the parts above.
 
-Knows the optimizer's internals on purpose (it is their benchmark); the package knows nothing
-of it.
+Uses only public names of the library (no private attribute); the package knows nothing of it.
+The profiled parts carry the CPU profiler's small per-op overhead.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ from tqdm import tqdm
 
 from kfac_optim import KFAC
 from kfac_optim.capture import StatisticsCapture
-from kfac_optim.layers import LinearBlock
+from kfac_optim.layers import KroneckerBlock, LinearBlock
+from kfac_optim.optimizer import discover_blocks
 
 MODELS = {
     # name: (image size, batch size)
@@ -131,11 +135,13 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, budget_s: float
     return {name: Timing.of(s) for name, s in samples.items()}
 
 
-def capture_batch(opt: KFAC, forward_backward: Callable[[], None]) -> dict[str, tuple[Tensor, Tensor]]:
+def capture_batch(
+    blocks: list[KroneckerBlock], forward_backward: Callable[[], None]
+) -> dict[str, tuple[Tensor, Tensor]]:
     """(input, output-grad) of every block's module from one forward/backward."""
     captured: dict[str, list[Tensor]] = {}
     handles = []
-    for block in opt.blocks:
+    for block in blocks:
         def hook(module, inputs, output, name=block.name):
             captured[name] = [inputs[0].detach()]
             output.register_hook(lambda grad: captured[name].append(grad.detach()))
@@ -145,6 +151,49 @@ def capture_batch(opt: KFAC, forward_backward: Callable[[], None]) -> dict[str, 
     for handle in handles:
         handle.remove()
     return {name: (pair[0], pair[1]) for name, pair in captured.items()}
+
+
+NEVER = 10**9
+"""An update interval no timed step reaches: steps after the first are neither factor nor decomposition steps."""
+
+
+def loaded_kfac(model: nn.Module, blocks: list[KroneckerBlock], method: str, damping: float) -> KFAC:
+    """A ``KFAC`` on ``model`` holding ``blocks``' factors and decompositions, through its checkpoint API,
+    at step 1: its steps precondition with them and never fold or decompose."""
+    opt = KFAC(model, lr=1e-4, momentum=0.9, weight_decay=5e-4, damping=damping, method=method,
+               factor_update_steps=NEVER, inv_update_steps=NEVER, kl_clip=1e-3)
+    state = opt.state_dict()
+    state["kfac"] = {"steps": 1, "blocks": {block.name: block.state_dict() for block in blocks}}
+    opt.load_state_dict(state)
+    return opt
+
+
+def profiled_steps(
+    opt: KFAC, forward_backward: Callable[[], None], floor: Callable[[], None], repeats: int, budget_s: float
+) -> tuple[dict[str, Timing], Timing]:
+    """Whole steps of ``opt`` under ``torch.profiler``, alternating with ``floor`` (A B A B ...): the
+    per-step durations of the ``kfac.*`` ranges, and the floor's timing."""
+    def step() -> None:
+        forward_backward()
+        opt.step()
+
+    step()
+    floor()
+    samples: dict[str, list[float]] = {}
+    floor_samples: list[float] = []
+    start = time.perf_counter()
+    for r in range(repeats):
+        if r and time.perf_counter() - start > budget_s:
+            break
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            step()
+        for event in profile.events():
+            if event.name.startswith("kfac."):
+                samples.setdefault(event.name, []).append(event.cpu_time_total / 1e6)
+        t0 = time.perf_counter()
+        floor()
+        floor_samples.append(time.perf_counter() - t0)
+    return {name: Timing.of(values) for name, values in samples.items()}, Timing.of(floor_samples)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -164,17 +213,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     progress = tqdm(total=12, desc=f"{args.model} b{batch} {image_size}px", file=sys.stderr, leave=False)
     out: dict[str, Any] = {}
 
-    opt = KFAC(model, lr=1e-4, momentum=0.9, weight_decay=5e-4, damping=damping,
-               factor_decay=decay, factor_update_steps=args.factor_interval,
-               inv_update_steps=args.inverse_interval, kl_clip=1e-3)
-    opt._capture.armed = False
+    # The optimizer's own parts, assembled as KFAC assembles them: its blocks and capture hooks.
+    blocks = discover_blocks(model, set(model.parameters()), (), torch.float32)
+    capture = StatisticsCapture(blocks)
+    capture.armed = False
     sgd = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9, weight_decay=5e-4)
+
+    def clear() -> None:
+        for block in blocks:
+            block.clear_pending()
 
     def without_hooks(fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
-            opt._capture.remove()
+            nonlocal capture
+            capture.remove()
             fn()
-            opt._capture = StatisticsCapture(opt.blocks)
+            capture = StatisticsCapture(blocks)
+            capture.armed = False
 
         return run
 
@@ -183,10 +238,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         sgd.step()
 
     def armed() -> None:
-        opt._capture.armed = True
+        capture.armed = True
         forward_backward()
-        opt._capture.armed = False
-        opt.discard_pending_statistics()
+        capture.armed = False
+        clear()
 
     # SGD step, fwd+bwd without hooks, with unarmed hooks (non-factor steps), armed: interleaved.
     runs = interleaved({"sgd": without_hooks(sgd_step), "plain": without_hooks(forward_backward),
@@ -215,15 +270,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     progress.update()
 
     # Statistics on factor steps, on one captured batch.
-    pairs = capture_batch(opt, forward_backward)
-    blocks = [b for b in opt.blocks if b.name in pairs]
+    capture.remove()
+    pairs = capture_batch(blocks, forward_backward)
+    blocks = [b for b in blocks if b.name in pairs]
 
     def statistics_part() -> None:
         for block in blocks:
             block.accumulate(*pairs[block.name])
-
-    def clear() -> None:
-        opt.discard_pending_statistics()
 
     rows = {}
     for block in blocks:
@@ -275,6 +328,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for name, factor in block.factors.items():
             by_dim.setdefault(factor.dim, []).append((block, name, factor))
     torch.linalg.eigh(torch.eye(8))
+    opts: dict[str, KFAC] = {}
+    ranges: dict[str, dict[str, Timing]] = {}
     for method in ("eigen", "inverse"):
         part_total = floor_total = 0.0
         worst = 0.0
@@ -304,8 +359,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         out[f"decomposition_{method}_floor"] = Timing(floor_total, worst, 0)
         progress.update()
 
-        # Preconditioning with this method's decompositions.
-        opt.options = dataclasses.replace(opt.options, method=method)
+        # Preconditioning with this method's decompositions: a KFAC loaded with them takes whole
+        # non-factor steps under the profiler; its ranges time the parts (docs/design.md §4).
+        opts[method] = loaded_kfac(model, blocks, method, damping)
         shapes = [(b.G.dim, b.A.dim) for b in blocks]
         mats = [(torch.randn(o, o), torch.randn(o, i), torch.randn(i, i)) for o, i in shapes]
 
@@ -316,36 +372,34 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     torch.matmul(torch.matmul(q_g, grad), q_a)
 
-        timed = interleaved({"part": lambda: opt._preconditioned_directions(damping),
-                             "floor": precondition_floor_matmuls}, args.repeats, budget)
-        out[f"precondition_{method}"], out[f"precondition_{method}_floor"] = timed["part"], timed["floor"]
+        ranges[method], floor = profiled_steps(opts[method], forward_backward, precondition_floor_matmuls,
+                                               args.repeats, budget)
+        out[f"precondition_{method}"], out[f"precondition_{method}_floor"] = ranges[method]["kfac.precondition"], floor
+        opts[method].remove_hooks()
         progress.update()
 
-    # KL clip + update, with the last method's directions.
-    directions = opt._preconditioned_directions(damping)
-    kfac_params = list(directions)
+    # KL clip + update, from the inverse method's steps; floor: SGD's step and one dot per block.
+    kfac_params = [p for b in blocks for p in (b.weight, b.bias) if p is not None]
     floor_sgd = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9, weight_decay=5e-4)
     floor_sgd.step()
 
-    def update_part() -> None:
-        opt._clip_to_trust_region(directions)
-        opt._sgd_update(directions)
-
     def update_floor() -> None:
-        for p in kfac_params:
-            torch.dot(directions[p].reshape(-1), p.grad.reshape(-1))
-        floor_sgd.step()
+        with torch.no_grad():
+            for p in kfac_params:
+                torch.dot(p.grad.reshape(-1), p.grad.reshape(-1))
+            floor_sgd.step()
 
-    with torch.no_grad():
-        timed = interleaved({"part": update_part, "floor": update_floor}, args.repeats, budget)
-    out["clip_update"], out["clip_update_floor"] = timed["part"], timed["floor"]
+    clip, sgd_part = ranges["inverse"]["kfac.kl_clip"], ranges["inverse"]["kfac.sgd"]
+    out["clip_update"] = Timing(clip.median + sgd_part.median, max(clip.spread, sgd_part.spread), clip.n)
+    out["clip_update_floor"] = timeit(update_floor, args.repeats, budget)
     progress.update()
 
-    # A whole non-factor step through the public API (inverse method, decompositions in place):
-    # what the parts above do not cover (zero_grad, bookkeeping in step()) shows up as the
-    # difference to the sum of its parts.
+    # A whole non-factor step through the public API (inverse method, decompositions in place),
+    # unprofiled: what the parts above do not cover (zero_grad, bookkeeping in step()) shows up
+    # as the difference to the sum of its parts.
+    opt = loaded_kfac(model, blocks, "inverse", damping)
+
     def whole_step() -> None:
-        opt._steps = 1  # neither a factor step nor a decomposition step
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -364,12 +418,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         sampled.sample_fisher(model(x), "cross_entropy")
         sampled.discard_pending_statistics()
 
-    def plain_forward_backward() -> None:
-        sampled._capture.armed = False
-        forward_backward()
-        sampled._capture.armed = True
-
-    passes = interleaved({"forward": forward, "sampled": forward_and_sample, "fwd_bwd": plain_forward_backward},
+    # fwd_bwd: the training backward, which the sampled optimizer's hooks let pass unrecorded.
+    passes = interleaved({"forward": forward, "sampled": forward_and_sample, "fwd_bwd": forward_backward},
                          args.repeats, 2 * budget)
     sampled.remove_hooks()
     forward_ms = passes["forward"].median

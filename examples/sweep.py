@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     env = process_group.setup(experiment.runs[0].train.device)
     out_dir = args.out_dir or Path("runs") / f"{experiment.name}-sweep"
     train = experiment.runs[0].train
+    goal = f"{train.metric} {train.target:g}" if train.target is not None else None
     sections = [f"`{shlex.join(['python', '-m', 'examples.sweep', *(sys.argv[1:] if argv is None else argv)])}`"]
     for base in experiment.runs:
         axes = grid_for(base.name, grid)
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         sign = -1 if train.higher_is_better else 1
         scored.sort(key=lambda item: (item[0].time_to_target_s is None, item[0].time_to_target_s or 0.0,
                                       sign * item[0].final))
-        table = format_table([summary for summary, _ in scored], train.metric, train.target, baseline="best")
+        table = format_table([summary for summary, _ in scored], train.metric, goal, baseline="best")
         best = " ".join(f"--set {s}" for s in scored[0][1]) or "(the config as is)"
         section = f"## {base.name}\n\nbest: `{best}`\n\n{table}\n"
         sections.append(section)

@@ -105,16 +105,15 @@ def main(argv: list[str] | None = None) -> int:
 def _report(experiment: Experiment, histories: dict, out_dir: Path, argv: list[str] | None) -> None:
     """Print the table; write summary.md and plot.png."""
     from examples.training.plotting import plot_runs
-    from examples.training.report import format_table, summarize
+    from examples.training.report import format_table, summarize_runs
 
     train = experiment.runs[0].train
-    summaries = [summarize(name, records, train.metric, train.target, train.higher_is_better)
-                 for name, records in histories.items()]
-    table = format_table(summaries, train.metric, train.target)
+    summaries, goal = summarize_runs(histories, train.metric, train.target, train.higher_is_better)
+    table = format_table(summaries, train.metric, goal)
     command = shlex.join(["python", "-m", "examples.train", *(sys.argv[1:] if argv is None else argv)])
     (out_dir / "summary.md").write_text(f"`{command}`\n\n{table}\n", encoding="utf-8")
     plot_runs(histories, train.metric, train.target, train.higher_is_better,
-              f"{experiment.name}: {train.metric}", out_dir / "plot.png")
+              f"{experiment.name}: {train.metric}", out_dir / "plot.png", train.clock)
     print(table)
     print(f"\nwrote {out_dir}/: plot.png, summary.md, <run>/metrics.jsonl", file=sys.stderr)
 

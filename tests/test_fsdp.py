@@ -163,7 +163,12 @@ def kfac_run(
     model = sharded_model(mesh, root_only, **fsdp_kwargs)
     optimizer = KFAC(model, grad_worker_fraction=fraction, **OPTIONS)
     train(model, optimizer, range(STEPS), rank, world)
+    SENT[fraction] = optimizer._sharding.comm.bytes_sent["fsdp_rows"]
     return full_parameters(model)
+
+
+SENT: dict[float, int] = {}
+"""Bytes of gradient and direction rows this rank sent in its last run at each fraction."""
 
 
 def sgd_runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -209,6 +214,7 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     results: dict[str, Any] = {}
     for fraction in (1.0, 0.5):
         results[f"params {fraction}"] = kfac_run(rank, world, fraction)
+        results[f"rows sent {fraction}"] = SENT[fraction]
     results["params keep unsharded"] = kfac_run(rank, world, 1.0, reshard_after_forward=False)
     results["params root only"] = kfac_run(rank, world, 0.5, root_only=True)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -399,3 +405,14 @@ def test_parameters_sharded_other_than_by_rows_are_rejected_naming_the_placement
     """Tensor parallelism's column sharding (Shard(1)) is not FSDP2's layout: a clear error."""
     for results in two_ranks:
         assert "Shard(0)" in results["column sharding error"] and "Shard(dim=1)" in results["column sharding error"]
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_rows_sent_match_the_bytes_comm_bytes_counts(two_ranks, fraction: float) -> None:
+    """What the ranks handed to gather/scatter equals benchmarks.comm_bytes' count, every step."""
+    from benchmarks.comm_bytes import fsdp_bytes
+    from kfac_optim.optimizer import block_dims
+
+    per_step = fsdp_bytes(block_dims(make_model()), param_bytes=0, world=2, fraction=fraction)
+    sent = sum(results[f"rows sent {fraction}"] for results in two_ranks)
+    assert sent == STEPS * 2 * per_step["kfac_rows_per_step_mean"] > 0

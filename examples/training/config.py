@@ -43,6 +43,7 @@ LR_SCHEDULES = ("constant", "step", "cosine")
 AMP_MODES = ("none", "fp16", "bf16", "apex-O1", "apex-O2")
 METRICS = ("test_acc", "test_loss", "train_mse", "test_mse")
 DEVICES = ("auto", "cpu", "cuda")
+CLOCKS = ("wall", "cpu")
 
 
 @dataclass(frozen=True)
@@ -135,12 +136,15 @@ class TrainConfig:
     time_budget_s: float | None = _opt(None, "stop after the epoch in which training time reaches this")
     device: str = _opt("auto", "auto (cuda when available) | cpu | cuda")
     threads: int = _opt(0, "torch intra-op threads per process (0: leave torch's default)")
+    clock: str = _opt("wall", "training-time clock: wall | cpu (this process's CPU time: what an idle machine's "
+                      "wall clock would show, robust to other jobs on a shared one; one process, threads=1)")
     checkpoint: bool = _opt(True, "save a checkpoint after every epoch (needed by --resume)")
 
     def __post_init__(self) -> None:
         _check_choice("train", "amp", self.amp, AMP_MODES)
         _check_choice("train", "metric", self.metric, METRICS)
         _check_choice("train", "device", self.device, DEVICES)
+        _check_choice("train", "clock", self.clock, CLOCKS)
         for name in ("epochs", "batch_size", "eval_batch_size", "accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1; got {getattr(self, name)}")

@@ -14,15 +14,17 @@ from examples.training.report import Record
 
 
 def plot_runs(histories: Mapping[str, Sequence[Record]], metric: str, target: float | None,
-              higher_is_better: bool, title: str, path: Path) -> None:
-    """Two panels, `metric` vs training time (s) and vs epoch, one line per run; write a PNG."""
+              higher_is_better: bool, title: str, path: Path, clock: str = "wall") -> None:
+    """Two panels, `metric` vs training time (s; `clock` "cpu": CPU time) and vs epoch, one line per
+    run; write a PNG."""
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     by_time, by_epoch = fig.subplots(1, 2, sharey=True)
     for run, records in histories.items():
         values = [r[metric] for r in records]
         by_time.plot([r["time_s"] for r in records], values, marker=".", label=run)
         by_epoch.plot([r["epoch"] for r in records], values, marker=".", label=run)
-    for ax, xlabel in ((by_time, "training time (s)"), (by_epoch, "epoch")):
+    time_label = "training CPU time (s)" if clock == "cpu" else "training time (s)"
+    for ax, xlabel in ((by_time, time_label), (by_epoch, "epoch")):
         if target is not None:
             ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:g}")
         ax.set_xlabel(xlabel)

@@ -10,7 +10,7 @@ step) and `images_per_s` (global, training).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,21 +71,43 @@ def summarize(run: str, records: Sequence[Record], metric: str, target: float | 
     )
 
 
-def format_table(summaries: Sequence[Summary], metric: str, target: float | None, baseline: str | None = None) -> str:
-    """A Markdown table, one row per run; time ratios are relative to the first row (named `baseline`)."""
-    goal = f" to {metric} {target:g}" if target is not None else ""
-    head = ["run", "epochs", f"time{goal} (s)", f"epochs{goal}", f"vs {baseline or summaries[0].run}",
-            f"final {metric}", f"best {metric}", "mean step (ms)", "train time (s)"]
+def summarize_runs(histories: Mapping[str, Sequence[Record]], metric: str, target: float | None,
+                   higher_is_better: bool) -> tuple[list[Summary], str]:
+    """Summaries of the runs (first one the baseline) against a goal, and the goal's label.
+
+    The goal is `target`; a config without one (a fixed time budget) is compared at the first
+    run's final value instead: how long each run takes to do as well as the baseline did at the end.
+    """
+    if target is None:
+        name, records = next(iter(histories.items()))
+        target = summarize(name, records, metric, None, higher_is_better).final
+        goal = f"{name}'s final {metric} {target:.4g}"
+    else:
+        goal = f"{metric} {target:g}"
+    return [summarize(name, records, metric, target, higher_is_better) for name, records in histories.items()], goal
+
+
+def format_table(summaries: Sequence[Summary], metric: str, goal: str | None, baseline: str | None = None) -> str:
+    """A Markdown table, one row per run; time ratios are relative to the first row (named `baseline`).
+
+    With a `goal` (the label of the target the summaries were made against) it has the time and
+    epochs to that goal and their ratio; without one, only the final and best values and times.
+    """
+    head = ["run", "epochs", f"final {metric}", f"best {metric}"]
+    if goal is not None:
+        head += [f"time to {goal} (s)", "epochs to it", f"vs {baseline or summaries[0].run}"]
+    head += ["mean step (ms)", "train time (s)"]
     base = summaries[0].time_to_target_s
     rows = []
     for s in summaries:
-        ratio = f"{s.time_to_target_s / base:.2f}x" if s.time_to_target_s is not None and base else "-"
-        rows.append([
-            s.run, str(s.epochs),
-            f"{s.time_to_target_s:.2f}" if s.time_to_target_s is not None else "not reached" if target else "-",
-            str(s.epochs_to_target) if s.epochs_to_target is not None else "-",
-            ratio, f"{s.final:.4f}", f"{s.best:.4f}", f"{1e3 * s.mean_step_s:.1f}", f"{s.train_time_s:.2f}",
-        ])
+        row = [s.run, str(s.epochs), f"{s.final:.4f}", f"{s.best:.4f}"]
+        if goal is not None:
+            reached_it = s.time_to_target_s is not None
+            row += [f"{s.time_to_target_s:.2f}" if reached_it else "not reached",
+                    str(s.epochs_to_target) if reached_it else "-",
+                    f"{s.time_to_target_s / base:.2f}x" if reached_it and base else "-"]
+        row += [f"{1e3 * s.mean_step_s:.1f}", f"{s.train_time_s:.2f}"]
+        rows.append(row)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
 
     def line(cells: Sequence[str]) -> str:

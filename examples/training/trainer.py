@@ -27,7 +27,6 @@ import torch.nn.functional as F
 import yaml
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from tqdm import tqdm
 
@@ -143,8 +142,9 @@ class Trainer:
         data_lib.set_epoch(self.train_loader, epoch)
         sums = torch.zeros(3, device=env.device)  # loss * n, correct, n
         batches = self._micro_batches()
+        clock = time.process_time if tc.clock == "cpu" else time.perf_counter
         self._synchronize()
-        start = time.perf_counter()
+        start = clock()
         for _ in range(self.steps_per_epoch):
             self.optimizer.zero_grad(set_to_none=True)
             for micro in range(tc.accum_steps):
@@ -166,7 +166,7 @@ class Trainer:
             self.scheduler.step()
             bar.update()
         self._synchronize()
-        seconds = all_reduce_max(time.perf_counter() - start, env)
+        seconds = all_reduce_max(clock() - start, env)
         loss_sum, correct, count = all_reduce_sum(sums, env).tolist()
         metrics = {"train_loss": loss_sum / count}
         if not self.reconstruction:

@@ -8,7 +8,7 @@ line. :func:`warn_user` walks the stack to the first frame outside those package
 import sys
 import warnings
 
-_INTERNAL_PACKAGES = ("kfac_optim", "torch", "apex")
+_INTERNAL_PACKAGES = ("kfac_optim", "torch", "apex", "contextlib")  # contextlib: decorator frames
 
 
 def _is_internal(module_name: str) -> bool:

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.optim.optimizer import Optimizer, ParamsT
 from torch.optim.sgd import sgd
+from torch.profiler import record_function
 
 from kfac_optim import fisher as fisher_lib
 from kfac_optim import linalg
@@ -52,6 +53,9 @@ logger = logging.getLogger(__name__)
 IntSchedule = int | Callable[[int], int]
 FloatSchedule = float | Callable[[int], float]
 SkipLayers = Sequence[str | type[nn.Module]]
+
+LARGE_FACTOR_DIM = 4096
+"""Factors at least this wide take seconds to decompose on a CPU (``eigh`` is ``O(n³)``): noted once."""
 
 
 @dataclass(frozen=True)
@@ -347,6 +351,12 @@ class KFAC(Optimizer, Joinable):
         self._reported_nonfinite = [0] * len(self.blocks)
         self._arm_for(self._steps)
         logger.info("KFAC preconditions %d layers: %s", len(self.blocks), [b.name for b in self.blocks])
+        factors = [(f"{block.name}.{name}", f.dim) for block in self.blocks for name, f in block.factors.items()]
+        large = [f"{name} ({dim})" for name, dim in factors if dim >= LARGE_FACTOR_DIM]
+        if large:
+            logger.warning("K-FAC factors of dim >= %d take seconds each to decompose on a CPU: %s; see "
+                           "inv_update_steps, method='inverse' and skip_layers (docs/design.md §4)",
+                           LARGE_FACTOR_DIM, ", ".join(large))
 
     # -- schedules ---------------------------------------------------------------------------
 
@@ -354,6 +364,23 @@ class KFAC(Optimizer, Joinable):
     def steps(self) -> int:
         """Optimizer steps taken (skipped overflow steps excluded)."""
         return self._steps
+
+    @property
+    def capturing(self) -> bool:
+        """Whether the hooks record statistics now (the coming step is a factor step)."""
+        return self._capture.armed
+
+    @property
+    def owned_factors(self) -> tuple[str, ...]:
+        """The factors this rank decomposes, ``"<layer>.A"`` / ``"<layer>.G"`` (all on one process)."""
+        return self._sharding.owned_factors()
+
+    def bytes_communicated(self) -> dict[str, int]:
+        """Payload bytes this rank handed to collectives so far, by kind: ``"factors"`` (the
+        factor all-reduce), ``"decompositions"`` (agreement and broadcasts) and ``"directions"``
+        (preconditioned gradients, ``f < 1``). Flat buffers as sent (packed triangles); zeros on
+        one process."""
+        return self._sharding.bytes_communicated()
 
     def damping_at(self, step: int) -> float:
         return check_damping(resolve(self.options.damping, step))
@@ -380,6 +407,7 @@ class KFAC(Optimizer, Joinable):
         for block in self.blocks:
             block.clear_pending()
 
+    @record_function("kfac.sample_fisher")
     def sample_fisher(
         self,
         outputs: Tensor,
@@ -429,6 +457,7 @@ class KFAC(Optimizer, Joinable):
     # -- the step ----------------------------------------------------------------------------
 
     @torch.no_grad()
+    @record_function("kfac.step")
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one K-FAC step (see the module docstring for the order of work)."""
         loss = None
@@ -471,8 +500,9 @@ class KFAC(Optimizer, Joinable):
             self._check_something_was_recorded()
             # sample_fisher's loss is a sum over samples, whatever the training loss's reduction.
             reduction = "sum" if self.options.fisher == "sampled" else self.options.loss_reduction
-            for block in self.blocks:
-                block.fold(self.options.factor_decay, reduction, statistics_scale)
+            with record_function("kfac.fold"):
+                for block in self.blocks:
+                    block.fold(self.options.factor_decay, reduction, statistics_scale)
             self._sharding.factors_folded()
         else:
             self.discard_pending_statistics()
@@ -493,10 +523,13 @@ class KFAC(Optimizer, Joinable):
 
     def _decomposition_step(self, damping: float, only_missing: bool = False) -> None:
         """Make the factors global (lazy reduction), decompose what this rank owns, share them."""
-        self._sharding.synchronize_factors()
+        with record_function("kfac.reduce_factors"):
+            self._sharding.synchronize_factors()
         self._update_decompositions(damping, only_missing)
-        self._sharding.share_decompositions(self.options.method, self.options.inv_dtype)
+        with record_function("kfac.share_decompositions"):
+            self._sharding.share_decompositions(self.options.method, self.options.inv_dtype)
 
+    @record_function("kfac.decompose")
     def _update_decompositions(self, damping: float, only_missing: bool = False) -> None:
         """Refresh the decompositions of the initialized factors this rank owns (every factor on
         one process; with ``only_missing`` only those without one); report discards and failures."""
@@ -546,6 +579,7 @@ class KFAC(Optimizer, Joinable):
                 )
                 self._reported_nonfinite[index] = count
 
+    @record_function("kfac.precondition")
     def _preconditioned_directions(self, damping: float) -> dict[Tensor, Tensor]:
         """Per-parameter update directions of the K-FAC layers that have a decomposition.
 
@@ -564,7 +598,8 @@ class KFAC(Optimizer, Joinable):
             preconditioned = block.precondition(grad, method, damping)
             if preconditioned is not None:
                 joint[block.name] = preconditioned
-        joint = self._sharding.share_directions(joint, self.options.inv_dtype)
+        with record_function("kfac.share_directions"):
+            joint = self._sharding.share_directions(joint, self.options.inv_dtype)
         if sharded_rows:
             by_name = {block.name: block for block in self.blocks}
 
@@ -573,13 +608,15 @@ class KFAC(Optimizer, Joinable):
                 assert direction is not None, f"{name}: preconditioned where its decompositions are missing"
                 return direction
 
-            joint.update(self._sharding.precondition_sharded(sharded_rows, precondition, self.options.inv_dtype))
+            with record_function("kfac.fsdp_rows"):
+                joint.update(self._sharding.precondition_sharded(sharded_rows, precondition, self.options.inv_dtype))
         directions: dict[Tensor, Tensor] = {}
         for block in self.blocks:
             if block.name in joint:
                 directions.update((p, fsdp.like_param(p, d)) for p, d in block.split(joint[block.name]))
         return directions
 
+    @record_function("kfac.kl_clip")
     def _clip_to_trust_region(self, directions: dict[Tensor, Tensor]) -> None:
         """Scale every direction by ``ν = min(1, sqrt(kl_clip / |Σ lr² ⟨d, ∇p⟩|))`` in place.
 
@@ -611,6 +648,7 @@ class KFAC(Optimizer, Joinable):
         nu = (self.options.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
         torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
 
+    @record_function("kfac.sgd")
     def _sgd_update(self, directions: dict[Tensor, Tensor]) -> None:
         """``torch.optim.SGD``'s update, per group, on the (possibly preconditioned) directions."""
         for group in self.param_groups:

@@ -23,6 +23,7 @@ Conventions:
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -158,6 +159,8 @@ class Communicator:
         self.rank, self.world_size = group_rank_and_size(process_group)
         self.group = process_group
         self.bucket_bytes = bucket_bytes
+        self.bytes_sent: Counter[str] = Counter()
+        """Payload bytes handed to collectives so far (flat buffers as sent), by the callers' ``tag``."""
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._confirmed_calls = 0
         if self.active:
@@ -236,6 +239,7 @@ class Communicator:
         symmetric: bool = False,
         in_place: bool = False,
         what: str = "a K-FAC all-reduce",
+        tag: str = "other",
     ) -> Pending:
         """Sum ``tensors`` over all ranks, asynchronously; every rank must call with like shapes.
 
@@ -243,11 +247,12 @@ class Communicator:
         (they are copied into the buffers at the call, so they may change until ``wait()``,
         and no ``(n, n)`` result is allocated). With ``symmetric`` every tensor is a symmetric
         ``(n, n)`` matrix and only its upper triangle travels. One rank: ``wait()`` returns
-        ``tensors`` themselves. ``what`` names the collective in a failure (see :func:`collective`).
+        ``tensors`` themselves. ``what`` names the collective in a failure (see :func:`collective`);
+        ``tag`` names what is sent in :attr:`bytes_sent`.
         """
         if not self.active or not tensors:
             return Pending.done(tensors)
-        buckets = self._pack(tensors, symmetric)
+        buckets = self._pack(tensors, symmetric, tag)
         with collective(what, self.group):
             works = [
                 dist.all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -265,13 +270,14 @@ class Communicator:
         *,
         symmetric: bool = False,
         what: str = "a K-FAC broadcast",
+        tag: str = "other",
     ) -> Pending:
         """Send ``src``'s ``tensors`` to every rank of ``ranks``, asynchronously.
 
         Only the ranks in ``ranks`` (one of the ``group_ranks`` given at construction, or a
         single rank) call this, in the same order. On ``src``, ``tensors`` are the data; on the
         others, buffers of the same shapes and dtypes that ``wait()`` overwrites and returns.
-        ``symmetric``, ``what``: as in :meth:`all_reduce_sum`.
+        ``symmetric``, ``what``, ``tag``: as in :meth:`all_reduce_sum`.
         """
         if len(ranks) == 1 or not tensors:
             return Pending.done(tensors)
@@ -279,7 +285,7 @@ class Communicator:
             raise ValueError(f"rank {self.rank} and src {src} must be among {ranks}")
         group = self._groups[ranks]
         group_src = ranks.index(src)  # groups list their members ascending
-        buckets = self._pack(tensors, symmetric)
+        buckets = self._pack(tensors, symmetric, tag)
         with collective(what, self.group):
             works = [
                 dist.broadcast(b.buffer, group=group, group_src=group_src, async_op=True)
@@ -292,8 +298,9 @@ class Communicator:
 
     # -- buckets -----------------------------------------------------------------------------
 
-    def _pack(self, tensors: Sequence[Tensor], symmetric: bool) -> list[_Bucket]:
-        """Copy ``tensors`` (triangles when ``symmetric``) into buckets of one dtype and device."""
+    def _pack(self, tensors: Sequence[Tensor], symmetric: bool, tag: str) -> list[_Bucket]:
+        """Copy ``tensors`` (triangles when ``symmetric``) into buckets of one dtype and device;
+        count their bytes under ``tag``."""
         sizes = [linalg.triu_size(len(t)) if symmetric else t.numel() for t in tensors]
         groups: list[list[int]] = []
         used = 0
@@ -318,6 +325,7 @@ class Communicator:
                 else:
                     part.copy_(tensors[index].reshape(-1))
             buckets.append(_Bucket(tuple(members), member_sizes, buffer))
+            self.bytes_sent[tag] += buffer.numel() * buffer.element_size()
         return buckets
 
     @staticmethod

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES
+from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES, collective
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,11 @@ class RowShardedPreconditioner:
         layout: the mesh the blocks' parameters are sharded over.
         group_for: returns the process group of a tuple of global ranks this rank belongs to.
         bucket_bytes: upper bound on the whole gradients one bucket carries to its preconditioner.
+        bytes_sent: a counter (the communicator's) that gets the bytes this rank sends, under
+            ``"fsdp_rows"`` (gradient and direction rows) and ``"fsdp_kl_clip"``.
     """
+
+    WHAT = "KFAC.step(): the FSDP2 {} of gradient rows"
 
     def __init__(
         self,
@@ -222,8 +226,10 @@ class RowShardedPreconditioner:
         layout: MeshLayout,
         group_for: Callable[[tuple[int, ...]], dist.ProcessGroup | None],
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bytes_sent: Counter[str] | None = None,
     ) -> None:
         self.rank = dist.get_rank()
+        self.bytes_sent: Counter[str] = Counter() if bytes_sent is None else bytes_sent
         self.layout = layout
         self.shapes = dict(blocks)
         self.routes = assign_routes(blocks, grad_workers, rows, layout)
@@ -304,8 +310,7 @@ class RowShardedPreconditioner:
                 in_flight.append((self._scatter(route, received, None), received))
                 continue
             assert gathered is not None  # a preconditioner gathers from its own shard group
-            if work is not None:
-                work.wait()
+            self._wait(work, "gather")
             offset = 0
             for name, size in zip(bucket.names, sizes, strict=True):
                 out, cols = self.shapes[name]
@@ -314,12 +319,9 @@ class RowShardedPreconditioner:
                 direction = precondition(name, whole).to(dtype)
                 _copy_rows(rows, direction)
                 offset += size
-            work = self._scatter(route, received, gathered)
-            if work is not None:
-                work.wait()  # then the bucket's directions can go
+            self._wait(self._scatter(route, received, gathered), "scatter")  # then the bucket's directions can go
         for work, _ in in_flight:
-            if work is not None:
-                work.wait()
+            self._wait(work, "gather and scatter")
         results: dict[str, Tensor] = {}
         for bucket, received in received_parts:
             for name, part in zip(bucket.names, received.split(self._chunk_sizes(bucket)), strict=True):
@@ -330,7 +332,9 @@ class RowShardedPreconditioner:
     def sum_over_shards(self, partial: Tensor) -> Tensor:
         """The sum over this rank's shard group of a per-shard ``partial`` sum (0-dim), in place."""
         if self.layout.shard_size > 1:
-            dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.shard_group)
+            with collective("KFAC.step(): the all-reduce of the KL-clip terms over the FSDP2 shard group", self.shard_group):
+                dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.shard_group)
+            self.bytes_sent["fsdp_kl_clip"] += partial.nbytes
         return partial
 
     # -- helpers -----------------------------------------------------------------------------
@@ -360,7 +364,10 @@ class RowShardedPreconditioner:
         group, members = self._members(route.gather_group)
         gathered = mine.new_empty(len(members), len(mine)) if root else None
         gather_list = None if gathered is None else [gathered[self.layout.shard_index(r)] for r in members]
-        work = dist.gather(mine, gather_list, group=group, group_dst=members.index(route.preconditioner), async_op=True)
+        with collective(self.WHAT.format("gather"), group):
+            work = dist.gather(mine, gather_list, group=group, group_dst=members.index(route.preconditioner), async_op=True)
+        if not root:
+            self.bytes_sent["fsdp_rows"] += mine.nbytes
         return work, gathered
 
     def _scatter(self, route: Route, received: Tensor, send: Tensor | None) -> dist.Work | None:
@@ -373,9 +380,18 @@ class RowShardedPreconditioner:
             return None
         group, members = self._members(route.service_group)
         scatter_list = None if send is None else [send[self.layout.shard_index(r)] for r in members]
-        return dist.scatter(
-            received, scatter_list, group=group, group_src=members.index(route.preconditioner), async_op=True
-        )
+        with collective(self.WHAT.format("scatter"), group):
+            work = dist.scatter(
+                received, scatter_list, group=group, group_src=members.index(route.preconditioner), async_op=True
+            )
+        if send is not None:
+            self.bytes_sent["fsdp_rows"] += (len(members) - 1) * received.nbytes
+        return work
+
+    def _wait(self, work: dist.Work | None, what: str) -> None:
+        if work is not None:
+            with collective(self.WHAT.format(what), None):
+                work.wait()
 
 
 def _copy_rows(rows: Tensor, direction: Tensor) -> None:

@@ -147,6 +147,7 @@ class Sharding:
             layout,
             group_for,
             bucket_bytes,
+            self.comm.bytes_sent,
         )
 
     def is_row_sharded(self, block: str) -> bool:
@@ -164,6 +165,14 @@ class Sharding:
         return self.plan.block(block).owner(factor) == self.rank
 
     # -- factors -----------------------------------------------------------------------------
+
+    def owned_factors(self) -> tuple[str, ...]:
+        """``"<block>.<factor>"`` of every factor this rank decomposes."""
+        return tuple(f"{item.block}.{item.factor}" for item in self.plan.owned(self.rank))
+
+    def bytes_communicated(self) -> dict[str, int]:
+        """The communicator's bytes sent so far, by kind (factors, decompositions, directions)."""
+        return {kind: self.comm.bytes_sent[kind] for kind in ("factors", "decompositions", "directions")}
 
     def factors_folded(self) -> None:
         """Record a factor step: the ranks' running factors may now differ."""
@@ -194,9 +203,10 @@ class Sharding:
             )
         factors = self._factors()
         what = f"{caller}: the all-reduce of the running factors"
-        sums = self.comm.all_reduce_sum([f.running for f in factors], symmetric=True, in_place=True, what=what)
+        running = [f.running for f in factors]
+        sums = self.comm.all_reduce_sum(running, symmetric=True, in_place=True, what=what, tag="factors")
         initialized = torch.stack([f.initialized for f in factors]).to(factors[0].running.dtype)
-        counts = self.comm.all_reduce_sum([initialized], what=what)
+        counts = self.comm.all_reduce_sum([initialized], what=what, tag="factors")
         (ranks,) = counts.wait()
         for factor, total, count in zip(factors, sums.wait(), ranks, strict=True):
             factor.set_global(total, count)
@@ -221,7 +231,8 @@ class Sharding:
             key = factor.decomposed_key
             local.append((1.0, float("nan") if key is None else key[1]) if held else (0.0, 0.0))
         what = "KFAC.step(): the exchange of decompositions"
-        (flags,) = self.comm.all_reduce_sum([torch.tensor(local, dtype=torch.float64, device=device)], what=what).wait()
+        local_flags = torch.tensor(local, dtype=torch.float64, device=device)
+        (flags,) = self.comm.all_reduce_sum([local_flags], what=what, tag="decompositions").wait()
         available = {(item.block, item.factor): (held > 0, shift) for item, (held, shift) in zip(items, flags.tolist())}
         self._ready = {
             name for name in self.blocks if all(available[(name, f)][0] for f in FACTORS)
@@ -241,7 +252,8 @@ class Sharding:
                 tensors = [t for factor, _ in members for t in _as_tensors(factor.decomposition)]
             else:
                 tensors = [t for factor, _ in members for t in _receive_buffers(factor, method, dtype, device)]
-            work = self.comm.broadcast(tensors, src, workers, symmetric=method == "inverse", what=what)
+            work = self.comm.broadcast(tensors, src, workers, symmetric=method == "inverse", what=what,
+                                       tag="decompositions")
             pending.append((src, members, work))
         per_factor = 2 if method == "eigen" else 1
         for src, members, work in pending:
@@ -281,7 +293,7 @@ class Sharding:
                     for n in names
                 ]
             what = "KFAC.step(): the broadcast of preconditioned gradients"
-            pending.append((names, self.comm.broadcast(tensors, src, row, what=what)))
+            pending.append((names, self.comm.broadcast(tensors, src, row, what=what, tag="directions")))
         shared = dict(directions)
         for names, work in pending:
             shared.update(zip(names, work.wait(), strict=True))
