@@ -330,7 +330,7 @@ class RowShardedPreconditioner:
         return results
 
     def sum_over_shards(self, partial: Tensor) -> Tensor:
-        """The sum over this rank's shard group of a per-shard ``partial`` sum (0-dim), in place."""
+        """The sum over this rank's shard group of per-shard ``partial`` sums (any shape), in place."""
         if self.layout.shard_size > 1:
             with collective("KFAC.step(): the all-reduce of the KL-clip terms over the FSDP2 shard group", self.shard_group):
                 dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.shard_group)

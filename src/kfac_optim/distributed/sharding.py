@@ -314,7 +314,7 @@ class Sharding:
         return self.row_sharded.preconditioned_rows(ready, precondition, dtype)
 
     def sum_over_shards(self, partial: Tensor) -> Tensor:
-        """A 0-dim sum over the local rows of FSDP2-sharded parameters, summed over the shards."""
+        """Sums over the local rows of FSDP2-sharded parameters (any shape), summed over the shards."""
         assert self.row_sharded is not None
         return self.row_sharded.sum_over_shards(partial)
 
