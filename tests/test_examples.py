@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import digits
-from examples.recipes import accumulation, amp, resume
+from examples.recipes import accumulation, amp, resume, transformer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +39,14 @@ def test_resume_recipe_continues_bit_identically(tmp_path: Path, capsys: pytest.
     assert resume.main(["--steps", "6", "--checkpoint", str(tmp_path / "checkpoint.pt")]) == 0
     assert "identical to the straight run: True" in capsys.readouterr().out
     assert (tmp_path / "checkpoint.pt").stat().st_size > 0
+
+
+def test_transformer_recipe_trains_and_kfac_preconditions_its_weight_matrices(capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = ["--steps", "8", "--batch-size", "8", "--context", "16", "--width", "32", "--layers", "1", "--heads", "2"]
+    assert transformer.main(tiny) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("KFAC (inverse): 7 blocks precondition")  # describe(): embeddings, attention, MLP, head
+    assert "(decreased: True)" in out and "(>= 95%: True)" in out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch.distributed.run") is None, reason="torchrun unavailable")

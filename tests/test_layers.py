@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import pytest
 import torch
@@ -564,6 +565,38 @@ def test_a_model_with_attention_copies_and_pickles_with_inert_taps() -> None:
     assert all(block.pending_samples == 0 for block in optimizer.blocks)  # the copies record nothing
     layer(torch.randn(5, 3, 8)).sum().backward()
     assert all(block.pending_samples > 0 for block in optimizer.blocks)
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_sequence_first_linear_blocks_count_the_length_as_samples_and_the_optimizer_warns(loss_reduction: str) -> None:
+    """docs/design.md §3: attention blocks count the batch N in either layout, Linear blocks dim 0 of
+    their input. The same layer and batch, sequence-first vs batch-first: every A and attention's G
+    agree; the Linear blocks' G differs by L/N (mean loss) or N/L (sum), and only the sequence-first
+    optimizer warns."""
+    N, L, E = 3, 5, 8
+    torch.manual_seed(0)
+    first = nn.TransformerEncoderLayer(E, 2, 16, dropout=0.0, batch_first=True)
+    seq = nn.TransformerEncoderLayer(E, 2, 16, dropout=0.0, batch_first=False)
+    seq.load_state_dict(first.state_dict())
+    x = torch.randn(N, L, E)
+    reduce = (lambda t: t.sum()) if loss_reduction == "sum" else (lambda t: t.sum() / N)
+    blocks = {}
+    for layer, inputs, batch_dim in ((first, x, 0), (seq, x.transpose(0, 1), 1)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer = KFAC(layer, lr=0.1, loss_reduction=loss_reduction, **DTYPES)
+        notes = [str(w.message) for w in caught if "sequence-first attention" in str(w.message)]
+        assert len(notes) == batch_dim, notes  # a warning for the sequence-first layer only
+        reduce(layer(inputs).pow(2)).backward()
+        optimizer.step()
+        blocks[batch_dim] = {b.name: b for b in optimizer.blocks}
+    assert set(blocks[0]) == {"self_attn.in_proj", "self_attn.out_proj", "linear1", "linear2"}
+    ratio = L / N if loss_reduction == "mean" else N / L
+    for name, block in blocks[0].items():
+        other = blocks[1][name]
+        torch.testing.assert_close(other.A.running, block.A.running, rtol=1e-10, atol=1e-12)
+        scale = ratio if name.startswith("linear") else 1.0
+        torch.testing.assert_close(other.G.running, scale * block.G.running, rtol=1e-10, atol=1e-12)
 
 
 def test_a_module_called_twice_per_forward_adds_both_calls_rows_and_its_samples_once() -> None:

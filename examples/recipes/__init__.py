@@ -1,6 +1,8 @@
-"""Short runnable recipes: K-FAC under DDP, mixed precision, gradient accumulation, checkpoint/resume.
+"""Short runnable recipes: K-FAC under DDP, mixed precision, gradient accumulation, checkpoint/resume,
+and on a transformer.
 
 Each is a module with ``--help``: ``python -m examples.recipes.<name>`` from the repository root
-(``torchrun ... -m examples.recipes.ddp`` for the distributed one). They train a small MLP on a
-synthetic classification task (`toy`), so they need only torch, and each prints what it checks.
+(``torchrun ... -m examples.recipes.ddp`` for the distributed one). Most train a small MLP on a
+synthetic classification task (`toy`); `transformer` trains a character-level language model on
+the source of Python's ``argparse`` module. They need only torch, and each prints what it checks.
 """

@@ -46,6 +46,7 @@ from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.distributed.sharding import Sharding
 from kfac_optim.layers import ModuleReport, discover, discover_blocks
+from kfac_optim.layers.attention import sequence_first_note
 from kfac_optim.layers.registry import SkipLayers
 from kfac_optim.methods import Method, method_named
 from kfac_optim.precision import MixedPrecision
@@ -297,6 +298,9 @@ class KFAC(Optimizer, Joinable):
         for block in self.blocks:
             if hasattr(block, "reduce"):  # blocks with positions to share weights over
                 block.reduce = self.options.weight_sharing == "reduce"
+        note = sequence_first_note(self.blocks)
+        if note is not None:
+            warn_user(note)
         if not self.blocks:
             kinds = ", ".join(sorted({t.__name__ for t in layers.registered_blocks()}))
             warn_user(

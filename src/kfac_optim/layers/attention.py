@@ -162,6 +162,31 @@ class OutProjectionBlock(LinearBlock):
         return _batch_size(inputs)
 
 
+def sequence_first_note(blocks: list[KroneckerBlock]) -> str | None:
+    """A warning for a model whose sample counts may disagree between its blocks (docs/design.md §3).
+
+    Attention blocks count the real batch N whatever ``batch_first``; every other block counts dim
+    0 of its layer's input, which in a sequence-first model is the sequence length L. The note is
+    for models with a sequence-first ``nn.MultiheadAttention`` and some other block; None otherwise.
+    """
+    attention = (InProjectionBlock, ProjectionBlock, OutProjectionBlock)
+    sequence_first = sorted({
+        block.name.rsplit(".", 1)[0] if "." in block.name else "<root>"
+        for block in blocks
+        if isinstance(block, attention) and not block.attention.module.batch_first
+    })
+    others = [block.name for block in blocks if not isinstance(block, attention)]
+    if not sequence_first or not others:
+        return None
+    return (
+        f"sequence-first attention (batch_first=False: {', '.join(sequence_first)}): its blocks count the batch "
+        "as the samples N, while every other block (Linear, Embedding, ...) counts dim 0 of its input; those fed "
+        "(L, N, ...) count N = L, which scales their G by L/N (mean loss; N/L for a sum) against attention's: "
+        "their damping acts as damping·N/L, and their step as N/L times, those of the batch-first model "
+        "(docs/design.md §3). batch_first=True makes every block count N"
+    )
+
+
 class _AttentionCapture:
     """One module's interception of ``F.multi_head_attention_forward``, shared by its blocks."""
 
