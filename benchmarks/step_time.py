@@ -20,7 +20,8 @@ Parts and their floors (the bare torch calls of the same shapes, timed in the sa
                             ``torch.matmul(rowsᵀ, rows, out=)`` on contiguous rows of the same
                             shapes (a full product: the blocked symmetric one can beat it)
   fold                      ``block.fold``; floor: ``running.lerp_(pending)`` + ``pending.zero_()``
-  decompositions            ``factor.decompose`` (cache key reset); floor ``torch.linalg.eigh``
+  decompositions            ``factor.decompose`` (cache key reset, rank thresholds as the optimizer
+                            passes them); floor ``torch.linalg.eigh``
                             (eigen) or ``cholesky`` + ``cholesky_inverse`` (inverse) of the same
                             factor. Timed once per distinct factor size (eigh of a 4608² factor
                             takes seconds), multiplied by how many factors have that size.
@@ -337,10 +338,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for dim, members in sorted(by_dim.items()):
             block, name, factor = members[0]
             shift = block.shifts(method_named(method), damping)[name]
+            drop_below = block.rank_thresholds(method_named(method), damping)[name]
 
             def part() -> None:
                 factor.decomposed_key = None
-                factor.decompose(method_named(method), shift, torch.float32)
+                factor.decompose(method_named(method), shift, torch.float32, drop_below)
 
             def floor() -> None:
                 if method == "eigen":

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks import amp_steps, comm_bytes, scaling, step_time
+from benchmarks import amp_steps, comm_bytes, scaling, step_time, whole_steps
 from kfac_optim.optimizer import block_dims
 
 
@@ -82,6 +82,20 @@ def test_amp_steps_compares_fp16_with_fp32_and_writes_json_and_a_plot(tmp_path: 
     assert fp16["skipped_at"][0] == 0 and fp16["optimizer_steps"] == 6 - fp16["skipped"]
     assert fp16["final_scale"] < 2.0**40
     assert all(len(run["train_loss"]) == 6 for run in saved)
+
+
+def test_whole_steps_times_each_run_and_compares_rank_aware_preconditioning(tmp_path: Path) -> None:
+    payload = whole_steps.main(["--model", "mlp", "--image-size", "4", "--batch-size", "8", "--steps", "3",
+                                "--factor-interval", "1", "--inverse-interval", "2",
+                                "--runs", "sync", "async", "--precondition", "--repeats", "1",
+                                "--out", str(tmp_path)])
+    runs = payload["runs"]
+    assert set(runs) == {"sync", "async"}
+    assert all(len(r["times_s"]) == 3 and r["first_s"] > 0 for r in runs.values())
+    precondition = runs["sync"]["precondition"]
+    # 3·4·4 = 48 inputs + bias, 3 folds of 8 rows: A's rank ≤ 24 ≤ 49/2, held thin; full is 49 columns.
+    assert precondition["dim_and_columns"]["1.A"][0] == 49 and precondition["dim_and_columns"]["1.A"][1] < 49
+    assert (tmp_path / "whole_steps.json").exists() and (tmp_path / "whole_steps.png").exists()
 
 
 def test_norm_blocks_trains_every_variant_and_writes_json_and_a_plot(tmp_path: Path) -> None:

@@ -34,8 +34,11 @@ class Method(ABC):
     name: str
 
     @abstractmethod
-    def decompose(self, factor: Factor, shift: float, dtype: torch.dtype) -> Decomposition | None:
-        """The decomposition of ``factor.running`` in ``dtype`` (None: it failed in float32 and float64)."""
+    def decompose(
+        self, factor: Factor, shift: float, dtype: torch.dtype, drop_below: float | None = None
+    ) -> Decomposition | None:
+        """The decomposition of ``factor.running`` in ``dtype`` (None: it failed in float32 and float64).
+        ``drop_below``: eigenvalues that may count as 0 (``KroneckerBlock.rank_thresholds``)."""
 
     @abstractmethod
     def shifts(self, a: Factor, g: Factor, damping: float) -> tuple[float, float]:
@@ -50,9 +53,14 @@ class Method(ABC):
         """The tensors ``factor``'s decomposition travels as, in a fixed order."""
 
     @abstractmethod
-    def buffers(self, factor: Factor, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-        """Receive buffers shaped as :meth:`tensors` for ``factor`` (its decomposition's storage
-        when it has the right layout, so receivers do not allocate fresh pages every time)."""
+    def buffers(self, factor: Factor, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
+        """Receive buffers shaped as :meth:`tensors` for ``factor`` whose owner's decomposition has
+        ``columns`` (:meth:`columns`) (its decomposition's storage when it has the right layout, so
+        receivers do not allocate fresh pages every time)."""
+
+    def columns(self, factor: Factor) -> int:
+        """The last dimension of ``factor``'s decomposition's first tensor (``r`` of a thin ``Q``)."""
+        return self.tensors(factor)[0].shape[-1]
 
     @abstractmethod
     def from_tensors(self, factor: Factor, parts: Sequence[Tensor]) -> Decomposition:
@@ -90,10 +98,12 @@ class Eigen(Method):
 
     name = "eigen"
 
-    def decompose(self, factor: Factor, shift: float, dtype: torch.dtype) -> Decomposition | None:
+    def decompose(
+        self, factor: Factor, shift: float, dtype: torch.dtype, drop_below: float | None = None
+    ) -> Decomposition | None:
         if factor.diagonal:
             return factor.running.clamp(min=0).to(dtype)
-        return linalg.symmetric_eigen(factor.running, dtype)
+        return linalg.symmetric_eigen(factor.running, dtype, drop_below, factor.rank_bound)
 
     def shifts(self, a: Factor, g: Factor, damping: float) -> tuple[float, float]:
         return 0.0, 0.0
@@ -120,12 +130,12 @@ class Eigen(Method):
         assert decomposition is not None
         return [decomposition] if factor.diagonal else [decomposition.Q, decomposition.d]
 
-    def buffers(self, factor: Factor, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    def buffers(self, factor: Factor, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
         batch, n = factor.batch_shape, factor.dim
         if factor.diagonal:
             wanted = [((n,), dtype)]
-        else:
-            wanted = [((*batch, n, n), dtype), ((*batch, n), dtype)]
+        else:  # Q (..., n, r), d (..., r): r < n when held thin (linalg.symmetric_eigen)
+            wanted = [((*batch, n, columns), dtype), ((*batch, columns), dtype)]
         held = None
         if factor.decomposition is not None and isinstance(factor.decomposition, linalg.Eigen) != factor.diagonal:
             held = self.tensors(factor)
@@ -148,7 +158,9 @@ class DampedInverse(Method):
 
     name = "inverse"
 
-    def decompose(self, factor: Factor, shift: float, dtype: torch.dtype) -> Decomposition | None:
+    def decompose(
+        self, factor: Factor, shift: float, dtype: torch.dtype, drop_below: float | None = None
+    ) -> Decomposition | None:
         if factor.diagonal:
             inverse = (factor.running.clamp(min=0) + shift).reciprocal().to(dtype)
             return inverse if bool(torch.isfinite(inverse.sum())) else None
@@ -171,7 +183,7 @@ class DampedInverse(Method):
         assert factor.decomposition is not None
         return [factor.decomposition]
 
-    def buffers(self, factor: Factor, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    def buffers(self, factor: Factor, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
         shape = (factor.dim,) if factor.diagonal else (*factor.batch_shape, factor.dim, factor.dim)
         held = None
         if isinstance(factor.decomposition, Tensor):

@@ -11,7 +11,8 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
     ∇ ← ∇ / s under GradScaler;          batch G ← batch G / s²                    (loss scale s)
     if k % factor_update_steps(k) == 0:  A, G ← decay·(A, G) + (1 − decay)·(batch A, batch G)
                                          (batch G from the training loss, or from sample_fisher)
-    if k % inv_update_steps(k) == 0:     refresh eig(A), eig(G)   (or the π-damped inverses)
+    if k % inv_update_steps(k) == 0:     refresh eig(A), eig(G)   (or the π-damped inverses;
+                                         async_decompositions: adopt the worker's last round, start one)
     V   = (G ⊗ A + λI)⁻¹ ∇W                               (per layer)
     ν   = min(1, sqrt(kl_clip / |Σ_layers lr² ⟨V, ∇W⟩|))
     d   = ν·V  for K-FAC parameters,  ∇p  for every other parameter
@@ -39,6 +40,7 @@ from torch.profiler import record_function
 from kfac_optim import fisher as fisher_lib
 from kfac_optim import linalg
 from kfac_optim import layers
+from kfac_optim.background import BackgroundDecompositions, Job
 from kfac_optim.capture import StatisticsCapture
 from kfac_optim.checkpoint import KFACState
 from kfac_optim.diagnostics import warn_user
@@ -216,6 +218,18 @@ class KFAC(Optimizer, Joinable):
         grad_scaler: the ``torch.amp.GradScaler`` of a loop that calls ``scaler.unscale_(optimizer)``
             before ``scaler.step(optimizer)`` (gradient clipping): its scale corrects the K-FAC
             statistics then. Not needed otherwise (``scaler.step`` passes the scale); see ``precision``.
+        async_decompositions: compute decompositions on a background worker (a thread; on CUDA
+            its own stream) while training goes on. A round starts at a decomposition step with
+            snapshots of the factors and is adopted at the next decomposition step (waiting for
+            the worker if it has not finished), the same step on every rank; meanwhile layers
+            precondition with the decompositions they hold, so they are one refresh older than
+            in the synchronous mode (Ba et al., 2017). A factor's first decomposition is computed
+            in line. A round in flight is not part of ``state_dict()``.
+        async_delay: with ``async_decompositions``, adopt a round this many steps after the
+            decomposition step that started it (before that step's preconditioning, waiting for
+            the worker if needed), or at the next decomposition step if that comes first. None
+            (default): at the next decomposition step. 1 keeps layers one step stale and
+            overlaps the decompositions with one step's forward and backward.
 
     Mixed precision: ``scaler.step(optimizer)`` with a ``torch.amp.GradScaler`` skips the whole
     step on inf/nan gradients (factors, momentum, step count and parameters untouched) and
@@ -253,6 +267,8 @@ class KFAC(Optimizer, Joinable):
         maximize: bool = False,
         foreach: bool | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        async_decompositions: bool = False,
+        async_delay: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -260,6 +276,12 @@ class KFAC(Optimizer, Joinable):
             check_hyperparameter(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov requires momentum > 0 and dampening = 0")
+        if not isinstance(async_decompositions, bool):
+            raise TypeError(f"async_decompositions must be a bool, got {type(async_decompositions).__name__}")
+        if async_delay is not None and (isinstance(async_delay, bool) or not isinstance(async_delay, int)):
+            raise TypeError(f"async_delay must be an int or None, got {type(async_delay).__name__}")
+        if async_delay is not None and async_delay < 1:
+            raise ValueError(f"async_delay must be >= 1, got {async_delay}")
         skip_layers = check_skip_layers(skip_layers)
         self.options = KFACOptions(
             damping=damping,
@@ -321,6 +343,9 @@ class KFAC(Optimizer, Joinable):
         self._precision = MixedPrecision(self, grad_scaler, statistics_loss_scaled=empirical)
         self._capture = StatisticsCapture(self.blocks, self._precision.accumulate, every_backward=empirical)
         self._join = JoinSupport(self, model)
+        self._background = BackgroundDecompositions() if async_decompositions else None
+        self._async_delay = async_delay
+        self._adopt_at: int | None = None  # the step at which the round in flight is adopted
         self._steps = 0
         self._warned_nothing_sampled = False
         self._warned_graph_backward = False
@@ -513,6 +538,9 @@ class KFAC(Optimizer, Joinable):
             self.discard_pending_statistics()
         if self.is_inverse_step(step):
             self._decomposition_step(damping)
+        elif self._adopt_at == step:  # async_delay: adopt the round in flight, the same step on every rank
+            self._adopt_background_round()
+            self._sharding.share_decompositions(self.options.method, self.options.inv_dtype)
 
     def _warn_about_silent_blocks(self) -> None:
         """At the first factor step with any statistics: warn once about blocks whose hooks never
@@ -542,18 +570,52 @@ class KFAC(Optimizer, Joinable):
             self._warned_graph_backward = True
 
     def _decomposition_step(self, damping: float, only_missing: bool = False) -> None:
-        """Make the factors global (lazy reduction), decompose what this rank owns, share them."""
+        """Make the factors global (lazy reduction), decompose what this rank owns, share them.
+
+        With ``async_decompositions``: first adopt the round the worker was given at the previous
+        decomposition step (waiting for it if needed), then decompose in line only the factors
+        that have no decomposition yet, share, and hand the rest to the worker as snapshots.
+        """
         with record_function("kfac.reduce_factors"):
             self._sharding.synchronize_factors()
+        if self._background is not None and not only_missing:
+            self._adopt_background_round()
         self._update_decompositions(damping, only_missing)
         with record_function("kfac.share_decompositions"):
             self._sharding.share_decompositions(self.method, self.options.inv_dtype)
 
+    def _adopt_background_round(self) -> None:
+        """Hold the decompositions of the worker's round (reporting the ones that failed)."""
+        assert self._background is not None
+        self._adopt_at = None
+        for job, result in self._background.collect():
+            block, name = job.owner
+            if result is None:
+                self._report_failure(block, name)
+            else:
+                block.factors[name].adopt(result, job.method.keyed_shift(job.shift), job.version)
+
+    def _report_failure(self, block: KroneckerBlock, name: str) -> None:
+        """One warning for a failed decomposition of factor ``name`` of ``block``."""
+        block.failures += 1
+        kept = (
+            "its last good decomposition is kept"
+            if block.factors[name].decomposition is not None
+            else "it has no decomposition yet, so the layer takes the SGD direction until one succeeds"
+        )
+        warn_user(
+            f"K-FAC layer '{block.name}': the {self.method.name} decomposition of {name} failed, float64 "
+            f"retry included ({block.failures} failure(s) so far); {kept}",
+            RuntimeWarning,
+        )
+
     @record_function("kfac.decompose")
     def _update_decompositions(self, damping: float, only_missing: bool = False) -> None:
         """Refresh the decompositions of the initialized factors this rank owns (every factor on
-        one process; with ``only_missing`` only those without one); report discards and failures."""
+        one process; with ``only_missing`` only those without one); report discards and failures.
+        With ``async_decompositions``, factors that hold a decomposition go to the worker."""
         method, inv_dtype = self.method, self.options.inv_dtype
+        jobs: list[Job] = []
         factors = [(block, name, factor) for block in self.blocks for name, factor in block.factors.items()]
         if not factors:
             return
@@ -576,14 +638,17 @@ class KFAC(Optimizer, Joinable):
             if only_missing and factor.decomposition is not None:
                 continue
             shift = block.shifts(method, damping)[name]
-            if not factor.decompose(method, shift, inv_dtype):
-                block.failures += 1
-                logger.warning("decomposition of %s of layer %s failed (%d so far)", name, block.name, block.failures)
-                warn_user(
-                    f"K-FAC layer '{block.name}': the {method.name} decomposition of {name} failed in float32 and "
-                    "float64; the last good decomposition is kept",
-                    RuntimeWarning,
-                )
+            if not factor.needs_decomposition(method, shift):
+                continue
+            drop_below = block.rank_thresholds(method, damping)[name]
+            if self._background is not None and factor.decomposition is not None and not only_missing:
+                jobs.append(Job((block, name), factor.snapshot(), factor.version, method, shift, inv_dtype, drop_below))
+            elif not factor.decompose(method, shift, inv_dtype, drop_below):
+                self._report_failure(block, name)
+        if self._background is not None:
+            self._background.submit(jobs)
+            if jobs and self._async_delay is not None:
+                self._adopt_at = self._steps + self._async_delay
 
     def _report_nonfinite_directions(self, parameter_counts: list[int]) -> None:
         """Warn about layers whose direction was non-finite since the last report (see the KL clip)."""
@@ -782,6 +847,9 @@ class KFAC(Optimizer, Joinable):
         self._restore_kfac_state(kfac_state["steps"], self._validate_kfac_state(kfac_state))
 
     def _restore_kfac_state(self, steps: int, saved: dict[str, Any]) -> None:
+        if self._background is not None:  # a round in flight decomposes the factors being replaced
+            self._background.close()
+            self._adopt_at = None
         self._steps = int(steps)
         for block in self.blocks:
             if block.name in saved:

@@ -219,10 +219,11 @@ class Sharding:
         symmetric = [f.running.dim() == 2 for f in factors]  # one (n, n) matrix: its triangle travels
         sums = self.comm.all_reduce_sum(running, symmetric=symmetric, in_place=True, what=what, tag="factors")
         initialized = torch.stack([f.initialized for f in factors]).to(factors[0].running.dtype)
-        counts = self.comm.all_reduce_sum([initialized], what=what, tag="factors")
-        (ranks,) = counts.wait()
-        for factor, total, count in zip(factors, sums.wait(), ranks, strict=True):
-            factor.set_global(total, count)
+        rows = torch.tensor([f.rows_since_sync for f in factors], dtype=torch.float64, device=initialized.device)
+        counts = self.comm.all_reduce_sum([initialized, rows], what=what, tag="factors")
+        ranks, row_sums = counts.wait()
+        for factor, total, count, row_sum in zip(factors, sums.wait(), ranks, row_sums.tolist(), strict=True):
+            factor.set_global(total, count, int(row_sum))
         self._folded = False
 
     # -- decompositions ----------------------------------------------------------------------
@@ -242,30 +243,36 @@ class Sharding:
             factor = self.blocks[item.block].factors[item.factor]
             held = self.decomposes(item.block, item.factor) and factor.decomposition is not None
             key = factor.decomposed_key
-            local.append((1.0, float("nan") if key is None else key[1]) if held else (0.0, 0.0))
+            columns = method.columns(factor) if held else 0
+            local.append((1.0, float("nan") if key is None else key[1], columns) if held else (0.0, 0.0, 0))
         what = "KFAC.step(): the exchange of decompositions"
         local_flags = torch.tensor(local, dtype=torch.float64, device=device)
         (flags,) = self.comm.all_reduce_sum([local_flags], what=what, tag="decompositions").wait()
-        available = {(item.block, item.factor): (held > 0, shift) for item, (held, shift) in zip(items, flags.tolist())}
+        available = {
+            (item.block, item.factor): (held > 0, shift, int(columns))
+            for item, (held, shift, columns) in zip(items, flags.tolist())
+        }
         self._ready = {
             name for name in self.blocks if all(available[(name, f)][0] for f in FACTORS)
         }
         if not self.plan.broadcasts_decompositions:
             return
-        sends: dict[tuple[tuple[int, ...], int], list[tuple[Factor, float]]] = defaultdict(list)
+        sends: dict[tuple[tuple[int, ...], int], list[tuple[Factor, float, int]]] = defaultdict(list)
         for item in items:
             block_plan = self.plan.block(item.block)
-            held, shift = available[(item.block, item.factor)]
+            held, shift, columns = available[(item.block, item.factor)]
             if held and self.rank in block_plan.grad_workers:
                 factor = self.blocks[item.block].factors[item.factor]
-                sends[(block_plan.grad_workers, block_plan.owner(item.factor))].append((factor, shift))
-        pending: list[tuple[int, list[tuple[Factor, float]], Pending]] = []
+                sends[(block_plan.grad_workers, block_plan.owner(item.factor))].append((factor, shift, columns))
+        pending: list[tuple[int, list[tuple[Factor, float, int]], Pending]] = []
         for (workers, src), members in sorted(sends.items(), key=lambda kv: kv[0]):
             if src == self.rank:
-                tensors = [t for factor, _ in members for t in method.tensors(factor)]
+                tensors = [t for factor, _, _ in members for t in method.tensors(factor)]
             else:
-                tensors = [t for factor, _ in members for t in method.buffers(factor, dtype, device)]
-            symmetric = [flag for factor, _ in members for flag in method.symmetric(factor)]
+                tensors = [
+                    t for factor, _, columns in members for t in method.buffers(factor, dtype, device, columns)
+                ]
+            symmetric = [flag for factor, _, _ in members for flag in method.symmetric(factor)]
             work = self.comm.broadcast(tensors, src, workers, symmetric=symmetric, what=what, tag="decompositions")
             pending.append((src, members, work))
         for src, members, work in pending:
@@ -273,7 +280,7 @@ class Sharding:
             if src == self.rank:
                 continue
             start = 0
-            for factor, shift in members:
+            for factor, shift, _ in members:
                 count = len(method.symmetric(factor))
                 factor.adopt(method.from_tensors(factor, received[start : start + count]), shift)
                 start += count

@@ -12,6 +12,7 @@ over the N·R rows of N samples since the last fold.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -63,6 +64,10 @@ class Factor:
         self.discarded = torch.zeros((), dtype=torch.int64, device=device)
         self.reported_discards = 0
         self.version = 0
+        # Rows folded so far: globally as of the last set_global, and locally since. Their sum
+        # bounds the running factor's rank (a decayed sum of Gram matrices); None: unknown.
+        self.rows_synced: int | None = 0
+        self.rows_since_sync = 0
         self.decomposition: linalg.Eigen | Tensor | None = None
         self.decomposed_key: tuple[int, float] | None = None
 
@@ -136,40 +141,62 @@ class Factor:
         self.initialized |= finite
         self.discarded += ~finite
         self.version += 1
+        self.rows_since_sync += self.pending_rows
         self.clear_pending()
 
-    def decompose(self, method: Method, shift: float, dtype: torch.dtype) -> bool:
+    def snapshot(self) -> Factor:
+        """A shallow copy holding a copy of ``running``: what a background decomposition reads
+        while this factor keeps folding (see ``kfac_optim.background``)."""
+        copied = copy.copy(self)
+        copied.running = self.running.clone()
+        return copied
+
+    @property
+    def rank_bound(self) -> int | None:
+        """An upper bound of the running factor's rank (the rows folded into it), None if unknown."""
+        return None if self.rows_synced is None else self.rows_synced + self.rows_since_sync
+
+    def decompose(self, method: Method, shift: float, dtype: torch.dtype, drop_below: float | None = None) -> bool:
         """Refresh the decomposition unless the factor and shift are unchanged since the last one.
 
-        ``method`` decides what is held (e.g. ``Q diag(d) Qᵀ``, or ``(F + shift·I)⁻¹``) and
-        which part of ``shift`` it depends on. Returns False when it failed (the old one is kept).
+        ``method`` decides what is held (e.g. ``Q diag(d) Qᵀ``, thin when few eigenvalues are above
+        ``drop_below`` (see ``linalg.symmetric_eigen``, which also uses :attr:`rank_bound`), or
+        ``(F + shift·I)⁻¹``) and which part of ``shift`` it depends on. Returns False when it
+        failed (the old one is kept).
         """
-        key = (self.version, method.keyed_shift(shift))
-        if key == self.decomposed_key:
+        if not self.needs_decomposition(method, shift):
             return True
-        result = method.decompose(self, shift, dtype)
+        result = method.decompose(self, shift, dtype, drop_below)
         if result is None:
             return False
-        self.decomposition = result
-        self.decomposed_key = key
+        self.adopt(result, method.keyed_shift(shift))
         return True
 
-    def set_global(self, total: Tensor, ranks: Tensor) -> None:
+    def needs_decomposition(self, method: Method, shift: float) -> bool:
+        """Whether the factor or the shift changed since the decomposition held (or none is held)."""
+        return (self.version, method.keyed_shift(shift)) != self.decomposed_key
+
+    def set_global(self, total: Tensor, ranks: Tensor, rows: int) -> None:
         """Become the mean of several ranks' running factors (distributed training).
 
         ``total``: shaped as ``running``, the sum of the ranks' running factors, where a rank whose
-        factor is not initialized contributed zeros; ``ranks``: 0-dim, how many were initialized.
-        The result is initialized if any was, and counts as a new version of the factor.
+        factor is not initialized contributed zeros; ``ranks``: 0-dim, how many were initialized;
+        ``rows``: the sum of the ranks' ``rows_since_sync``. The result is initialized if any was,
+        and counts as a new version of the factor.
         """
         self.running = total.div_(ranks.clamp(min=1))
         self.initialized = ranks > 0
         self.version += 1
+        if self.rows_synced is not None:
+            self.rows_synced += rows
+        self.rows_since_sync = 0
 
-    def adopt(self, decomposition: linalg.Eigen | Tensor | None, shift: float) -> None:
-        """Hold ``decomposition`` of the current running factor, computed elsewhere with ``shift``
-        (None: hold none)."""
+    def adopt(self, decomposition: linalg.Eigen | Tensor | None, shift: float, version: int | None = None) -> None:
+        """Hold ``decomposition`` of the running factor at ``version`` (default: the current one),
+        computed elsewhere with ``shift`` (None: hold none)."""
         self.decomposition = decomposition
-        self.decomposed_key = None if decomposition is None else (self.version, shift)
+        version = self.version if version is None else version
+        self.decomposed_key = None if decomposition is None else (version, shift)
 
     def state_dict(self) -> dict[str, Any]:
         """The running factor, its health counters and its decomposition (None if none yet)."""
@@ -181,6 +208,7 @@ class Factor:
             "initialized": self.initialized,
             "discarded": self.discarded,
             "version": self.version,
+            "rank_bound": self.rank_bound,
             "decomposition": decomposition,
             "decomposed_key": self.decomposed_key,
         }
@@ -208,6 +236,9 @@ class Factor:
                 raise ValueError(f"'{field}' must be a tensor, got {type(tensor).__name__}")
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise ValueError(f"'{field}' is non-finite")
+        bound = state.get("rank_bound")
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+            raise ValueError(f"'rank_bound' must be None or an int >= 0, got {bound!r}")
         storage = self.storage_shape(self.dim, self.groups)
         expected = {"running": storage, "initialized": (), "discarded": (), "decomposition": storage}
         if isinstance(decomposition, dict):
@@ -227,6 +258,7 @@ class Factor:
         self.discarded = state["discarded"].to(device, copy=True)
         self.reported_discards = int(self.discarded)
         self.version = int(state["version"])
+        self.rows_synced, self.rows_since_sync = state.get("rank_bound"), 0  # None: saved without one
         decomposition = state["decomposition"]
         if isinstance(decomposition, dict):
             decomposition = linalg.Eigen(Q=decomposition["Q"].to(device), d=decomposition["d"].to(device))
@@ -436,6 +468,16 @@ class KroneckerBlock(ABC):
         """Per-factor damping shifts of ``method`` (e.g. none for eigen, ``π√λ`` / ``√λ/π`` for inverse)."""
         a_shift, g_shift = method.shifts(self.A, self.G, damping)
         return {"A": a_shift, "G": g_shift}
+
+    def rank_thresholds(self, method: Method, damping: float) -> dict[FactorName, float | None]:
+        """Per-factor eigenvalue thresholds below which the eigen solve treats eigenvalues as 0
+        (:func:`linalg.rank_threshold`, from the other factor's trace): for the eigen method on
+        two dense ungrouped factors (the solve of ``linalg.eigen_precondition``); None otherwise."""
+        a, g = self.A, self.G
+        if method.name != "eigen" or a.diagonal or g.diagonal or a.groups > 1 or g.groups > 1:
+            return {"A": None, "G": None}
+        traces = torch.stack([torch.trace(a.running), torch.trace(g.running)]).tolist()
+        return {"A": linalg.rank_threshold(damping, traces[1]), "G": linalg.rank_threshold(damping, traces[0])}
 
     def grad_matrix(self) -> Tensor | None:
         """The joint gradient ``[∇W | ∇b]`` (see :meth:`direction_shape`), or None if ``W`` has no grad."""

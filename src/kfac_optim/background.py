@@ -1,0 +1,111 @@
+"""Decompositions off the critical path: ``KFAC(async_decompositions=True)``.
+
+Owns: one worker thread that decomposes a round of factor snapshots, and handing the results
+back when the optimizer collects them.
+Must not know: layers, ranks, schedules (the optimizer decides what to snapshot and when to
+collect; see ``KFAC._decomposition_step`` for the step at which results are adopted).
+
+The worker only reads its snapshots (copies taken on the optimizer's thread), so the optimizer
+keeps folding into the running factors meanwhile. On CUDA the worker runs on its own stream,
+after the snapshots are written (an event recorded on the submitting stream), and collecting
+makes the collecting stream wait for the worker's. Memory: one snapshot per factor in the round
+until it is collected.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from kfac_optim import linalg
+
+if TYPE_CHECKING:
+    from kfac_optim.layers.base import Factor
+    from kfac_optim.methods import Method
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Job:
+    """Decompose ``factor`` (a :meth:`Factor.snapshot` taken at ``version``) by ``method`` with
+    ``shift``, ``dtype`` and ``drop_below`` (see ``Method.decompose``). ``owner`` is the caller's tag
+    (e.g. its block and factor name)."""
+
+    owner: Any
+    factor: Factor
+    version: int
+    method: Method
+    shift: float
+    dtype: torch.dtype
+    drop_below: float | None
+
+
+Result = linalg.Eigen | Tensor | None
+
+
+class BackgroundDecompositions:
+    """At most one round in flight: :meth:`submit` a list of jobs, :meth:`collect` their results."""
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._jobs: list[Job] = []
+        self._round: Future[tuple[list[Result], torch.cuda.Event | None]] | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._round is not None
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Start decomposing ``jobs`` on the worker (a no-op for none). A round must not be in flight."""
+        if not jobs:
+            return
+        if self._round is not None:
+            raise RuntimeError("a round of decompositions is already in flight; collect it first")
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kfac-decompositions")
+        device = jobs[0].factor.running.device
+        stream = ready = None
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+            ready = torch.cuda.current_stream(device).record_event()
+        self._jobs = jobs
+        self._round = self._executor.submit(_run, jobs, stream, ready)
+        logger.debug("submitted %d decompositions to the worker", len(jobs))
+
+    def collect(self) -> list[tuple[Job, Result]]:
+        """The in-flight round's jobs with their results (None: failed), waiting for the worker if
+        it has not finished; ``[]`` when no round is in flight. Re-raises a worker's exception."""
+        if self._round is None:
+            return []
+        future, jobs = self._round, self._jobs
+        self._round, self._jobs = None, []
+        results, done = future.result()
+        if done is not None:
+            torch.cuda.current_stream(jobs[0].factor.running.device).wait_event(done)
+        return list(zip(jobs, results, strict=True))
+
+    def close(self) -> None:
+        """Wait for the worker and stop it (results of a round in flight are dropped)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._round, self._jobs = None, []
+
+
+def _run(
+    jobs: list[Job], stream: torch.cuda.Stream | None, ready: torch.cuda.Event | None
+) -> tuple[list[Result], torch.cuda.Event | None]:
+    """The worker's round: every job's decomposition, and on CUDA an event recorded after them."""
+    with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else nullcontext():
+        if stream is not None and ready is not None:
+            stream.wait_event(ready)
+        results = [job.method.decompose(job.factor, job.shift, job.dtype, job.drop_below) for job in jobs]
+        done = stream.record_event() if stream is not None else None
+    return results, done

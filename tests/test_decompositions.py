@@ -1,0 +1,233 @@
+"""Decompositions that do not fail on rank-deficient factors, and the thin (rank-aware) eigen solve.
+
+Dense references: ``torch.kron`` of the factors and a direct solve of ``(G ⊗ A + λI) v = vec(∇W)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac_optim import KFAC, linalg
+
+
+def kron_solve(G: torch.Tensor, A: torch.Tensor, grad: torch.Tensor, damping: float) -> torch.Tensor:
+    """(G ⊗ A + λI)⁻¹ vec(∇W) with the row-major vec that torch.kron matches."""
+    dense = torch.kron(G, A) + damping * torch.eye(G.shape[0] * A.shape[0], dtype=G.dtype)
+    return torch.linalg.solve(dense, grad.reshape(-1)).reshape(grad.shape)
+
+
+def low_rank_gram(dim: int, rank: int, zero_rows: int = 0) -> torch.Tensor:
+    """A float64 PSD ``(dim, dim)`` Gram matrix of ``rank`` rows, the first ``zero_rows`` rows and
+    columns exactly 0 (as a zero-padded convolution's)."""
+    rows = torch.randn(rank, dim, dtype=torch.float64)
+    rows[:, :zero_rows] = 0
+    return rows.T @ rows / rank
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("zero_rows", [0, 5])
+def test_thin_eigen_solve_is_the_dense_damped_kronecker_solve(zero_rows: int) -> None:
+    A, G = low_rank_gram(24, 3, zero_rows), low_rank_gram(10, 2)
+    grad = torch.randn(10, 24, dtype=torch.float64)
+    damping = 1e-2
+    eig_a = linalg.symmetric_eigen(A, torch.float64, linalg.rank_threshold(damping, float(G.trace())))
+    eig_g = linalg.symmetric_eigen(G, torch.float64, linalg.rank_threshold(damping, float(A.trace())))
+    assert eig_a is not None and eig_g is not None
+    assert eig_a.Q.shape == (24, 3) and eig_g.Q.shape == (10, 2)  # the rank, not the size
+    assert relative_error(eig_a.Q @ torch.diag(eig_a.d) @ eig_a.Q.T, A) < 1e-12
+    direction = linalg.eigen_precondition(grad, eig_a, eig_g, damping)
+    assert relative_error(direction, kron_solve(G, A, grad, damping)) < 1e-6
+    # One side thin, the other full.
+    full_g = linalg.symmetric_eigen(G, torch.float64)
+    assert full_g is not None and not full_g.thin
+    direction = linalg.eigen_precondition(grad, eig_a, full_g, damping)
+    assert relative_error(direction, kron_solve(G, A, grad, damping)) < 1e-6
+
+
+def test_a_factor_of_few_rows_is_decomposed_through_its_range() -> None:
+    # rank_bound rows: eigh of a (bound + oversampling)² matrix instead of the 160² one.
+    A, G = low_rank_gram(160, 10, zero_rows=4), low_rank_gram(6, 6)
+    grad = torch.randn(6, 160, dtype=torch.float64)
+    damping = 1e-2
+    eig_a = linalg.symmetric_eigen(A, torch.float64, linalg.rank_threshold(damping, float(G.trace())), rank_bound=10)
+    eig_g = linalg.symmetric_eigen(G, torch.float64, linalg.rank_threshold(damping, float(A.trace())), rank_bound=6)
+    assert eig_a is not None and eig_g is not None and eig_a.Q.shape == (160, 10)
+    assert relative_error(eig_a.Q @ torch.diag(eig_a.d) @ eig_a.Q.T, A) < 1e-10
+    assert relative_error(linalg.eigen_precondition(grad, eig_a, eig_g, damping), kron_solve(G, A, grad, damping)) < 1e-6
+
+
+def test_factors_count_the_rows_that_bound_their_rank() -> None:
+    conv = nn.Conv2d(3, 4, 3)
+    optimizer = KFAC(conv, lr=0.1, inv_update_steps=100)
+    for _ in range(3):
+        conv(torch.randn(5, 3, 6, 6)).square().mean().backward()
+        optimizer.step()
+    block = optimizer.blocks[0]
+    assert block.A.rank_bound == block.G.rank_bound == 3 * 5 * 4 * 4  # 3 batches of 5 samples, 4x4 positions
+    assert torch.linalg.matrix_rank(block.A.running.double()) <= block.A.rank_bound
+    restored = KFAC(nn.Conv2d(3, 4, 3), lr=0.1)
+    restored.load_state_dict(optimizer.state_dict())
+    assert restored.blocks[0].A.rank_bound == 240
+
+
+def test_dropped_eigenvalues_change_the_solve_by_at_most_the_documented_tolerance() -> None:
+    # Full rank, with a tail of eigenvalues just under the threshold: they are dropped (thin),
+    # and the direction moves by no more than RANK_RTOL relative.
+    damping = 1e-2
+    G = low_rank_gram(8, 8)
+    basis, _ = torch.linalg.qr(torch.randn(30, 30, dtype=torch.float64))
+    threshold = linalg.rank_threshold(damping, float(G.trace()))
+    spectrum = torch.cat([torch.full((24,), 0.9 * threshold, dtype=torch.float64), torch.rand(6, dtype=torch.float64) + 1])
+    A = basis @ torch.diag(spectrum) @ basis.T
+    eig_a = linalg.symmetric_eigen(A, torch.float64, threshold)
+    eig_g = linalg.symmetric_eigen(G, torch.float64)
+    assert eig_a is not None and eig_g is not None and eig_a.Q.shape == (30, 6)
+    grad = torch.randn(8, 30, dtype=torch.float64)
+    assert relative_error(linalg.eigen_precondition(grad, eig_a, eig_g, damping), kron_solve(G, A, grad, damping)) < linalg.RANK_RTOL
+
+
+def test_zero_rows_are_deflated_exactly_in_a_full_decomposition() -> None:
+    # Zero rows and columns, full rank elsewhere: full Q with the zero rows' unit vectors.
+    A = low_rank_gram(12, 40, zero_rows=3)
+    eig = linalg.symmetric_eigen(A, torch.float64)
+    assert eig is not None and eig.Q.shape == (12, 12)
+    assert torch.equal(eig.d[:3], torch.zeros(3, dtype=torch.float64))
+    assert relative_error(eig.Q @ torch.diag(eig.d) @ eig.Q.T, A) < 1e-12
+    assert torch.allclose(eig.Q.T @ eig.Q, torch.eye(12, dtype=torch.float64), atol=1e-12)
+    # A zero factor: thin with no columns (the solve is ∇/λ), or the identity basis.
+    zero = torch.zeros(4, 4)
+    assert linalg.symmetric_eigen(zero, torch.float32, 0.0).Q.shape == (4, 0)
+    assert torch.equal(linalg.symmetric_eigen(zero, torch.float32).Q, torch.eye(4))
+
+
+def decomposition_failures(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kfac_optim.linalg" and "failed" in r.getMessage()]
+
+
+def test_conv_over_maps_smaller_than_its_kernel_decomposes_in_float32(caplog: pytest.LogCaptureFixture) -> None:
+    # The issue's minimal case: A is 4609 x 4609 (zero-padding taps: 4096 zero columns), rank ~33.
+    # torch.linalg.eigh fails to converge on it in float32 (and takes ~70 s to say so).
+    conv = nn.Conv2d(512, 512, 3, padding=1)
+    optimizer = KFAC(conv, lr=0.1)
+    x = torch.relu(torch.randn(32, 512, 1, 1))
+    caplog.set_level(logging.DEBUG, logger="kfac_optim.linalg")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        conv(x).square().mean().backward()
+        optimizer.step()
+    assert decomposition_failures(caplog) == []  # no float64 retry either
+    block = optimizer.blocks[0]
+    for factor in block.factors.values():
+        eig = factor.decomposition
+        assert isinstance(eig, linalg.Eigen) and eig.Q.dtype == torch.float32
+        assert eig.thin  # rank ≤ 33 of 4609 and 512
+        assert relative_error(eig.Q @ torch.diag(eig.d) @ eig.Q.T, factor.running) < 1e-4
+
+
+def test_resnet18_layer4_first_step_decomposes_every_factor_in_float32(caplog: pytest.LogCaptureFixture) -> None:
+    # torchvision's ResNet-18 at 32 px: layer4 sees 1x1 maps (the rest of the model decomposes as
+    # before; preconditioning only layer4 keeps the test fast).
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.resnet18(num_classes=10)
+    others = [
+        re.escape(name)
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Conv2d, nn.Linear)) and not name.startswith("layer4.")
+    ]
+    optimizer = KFAC(model, lr=0.1, momentum=0.9, skip_layers=others)
+    assert [b.name for b in optimizer.blocks] == [
+        "layer4.0.conv1", "layer4.0.conv2", "layer4.0.downsample.0", "layer4.1.conv1", "layer4.1.conv2",
+    ]
+    x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
+    caplog.set_level(logging.DEBUG, logger="kfac_optim.linalg")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    assert decomposition_failures(caplog) == []
+    for block in optimizer.blocks:
+        for factor in block.factors.values():
+            eig = factor.decomposition
+            assert isinstance(eig, linalg.Eigen) and eig.Q.dtype == torch.float32, block.name
+            assert relative_error(eig.Q @ torch.diag(eig.d) @ eig.Q.T, factor.running) < 1e-4, block.name
+
+
+def test_a_layer_without_a_decomposition_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    optimizer = KFAC(net, lr=0.1, inv_update_steps=1)
+    real_eigh = torch.linalg.eigh
+
+    def failing_eigh(matrix: torch.Tensor, *args, **kwargs):
+        raise torch.linalg.LinAlgError("forced failure")
+
+    def step(seed: int) -> None:
+        torch.manual_seed(seed)
+        F.cross_entropy(net(torch.randn(16, 4)), torch.randint(0, 3, (16,))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setattr(torch.linalg, "eigh", failing_eigh)
+    with pytest.warns(RuntimeWarning) as record:
+        step(0)
+    assert len(record) == 2 * len(optimizer.blocks)  # one warning per factor, nothing else
+    assert all("no decomposition yet, so the layer takes the SGD direction" in str(w.message) for w in record)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # reported once: as a warning
+    assert any("forced failure" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
+    monkeypatch.setattr(torch.linalg, "eigh", real_eigh)
+    step(1)
+    monkeypatch.setattr(torch.linalg, "eigh", failing_eigh)
+    with pytest.warns(RuntimeWarning) as record:
+        step(2)
+    assert all("last good decomposition is kept" in str(w.message) for w in record)
+
+
+def test_async_round_is_adopted_at_the_next_decomposition_step() -> None:
+    # inv_update_steps=3: step 0 decomposes in line; step 3 snapshots the factors and hands them
+    # to the worker; step 6 adopts exactly their decompositions (layers use step 0's until then).
+    net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3))
+    optimizer = KFAC(net, lr=0.1, inv_update_steps=3, async_decompositions=True)
+    block = optimizer.blocks[0]
+    snapshots = {}
+    for step in range(7):
+        F.cross_entropy(net(torch.randn(16, 20)), torch.randint(0, 3, (16,))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 3:
+            snapshots = {name: (f.running.clone(), f.version) for name, f in block.factors.items()}
+            thresholds = block.rank_thresholds(optimizer.method, 0.1)
+        if step in (3, 5):
+            assert block.A.decomposed_key == (1, 0.0)  # still step 0's
+    for name, factor in block.factors.items():
+        running, version = snapshots[name]
+        expected = linalg.symmetric_eigen(running, torch.float32, thresholds[name])
+        assert factor.decomposed_key == (version, 0.0)
+        assert torch.equal(factor.decomposition.Q, expected.Q) and torch.equal(factor.decomposition.d, expected.d)
+
+
+def test_async_delay_adopts_the_round_that_many_steps_later() -> None:
+    net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3))
+    optimizer = KFAC(net, lr=0.1, inv_update_steps=4, async_decompositions=True, async_delay=1)
+    block = optimizer.blocks[0]
+    for step in range(6):
+        F.cross_entropy(net(torch.randn(16, 20)), torch.randint(0, 3, (16,))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 4:
+            submitted = block.A.version
+            assert block.A.decomposed_key == (1, 0.0)  # step 0's, while step 4's round is in flight
+    assert block.A.decomposed_key == (submitted, 0.0)  # adopted at step 5
+    with pytest.raises(ValueError, match="async_delay"):
+        KFAC(net, async_decompositions=True, async_delay=0)
