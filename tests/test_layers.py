@@ -382,6 +382,7 @@ def test_a_tied_weight_the_block_cannot_take_warns_that_its_second_use_is_left_o
     with pytest.warns(UserWarning, match="tied weights: '1' \\(Linear\\) shares the weight of block '0'"):
         optimizer = KFAC(nn.Sequential(first, second), lr=0.1)
     assert [b.name for b in optimizer.blocks] == ["0"]
+    assert "this module's uses of the weight are left out" in {r.name: r for r in optimizer.module_reports}["1"].detail
 
 
 def test_a_block_whose_hooks_never_fire_is_reported_at_the_first_factor_step() -> None:

@@ -125,6 +125,7 @@ def discover(
     owner_of: dict[Tensor, KroneckerBlock] = {}
     decisions: dict[str, tuple[str | None, str, str]] = {}
     untied: list[str] = []
+    untied_names: set[str] = set()
     created_by: dict[str, list[KroneckerBlock]] = {}
     for name, module in model.named_modules():
         kind = block_kind(module)
@@ -141,6 +142,7 @@ def discover(
         weight = kind.weight_and_bias(module)[0] if not created else None
         owner = owner_of.get(weight) if weight is not None else None
         if owner is not None and owner.module is not module and not owner.tie(user_visible_name(name), module):
+            untied_names.add(name)
             untied.append(f"'{user_visible_name(name)}' ({type(module).__name__}) shares the weight of block "
                           f"'{owner.name}' ({type(owner).__name__})")
         for block in created:
@@ -162,6 +164,9 @@ def discover(
         if owners and block is None:  # its parameters belong to a block another module created (or tied)
             block = owners[0].name
             status, detail = "kfac", f"preconditioned in block {block!r}: {owners[0].describe()}"
+            if name in untied_names:
+                detail = (f"preconditioned in block {block!r} with that block's module's statistics only (this "
+                          f"module's uses of the weight are left out): {owners[0].describe()}")
         elif not status:
             status, detail = "unregistered", f"no K-FAC block registered for {type(module).__name__}"
         leftover = [p_name for p_name, p in own if p not in owner_of]
