@@ -942,3 +942,25 @@ def test_reduce_across_calls_with_the_sampled_fisher_records_only_the_sampled_ba
     optimizer.step()
     torch.testing.assert_close(optimizer.blocks[0].A.running, A_ref, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(optimizer.blocks[0].G.running, G_ref, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("scale", [1.0, 1e12, 1e-12])
+def test_nearest_kronecker_sum_is_the_best_rank_one_fit_of_the_rearranged_sum(dtype, scale: float) -> None:
+    """Against the SVD of ``[x1 x2][vec y1 vec y2]ᵀ``, terms of very different scales included (no
+    under/overflow in float32); a zero second term gives the first back, split as given."""
+    from kfac_optim.linalg import nearest_kronecker_sum
+
+    x1, x2 = torch.rand(7, dtype=dtype), torch.rand(7, dtype=dtype) * scale
+    m1, m2 = torch.randn(3, 3, dtype=dtype), torch.randn(3, 3, dtype=dtype)
+    y1, y2 = m1 @ m1.T * scale, m2 @ m2.T
+    x, y = nearest_kronecker_sum(x1, y1, x2, y2)
+    rearranged = torch.outer(x1.double(), y1.double().reshape(-1)) + torch.outer(x2.double(), y2.double().reshape(-1))
+    U, S, Vh = torch.linalg.svd(rearranged, full_matrices=False)
+    nearest = S[0] * torch.outer(U[:, 0], Vh[0])
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    assert (torch.outer(x.double(), y.double().reshape(-1)) - nearest).norm() <= tolerance * nearest.norm()
+    assert (x >= 0).all()
+    x, y = nearest_kronecker_sum(x1, y1, torch.zeros_like(x1), torch.zeros_like(y1))
+    torch.testing.assert_close(x, x1, rtol=tolerance, atol=0)
+    torch.testing.assert_close(y, y1, rtol=tolerance, atol=tolerance * y1.abs().max().item())

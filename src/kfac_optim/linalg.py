@@ -345,9 +345,24 @@ def nearest_kronecker_sum(x1: Tensor, y1: Tensor, x2: Tensor, y2: Tensor) -> tup
     ``x1, x2: (V,)`` non-negative diagonals, ``y1, y2: (D, D)`` symmetric PSD. The rearranged sum is
     the rank-2 matrix ``X Yᵀ`` (``X = [x1 x2]``, ``Y = [vec y1, vec y2]``); its top left singular
     vector is ``X c`` for ``c`` the Perron eigenvector of the 2x2 ``(YᵀY)(XᵀX)`` (non-negative
-    entries), so ``x = c1·x1 + c2·x2`` (``c1 + c2 = 1``) and ``y = ((XᵀX c)_1·y1 + (XᵀX c)_2·y2) / cᵀXᵀXc``:
-    non-negative and PSD. Exact when one term is zero or the terms are proportional. O(V + D²).
+    entries), so ``x = c1·x1 + c2·x2`` and ``y = ((XᵀX c)_1·y1 + (XᵀX c)_2·y2) / cᵀXᵀXc``:
+    non-negative and PSD (returned split so that ``x`` is a weighted mean of ``x1`` and ``x2``). Exact when one term is zero or the terms are proportional. O(V + D²).
+    The sum is unchanged by ``x_i → α_i x_i, y_i → y_i / α_i``, and ``c`` and the weights of ``y`` by
+    scaling ``X`` or ``Y`` whole: so each term is balanced (``x_i``, ``y_i`` of equal largest entry)
+    and ``X``, ``Y`` are divided by their largest entries before the 2x2 problem (which would
+    otherwise under- or overflow in float32 for terms of very different scales).
     """
+    tiny = torch.finfo(x1.dtype).tiny
+    balanced, alphas = [], []
+    for x, y in ((x1, y1), (x2, y2)):
+        x_max, y_max = x.abs().amax(), y.abs().amax()
+        alpha = torch.where((x_max > 0) & (y_max > 0), y_max.sqrt() / x_max.sqrt().clamp(min=tiny), 1.0)
+        balanced += [x * alpha, y / alpha]
+        alphas.append(alpha)
+    x1, y1, x2, y2 = balanced
+    x_scale = torch.maximum(x1.abs().amax(), x2.abs().amax()).clamp(min=tiny)
+    y_scale = torch.maximum(y1.abs().amax(), y2.abs().amax()).clamp(min=tiny)
+    x1, x2, y1, y2 = x1 / x_scale, x2 / x_scale, y1 / y_scale, y2 / y_scale
     p = torch.stack([torch.stack([x1.dot(x1), x1.dot(x2)]), torch.stack([x2.dot(x1), x2.dot(x2)])])
     q12 = (y1 * y2).sum()
     q = torch.stack([torch.stack([(y1 * y1).sum(), q12]), torch.stack([q12, (y2 * y2).sum()])])
@@ -362,5 +377,9 @@ def nearest_kronecker_sum(x1: Tensor, y1: Tensor, x2: Tensor, y2: Tensor) -> tup
     vector = torch.where(vector.sum() > 0, vector, torch.ones_like(vector))
     vector = vector / vector.sum()
     weights = p @ vector
-    norm = vector.dot(weights).clamp(min=torch.finfo(vector.dtype).tiny)
-    return vector[0] * x1 + vector[1] * x2, (weights[0] / norm) * y1 + (weights[1] / norm) * y2
+    norm = vector.dot(weights).clamp(min=tiny)
+    # Split the product as x = (c1·α1·x1 + c2·α2·x2) / (c1·α1 + c2·α2) in the caller's units: a
+    # weighted mean of x1 and x2 (x1 itself when the second term is zero).
+    gamma = vector[0] * alphas[0] + vector[1] * alphas[1]
+    x = (vector[0] * x1 + vector[1] * x2) * (x_scale / gamma)
+    return x, ((weights[0] / norm) * y1 + (weights[1] / norm) * y2) * (y_scale * gamma)
