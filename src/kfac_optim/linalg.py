@@ -355,17 +355,18 @@ def nearest_kronecker_sum(x1: Tensor, y1: Tensor, x2: Tensor, y2: Tensor) -> tup
     tiny = torch.finfo(x1.dtype).tiny
     balanced, alphas = [], []
     for x, y in ((x1, y1), (x2, y2)):
-        x_max, y_max = x.abs().amax(), y.abs().amax()
+        x_max, y_max = x.amax(), y.diagonal().amax()  # non-negative x; PSD y: |y_jk| ≤ max_j y_jj
         alpha = torch.where((x_max > 0) & (y_max > 0), y_max.sqrt() / x_max.sqrt().clamp(min=tiny), 1.0)
         balanced += [x * alpha, y / alpha]
         alphas.append(alpha)
     x1, y1, x2, y2 = balanced
-    x_scale = torch.maximum(x1.abs().amax(), x2.abs().amax()).clamp(min=tiny)
-    y_scale = torch.maximum(y1.abs().amax(), y2.abs().amax()).clamp(min=tiny)
+    x_scale = torch.maximum(x1.amax(), x2.amax()).clamp(min=tiny)
+    y_scale = torch.maximum(y1.diagonal().amax(), y2.diagonal().amax()).clamp(min=tiny)
     x1, x2, y1, y2 = x1 / x_scale, x2 / x_scale, y1 / y_scale, y2 / y_scale
     p = torch.stack([torch.stack([x1.dot(x1), x1.dot(x2)]), torch.stack([x2.dot(x1), x2.dot(x2)])])
-    q12 = (y1 * y2).sum()
-    q = torch.stack([torch.stack([(y1 * y1).sum(), q12]), torch.stack([q12, (y2 * y2).sum()])])
+    flat1, flat2 = y1.reshape(-1), y2.reshape(-1)
+    q12 = flat1.dot(flat2)
+    q = torch.stack([torch.stack([flat1.dot(flat1), q12]), torch.stack([q12, flat2.dot(flat2)])])
     k = q @ p
     a, b, c, d = k[0, 0], k[0, 1], k[1, 0], k[1, 1]
     s = torch.sqrt(((a - d) / 2) ** 2 + (b * c).clamp(min=0))
