@@ -267,7 +267,6 @@ class KFAC(Optimizer, Joinable):
         kl_clip: float | None = KFACOptions.kl_clip,
         factor_decay: float = KFACOptions.factor_decay,
         factor_update_steps: IntSchedule = KFACOptions.factor_update_steps,
-        stagger_factor_updates: bool = KFACOptions.stagger_factor_updates,
         inv_update_steps: IntSchedule = KFACOptions.inv_update_steps,
         method: Literal["eigen", "inverse"] | Method = KFACOptions.method,
         loss_reduction: Literal["mean", "sum"] = KFACOptions.loss_reduction,
@@ -284,6 +283,7 @@ class KFAC(Optimizer, Joinable):
         grad_scaler: torch.amp.GradScaler | None = None,
         async_decompositions: bool = False,
         async_delay: int | None = None,
+        stagger_factor_updates: bool = KFACOptions.stagger_factor_updates,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
