@@ -29,6 +29,18 @@ def test_comm_bytes_counts_packed_triangles_and_whole_factors() -> None:
     assert numbers["gradient_broadcast_per_step_mem_opt"] == 4 * (28 * 4 + 10 * 6)
 
 
+@pytest.mark.parametrize(("world", "mean", "largest"), [(2, 24, 24), (4, 18, 36)])
+def test_comm_bytes_counts_fsdp_rows_to_and_from_the_preconditioner(world: int, mean: int, largest: int) -> None:
+    """One layer with a (4, 3) joint gradient (G: 4, A: 3): its preconditioner receives the other
+    shards' ceil(4/world) rows, every other rank receives its own rows back; fp32."""
+    numbers = comm_bytes.fsdp_bytes({"layer": (3, 4)}, param_bytes=1000, world=world, fraction=1.0)
+    rows = 4 * -(-4 // world) * 3
+    assert numbers["kfac_rows_per_step_max"] == (world - 1) * rows == largest
+    assert numbers["kfac_rows_per_step_mean"] == 2 * (world - 1) * rows / world == mean
+    assert numbers["fsdp_reduce_scatter_per_step"] == 1000 * (world - 1) / world
+    assert numbers["fsdp_all_gather_per_step"] == 2 * numbers["fsdp_reduce_scatter_per_step"]
+
+
 def test_step_time_reports_every_part_and_the_whole_step(tmp_path: Path) -> None:
     out = tmp_path / "step_time.json"
     result = step_time.main(["--model", "mlp", "--image-size", "4", "--batch-size", "8", "--repeats", "1",

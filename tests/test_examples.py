@@ -60,6 +60,18 @@ def test_ddp_recipe_under_torchrun_keeps_two_gloo_ranks_bit_identical(tmp_path: 
     assert "2 ranks, parameters bit-identical on every rank: True" in result.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch.distributed.run") is None, reason="torchrun unavailable")
+def test_fsdp_recipe_under_torchrun_resumes_from_its_dcp_checkpoint_exactly(tmp_path: Path) -> None:
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "examples.recipes.fsdp", "--steps", "12", "--batch-size", "16"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 ranks, resumed from the DCP checkpoint after 6 steps" in result.stdout
+    assert "max parameter difference to the straight run 0.00e+00: True" in result.stdout
+
+
 def test_main_job_runs_both_tasks_and_says_where_kfac_wins(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     status = digits.main(["--out-dir", str(tmp_path), "--set", "train.epochs=1", "--set", "train.time_budget_s=1"])
     assert status == 0

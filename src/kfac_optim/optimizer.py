@@ -43,7 +43,9 @@ from kfac_optim import linalg
 from kfac_optim import layers
 from kfac_optim.background import BackgroundDecompositions, Job
 from kfac_optim.capture import StatisticsCapture
+from kfac_optim.checkpoint import KFACState
 from kfac_optim.diagnostics import warn_user
+from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.distributed.sharding import Sharding
 from kfac_optim.layers import ModuleReport, discover, discover_blocks
@@ -708,9 +710,18 @@ class KFAC(Optimizer, Joinable):
 
     @record_function("kfac.precondition")
     def _preconditioned_directions(self, damping: float) -> dict[Tensor, Tensor]:
-        """Per-parameter update directions of the K-FAC layers that have a decomposition."""
+        """Per-parameter update directions of the K-FAC layers that have a decomposition.
+
+        Under FSDP2 a direction is a ``DTensor`` laid out as its parameter (this rank's rows).
+        """
         joint: dict[str, Tensor] = {}
+        sharded_rows: dict[str, Tensor] = {}
         for block in self.blocks:
+            if self._sharding.is_row_sharded(block.name):
+                rows = fsdp.gradient_rows(block.parameters())
+                if rows is not None:
+                    sharded_rows[block.name] = rows
+                continue
             grad = block.grad_matrix()
             if grad is None:
                 continue
@@ -723,6 +734,24 @@ class KFAC(Optimizer, Joinable):
         for block in self.blocks:
             if block.name in joint:
                 directions.update(block.split(joint[block.name]))
+        if sharded_rows:
+            by_name = {block.name: block for block in self.blocks}
+
+            def precondition(name: str, whole: Tensor) -> Tensor:
+                """The block's direction as its parameters' row matrix, from its whole gradients'."""
+                block = by_name[name]
+                weight_grad, *bias_grad = fsdp.split_rows(whole, block.parameters())
+                grad = block.joint_gradient(weight_grad, bias_grad[0] if bias_grad else None)
+                direction = block.precondition(grad, self.method, damping)
+                assert direction is not None, f"{name}: preconditioned where its decompositions are missing"
+                return fsdp.join_rows([part for _, part in block.split(direction)])
+
+            with record_function("kfac.fsdp_rows"):
+                rows_of = self._sharding.precondition_sharded(sharded_rows, precondition, self.options.inv_dtype)
+            for name, rows in rows_of.items():
+                params = by_name[name].parameters()
+                for param, direction in zip(params, fsdp.split_rows(rows, params), strict=True):
+                    directions[param] = fsdp.like_param(param, direction.to(param.dtype).contiguous())
         return directions
 
     @record_function("kfac.kl_clip")
@@ -732,24 +761,30 @@ class KFAC(Optimizer, Joinable):
         The sum runs over the layers whose term is finite: a layer with a non-finite gradient has a
         non-finite direction (its preconditioner mixes all its entries) and is left out, so one bad
         entry cannot make every layer's update non-finite through ν. Such layers are counted on the
-        device and reported at the next decomposition step (no host sync here).
+        device and reported at the next decomposition step (no host sync here). FSDP2-sharded
+        parameters contribute their rows' terms, summed over the shards.
         """
         lr_of = {p: group["lr"] for group in self.param_groups for p in group["params"]}
         zero = self._nonfinite_directions.new_zeros((), dtype=next(iter(directions.values())).dtype)
-        terms = [  # one per K-FAC parameter, in block order; 0 for those without a direction
-            torch.vdot(directions[param].reshape(-1), param.grad.to(directions[param].dtype).reshape(-1))
-            * lr_of[param] ** 2
-            if param in directions and param.grad is not None
-            else zero
-            for block in self.blocks
-            for param in block.parameters()
-        ]
-        per_parameter = torch.stack(terms)
+
+        def term(param: Tensor) -> Tensor:
+            if param not in directions or param.grad is None:
+                return zero
+            rows, grad = fsdp.local(directions[param]), fsdp.local(param.grad)
+            return torch.vdot(rows.reshape(-1), grad.to(rows.dtype).reshape(-1)) * lr_of[param] ** 2
+
+        # one per K-FAC parameter, in block order; 0 for those without a direction
+        params = [param for block in self.blocks for param in block.parameters()]
+        per_parameter = torch.stack([term(param) for param in params])
+        if self._sharding.row_sharded is not None:  # one all-reduce of the terms over the shard group
+            sharded = [fsdp.is_sharded(p) for p in params]
+            summed = self._sharding.sum_over_shards(per_parameter.clone())
+            per_parameter = torch.stack([summed[i] if s else per_parameter[i] for i, s in enumerate(sharded)])
         finite = torch.isfinite(per_parameter)
         self._nonfinite_directions += ~finite
         kl_estimate = per_parameter.where(finite, 0.0).sum().abs()
         nu = (self.options.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
-        torch._foreach_mul_(list(directions.values()), nu)
+        torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
 
     @record_function("kfac.sgd")
     def _sgd_update(self, directions: dict[Tensor, Tensor]) -> None:
@@ -799,7 +834,7 @@ class KFAC(Optimizer, Joinable):
     # -- checkpoints -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """``Optimizer.state_dict()`` plus ``"kfac"``: the step and every block's factors by module name.
+        """``Optimizer.state_dict()`` plus ``"kfac"``: :meth:`kfac_state_dict`.
 
         Distributed: the factors saved are the global ones, made so here by
         :meth:`synchronize_factors`, a collective when a factor step happened since the last
@@ -813,11 +848,26 @@ class KFAC(Optimizer, Joinable):
         """
         self._sharding.synchronize_factors("KFAC.state_dict()", confirm=True)
         state = super().state_dict()
-        state["kfac"] = {
+        state["kfac"] = self._kfac_state()
+        return state
+
+    def kfac_state_dict(self) -> dict[str, Any]:
+        """The ``"kfac"`` entry of :meth:`state_dict`: the step and every block's factors (and the
+        decompositions held here) by module name; a collective as :meth:`state_dict` is."""
+        self._sharding.synchronize_factors("KFAC.kfac_state_dict()", confirm=True)
+        return self._kfac_state()
+
+    def _kfac_state(self) -> dict[str, Any]:
+        return {
             "steps": self._steps,
             "blocks": {block.name: block.state_dict() for block in self.blocks},
         }
-        return state
+
+    def kfac_state(self) -> KFACState:
+        """K-FAC's state for ``torch.distributed.checkpoint`` (DCP), next to the model's and the
+        optimizer's (``get_state_dict``, which keep only SGD's part): ``dcp.save({..., "kfac":
+        optimizer.kfac_state()})``, and the same dict to ``dcp.load``; see ``kfac_optim.checkpoint``."""
+        return KFACState(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``Optimizer.load_state_dict`` plus the ``"kfac"`` entry of :meth:`state_dict`.
@@ -832,12 +882,19 @@ class KFAC(Optimizer, Joinable):
         if kfac_state is not None:
             saved = self._validate_kfac_state(kfac_state)
         super().load_state_dict(state_dict)
-        if kfac_state is None:
-            return
+        if kfac_state is not None:
+            self._restore_kfac_state(kfac_state["steps"], saved)
+
+    def load_kfac_state_dict(self, kfac_state: dict[str, Any]) -> None:
+        """Restore :meth:`kfac_state_dict` (the same one on every rank), checked as in
+        :meth:`load_state_dict`; layers match by name."""
+        self._restore_kfac_state(kfac_state["steps"], self._validate_kfac_state(kfac_state))
+
+    def _restore_kfac_state(self, steps: int, saved: dict[str, Any]) -> None:
         if self._background is not None:  # a round in flight decomposes the factors being replaced
             self._background.close()
             self._adopt_at = None
-        self._steps = int(kfac_state["steps"])
+        self._steps = int(steps)
         for block in self.blocks:
             if block.name in saved:
                 block.load_state_dict(saved[block.name])
@@ -915,13 +972,18 @@ class KFAC(Optimizer, Joinable):
         ``"factors"``: running A and G of every layer (every rank keeps all of them);
         ``"pending"``: statistics captured since the last fold; ``"decompositions"``: the
         eigendecompositions or inverses this rank holds (all layers with ``f = 1``, about
-        ``f`` of them otherwise). Momentum buffers are SGD's and not counted.
+        ``f`` of them otherwise); ``"sharded_preconditioning"``: under FSDP2, the most this rank
+        holds at once while preconditioning sharded layers (gathered gradient rows and one whole
+        gradient and direction; 0 without sharded layers). Momentum buffers are SGD's and not counted.
         """
         factors = [factor for block in self.blocks for factor in block.factors.values()]
+        row_sharded = self._sharding.row_sharded
+        itemsize = torch.empty((), dtype=self.options.inv_dtype).element_size()
         usage = {
             "factors": sum(f.running.nbytes for f in factors),
             "pending": sum(f.pending.nbytes for f in factors),
             "decompositions": sum(linalg.nbytes(f.decomposition) for f in factors),
+            "sharded_preconditioning": 0 if row_sharded is None else row_sharded.peak_bytes(itemsize),
         }
         usage["total"] = sum(usage.values())
         return usage

@@ -225,6 +225,11 @@ class Communicator:
                 if self.rank in ranks:
                     self._groups[ranks] = group
 
+    def subgroup(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """The process group created for ``ranks`` (ascending; this rank among them; None: the
+        default group, when ``ranks`` is every rank of it)."""
+        return self._groups[ranks]
+
     # -- collectives -------------------------------------------------------------------------
 
     def all_reduce_sum(

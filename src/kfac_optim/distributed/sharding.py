@@ -31,6 +31,12 @@ the same directions and the same KL-clip sum.
 
 Every rank's DDP-averaged gradients are identical, so whether a block has a gradient is the same
 on every rank; that is what lets receivers know what to expect without asking.
+
+**FSDP2.** Blocks whose parameters are ``DTensor``s sharded by ``fully_shard`` hold only rows of
+their gradients; their directions come from :meth:`Sharding.precondition_sharded` (see
+``distributed.fsdp``: gathered to one gradient worker per service group, preconditioned there,
+scattered back as rows) instead of :meth:`Sharding.share_directions`. Factors and decompositions
+move exactly as under DDP.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES, Communicator, Pending, group_rank_and_size
 from kfac_optim.distributed.consistency import Description, check_same_on_every_rank, describe
 from kfac_optim.distributed.plan import FACTORS, Plan, WorkItem, make_plan
@@ -107,8 +114,58 @@ class Sharding:
         self.decompositions_missing = False
         self._folded = False
         self._ready: set[str] = set()
+        self.row_sharded = self._row_sharded_preconditioner(bucket_bytes)
         if blocks:
             logger.info("K-FAC plan: %s", self.plan.summary(self.rank))
+
+    def _row_sharded_preconditioner(self, bucket_bytes: int) -> fsdp.RowShardedPreconditioner | None:
+        """The FSDP2 path for blocks with ``DTensor`` parameters (None when there are none).
+
+        Raises:
+            ValueError: sharded blocks on different meshes, a block whose parameters are not all
+                sharded or differ in rows (dim 0), or a process group that is not the whole job
+                (plan ranks must be the mesh's global ranks).
+        """
+        sharded = {name: b for name, b in self.blocks.items() if fsdp.is_sharded(b.weight)}
+        if not sharded:
+            return None
+        for name, block in sharded.items():
+            params = block.parameters()
+            if not all(fsdp.is_sharded(p) for p in params) or len({p.shape[0] for p in params}) != 1:
+                raise ValueError(
+                    f"model: K-FAC layer '{name}' ({type(block).__name__}) under FSDP2 needs all its parameters "
+                    f"sharded by rows of one length, got shapes {[tuple(p.shape) for p in params]}"
+                )
+        layouts = {fsdp.mesh_layout(p) for b in sharded.values() for p in b.parameters()}
+        if len(layouts) != 1:
+            raise ValueError(f"model: K-FAC layers sharded by FSDP2 must share one device mesh, got {layouts}")
+        (layout,) = layouts
+        if self.comm.world_size != dist.get_world_size() or sorted(r for g in layout.shard_groups for r in g) != list(
+            range(self.comm.world_size)
+        ):
+            raise ValueError("process_group: with FSDP2-sharded layers K-FAC must run on the whole job, the mesh's ranks")
+        mesh = next(iter(sharded.values())).weight.device_mesh
+        shard_group = layout.group_of(dist.get_rank())
+
+        def group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+            if sorted(ranks) == sorted(shard_group):
+                return mesh.get_group(layout.shard_dim)
+            return self.comm.subgroup(tuple(sorted(ranks)))
+
+        return fsdp.RowShardedPreconditioner(
+            {name: fsdp.row_shape(b.parameters()) for name, b in sharded.items()},
+            {name: self.plan.block(name).grad_workers for name in sharded},
+            self.plan.receiver_groups,
+            layout,
+            group_for,
+            bucket_bytes,
+            self.comm.bytes_sent,
+        )
+
+    def is_row_sharded(self, block: str) -> bool:
+        """Whether ``block``'s parameters are FSDP2-sharded (its directions come from
+        :meth:`precondition_sharded`)."""
+        return self.row_sharded is not None and block in self.row_sharded.shapes
 
     @property
     def active(self) -> bool:
@@ -250,7 +307,7 @@ class Sharding:
         row = self.plan.receiver_group(self.rank)
         by_source: dict[int, list[str]] = defaultdict(list)
         for name, block in self.blocks.items():
-            if name in self._ready and block.weight.grad is not None:
+            if name in self._ready and block.weight.grad is not None and not self.is_row_sharded(name):
                 by_source[self.plan.grad_source(name, self.rank)].append(name)
         device = self._device()
         pending = []
@@ -266,6 +323,32 @@ class Sharding:
         for names, work in pending:
             shared.update(zip(names, work.wait(), strict=True))
         return shared
+
+    def precondition_sharded(
+        self, grads: Mapping[str, Tensor], precondition: fsdp.Precondition, dtype: torch.dtype
+    ) -> dict[str, Tensor]:
+        """This rank's rows of the preconditioned gradients of FSDP2-sharded blocks.
+
+        ``grads``: this rank's rows of every sharded block's gradient row matrix
+        (``fsdp.gradient_rows``) that has one (the same blocks on every rank); ``precondition``
+        maps a block's whole row matrix to its direction's, on a rank that holds the block's
+        decompositions. Blocks without decompositions at their owners get none (they take the
+        SGD path). A collective.
+        """
+        assert self.row_sharded is not None
+        ready = {name: rows for name, rows in grads.items() if self._is_ready(name)}
+        return self.row_sharded.preconditioned_rows(ready, precondition, dtype)
+
+    def sum_over_shards(self, partial: Tensor) -> Tensor:
+        """Sums over the local rows of FSDP2-sharded parameters (any shape), summed over the shards."""
+        assert self.row_sharded is not None
+        return self.row_sharded.sum_over_shards(partial)
+
+    def _is_ready(self, name: str) -> bool:
+        """Whether block ``name``'s decompositions exist at its owners (on one process: here)."""
+        if self.active:
+            return name in self._ready
+        return all(f.decomposition is not None for f in self.blocks[name].factors.values())
 
     # -- checkpoints -------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import copy
 import functools
 import inspect
 import logging
+import math
 from abc import ABC, abstractmethod
 from typing import Any, Literal, Protocol
 
@@ -361,7 +362,7 @@ class KroneckerBlock(ABC):
     def make_factors(self, dtype: torch.dtype, device: torch.device) -> dict[FactorName, Factor]:
         """Dense ``A: (in [+1], in [+1])`` and ``G: (out, out)`` per group (the default)."""
         out_dim = self.weight.shape[0] // self.groups
-        in_dim = self.weight[0].numel() + (self.bias is not None)
+        in_dim = math.prod(self.weight.shape[1:]) + (self.bias is not None)
         return {"A": Factor(in_dim, dtype, device, self.groups), "G": Factor(out_dim, dtype, device, self.groups)}
 
     def install_capture(self, capture: Capture) -> list[RemovableHandle] | None:
@@ -483,10 +484,18 @@ class KroneckerBlock(ABC):
         weight_grad = self.weight.grad
         if weight_grad is None:
             return None
+        bias_grad = None
+        if self.bias is not None:
+            bias_grad = self.bias.grad if self.bias.grad is not None else torch.zeros_like(self.bias)
+        return self.joint_gradient(weight_grad, bias_grad)
+
+    def joint_gradient(self, weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
+        """The joint gradient (see :meth:`direction_shape`) of whole gradients shaped as ``weight``
+        and ``bias`` (``bias_grad`` given exactly when the block includes the bias); the inverse of
+        :meth:`split`. The FSDP2 path calls it on gradients gathered from their shards."""
         matrix = weight_grad.reshape(*self.G.batch_shape, self.G.dim, -1)
-        if self.bias is None:
+        if bias_grad is None:
             return matrix
-        bias_grad = self.bias.grad if self.bias.grad is not None else torch.zeros_like(self.bias)
         return torch.cat([matrix, bias_grad.reshape(*matrix.shape[:-1], 1)], dim=-1)
 
     def precondition(self, grad: Tensor, method: Method, damping: float) -> Tensor | None:

@@ -65,9 +65,8 @@ class EmbeddingBlock(KroneckerBlock):
     def sample_count(self, inputs: Tensor) -> int:
         return inputs.shape[0] if inputs.dim() >= 1 else 1
 
-    def grad_matrix(self) -> Tensor | None:
-        grad = self.weight.grad
-        return None if grad is None else grad.T
+    def joint_gradient(self, weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
+        return weight_grad.T
 
     def split(self, direction: Tensor) -> list[tuple[nn.Parameter, Tensor]]:
         return [(self.weight, direction.T.to(self.weight.dtype).contiguous())]
