@@ -9,6 +9,8 @@ step by step. Runs:
 
   sync     ``KFAC(model, ...)`` with the workload's intervals (decompositions in line)
   async    the same with ``async_decompositions=True`` (decompositions on a worker)
+  stagger  ``sync`` with ``stagger_factor_updates=True`` (each layer folds on its own step of the interval)
+  async-stagger  ``async`` with ``stagger_factor_updates=True``
   defaults ``KFAC(model, lr, momentum, weight_decay)``: the library's default intervals and damping
            (what a user swapping SGD for K-FAC meets first)
   sgd      ``torch.optim.SGD`` (the floor)
@@ -44,7 +46,7 @@ from benchmarks.step_time import add_workload_arguments, build_model, workload_s
 from kfac_optim import KFAC, linalg
 from kfac_optim.methods import method_named
 
-RUNS = ("sync", "async", "defaults", "sgd", "kaisa")
+RUNS = ("sync", "async", "stagger", "async-stagger", "defaults", "sgd", "kaisa")
 
 
 def kaisa_available() -> bool:
@@ -65,8 +67,8 @@ def make_step(run: str, model: nn.Module, args: argparse.Namespace) -> tuple[Cal
     if run == "defaults":
         kfac = KFAC(model, **common)
         return kfac.step, kfac
-    if run in ("sync", "async"):
-        extra = {"async_decompositions": True} if run == "async" else {}
+    if run in ("sync", "async", "stagger", "async-stagger"):
+        extra = {"async_decompositions": run.startswith("async"), "stagger_factor_updates": run.endswith("stagger")}
         kfac = KFAC(model, **common, **intervals, damping=args.damping, **extra)
         return kfac.step, kfac
     from kfac.preconditioner import KFACPreconditioner  # kfac-pytorch (KAISA)

@@ -37,6 +37,7 @@ OPTIONS: dict[str, Any] = dict(
     lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.1, kl_clip=1e-2, factor_decay=0.9, inv_update_steps=2
 )
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
+STAGGER: dict[str, Any] = dict(stagger_factor_updates=True, factor_update_steps=3)  # phases 0-2 over 4 blocks
 
 
 class Net(nn.Module):
@@ -206,6 +207,10 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
 
     model, _ = ddp_run(rank, world, 1.0, async_decompositions=True)
     results["params async"] = parameters(model)
+
+    model, optimizer = ddp_run(rank, world, "mem-opt", **STAGGER)
+    results["params stagger"] = parameters(model)
+    results["factors stagger"] = saved_factors(optimizer.state_dict())
 
     model = DDP(make_model(extra_layers=True), find_unused_parameters=True)
     model.module.use_branch = rank == 0
@@ -445,6 +450,17 @@ def test_async_decompositions_under_ddp_equal_one_process_with_the_shards_as_mic
     assert not torch.allclose(parameters(model)["fc1.weight"], parameters(synchronous)["fc1.weight"], rtol=1e-4)
 
 
+def test_staggered_factor_updates_under_ddp_equal_one_process(two_ranks) -> None:
+    """The ranks sum their statistics costs, so they assign the phases one process assigns."""
+    model, optimizer = single_process(**STAGGER)
+    factors = saved_factors(optimizer.state_dict())
+    for results in two_ranks:
+        assert_same(results["params stagger"], parameters(model))
+        assert_same(results["factors stagger"], factors)
+    unstaggered = saved_factors(single_process(factor_update_steps=3)[1].state_dict())
+    assert any(not torch.allclose(factors[key], unstaggered[key]) for key in factors)
+
+
 def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_batches(two_ranks) -> None:
     """Each rank draws targets for its shard; one process drawing the same per shard agrees."""
     model = make_model()
@@ -461,7 +477,7 @@ def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_ba
 @pytest.mark.parametrize(
     ("world", "key"),
     [("two_ranks", "params 1.0"), ("two_ranks", "params mem-opt"), ("two_ranks", "params sampled"),
-     ("two_ranks", "params async"),
+     ("two_ranks", "params async"), ("two_ranks", "params stagger"),
      ("three_ranks", "params 1.0"), ("three_ranks", f"params {1 / 3}"), ("three_ranks", "params resumed"),
      ("four_ranks", "params eigen"), ("four_ranks", "params inverse")],
 )

@@ -2,7 +2,8 @@
 
 Owns: the forward hooks on supported modules, their lifetime, which capture owns a module, and
 whether the hooks are armed.
-Must not know: factor math (blocks do it), step counting or schedules (the optimizer arms us).
+Must not know: factor math (blocks do it), step counting or schedules (the optimizer arms us,
+for all modules or, with staggered factor updates, for some: :meth:`StatisticsCapture.arm`).
 
 When armed, a module in training mode called with grad enabled and an output that requires grad
 gets a tensor hook on that output; when the output-gradient arrives, the (input, output-grad)
@@ -126,7 +127,8 @@ def _remove_hooks(
 
 
 class StatisticsCapture:
-    """Forward hooks on every block's module; statistics flow only while ``armed`` is True.
+    """Forward hooks on every block's module; statistics flow only while ``armed`` is True, and
+    then only for the modules in ``only`` (None: all).
 
     ``accumulate(block, input, output_grad)`` receives each captured pair (the optimizer passes
     one that handles loss scaling, see ``precision``). ``every_backward``: record the
@@ -143,6 +145,7 @@ class StatisticsCapture:
     ) -> None:
         blocks = list(blocks)
         self.armed = False
+        self.only: set[int] | None = None  # armed modules' id()s; None: all
         self.graph_backward_skipped = False
         self.copies: list[tuple[weakref.ref[nn.Module], InertHook]] = []
         self._accumulate = accumulate
@@ -184,9 +187,19 @@ class StatisticsCapture:
         """Whether the hooks are still on the model."""
         return self._finalizer.alive
 
+    def arm(self, armed: bool, only: set[int] | None = None) -> None:
+        """Arm the hooks (or disarm them), for every module or only those whose ``id()`` is in ``only``."""
+        self.armed = armed
+        self.only = only
+
     def should_capture(self, module: nn.Module) -> bool:
-        """Whether a forward of ``module`` now records statistics: armed, training, grad enabled."""
-        return self.armed and module.training and torch.is_grad_enabled()
+        """Whether a forward of ``module`` now records statistics: armed (for it), training, grad enabled."""
+        return (
+            self.armed
+            and (self.only is None or id(module) in self.only)
+            and module.training
+            and torch.is_grad_enabled()
+        )
 
     def record(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
         """Hand one (input, output-gradient) pair to the block, unless it must not be recorded."""

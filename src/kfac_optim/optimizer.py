@@ -10,6 +10,7 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
     if GradScaler found inf/nan:         drop this backward's statistics, return   (see precision)
     ∇ ← ∇ / s under GradScaler;          batch G ← batch G / s²                    (loss scale s)
     if k % factor_update_steps(k) == 0:  A, G ← decay·(A, G) + (1 − decay)·(batch A, batch G)
+                                         (stagger_factor_updates: per block, k % I == its phase)
                                          (batch G from the training loss, or from sample_fisher)
     if k % inv_update_steps(k) == 0:     refresh eig(A), eig(G)   (or the π-damped inverses;
                                          async_decompositions: adopt the worker's last round, start one)
@@ -53,6 +54,7 @@ from kfac_optim.layers.registry import SkipLayers
 from kfac_optim.methods import Method, method_named
 from kfac_optim.precision import MixedPrecision
 from kfac_optim.schedules import resolve
+from kfac_optim.stagger import FactorStagger
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,8 @@ class KFACOptions:
     ``factor_decay``: weight of the old factor in the running average (0: no averaging).
     ``fisher``: where G's statistics come from: "empirical" (the training loss's backward) or
     "sampled" (:meth:`KFAC.sample_fisher`'s backward at targets drawn from the model).
+    ``stagger_factor_updates``: spread the blocks' factor updates over the steps of an interval
+    (``kfac_optim.stagger``).
     """
 
     damping: FloatSchedule = 0.1
@@ -85,8 +89,13 @@ class KFACOptions:
     weight_sharing: Literal["expand", "reduce"] = "expand"
     factor_dtype: torch.dtype = torch.float32
     inv_dtype: torch.dtype = torch.float32
+    stagger_factor_updates: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stagger_factor_updates, bool):
+            raise TypeError(
+                f"stagger_factor_updates must be a bool, got {type(self.stagger_factor_updates).__name__}"
+            )
         if not callable(self.damping):
             check_damping(self.damping)
         if self.kl_clip is not None and not 0 < self.kl_clip < math.inf:
@@ -191,6 +200,13 @@ class KFAC(Optimizer, Joinable):
         kl_clip: bound on the KL-divergence estimate of the update (None disables clipping).
         factor_decay: running-average weight of the old factors, in [0, 1).
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable).
+        stagger_factor_updates: spread the factor updates over the steps of each interval ``I``
+            instead of doing all on every ``I``-th step: after the first factor step (where every
+            layer folds) each layer gets a fixed phase ``p`` in ``[0, I)`` and captures and folds
+            only on the steps ``k`` with ``k % I == p``, so it still updates its factors every
+            ``I`` steps. Phases balance the layers' statistics cost (rows × factor size), the
+            same on every rank; a callable interval gets phases per value, against the interval
+            in force at each step (``kfac_optim.stagger``). Decomposition steps are unchanged.
         inv_update_steps: refresh decompositions every this many steps (int ≥ 1 or callable).
         method: "eigen" (exact damping of ``G ⊗ A``) or "inverse" (π-factored damping), or a
             ``kfac_optim.Method`` instance.
@@ -270,6 +286,7 @@ class KFAC(Optimizer, Joinable):
         grad_scaler: torch.amp.GradScaler | None = None,
         async_decompositions: bool = False,
         async_delay: int | None = None,
+        stagger_factor_updates: bool = KFACOptions.stagger_factor_updates,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -296,6 +313,7 @@ class KFAC(Optimizer, Joinable):
             weight_sharing=weight_sharing,
             factor_dtype=factor_dtype,
             inv_dtype=inv_dtype,
+            stagger_factor_updates=stagger_factor_updates,
         )
         self.model = unwrap_model(model)
         model_params = set(self.model.parameters())
@@ -347,6 +365,7 @@ class KFAC(Optimizer, Joinable):
         self._background = BackgroundDecompositions() if async_decompositions else None
         self._async_delay = async_delay
         self._adopt_at: int | None = None  # the step at which the round in flight is adopted
+        self._stagger = FactorStagger(self.blocks) if self.options.stagger_factor_updates else None
         self._steps = 0
         self._warned_nothing_sampled = False
         self._warned_graph_backward = False
@@ -375,7 +394,8 @@ class KFAC(Optimizer, Joinable):
 
     @property
     def capturing(self) -> bool:
-        """Whether the hooks record statistics now (the coming step is a factor step)."""
+        """Whether the hooks record statistics now (the coming step is a factor step; with
+        ``stagger_factor_updates``, for the layers that fold on it)."""
         return self._capture.armed
 
     @property
@@ -394,15 +414,27 @@ class KFAC(Optimizer, Joinable):
         return check_damping(resolve(self.options.damping, step))
 
     def is_factor_step(self, step: int) -> bool:
+        """Whether some layer folds its statistics at ``step`` (every layer, unless staggered)."""
+        return bool(self._folding_blocks(step))
+
+    def _folding_blocks(self, step: int) -> list[layers.KroneckerBlock]:
+        """The blocks that capture for and fold at ``step``: all on factor steps, or their phase's."""
         interval = check_interval("factor_update_steps", resolve(self.options.factor_update_steps, step))
-        return step % interval == 0
+        if self._stagger is not None and self._stagger.ready:
+            return self._stagger.blocks_at(step, interval)
+        return self.blocks if step % interval == 0 else []
 
     def is_inverse_step(self, step: int) -> bool:
         interval = check_interval("inv_update_steps", resolve(self.options.inv_update_steps, step))
         return step % interval == 0
 
     def _arm_for(self, step: int) -> None:
-        self._capture.armed = bool(self.blocks) and self.is_factor_step(step)
+        if self._stagger is not None and self._stagger.ready:
+            interval = check_interval("factor_update_steps", resolve(self.options.factor_update_steps, step))
+            only = self._stagger.modules_at(step, interval)
+            self._capture.arm(bool(only), only)
+        else:
+            self._capture.arm(self.is_factor_step(step))
 
     # -- public helpers ----------------------------------------------------------------------
 
@@ -525,23 +557,35 @@ class KFAC(Optimizer, Joinable):
         """
         if self._sharding.decompositions_missing:  # a loaded checkpoint lacks some: from its factors
             self._decomposition_step(damping, only_missing=True)
-        if self.is_factor_step(step):
+        folding = self._folding_blocks(step)
+        if folding:
             self._check_something_was_recorded()
             # sample_fisher's loss is a sum over samples, whatever the training loss's reduction.
             reduction = "sum" if self.options.fisher == "sampled" else self.options.loss_reduction
             if not self._checked_capture:
                 self._warn_about_silent_blocks()
+            if self._stagger is not None and not self._stagger.ready:
+                self._assign_stagger_phases()
             with record_function("kfac.fold"):
-                for block in self.blocks:
+                for block in folding:
                     block.fold(self.options.factor_decay, reduction, statistics_scale)
             self._sharding.factors_folded()
-        else:
-            self.discard_pending_statistics()
+        self.discard_pending_statistics()  # a no-op for blocks that folded or captured nothing
         if self.is_inverse_step(step):
             self._decomposition_step(damping)
         elif self._adopt_at == step:  # async_delay: adopt the round in flight, the same step on every rank
             self._adopt_background_round()
             self._sharding.share_decompositions(self.options.method, self.options.inv_dtype)
+
+    def _assign_stagger_phases(self) -> None:
+        """At an all-block factor step: fix the stagger phases from the statistics costs summed
+        over ranks (a collective, also in Join's shadow step), once some rank recorded statistics."""
+        assert self._stagger is not None
+        costs = self._sharding.sum_over_ranks(self._stagger.unit_costs(), "the stagger phases' cost all-reduce")
+        if sum(costs) > 0:
+            self._stagger.set_costs(costs)
+            logger.debug("stagger phases for interval %s: %s", self.options.factor_update_steps,
+                         dict(zip(self._stagger.names, costs, strict=True)))
 
     def _warn_about_silent_blocks(self) -> None:
         """At the first factor step with any statistics: warn once about blocks whose hooks never

@@ -226,6 +226,13 @@ class Sharding:
             factor.set_global(total, count, int(row_sum))
         self._folded = False
 
+    def sum_over_ranks(self, values: list[float], what: str) -> list[float]:
+        """``values`` summed over all ranks (a collective on all ranks; themselves on one rank)."""
+        if not self.active:
+            return list(values)
+        sums = self.comm.all_reduce_sum([torch.tensor(values, dtype=torch.float64, device=self._device())], what=what)
+        return sums.wait()[0].tolist()
+
     # -- decompositions ----------------------------------------------------------------------
 
     def share_decompositions(self, method: Method, dtype: torch.dtype) -> None:
