@@ -48,7 +48,22 @@ def _sequence_first(tensor: Tensor) -> Tensor | None:
     return tensor.transpose(0, 1) if tensor.dim() == 3 else None
 
 
-class InProjectionBlock(LinearBlock):
+class _FedByTheAttentionTap(LinearBlock):
+    """A block whose statistics come from its ``nn.MultiheadAttention``'s tap, in the functional's
+    ``(L, N, ·)`` layout with N the batch (``attention`` is set by :meth:`InProjectionBlock.create`)."""
+
+    attention: _AttentionCapture | None = None
+
+    def install_capture(self, capture: Capture) -> list[RemovableHandle] | None:
+        return self.attention.install(capture, self)
+
+    per_sample = staticmethod(_sequence_first)
+
+    def sample_count(self, inputs: Tensor) -> int:
+        return _batch_size(inputs)
+
+
+class InProjectionBlock(_FedByTheAttentionTap):
     """The packed ``in_proj_weight``: three Kronecker pairs (q, k, v), batched as groups."""
 
     groups = 3
@@ -87,15 +102,6 @@ class InProjectionBlock(LinearBlock):
     def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
         super().__init__(name, module, include_bias, factor_dtype)
         self._group_rows = [0] * self.groups
-        self.attention: _AttentionCapture | None = None
-
-    def install_capture(self, capture: Capture) -> list[RemovableHandle] | None:
-        return self.attention.install(capture, self)
-
-    per_sample = staticmethod(_sequence_first)
-
-    def sample_count(self, inputs: Tensor) -> int:
-        return _batch_size(inputs)
 
     def accumulate(self, inputs: tuple[int, Tensor], grad_output: Tensor) -> None:
         """``inputs``: ``(j, x)``, projection ``j``'s input ``x``; ``grad_output`` its output-gradient."""
@@ -124,7 +130,7 @@ class InProjectionBlock(LinearBlock):
         self._group_rows = [0] * self.groups
 
 
-class ProjectionBlock(LinearBlock):
+class ProjectionBlock(_FedByTheAttentionTap):
     """One of ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight`` (no bias: ``in_proj_bias`` spans all three)."""
 
     module: nn.MultiheadAttention
@@ -132,34 +138,13 @@ class ProjectionBlock(LinearBlock):
     def __init__(self, name: str, module: nn.Module, index: int, factor_dtype: torch.dtype) -> None:
         self.index = index
         super().__init__(name, module, False, factor_dtype)
-        self.attention: _AttentionCapture | None = None
 
     def weight_and_bias(self, module: nn.Module) -> tuple[nn.Parameter, nn.Parameter | None]:  # type: ignore[override]
         return getattr(module, f"{_PROJECTIONS[self.index]}_proj_weight"), None
 
-    def install_capture(self, capture: Capture) -> list[RemovableHandle] | None:
-        return self.attention.install(capture, self)
 
-    per_sample = staticmethod(_sequence_first)
-
-    def sample_count(self, inputs: Tensor) -> int:
-        return _batch_size(inputs)
-
-
-class OutProjectionBlock(LinearBlock):
+class OutProjectionBlock(_FedByTheAttentionTap):
     """``out_proj``, fed the attention output before it (``(L, N, E)``)."""
-
-    def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
-        super().__init__(name, module, include_bias, factor_dtype)
-        self.attention: _AttentionCapture | None = None
-
-    def install_capture(self, capture: Capture) -> list[RemovableHandle] | None:
-        return self.attention.install(capture, self)
-
-    per_sample = staticmethod(_sequence_first)
-
-    def sample_count(self, inputs: Tensor) -> int:
-        return _batch_size(inputs)
 
 
 def sequence_first_note(blocks: list[KroneckerBlock]) -> str | None:
