@@ -1,7 +1,9 @@
 """Decompositions off the critical path: ``KFAC(async_decompositions=True)``.
 
 Owns: one worker thread that decomposes a round of factor snapshots, and handing the results
-back when the optimizer collects them.
+back when the optimizer collects them; a round whose results were fetched early (to save them in a
+checkpoint, :meth:`BackgroundDecompositions.wait`) or restored from one (:meth:`~BackgroundDecompositions.hold`)
+is held until collected, so saving does not change when it is adopted.
 Must not know: layers, ranks, schedules (the optimizer decides what to snapshot and when to
 collect; see ``KFAC._decomposition_step`` for the step at which results are adopted).
 
@@ -51,22 +53,27 @@ Result = linalg.Eigen | Tensor | None
 
 
 class BackgroundDecompositions:
-    """At most one round in flight: :meth:`submit` a list of jobs, :meth:`collect` their results."""
+    """At most one round in flight: :meth:`submit` a list of jobs, :meth:`collect` their results.
+
+    A round is in flight from :meth:`submit` until :meth:`collect`, whether the worker still runs it
+    or its results are held (:meth:`wait`, :meth:`hold`).
+    """
 
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
         self._jobs: list[Job] = []
         self._round: Future[tuple[list[Result], torch.cuda.Event | None]] | None = None
+        self._held: list[tuple[Job, Result]] | None = None
 
     @property
     def in_flight(self) -> bool:
-        return self._round is not None
+        return self._round is not None or self._held is not None
 
     def submit(self, jobs: list[Job]) -> None:
         """Start decomposing ``jobs`` on the worker (a no-op for none). A round must not be in flight."""
         if not jobs:
             return
-        if self._round is not None:
+        if self.in_flight:
             raise RuntimeError("a round of decompositions is already in flight; collect it first")
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kfac-decompositions")
@@ -79,11 +86,31 @@ class BackgroundDecompositions:
         self._round = self._executor.submit(_run, jobs, stream, ready)
         logger.debug("submitted %d decompositions to the worker", len(jobs))
 
+    def wait(self) -> list[tuple[Job, Result]]:
+        """The in-flight round's jobs with their results, as :meth:`collect`, but the round stays in
+        flight (held) until collected; ``[]`` when none is in flight."""
+        if self._held is None and self._round is not None:
+            self._held = self._collect_worker()
+        return list(self._held or [])
+
+    def hold(self, results: list[tuple[Job, Result]]) -> None:
+        """Make ``results`` (e.g. a saved :meth:`wait`) the round in flight, replacing any (a no-op for none)."""
+        self.close()
+        if results:
+            self._held = list(results)
+
     def collect(self) -> list[tuple[Job, Result]]:
         """The in-flight round's jobs with their results (None: failed), waiting for the worker if
         it has not finished; ``[]`` when no round is in flight. Re-raises a worker's exception."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            return held
         if self._round is None:
             return []
+        return self._collect_worker()
+
+    def _collect_worker(self) -> list[tuple[Job, Result]]:
+        assert self._round is not None
         future, jobs = self._round, self._jobs
         self._round, self._jobs = None, []
         results, done = future.result()
@@ -92,11 +119,11 @@ class BackgroundDecompositions:
         return list(zip(jobs, results, strict=True))
 
     def close(self) -> None:
-        """Wait for the worker and stop it (results of a round in flight are dropped)."""
+        """Wait for the worker and stop it (results of a round in flight, held ones included, are dropped)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        self._round, self._jobs = None, []
+        self._round, self._jobs, self._held = None, [], None
 
 
 def _run(

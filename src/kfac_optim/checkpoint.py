@@ -25,6 +25,9 @@ reads them whole. Decompositions are not saved: under ``grad_worker_fraction < 1
 holds different ones; they are recomputed from the factors at the first step after loading
 (identical to the saved run's when the checkpoint follows a decomposition step, as the factors
 then are those decomposed). The health counters (``discarded``, ``failures``) are one rank's.
+For the same reason the round of decompositions in flight under ``async_decompositions`` (which
+``KFAC.state_dict()`` saves) is left out: a run resumed from DCP holds no round, decomposes its
+factors in line at its first step, and so does not continue bit-identically with the saved run.
 
 ``get_state_dict`` initializes an optimizer that has no per-parameter state by calling
 ``step()`` once with zero gradients and lr 0 (DCP's ``_init_optim_state``). On the fresh optimizer
@@ -50,8 +53,10 @@ class KFACState:
         self._optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        """``KFAC.kfac_state_dict()`` without decompositions (a collective under ``torch.distributed``)."""
+        """``KFAC.kfac_state_dict()`` without decompositions, the round in flight's included (a
+        collective under ``torch.distributed``); the optimizer still adopts that round as before."""
         state = self._optimizer.kfac_state_dict()
+        del state["round"]
         for block in state["blocks"].values():
             for factor in block["factors"].values():
                 for key in _NOT_SAVED:

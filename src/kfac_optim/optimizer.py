@@ -633,7 +633,11 @@ class KFAC(Optimizer, Joinable):
         """Hold the decompositions of the worker's round (reporting the ones that failed)."""
         assert self._background is not None
         self._adopt_at = None
-        for job, result in self._background.collect():
+        self._adopt(self._background.collect())
+
+    def _adopt(self, results: list[tuple[Job, linalg.Eigen | Tensor | None]]) -> None:
+        """Hold each job's decomposition (None: report that it failed)."""
+        for job, result in results:
             block, name = job.owner
             if result is None:
                 self._report_failure(block, name)
@@ -862,7 +866,30 @@ class KFAC(Optimizer, Joinable):
         return {
             "steps": self._steps,
             "blocks": {block.name: block.state_dict() for block in self.blocks},
+            "round": self._round_state(),
         }
+
+    def _round_state(self) -> dict[str, Any] | None:
+        """The round of decompositions in flight (``async_decompositions``), None when there is none.
+
+        Waits for the worker; its results stay held and are adopted at the same step as if nothing
+        had been saved. ``{"adopt_at": the step that adopts it (None: the next decomposition step),
+        "factors": {block: {factor: {"decomposition": as in the block's state (None: it failed),
+        "version": the factor version it decomposes, "shift": the shift it was given}}}}``: the
+        factors this rank decomposes.
+        """
+        results = self._background.wait() if self._background is not None else []
+        if not results:
+            return None
+        factors: dict[str, dict[str, Any]] = {}
+        for job, result in results:
+            block, name = job.owner
+            factors.setdefault(block.name, {})[name] = {
+                "decomposition": block.factors[name].decomposition_state(result),
+                "version": job.version,
+                "shift": job.shift,
+            }
+        return {"adopt_at": self._adopt_at, "factors": factors}
 
     def kfac_state(self) -> KFACState:
         """K-FAC's state for ``torch.distributed.checkpoint`` (DCP), next to the model's and the
@@ -884,14 +911,21 @@ class KFAC(Optimizer, Joinable):
             saved = self._validate_kfac_state(kfac_state)
         super().load_state_dict(state_dict)
         if kfac_state is not None:
-            self._restore_kfac_state(kfac_state["steps"], saved)
+            self._restore_kfac_state(kfac_state["steps"], saved, kfac_state.get("round"))
 
     def load_kfac_state_dict(self, kfac_state: dict[str, Any]) -> None:
         """Restore :meth:`kfac_state_dict` (the same one on every rank), checked as in
         :meth:`load_state_dict`; layers match by name."""
-        self._restore_kfac_state(kfac_state["steps"], self._validate_kfac_state(kfac_state))
+        saved = self._validate_kfac_state(kfac_state)
+        self._restore_kfac_state(kfac_state["steps"], saved, kfac_state.get("round"))
 
-    def _restore_kfac_state(self, steps: int, saved: dict[str, Any]) -> None:
+    def _restore_kfac_state(self, steps: int, saved: dict[str, Any], saved_round: dict[str, Any] | None) -> None:
+        """Load validated blocks and the saved round in flight (None: none, or saved before rounds were).
+
+        With ``async_decompositions`` the round is held and adopted at its saved step, as in the run
+        that saved it (the results of the factors this rank decomposes). Without, it is adopted at
+        once: a synchronous run holds the newest decompositions it has, and refreshes them all at its
+        next decomposition step anyway."""
         if self._background is not None:  # a round in flight decomposes the factors being replaced
             self._background.close()
             self._adopt_at = None
@@ -899,8 +933,29 @@ class KFAC(Optimizer, Joinable):
         for block in self.blocks:
             if block.name in saved:
                 block.load_state_dict(saved[block.name])
+        results = self._saved_round(saved_round)
+        if self._background is None:
+            self._adopt(results)
+        elif saved_round is not None:
+            self._background.hold([(job, r) for job, r in results if self._sharding.decomposes(job.owner[0].name, job.owner[1])])
+            self._adopt_at = saved_round["adopt_at"]  # on every rank alike, as it decides a collective
         self._sharding.loaded()
         self._arm_for(self._steps)
+
+    def _saved_round(self, saved_round: dict[str, Any] | None) -> list[tuple[Job, linalg.Eigen | Tensor | None]]:
+        """A validated round entry of a checkpoint as jobs with their results (layers of this model only)."""
+        if saved_round is None:
+            return []
+        blocks = {block.name: block for block in self.blocks}
+        return [
+            (
+                Job((blocks[block_name], name), blocks[block_name].factors[name], result["version"], self.method,
+                    float(result["shift"]), self.options.inv_dtype, None),
+                blocks[block_name].factors[name].load_decomposition(result["decomposition"]),
+            )
+            for block_name, factors in saved_round["factors"].items() if block_name in blocks
+            for name, result in factors.items()
+        ]
 
     def _validate_kfac_state(self, kfac_state: Any) -> dict[str, Any]:
         """Check a checkpoint's ``"kfac"`` entry against this model; return its blocks by name."""
@@ -913,6 +968,7 @@ class KFAC(Optimizer, Joinable):
         for block in self.blocks:
             if block.name in saved:
                 block.validate_state(saved[block.name])
+        self._validate_round(kfac_state.get("round"), steps)
         missing = [block.name for block in self.blocks if block.name not in saved]
         unknown = sorted(set(saved) - {block.name for block in self.blocks})
         if missing or unknown:
@@ -921,6 +977,32 @@ class KFAC(Optimizer, Joinable):
                 f"start fresh; saved layers not in the model {unknown} are ignored",
             )
         return saved
+
+    def _validate_round(self, saved_round: Any, steps: int) -> None:
+        """Check a checkpoint's round in flight (see :meth:`_round_state`) against this model."""
+        if saved_round is None:
+            return
+        if not isinstance(saved_round, dict) or not isinstance(saved_round.get("factors"), dict) or "adopt_at" not in saved_round:
+            raise ValueError("K-FAC checkpoint: 'round' must be None or a dict with 'adopt_at' and 'factors'")
+        adopt_at = saved_round["adopt_at"]
+        if adopt_at is not None and (isinstance(adopt_at, bool) or not isinstance(adopt_at, int) or adopt_at < steps):
+            raise ValueError(
+                f"K-FAC checkpoint: the round's 'adopt_at' must be None or an int >= 'steps' ({steps}), got {adopt_at!r}"
+            )
+        blocks = {block.name: block for block in self.blocks}
+        for block_name, factors in saved_round["factors"].items():
+            if block_name not in blocks:
+                continue  # a saved layer the model lacks: ignored, as its factors are
+            where = f"K-FAC checkpoint, layer '{block_name}', the round in flight"
+            if not isinstance(factors, dict):
+                raise ValueError(f"{where}: expected a dict of factors, got {type(factors).__name__}")
+            for name, result in factors.items():
+                if name not in blocks[block_name].factors:
+                    raise ValueError(f"{where}: this layer has no factor {name!r}")
+                try:
+                    blocks[block_name].factors[name].validate_result(result)
+                except ValueError as error:
+                    raise ValueError(f"{where}, factor {name}: {error}") from None
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(

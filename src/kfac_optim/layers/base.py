@@ -200,18 +200,50 @@ class Factor:
 
     def state_dict(self) -> dict[str, Any]:
         """The running factor, its health counters and its decomposition (None if none yet)."""
-        decomposition = self.decomposition
-        if isinstance(decomposition, linalg.Eigen):
-            decomposition = {"Q": decomposition.Q, "d": decomposition.d}
         return {
             "running": self.running,
             "initialized": self.initialized,
             "discarded": self.discarded,
             "version": self.version,
             "rank_bound": self.rank_bound,
-            "decomposition": decomposition,
+            "decomposition": self.decomposition_state(self.decomposition),
             "decomposed_key": self.decomposed_key,
         }
+
+    @staticmethod
+    def decomposition_state(decomposition: linalg.Eigen | Tensor | None) -> dict[str, Tensor] | Tensor | None:
+        """``decomposition`` as checkpoints hold it: ``{"Q", "d"}`` for an eigendecomposition."""
+        if isinstance(decomposition, linalg.Eigen):
+            return {"Q": decomposition.Q, "d": decomposition.d}
+        return decomposition
+
+    def load_decomposition(self, state: dict[str, Tensor] | Tensor | None) -> linalg.Eigen | Tensor | None:
+        """A :meth:`decomposition_state` (validated, :meth:`validate_decomposition`) on this factor's device."""
+        device = self.running.device
+        if isinstance(state, dict):
+            return linalg.Eigen(Q=state["Q"].to(device), d=state["d"].to(device))
+        return None if state is None else state.to(device)
+
+    def validate_decomposition(self, decomposition: Any, field: str = "decomposition") -> None:
+        """Raise ``ValueError`` naming ``field`` if ``decomposition`` (a :meth:`decomposition_state`)
+        is not one of this factor: a tensor shaped as the storage, or ``Q: (..., dim, r)`` and
+        ``d: (..., r)``, all finite."""
+        if decomposition is None:
+            return
+        if isinstance(decomposition, dict):
+            for key in ("Q", "d"):
+                if key not in decomposition:
+                    raise ValueError(f"'{field}' has no '{key}'")
+            tensors = {f"{field} Q": decomposition["Q"], f"{field} d": decomposition["d"]}
+        else:
+            tensors = {field: decomposition}
+        _check_tensors(tensors)
+        if isinstance(decomposition, dict):
+            rank = decomposition["Q"].shape[-1]
+            expected = {f"{field} Q": (*self.batch_shape, self.dim, rank), f"{field} d": (*self.batch_shape, rank)}
+        else:
+            expected = {field: self.storage_shape(self.dim, self.groups)}
+        _check_shapes(tensors, expected)
 
     def validate_state(self, state: Any) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable :meth:`state_dict` of this
@@ -223,31 +255,28 @@ class Factor:
             if key not in state:
                 raise ValueError(f"'{key}' is missing")
         tensors = {"running": state["running"], "initialized": state["initialized"], "discarded": state["discarded"]}
-        decomposition = state["decomposition"]
-        if isinstance(decomposition, dict):
-            for key in ("Q", "d"):
-                if key not in decomposition:
-                    raise ValueError(f"'decomposition' has no '{key}'")
-            tensors.update({"decomposition Q": decomposition["Q"], "decomposition d": decomposition["d"]})
-        elif decomposition is not None:
-            tensors["decomposition"] = decomposition
-        for field, tensor in tensors.items():
-            if not isinstance(tensor, Tensor):
-                raise ValueError(f"'{field}' must be a tensor, got {type(tensor).__name__}")
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                raise ValueError(f"'{field}' is non-finite")
+        _check_tensors(tensors)
+        self.validate_decomposition(state["decomposition"])
         bound = state.get("rank_bound")
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
             raise ValueError(f"'rank_bound' must be None or an int >= 0, got {bound!r}")
-        storage = self.storage_shape(self.dim, self.groups)
-        expected = {"running": storage, "initialized": (), "discarded": (), "decomposition": storage}
-        if isinstance(decomposition, dict):
-            rank = decomposition["Q"].shape[-1]
-            batch = self.batch_shape
-            expected.update({"decomposition Q": (*batch, self.dim, rank), "decomposition d": (*batch, rank)})
-        for field, tensor in tensors.items():
-            if tuple(tensor.shape) != expected[field]:
-                raise ValueError(f"'{field}' has shape {tuple(tensor.shape)}, this model needs {expected[field]}")
+        _check_shapes(tensors, {"running": self.storage_shape(self.dim, self.groups), "initialized": (), "discarded": ()})
+
+    def validate_result(self, state: Any) -> None:
+        """Raise ``ValueError`` naming the field if ``state`` is not a usable saved result of a background
+        decomposition of this factor: ``{"decomposition": a decomposition_state or None (failed),
+        "version": the factor version decomposed (int >= 0), "shift": the shift it was given (finite)}``."""
+        if not isinstance(state, dict):
+            raise ValueError(f"expected a dict, got {type(state).__name__}")
+        for key in ("decomposition", "version", "shift"):
+            if key not in state:
+                raise ValueError(f"'{key}' is missing")
+        self.validate_decomposition(state["decomposition"])
+        version, shift = state["version"], state["shift"]
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"'version' must be an int >= 0, got {version!r}")
+        if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift):
+            raise ValueError(f"'shift' must be a finite float, got {shift!r}")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` (tensors move to this factor's device and dtypes); the
@@ -259,15 +288,27 @@ class Factor:
         self.reported_discards = int(self.discarded)
         self.version = int(state["version"])
         self.rows_synced, self.rows_since_sync = state.get("rank_bound"), 0  # None: saved without one
-        decomposition = state["decomposition"]
-        if isinstance(decomposition, dict):
-            decomposition = linalg.Eigen(Q=decomposition["Q"].to(device), d=decomposition["d"].to(device))
-        elif decomposition is not None:
-            decomposition = decomposition.to(device)
+        decomposition = self.load_decomposition(state["decomposition"])
         self.decomposition = decomposition
         key = state["decomposed_key"]
         self.decomposed_key = None if key is None or decomposition is None else tuple(key)
         self.clear_pending()
+
+
+def _check_tensors(tensors: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the field of a value that is not a tensor or is non-finite."""
+    for field, tensor in tensors.items():
+        if not isinstance(tensor, Tensor):
+            raise ValueError(f"'{field}' must be a tensor, got {type(tensor).__name__}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"'{field}' is non-finite")
+
+
+def _check_shapes(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    """Raise ``ValueError`` naming the field of a tensor not shaped as ``expected`` says."""
+    for field, tensor in tensors.items():
+        if tuple(tensor.shape) != expected[field]:
+            raise ValueError(f"'{field}' has shape {tuple(tensor.shape)}, this model needs {expected[field]}")
 
 
 class DiagonalFactor(Factor):
