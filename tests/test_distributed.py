@@ -9,6 +9,7 @@ a control run of one process on the whole batch.
 from __future__ import annotations
 
 import gc
+import io
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -207,6 +208,7 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
 
     model, _ = ddp_run(rank, world, 1.0, async_decompositions=True)
     results["params async"] = parameters(model)
+    results.update(async_resumed(rank, world))
 
     model, optimizer = ddp_run(rank, world, "mem-opt", **STAGGER)
     results["params stagger"] = parameters(model)
@@ -239,6 +241,31 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     state = optimizer.state_dict()  # on every rank: it makes the factors global
     if rank == 0:
         torch.save({"model": model.module.state_dict(), "optimizer": state}, directory / "checkpoint.pt")
+    return results
+
+
+def async_resumed(rank: int, world: int) -> dict[str, Any]:
+    """Async runs saved at SAVE_AT, a round in flight (submitted at step 2; adopted at 4, or at 3
+    with async_delay=1), resumed on fresh models from each rank's own checkpoint or from rank 0's."""
+    results: dict[str, Any] = {}
+    for delay in (None, 1):
+        model, optimizer = ddp_run(rank, world, 1.0, steps=range(SAVE_AT), async_decompositions=True, async_delay=delay)
+        buffer = io.BytesIO()
+        torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+        train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
+        results[f"params async {delay}"] = parameters(model)
+        own = buffer.getvalue()
+        shared = [own]
+        dist.broadcast_object_list(shared, src=0)
+        for source, data in (("own", own), ("rank 0's", shared[0])):
+            saved = torch.load(io.BytesIO(data), weights_only=True)
+            inner = make_model()
+            inner.load_state_dict(saved["model"])
+            model = DDP(inner)
+            optimizer = KFAC(model, async_decompositions=True, async_delay=delay, **OPTIONS)
+            optimizer.load_state_dict(saved["optimizer"])
+            train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
+            results[f"params async {delay} resumed from {source}"] = parameters(model)
     return results
 
 
@@ -448,6 +475,19 @@ def test_async_decompositions_under_ddp_equal_one_process_with_the_shards_as_mic
     train(synchronous, KFAC(synchronous, **OPTIONS), range(STEPS), micro_batches=2)
     # Stale by one refresh from step 4 on (rounds: step 0 in line, submitted at 2, adopted at 4).
     assert not torch.allclose(parameters(model)["fc1.weight"], parameters(synchronous)["fc1.weight"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("delay", [None, 1])
+def test_async_run_resumed_from_each_ranks_checkpoint_continues_bit_identically(two_ranks, delay: int | None) -> None:
+    """Each rank saved the round in flight it computed; a checkpoint of rank 0 loaded on every rank
+    adopts at the same step on every rank (no hang), and the ranks stay bit-identical."""
+    for results in two_ranks:
+        assert_same(results[f"params async {delay} resumed from own"], results[f"params async {delay}"], rtol=0, atol=0)
+    if delay is None:
+        assert_same(two_ranks[0]["params async None"], two_ranks[0]["params async"], rtol=0, atol=0)
+    first, second = two_ranks
+    assert_same(first[f"params async {delay} resumed from rank 0's"], second[f"params async {delay} resumed from rank 0's"],
+                rtol=0, atol=0)
 
 
 def test_staggered_factor_updates_under_ddp_equal_one_process(two_ranks) -> None:

@@ -575,7 +575,7 @@ class KFAC(Optimizer, Joinable):
             self._decomposition_step(damping)
         elif self._adopt_at == step:  # async_delay: adopt the round in flight, the same step on every rank
             self._adopt_background_round()
-            self._sharding.share_decompositions(self.options.method, self.options.inv_dtype)
+            self._sharding.share_decompositions(self.method, self.options.inv_dtype)
 
     def _assign_stagger_phases(self) -> None:
         """At an all-block factor step: fix the stagger phases from the statistics costs summed
