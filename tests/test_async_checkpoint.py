@@ -21,7 +21,9 @@ from kfac_optim import KFAC
 STEPS = 12
 # Decomposition steps 0, 3, 6, 9: step 0 decomposes in line, step 3 hands a round to the worker,
 # adopted at step 6 (async_delay None) or 5 (async_delay 2).
-SETTINGS = dict(lr=0.05, momentum=0.9, damping=0.05, factor_update_steps=1, inv_update_steps=3, async_decompositions=True)
+SETTINGS = dict(
+    lr=0.05, momentum=0.9, damping=0.05, factor_update_steps=1, inv_update_steps=3, async_decompositions=True
+)
 
 
 class Net(nn.Module):
@@ -73,6 +75,15 @@ def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
         assert torch.equal(p, q), name
 
 
+def assert_same_rounds(a: dict, b: dict) -> None:
+    assert a["adopt_at"] == b["adopt_at"] and a["factors"].keys() == b["factors"].keys()
+    for block, factors in b["factors"].items():
+        for name, result in factors.items():
+            other = a["factors"][block][name]
+            assert (other["version"], other["shift"]) == (result["version"], result["shift"])
+            assert all(torch.equal(other["decomposition"][k], result["decomposition"][k]) for k in ("Q", "d"))
+
+
 @pytest.mark.parametrize(("async_delay", "save_at"), [(None, 4), (None, 6), (2, 4), (2, 5)])
 def test_resume_while_a_round_is_in_flight_continues_bit_identically(async_delay: int | None, save_at: int) -> None:
     # save_at 4 and 5: step 3's round is in flight (adopted at 6, or at 5 with async_delay 2);
@@ -88,6 +99,7 @@ def test_resume_while_a_round_is_in_flight_continues_bit_identically(async_delay
 
     model, optimizer = resumed(checkpoint, async_delay=async_delay)
     assert optimizer.steps == save_at
+    assert_same_rounds(optimizer.state_dict()["kfac"]["round"], checkpoint["optimizer"]["kfac"]["round"])
     run(model, optimizer, range(save_at, STEPS))
     assert_same_parameters(model, reference)
 
@@ -145,7 +157,8 @@ def test_a_failed_result_in_the_round_is_reported_when_adopted() -> None:
     with pytest.warns(RuntimeWarning, match=r"'head'.*decomposition of G failed.*last good decomposition is kept"):
         run(model, optimizer, range(6, 7))
     assert optimizer.blocks[1].G.decomposed_key == kept
-    assert optimizer.blocks[1].A.decomposed_key[0] == checkpoint["optimizer"]["kfac"]["round"]["factors"]["head"]["A"]["version"]
+    head = checkpoint["optimizer"]["kfac"]["round"]["factors"]["head"]
+    assert optimizer.blocks[1].A.decomposed_key[0] == head["A"]["version"]
 
 
 def state_of(optimizer: KFAC) -> list:

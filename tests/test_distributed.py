@@ -486,8 +486,8 @@ def test_async_run_resumed_from_each_ranks_checkpoint_continues_bit_identically(
     if delay is None:
         assert_same(two_ranks[0]["params async None"], two_ranks[0]["params async"], rtol=0, atol=0)
     first, second = two_ranks
-    assert_same(first[f"params async {delay} resumed from rank 0's"], second[f"params async {delay} resumed from rank 0's"],
-                rtol=0, atol=0)
+    key = f"params async {delay} resumed from rank 0's"
+    assert_same(first[key], second[key], rtol=0, atol=0)
 
 
 def test_staggered_factor_updates_under_ddp_equal_one_process(two_ranks) -> None:

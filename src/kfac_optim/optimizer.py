@@ -241,7 +241,12 @@ class KFAC(Optimizer, Joinable):
             the worker if it has not finished), the same step on every rank; meanwhile layers
             precondition with the decompositions they hold, so they are one refresh older than
             in the synchronous mode (Ba et al., 2017). A factor's first decomposition is computed
-            in line. A round in flight is not part of ``state_dict()``.
+            in line. ``state_dict()`` saves a round in flight (waiting for the worker; the run
+            still adopts it at the same step), so a run resumed from it continues bit-identically;
+            loaded without ``async_decompositions`` the round is adopted at once. Distributed:
+            each rank's round holds the factors it decomposes, so resuming is exact when every
+            rank loads its own ``state_dict()``; a checkpoint of one rank gives the others none
+            (they keep the older decompositions, identically on every rank).
         async_delay: with ``async_decompositions``, adopt a round this many steps after the
             decomposition step that started it (before that step's preconditioning, waiting for
             the worker if needed), or at the next decomposition step if that comes first. None
@@ -857,8 +862,10 @@ class KFAC(Optimizer, Joinable):
         return state
 
     def kfac_state_dict(self) -> dict[str, Any]:
-        """The ``"kfac"`` entry of :meth:`state_dict`: the step and every block's factors (and the
-        decompositions held here) by module name; a collective as :meth:`state_dict` is."""
+        """The ``"kfac"`` entry of :meth:`state_dict`: the step, every block's factors (and the
+        decompositions held here) by module name, and ``"round"``: the round of decompositions in
+        flight under ``async_decompositions`` (None: none; see ``docs/api.md``); a collective as
+        :meth:`state_dict` is."""
         self._sharding.synchronize_factors("KFAC.kfac_state_dict()", confirm=True)
         return self._kfac_state()
 
@@ -937,7 +944,8 @@ class KFAC(Optimizer, Joinable):
         if self._background is None:
             self._adopt(results)
         elif saved_round is not None:
-            self._background.hold([(job, r) for job, r in results if self._sharding.decomposes(job.owner[0].name, job.owner[1])])
+            decomposes = self._sharding.decomposes
+            self._background.hold([(job, r) for job, r in results if decomposes(job.owner[0].name, job.owner[1])])
             self._adopt_at = saved_round["adopt_at"]  # on every rank alike, as it decides a collective
         self._sharding.loaded()
         self._arm_for(self._steps)
@@ -982,12 +990,14 @@ class KFAC(Optimizer, Joinable):
         """Check a checkpoint's round in flight (see :meth:`_round_state`) against this model."""
         if saved_round is None:
             return
-        if not isinstance(saved_round, dict) or not isinstance(saved_round.get("factors"), dict) or "adopt_at" not in saved_round:
+        shaped = isinstance(saved_round, dict) and isinstance(saved_round.get("factors"), dict)
+        if not shaped or "adopt_at" not in saved_round:
             raise ValueError("K-FAC checkpoint: 'round' must be None or a dict with 'adopt_at' and 'factors'")
         adopt_at = saved_round["adopt_at"]
         if adopt_at is not None and (isinstance(adopt_at, bool) or not isinstance(adopt_at, int) or adopt_at < steps):
             raise ValueError(
-                f"K-FAC checkpoint: the round's 'adopt_at' must be None or an int >= 'steps' ({steps}), got {adopt_at!r}"
+                f"K-FAC checkpoint: the round's 'adopt_at' must be None or an int >= 'steps' ({steps}), "
+                f"got {adopt_at!r}"
             )
         blocks = {block.name: block for block in self.blocks}
         for block_name, factors in saved_round["factors"].items():

@@ -260,7 +260,8 @@ class Factor:
         bound = state.get("rank_bound")
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
             raise ValueError(f"'rank_bound' must be None or an int >= 0, got {bound!r}")
-        _check_shapes(tensors, {"running": self.storage_shape(self.dim, self.groups), "initialized": (), "discarded": ()})
+        storage = self.storage_shape(self.dim, self.groups)
+        _check_shapes(tensors, {"running": storage, "initialized": (), "discarded": ()})
 
     def validate_result(self, state: Any) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable saved result of a background
