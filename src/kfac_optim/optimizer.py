@@ -41,7 +41,7 @@ from torch.profiler import record_function
 from kfac_optim import fisher as fisher_lib
 from kfac_optim import linalg
 from kfac_optim import layers
-from kfac_optim.background import BackgroundDecompositions, Job
+from kfac_optim.background import BackgroundDecompositions, Job, Result
 from kfac_optim.capture import StatisticsCapture
 from kfac_optim.checkpoint import KFACState
 from kfac_optim.diagnostics import warn_user
@@ -640,7 +640,7 @@ class KFAC(Optimizer, Joinable):
         self._adopt_at = None
         self._adopt(self._background.collect())
 
-    def _adopt(self, results: list[tuple[Job, linalg.Eigen | Tensor | None]]) -> None:
+    def _adopt(self, results: list[tuple[Job, Result]]) -> None:
         """Hold each job's decomposition (None: report that it failed)."""
         for job, result in results:
             block, name = job.owner
@@ -950,7 +950,7 @@ class KFAC(Optimizer, Joinable):
         self._sharding.loaded()
         self._arm_for(self._steps)
 
-    def _saved_round(self, saved_round: dict[str, Any] | None) -> list[tuple[Job, linalg.Eigen | Tensor | None]]:
+    def _saved_round(self, saved_round: dict[str, Any] | None) -> list[tuple[Job, Result]]:
         """A validated round entry of a checkpoint as jobs with their results (layers of this model only)."""
         if saved_round is None:
             return []
