@@ -159,6 +159,8 @@ def test_a_failed_result_in_the_round_is_reported_when_adopted() -> None:
     assert optimizer.blocks[1].G.decomposed_key == kept
     head = checkpoint["optimizer"]["kfac"]["round"]["factors"]["head"]
     assert optimizer.blocks[1].A.decomposed_key[0] == head["A"]["version"]
+    with pytest.warns(RuntimeWarning, match=r"'head'.*decomposition of G failed"):  # adopted at once
+        resumed(checkpoint, async_decompositions=False)
 
 
 def state_of(optimizer: KFAC) -> list:
