@@ -11,6 +11,9 @@ step by step. Runs:
   async    the same with ``async_decompositions=True`` (decompositions on a worker)
   stagger  ``sync`` with ``stagger_factor_updates=True`` (each layer folds on its own step of the interval)
   async-stagger  ``async`` with ``stagger_factor_updates=True``
+  statistics ``sync`` with ``async_statistics=True`` (Gram products and folds on a worker thread)
+  async-statistics  ``async`` with ``async_statistics=True``: decompositions and statistics off the
+           step's critical path
   defaults ``KFAC(model, lr, momentum, weight_decay)``: the library's default intervals and damping
            (what a user swapping SGD for K-FAC meets first)
   sgd      ``torch.optim.SGD`` (the floor)
@@ -46,7 +49,15 @@ from benchmarks.step_time import add_workload_arguments, build_model, workload_s
 from kfac_optim import KFAC, linalg
 from kfac_optim.methods import method_named
 
-RUNS = ("sync", "async", "stagger", "async-stagger", "defaults", "sgd", "kaisa")
+RUNS = ("sync", "async", "stagger", "async-stagger", "statistics", "async-statistics", "defaults", "sgd", "kaisa")
+KFAC_RUNS = {  # run: (async_decompositions, stagger_factor_updates, async_statistics)
+    "sync": (False, False, False),
+    "async": (True, False, False),
+    "stagger": (False, True, False),
+    "async-stagger": (True, True, False),
+    "statistics": (False, False, True),
+    "async-statistics": (True, False, True),
+}
 
 
 def kaisa_available() -> bool:
@@ -67,8 +78,8 @@ def make_step(run: str, model: nn.Module, args: argparse.Namespace) -> tuple[Cal
     if run == "defaults":
         kfac = KFAC(model, **common)
         return kfac.step, kfac
-    if run in ("sync", "async", "stagger", "async-stagger"):
-        extra = {"async_decompositions": run.startswith("async"), "stagger_factor_updates": run.endswith("stagger")}
+    if run in KFAC_RUNS:
+        extra = dict(zip(("async_decompositions", "stagger_factor_updates", "async_statistics"), KFAC_RUNS[run]))
         kfac = KFAC(model, **common, **intervals, damping=args.damping, **extra)
         return kfac.step, kfac
     from kfac.preconditioner import KFACPreconditioner  # kfac-pytorch (KAISA)

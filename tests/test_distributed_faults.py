@@ -74,10 +74,17 @@ MISMATCHES: dict[str, tuple[tuple[Callable[[], nn.Module], dict[str, Any]], ...]
         (make_model, dict(damping=MilestoneSchedule(0.1, milestones=(200,), gamma=0.5))),
     ),
     "skip_layers": ((make_model, {}), (make_model, dict(skip_layers=["fc2"]))),
+    "async_decompositions": ((make_model, {}), (make_model, dict(async_decompositions=True))),
+    "async_delay": (
+        (make_model, dict(async_decompositions=True, async_delay=1)),
+        (make_model, dict(async_decompositions=True, async_delay=2)),
+    ),
     "layer shapes": ((lambda: Wide(8), {}), (lambda: Wide(9), {})),
     "same settings spelled differently": (
         (make_model, dict(grad_worker_fraction="comm-opt", damping=MilestoneSchedule(0.1, milestones=(100,)))),
-        (make_model, dict(grad_worker_fraction=1.0, damping=MilestoneSchedule(0.1, milestones=(100,)))),
+        # async_statistics changes no result (the same factors, computed later): ranks may differ in it
+        (make_model, dict(grad_worker_fraction=1.0, damping=MilestoneSchedule(0.1, milestones=(100,)),
+                          async_statistics=True)),
     ),
 }
 
