@@ -283,23 +283,18 @@ def single_process(steps: int = STEPS, **kwargs: Any) -> tuple[Net, KFAC]:
 
 
 @pytest.fixture(scope="module")
-def directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("distributed")
+def two_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
+    return spawn(scenario_two_ranks, 2, module_tmp_path, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(directory: Path) -> list[dict[str, Any]]:
-    return spawn(scenario_two_ranks, 2, directory, deadline_s=DEADLINE_S)
+def three_ranks(module_tmp_path: Path, two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return spawn(scenario_three_ranks, 3, module_tmp_path, deadline_s=DEADLINE_S)  # resumes from the 2-rank checkpoint
 
 
 @pytest.fixture(scope="module")
-def three_ranks(directory: Path, two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return spawn(scenario_three_ranks, 3, directory, deadline_s=DEADLINE_S)  # resumes from the 2-rank checkpoint
-
-
-@pytest.fixture(scope="module")
-def four_ranks(directory: Path) -> list[dict[str, Any]]:
-    return spawn(scenario_four_ranks, 4, directory, deadline_s=DEADLINE_S)
+def four_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
+    return spawn(scenario_four_ranks, 4, module_tmp_path, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
@@ -475,8 +470,8 @@ def test_memory_opt_holds_fewer_decomposition_bytes(two_ranks) -> None:
         assert comm_opt["total"] == sum(v for k, v in comm_opt.items() if k != "total")
 
 
-def test_checkpoint_saved_on_rank_zero_under_mem_opt_holds_every_layer(two_ranks, directory) -> None:
-    state = torch.load(directory / "checkpoint.pt", weights_only=False)["optimizer"]
+def test_checkpoint_saved_on_rank_zero_under_mem_opt_holds_every_layer(two_ranks, module_tmp_path) -> None:
+    state = torch.load(module_tmp_path / "checkpoint.pt", weights_only=False)["optimizer"]
     decompositions = [
         factor["decomposition"] for block in state["kfac"]["blocks"].values() for factor in block["factors"].values()
     ]
@@ -485,8 +480,8 @@ def test_checkpoint_saved_on_rank_zero_under_mem_opt_holds_every_layer(two_ranks
     assert_same(saved_factors(state), saved_factors(optimizer.state_dict()))
 
 
-def test_two_rank_checkpoint_resumes_on_one_process(two_ranks, directory, reference) -> None:
-    assert_same(resume(0, 1, directory / "checkpoint.pt", 1.0), reference)
+def test_two_rank_checkpoint_resumes_on_one_process(two_ranks, module_tmp_path, reference) -> None:
+    assert_same(resume(0, 1, module_tmp_path / "checkpoint.pt", 1.0), reference)
 
 
 def test_two_rank_checkpoint_resumes_on_three_ranks(three_ranks, reference) -> None:

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from kfac_optim import KFAC
 from kfac_optim.schedules import MilestoneSchedule
 from tests.distributed_helpers import load_results, results_file, run_ranks
-from tests.test_distributed import make_model, parameters, saved_factors, shard, train
+from tests.test_distributed import make_model, parameters, saved_factors, train
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -203,14 +203,13 @@ def every_fault(rank: int, world: int, directory: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
     """Every rank's results (rank 1's as saved right before it died)."""
-    directory = tmp_path_factory.mktemp("distributed_faults")
     exit_codes = run_ranks(
-        every_fault, WORLD, directory, deadline_s=DEADLINE_S, group_timeout_s=GROUP_TIMEOUT_S,
+        every_fault, WORLD, module_tmp_path, deadline_s=DEADLINE_S, group_timeout_s=GROUP_TIMEOUT_S,
         exit_codes=(0, DEAD_RANK_EXIT_CODE), abandon_group=True,
     )
-    results = load_results(every_fault, WORLD, directory)
+    results = load_results(every_fault, WORLD, module_tmp_path)
     for result, exit_code in zip(results, exit_codes, strict=True):
         result["exit code"] = exit_code
     return results

@@ -326,18 +326,13 @@ def scenario_four_ranks(rank: int, world: int, directory: Path) -> dict[str, Any
 
 
 @pytest.fixture(scope="module")
-def directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("fsdp")
+def two_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
+    return spawn(scenario_two_ranks, 2, module_tmp_path, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(directory: Path) -> list[dict[str, Any]]:
-    return spawn(scenario_two_ranks, 2, directory, deadline_s=DEADLINE_S)
-
-
-@pytest.fixture(scope="module")
-def four_ranks(directory: Path, two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return spawn(scenario_four_ranks, 4, directory, deadline_s=DEADLINE_S)  # resumes from the 2-rank DCP checkpoint
+def four_ranks(module_tmp_path: Path, two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return spawn(scenario_four_ranks, 4, module_tmp_path, deadline_s=DEADLINE_S)  # resumes from the 2-rank DCP checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -422,12 +417,12 @@ SINGLE_PROCESS_DCP = "ignore:torch.distributed is disabled:UserWarning"  # DCP's
 
 
 @pytest.mark.filterwarnings(SINGLE_PROCESS_DCP)
-def test_dcp_checkpoint_from_two_fsdp_ranks_loads_in_one_process(two_ranks, directory, reference) -> None:
-    assert_same(resume_from_checkpoint(make_model(), directory / "dcp"), reference)
+def test_dcp_checkpoint_from_two_fsdp_ranks_loads_in_one_process(two_ranks, module_tmp_path, reference) -> None:
+    assert_same(resume_from_checkpoint(make_model(), module_tmp_path / "dcp"), reference)
 
 
 @pytest.mark.filterwarnings(SINGLE_PROCESS_DCP)
-def test_dcp_checkpoint_holds_global_factors_by_module_name(two_ranks, directory) -> None:
+def test_dcp_checkpoint_holds_global_factors_by_module_name(two_ranks, module_tmp_path) -> None:
     """What DCP wrote: one copy of each layer's global factors, keyed by its name; no decompositions."""
     import torch.distributed.checkpoint as dcp
 
@@ -435,7 +430,7 @@ def test_dcp_checkpoint_holds_global_factors_by_module_name(two_ranks, directory
     optimizer = KFAC(model, **OPTIONS)
     train(model, optimizer, range(SAVE_AT))
     expected = optimizer.kfac_state_dict()
-    metadata = dcp.FileSystemReader(str(directory / "dcp")).read_metadata()
+    metadata = dcp.FileSystemReader(str(module_tmp_path / "dcp")).read_metadata()
     kfac_keys = {key for key in metadata.state_dict_metadata if key.startswith("kfac.")}
     assert "kfac.blocks.fc1.factors.G.running" in kfac_keys
     assert not any("decomposition" in key for key in kfac_keys)
@@ -443,7 +438,7 @@ def test_dcp_checkpoint_holds_global_factors_by_module_name(two_ranks, directory
     for block in optimizer.blocks:  # load into zeroed factors: everything comes from the file
         for factor in block.factors.values():
             factor.running.zero_()
-    dcp.load(state, checkpoint_id=directory / "dcp")
+    dcp.load(state, checkpoint_id=module_tmp_path / "dcp")
     for block in optimizer.blocks:
         for name, factor in block.factors.items():
             torch.testing.assert_close(factor.running, expected["blocks"][block.name]["factors"][name]["running"], **TOLERANCE)
