@@ -30,7 +30,6 @@ before rank-aware preconditioning).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -45,6 +44,7 @@ from matplotlib.figure import Figure
 from torch import nn
 from tqdm import tqdm
 
+from benchmarks.output import write_json_and_plot
 from benchmarks.step_time import add_workload_arguments, build_model, workload_shape
 from kfac_optim import KFAC, linalg
 from kfac_optim.methods import method_named
@@ -147,14 +147,14 @@ def precondition_times(optimizer: KFAC, damping: float, repeats: int) -> dict[st
     return {"full_s": full_s, "rank_aware_s": rank_aware_s, "dim_and_columns": columns}
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+def plot(results: dict[str, dict[str, Any]]) -> Figure:
     fig = Figure(figsize=(8, 4), layout="constrained")
     ax = fig.subplots()
     for run, result in results.items():
         ax.plot(range(len(result["times_s"])), result["times_s"], marker=".", linewidth=1, label=run)
     ax.set(xlabel="step", ylabel="step time (s)", yscale="log", title="whole steps")
     ax.legend()
-    fig.savefig(path)
+    return fig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -203,12 +203,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p = results["sync"]["precondition"]
         print(f"preconditioning per step: full {p['full_s'] * 1e3:.1f} ms, rank-aware {p['rank_aware_s'] * 1e3:.1f} ms "  # noqa: T201
               f"({p['rank_aware_s'] / p['full_s']:.2f}x)")
-    args.out.mkdir(parents=True, exist_ok=True)
     payload = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": results, "torch": torch.__version__,
                "machine": platform.machine(), "cpus": os.cpu_count(), "load": os.getloadavg()}
-    (args.out / "whole_steps.json").write_text(json.dumps(payload, indent=1))
-    plot(results, args.out / "whole_steps.png")
-    print(f"wrote {args.out / 'whole_steps.json'} and {args.out / 'whole_steps.png'}")  # noqa: T201
+    write_json_and_plot(args.out, "whole_steps", payload, plot(results))
     return payload
 
 
