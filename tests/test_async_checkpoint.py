@@ -84,20 +84,26 @@ def assert_same_rounds(a: dict, b: dict) -> None:
             assert all(torch.equal(other["decomposition"][k], result["decomposition"][k]) for k in ("Q", "d"))
 
 
-@pytest.mark.parametrize(("async_delay", "save_at"), [(None, 4), (None, 6), (2, 4), (2, 5)])
-def test_resume_while_a_round_is_in_flight_continues_bit_identically(async_delay: int | None, save_at: int) -> None:
+@pytest.mark.parametrize(
+    ("async_delay", "save_at", "async_statistics"),
+    [(None, 4, False), (None, 6, False), (2, 4, False), (2, 5, False), (2, 4, True)],
+)
+def test_resume_while_a_round_is_in_flight_continues_bit_identically(
+    async_delay: int | None, save_at: int, async_statistics: bool
+) -> None:
     # save_at 4 and 5: step 3's round is in flight (adopted at 6, or at 5 with async_delay 2);
     # (None, 6): step 6 adopted it and started the next one. (2, 5): saved right before adopting.
-    reference, reference_optimizer = fresh(async_delay=async_delay)
+    settings = dict(async_delay=async_delay, async_statistics=async_statistics)
+    reference, reference_optimizer = fresh(**settings)
     run(reference, reference_optimizer, range(STEPS))
 
-    model, optimizer = fresh(async_delay=async_delay)
+    model, optimizer = fresh(**settings)
     run(model, optimizer, range(save_at))
     checkpoint = saved(model, optimizer)
     run(model, optimizer, range(save_at, STEPS))
     assert_same_parameters(model, reference)  # saving did not change the run that saved
 
-    model, optimizer = resumed(checkpoint, async_delay=async_delay)
+    model, optimizer = resumed(checkpoint, **settings)
     assert optimizer.steps == save_at
     assert_same_rounds(optimizer.state_dict()["kfac"]["round"], checkpoint["optimizer"]["kfac"]["round"])
     run(model, optimizer, range(save_at, STEPS))
