@@ -208,6 +208,7 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     model, _ = ddp_run(rank, world, 1.0, async_decompositions=True)
     results["params async"] = parameters(model)
     results.update(async_resumed(rank, world))
+    results.update(async_delay_with_a_rank_that_decomposes_nothing(rank, world))
 
     model, optimizer = ddp_run(rank, world, "mem-opt", **STAGGER)
     results["params stagger"] = parameters(model)
@@ -266,6 +267,20 @@ def async_resumed(rank: int, world: int) -> dict[str, Any]:
             train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
             results[f"params async {delay} resumed from {source}"] = parameters(model)
     return results
+
+
+def async_delay_with_a_rank_that_decomposes_nothing(rank: int, world: int) -> dict[str, Any]:
+    """One Linear under mem-opt: one rank owns both factors, the other none, yet both must adopt
+    (and share) at the async_delay step."""
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(16, 3))
+    optimizer = KFAC(model, grad_worker_fraction="mem-opt", async_decompositions=True, async_delay=1, **OPTIONS)
+    for step in range(4):  # decomposition steps 0 (in line) and 2 (a round, adopted at 3)
+        x, y = shard(step, rank, world)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x.flatten(1)), y).backward()
+        optimizer.step()
+    return {"async_delay lone owner": (optimizer.owned_factors, parameters(model))}
 
 
 def resume(rank: int, world: int, checkpoint: Path, fraction: float | str) -> dict[str, torch.Tensor]:
@@ -438,6 +453,14 @@ def test_async_run_resumed_from_each_ranks_checkpoint_continues_bit_identically(
     first, second = two_ranks
     key = f"params async {delay} resumed from rank 0's"
     assert_same(first[key], second[key], rtol=0, atol=0)
+
+
+def test_async_delay_adopts_on_every_rank_when_one_rank_decomposes_nothing(two_ranks) -> None:
+    """The adopt step shares decompositions (a collective): a rank without a job of its own must
+    take part too (it used to skip it, and the ranks timed out)."""
+    (owned_0, params_0), (owned_1, params_1) = (results["async_delay lone owner"] for results in two_ranks)
+    assert sorted([len(owned_0), len(owned_1)]) == [0, 2]  # A and G on one rank
+    assert_same(params_0, params_1, rtol=0, atol=0)
 
 
 def test_staggered_factor_updates_under_ddp_equal_one_process(two_ranks) -> None:

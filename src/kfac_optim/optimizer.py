@@ -791,7 +791,9 @@ class KFAC(Optimizer, Joinable):
                 self._report_failure(block, name)
         if self._background is not None:
             self._background.submit(jobs)
-            if jobs and self._async_delay is not None:
+            # On every rank, jobs or not: the adopt step shares decompositions (a collective). When
+            # no rank had a job (e.g. step 0, all in line) that exchange resends what receivers hold.
+            if not only_missing and self._async_delay is not None:
                 self._adopt_at = self._steps + self._async_delay
 
     def _report_nonfinite_directions(self, parameter_counts: list[int]) -> None:
