@@ -18,6 +18,7 @@ import inspect
 import logging
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any, Literal, Protocol
 
 import torch
@@ -42,6 +43,40 @@ class Capture(Protocol):
         """Hand one (input, output-gradient) pair of ``block`` on (unless it must not be recorded)."""
 
 
+class Support:
+    """A set of a symmetric factor's indices outside whose rows and columns it is known to be zero
+    (e.g. the patch columns of a convolution's kernel taps that read inside its input).
+
+    Held on the host (sorted indices: unions and comparisons need no host sync), with its index
+    tensor built once per device. Immutable.
+    """
+
+    def __init__(self, indices: Iterable[int]) -> None:
+        self.members = frozenset(indices)
+        self.indices = tuple(sorted(self.members))
+        self._tensors: dict[torch.device, Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __or__(self, other: Support) -> Support:
+        """The union (``self`` or ``other`` itself when it holds the other, keeping its tensors)."""
+        if other is self or other.members <= self.members:
+            return self
+        if self.members <= other.members:
+            return other
+        return Support(self.members | other.members)
+
+    def tensor(self, device: torch.device) -> Tensor:
+        """The indices as an int64 tensor on ``device``."""
+        if device not in self._tensors:
+            self._tensors[device] = torch.tensor(self.indices, dtype=torch.int64, device=device)
+        return self._tensors[device]
+
+
+EMPTY_SUPPORT = Support(())
+
+
 class Factor:
     """One dense symmetric Kronecker factor: pending sum, running average, decomposition.
 
@@ -49,6 +84,13 @@ class Factor:
     blocks of one layer (a grouped convolution: one Kronecker pair per group). The running average
     only changes through device-side selects, so folding a batch needs no host sync: a non-finite
     batch leaves the factor as it was and counts one discard.
+
+    Supports (:class:`Support`; None: unknown, all indices): ``pending_support`` holds every
+    nonzero row/column of ``pending`` when the statistics were added with one (``add_gram``'s
+    ``support``), ``support`` every nonzero row/column ``running`` has ever had (the union of what
+    was folded). Folding then touches only the ``(U, U)`` block of their union ``U``: outside it
+    both are zero and stay so, and the fold's arithmetic is elementwise, so the result is the
+    same, bit for bit, as folding the whole matrix.
     """
 
     diagonal = False
@@ -59,7 +101,9 @@ class Factor:
         shape = self.storage_shape(dim, groups)
         self.pending = torch.zeros(shape, dtype=dtype, device=device)
         self.pending_rows = 0
+        self.pending_support: Support | None = None
         self.running = torch.zeros(shape, dtype=dtype, device=device)
+        self.support: Support | None = EMPTY_SUPPORT
         self.initialized = torch.zeros((), dtype=torch.bool, device=device)
         self.discarded = torch.zeros((), dtype=torch.int64, device=device)
         self.reported_discards = 0
@@ -88,23 +132,51 @@ class Factor:
         """``tr F / dim`` over all blocks (a host sync; used by the damped inverse's π)."""
         return float(self.diagonal_of(self.running).mean())
 
-    def add_gram(self, rows: Tensor, append_ones: bool = False, group: int | None = None) -> None:
+    def add_gram(
+        self, rows: Tensor, append_ones: bool = False, group: int | None = None, support: Support | None = None
+    ) -> None:
         """Accumulate ``rowsᵀ rows`` for ``rows: (R, dim[-1])``, or ``(groups, R, dim[-1])`` per block,
-        or into block ``group`` only (a trailing 1 when ``append_ones``)."""
-        target = self.pending if group is None else self.pending[group]
+        or into block ``group`` only (a trailing 1 when ``append_ones``).
+
+        ``support`` (with ``group`` None): the rows' columns are the factor's indices
+        ``support.indices`` (with the trailing 1 at the last of them), every other column is zero;
+        only that block of ``pending`` is touched.
+        """
+        target = self._pending_block(support) if group is None else self.pending[group]
         n = rows.shape[-1]
         if rows.dim() == 2 and target.dim() == 2:
             linalg.add_gram_(target[:n, :n], rows)
         else:
             target[..., :n, :n].baddbmm_(rows.mT, rows)
         self._add_row_count(target, rows.shape[-2], rows.sum(dim=-2) if append_ones else None)
+        self._put_pending_block(target, support)
 
-    def add_column_gram(self, columns: Tensor, append_ones: bool = False) -> None:
+    def add_column_gram(self, columns: Tensor, append_ones: bool = False, support: Support | None = None) -> None:
         """As :meth:`add_gram` for the ``B·L`` rows ``columns[b, :, l]`` of ``columns: (B, dim[-1], L)``."""
+        target = self._pending_block(support)
         n = columns.shape[1]
-        linalg.add_column_gram_(self.pending[:n, :n], columns)
+        linalg.add_column_gram_(target[:n, :n], columns)
         rows = columns.shape[0] * columns.shape[2]
-        self._add_row_count(self.pending, rows, columns.sum(dim=(0, 2)) if append_ones else None)
+        self._add_row_count(target, rows, columns.sum(dim=(0, 2)) if append_ones else None)
+        self._put_pending_block(target, support)
+
+    def _pending_block(self, support: Support | None) -> Tensor:
+        """``pending`` itself (``support`` None), or a copy of its ``(support, support)`` block; notes
+        the support of what is about to be added (call before counting its rows)."""
+        if support is None or self.pending_support is None:
+            self.pending_support = support if self.pending_rows == 0 else None
+        else:
+            self.pending_support |= support
+        if support is None:
+            return self.pending
+        index = support.tensor(self.pending.device)
+        return self.pending[..., index[:, None], index]
+
+    def _put_pending_block(self, block: Tensor, support: Support | None) -> None:
+        """Write a block from :meth:`_pending_block` back (no-op for ``pending`` itself)."""
+        if support is not None:
+            index = support.tensor(self.pending.device)
+            self.pending[..., index[:, None], index] = block
 
     def _add_row_count(self, target: Tensor, rows: int, row_sum: Tensor | None) -> None:
         """Count ``rows`` more rows; with a bias, add their sum and count to ``target``'s trailing row/column."""
@@ -119,30 +191,49 @@ class Factor:
         """Forget the pending statistics. ``pending`` is all zeros whenever ``pending_rows == 0``,
         so a factor that accumulated nothing (every non-factor step) costs no n² pass."""
         if self.pending_rows:
-            self.pending.zero_()
+            if self.pending_support is None:
+                self.pending.zero_()
+            else:
+                index = self.pending_support.tensor(self.pending.device)
+                self.pending[..., index[:, None], index] = 0
             self.pending_rows = 0
+        self.pending_support = None
 
     def fold(self, scale: float | Tensor, decay: float) -> None:
         """``F ← decay·F + (1−decay)·scale·pending`` (``F ← scale·pending`` on the first fold).
 
         A non-finite batch leaves ``F`` as it was (one discard counted); a non-finite ``F``
-        (however it got there) is reset to the batch instead of being averaged into.
+        (however it got there) is reset to the batch instead of being averaged into. With known
+        supports (see the class docstring) only their union's block is folded.
         """
+        support = None if self.pending_support is None or self.support is None else self.support | self.pending_support
+        if support is None or len(support) == self.dim:
+            self._fold_into(self.running, self.pending, scale, decay)
+        else:
+            index = support.tensor(self.running.device)
+            running = self.running[..., index[:, None], index]
+            self._fold_into(running, self.pending[..., index[:, None], index], scale, decay)
+            self.running[..., index[:, None], index] = running
+        self.support = support
+        self.version += 1
+        self.rows_since_sync += self.pending_rows
+        self.clear_pending()
+
+    def _fold_into(self, running: Tensor, batch: Tensor, scale: float | Tensor, decay: float) -> None:
+        """The fold's arithmetic on ``running`` and ``batch`` (``running``, ``pending`` or blocks of
+        both); ``running`` and ``batch`` are modified in place."""
         # In place, no n×n temporaries (fresh CPU pages cost more than the arithmetic; isfinite
         # and where are slow on CPU): F ← F + w·(batch − F) with w = 1 − decay once initialized,
         # 1 before or when F is not finite (exactly batch: non-finite entries of F are zeroed first),
         # 0 for a non-finite batch (zeroed first so 0·nan cannot leak). F and the batch are sums of
         # Gram matrices, finite iff their diagonal is (|F_ij| ≤ √(F_ii F_jj)): O(n) checks.
-        batch = self.pending.mul_(scale)
+        batch = batch.mul_(scale)
         finite = torch.isfinite(self.diagonal_of(batch).sum())
-        keep_running = self.initialized & torch.isfinite(self.diagonal_of(self.running).sum())
+        keep_running = self.initialized & torch.isfinite(self.diagonal_of(running).sum())
         weight = finite.to(batch.dtype) * (1 - keep_running.to(batch.dtype) * decay)
-        self.running.nan_to_num_(0.0, 0.0, 0.0).lerp_(batch.nan_to_num_(0.0, 0.0, 0.0), weight)
+        running.nan_to_num_(0.0, 0.0, 0.0).lerp_(batch.nan_to_num_(0.0, 0.0, 0.0), weight)
         self.initialized |= finite
         self.discarded += ~finite
-        self.version += 1
-        self.rows_since_sync += self.pending_rows
-        self.clear_pending()
 
     def snapshot(self) -> Factor:
         """A shallow copy holding a copy of ``running``: what a background decomposition reads
@@ -185,6 +276,7 @@ class Factor:
         and counts as a new version of the factor.
         """
         self.running = total.div_(ranks.clamp(min=1))
+        self.support = None  # the other ranks' supports are not known here
         self.initialized = ranks > 0
         self.version += 1
         if self.rows_synced is not None:
@@ -254,6 +346,7 @@ class Factor:
         caller validates ``state`` first (:meth:`validate_state`)."""
         device, dtype = self.running.device, self.running.dtype
         self.running = state["running"].to(device, dtype, copy=True)
+        self.support = None
         self.initialized = state["initialized"].to(device, copy=True)
         self.discarded = state["discarded"].to(device, copy=True)
         self.reported_discards = int(self.discarded)
