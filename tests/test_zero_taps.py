@@ -17,8 +17,16 @@ from torch import nn
 
 from kfac_optim import KFAC
 from kfac_optim.layers import ConvBlock
+from kfac_optim.layers import conv as conv_module
+from kfac_optim.layers.base import Support
 
 DECAY = 0.9
+
+
+@pytest.fixture
+def any_box(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skip the zero taps for any number of valid taps (by default only for one, see MAX_VALID_TAPS)."""
+    monkeypatch.setattr(conv_module, "MAX_VALID_TAPS", 27)
 
 
 def reference_rows(conv: nn.Module, x: torch.Tensor, bias: bool) -> torch.Tensor:
@@ -33,6 +41,13 @@ def reference_rows(conv: nn.Module, x: torch.Tensor, bias: bool) -> torch.Tensor
 def as_storage(matrices: torch.Tensor, groups: int) -> torch.Tensor:
     """A factor's storage: ``(n, n)`` for one group, ``(groups, n, n)`` otherwise."""
     return matrices[0] if groups == 1 else matrices
+
+
+def indices_of(support: Support, dim: int) -> set[int]:
+    """The indices a support holds: those whose diagonal entry it zeroes."""
+    marked = torch.ones(dim, dim)
+    support.zero(marked)
+    return set(torch.nonzero(marked.diagonal() == 0).squeeze(1).tolist())
 
 
 def record(block: ConvBlock, conv: nn.Module, x: torch.Tensor) -> None:
@@ -56,6 +71,7 @@ GEOMETRIES = [
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("conv_type, conv_args, shape", GEOMETRIES)
+@pytest.mark.usefixtures("any_box")
 def test_pending_and_running_factors_equal_the_dense_patch_reference(conv_type, conv_args, shape, bias) -> None:
     torch.manual_seed(0)
     conv = conv_type(shape[0], 6, bias=bias, **conv_args)
@@ -66,7 +82,7 @@ def test_pending_and_running_factors_equal_the_dense_patch_reference(conv_type, 
         record(block, conv, x)
         rows = reference_rows(conv, x, bias)
         gram = rows.mT @ rows
-        assert block.A.pending_support is not None and len(block.A.pending_support) < block.A.dim  # columns skipped
+        assert block.A.pending_support is not None and block.A.pending_support.size < block.A.dim  # columns skipped
         torch.testing.assert_close(block.A.pending, as_storage(gram, conv.groups), rtol=1e-12, atol=1e-12)
         block.fold(DECAY, "mean")
         batch = gram / rows.shape[1]
@@ -75,6 +91,7 @@ def test_pending_and_running_factors_equal_the_dense_patch_reference(conv_type, 
         assert not block.A.pending.any()
 
 
+@pytest.mark.usefixtures("any_box")
 def test_reduce_mode_skips_the_zero_taps_exactly() -> None:
     torch.manual_seed(0)
     conv = nn.Conv2d(4, 5, 3, padding=1, stride=2)
@@ -88,6 +105,7 @@ def test_reduce_mode_skips_the_zero_taps_exactly() -> None:
     torch.testing.assert_close(block.A.pending, rows.T @ rows, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.usefixtures("any_box")
 def test_a_growing_input_size_grows_the_support_and_stays_exact() -> None:
     """1x1 maps (the center tap), 2x2 (four taps), both in one pending sum, then 3x3 (every tap)."""
     torch.manual_seed(0)
@@ -108,9 +126,8 @@ def test_a_growing_input_size_grows_the_support_and_stays_exact() -> None:
         torch.testing.assert_close(block.A.running, running, rtol=1e-12, atol=1e-12)
         nonzero = set(torch.nonzero(running.diagonal()).squeeze(1).tolist())
         support = block.A.support
-        assert support is None or nonzero <= support.members
         if 3 not in sizes_seen:  # only the valid taps' columns (and the bias) so far
-            assert support is not None and support.members == nonzero
+            assert support is not None and indices_of(support, block.A.dim) == nonzero
     assert block.A.support is None  # since the 3x3 batch, whose patches have every column
 
 
@@ -150,26 +167,33 @@ def shrinking_net() -> nn.Sequential:
     )
 
 
-def train(skip: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def train(skip: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[bool]]:
+    """Five K-FAC steps of :func:`shrinking_net`: its parameters, A factors, and which convs skipped taps."""
     monkeypatch.setattr(ConvBlock, "skip_zero_taps", skip)
     torch.manual_seed(0)
     net = shrinking_net()
     optimizer = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=2, factor_dtype=torch.float64)
-    for step in range(5):
+    for _ in range(5):
         x, y = torch.randn(8, 3, 4, 4), torch.randint(0, 3, (8,))
         optimizer.zero_grad()
         nn.functional.cross_entropy(net(x), y).backward()
         optimizer.step()
-    supports = [block.A.support for block in optimizer.blocks if isinstance(block, ConvBlock)]
-    skipped = [s is not None and len(s) < b.A.dim for s, b in zip(supports, optimizer.blocks, strict=False)]
-    assert skipped == [False, False, skip, skip]
-    return [p.detach().clone() for p in net.parameters()], [b.A.running for b in optimizer.blocks]
+    convs = [block for block in optimizer.blocks if isinstance(block, ConvBlock)]
+    skipped = [block.A.support is not None and block.A.support.size < block.A.dim for block in convs]
+    return [p.detach().clone() for p in net.parameters()], [b.A.running for b in optimizer.blocks], skipped
 
 
-def test_an_optimizer_steps_the_same_with_and_without_skipping_zero_taps(monkeypatch: pytest.MonkeyPatch) -> None:
-    params_skip, factors_skip = train(True, monkeypatch)
-    params_dense, factors_dense = train(False, monkeypatch)
-    for skipped, dense in zip(factors_skip, factors_dense, strict=True):
-        torch.testing.assert_close(skipped, dense, rtol=1e-12, atol=1e-14)
-    for skipped, dense in zip(params_skip, params_dense, strict=True):
-        torch.testing.assert_close(skipped, dense, rtol=1e-10, atol=1e-12)
+@pytest.mark.parametrize("max_valid_taps", [1, 27])
+def test_an_optimizer_steps_the_same_with_and_without_skipping_zero_taps(
+    max_valid_taps: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(conv_module, "MAX_VALID_TAPS", max_valid_taps)
+    params_skip, factors_skip, skipped = train(True, monkeypatch)
+    params_dense, factors_dense, skipped_dense = train(False, monkeypatch)
+    # 4x4 and 2x2 inputs use every tap, 2x2 with stride 2 four of them, 1x1 one.
+    assert skipped == [False, False, max_valid_taps >= 4, True]
+    assert not any(skipped_dense)
+    for with_skip, dense in zip(factors_skip, factors_dense, strict=True):
+        torch.testing.assert_close(with_skip, dense, rtol=1e-12, atol=1e-14)
+    for with_skip, dense in zip(params_skip, params_dense, strict=True):
+        torch.testing.assert_close(with_skip, dense, rtol=1e-10, atol=1e-12)

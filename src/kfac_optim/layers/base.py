@@ -18,7 +18,7 @@ import inspect
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
@@ -43,38 +43,81 @@ class Capture(Protocol):
         """Hand one (input, output-gradient) pair of ``block`` on (unless it must not be recorded)."""
 
 
+@dataclass(frozen=True)
 class Support:
-    """A set of a symmetric factor's indices outside whose rows and columns it is known to be zero
-    (e.g. the patch columns of a convolution's kernel taps that read inside its input).
+    """Where a symmetric factor ``(n, n)`` can be nonzero: the rows and columns of a box of its
+    leading ``prod(shape)`` indices viewed as an array of ``shape`` (``box``: ``(lo, hi)`` per entry
+    of ``shape``), and its trailing ``extra`` indices; zero everywhere else. E.g. a convolution's
+    ``A`` viewed as ``(C_in, *kernel)`` with a bias: ``extra = 1``, and ``box`` all channels and the
+    kernel offsets that read inside the input.
 
-    Held on the host (sorted indices: unions and comparisons need no host sync), with its index
-    tensor built once per device. Immutable.
+    A box, so that its block is a strided view (no index gather). Host-side: unions need no host
+    sync. An empty ``shape`` holds no index at all (``EMPTY_SUPPORT``: a zero factor).
     """
 
-    def __init__(self, indices: Iterable[int]) -> None:
-        self.members = frozenset(indices)
-        self.indices = tuple(sorted(self.members))
-        self._tensors: dict[torch.device, Tensor] = {}
+    shape: tuple[int, ...]
+    box: tuple[tuple[int, int], ...]
+    extra: int = 0
 
-    def __len__(self) -> int:
-        return len(self.indices)
+    @property
+    def size(self) -> int:
+        """How many indices are in it."""
+        return math.prod(hi - lo for lo, hi in self.box) + self.extra if self.shape else 0
 
-    def __or__(self, other: Support) -> Support:
-        """The union (``self`` or ``other`` itself when it holds the other, keeping its tensors)."""
-        if other is self or other.members <= self.members:
+    def __or__(self, other: Support) -> Support | None:
+        """A support holding both (the box's hull); None (unknown) for different layouts."""
+        if not other.shape or other == self:
             return self
-        if self.members <= other.members:
+        if not self.shape:
             return other
-        return Support(self.members | other.members)
+        if (self.shape, self.extra) != (other.shape, other.extra):
+            return None
+        box = tuple((min(a, c), max(b, d)) for (a, b), (c, d) in zip(self.box, other.box, strict=True))
+        return Support(self.shape, box, self.extra)
 
-    def tensor(self, device: torch.device) -> Tensor:
-        """The indices as an int64 tensor on ``device``."""
-        if device not in self._tensors:
-            self._tensors[device] = torch.tensor(self.indices, dtype=torch.int64, device=device)
-        return self._tensors[device]
+    def _views(self, matrix: Tensor) -> list[Tensor]:
+        """Views of ``matrix (..., n, n)`` that together are its block on this support."""
+        m, dims = math.prod(self.shape), len(self.shape)
+        cut = tuple(slice(lo, hi) for lo, hi in self.box)
+        whole = matrix[..., :m, :m].unflatten(-1, self.shape).unflatten(-1 - dims, self.shape)
+        views = [whole[(..., *cut, *cut)]]
+        if self.extra:
+            views.append(matrix[..., m:, :m].unflatten(-1, self.shape)[(..., *cut)])
+            views.append(matrix[..., :m, m:].unflatten(-2, self.shape)[(..., *cut, slice(None))])
+            views.append(matrix[..., m:, m:])
+        return views
+
+    def _block_views(self, block: Tensor) -> list[Tensor]:
+        """Views of a compact ``block (..., size, size)`` matching :meth:`_views` one for one."""
+        shape = tuple(hi - lo for lo, hi in self.box)
+        inner, dims = math.prod(shape), len(shape)
+        views = [block[..., :inner, :inner].unflatten(-1, shape).unflatten(-1 - dims, shape)]
+        if self.extra:
+            views.append(block[..., inner:, :inner].unflatten(-1, shape))
+            views.append(block[..., :inner, inner:].unflatten(-2, shape))
+            views.append(block[..., inner:, inner:])
+        return views
+
+    def gather(self, matrix: Tensor) -> Tensor:
+        """A copy of ``matrix (..., n, n)``'s block on this support: ``(..., size, size)``, rows and
+        columns in index order."""
+        block = matrix.new_empty(*matrix.shape[:-2], self.size, self.size)
+        for part, whole in zip(self._block_views(block), self._views(matrix), strict=True):
+            part.copy_(whole)
+        return block
+
+    def scatter(self, matrix: Tensor, block: Tensor) -> None:
+        """Write ``block`` (as from :meth:`gather`) into ``matrix``'s block on this support."""
+        for whole, part in zip(self._views(matrix), self._block_views(block), strict=True):
+            whole.copy_(part)
+
+    def zero(self, matrix: Tensor) -> None:
+        """Zero ``matrix``'s block on this support."""
+        for whole in self._views(matrix):
+            whole.zero_()
 
 
-EMPTY_SUPPORT = Support(())
+EMPTY_SUPPORT = Support((), ())  # no index: a zero factor
 
 
 class Factor:
@@ -138,9 +181,9 @@ class Factor:
         """Accumulate ``rowsᵀ rows`` for ``rows: (R, dim[-1])``, or ``(groups, R, dim[-1])`` per block,
         or into block ``group`` only (a trailing 1 when ``append_ones``).
 
-        ``support`` (with ``group`` None): the rows' columns are the factor's indices
-        ``support.indices`` (with the trailing 1 at the last of them), every other column is zero;
-        only that block of ``pending`` is touched.
+        ``support`` (with ``group`` None): the rows' columns are the indices of ``support`` in
+        order (with the trailing 1 at the last of them) and every other column is zero: only
+        ``pending``'s block on ``support`` is touched.
         """
         target = self._pending_block(support) if group is None else self.pending[group]
         n = rows.shape[-1]
@@ -161,22 +204,22 @@ class Factor:
         self._put_pending_block(target, support)
 
     def _pending_block(self, support: Support | None) -> Tensor:
-        """``pending`` itself (``support`` None), or a copy of its ``(support, support)`` block; notes
-        the support of what is about to be added (call before counting its rows)."""
+        """``pending`` itself (``support`` None), or a copy of its block on ``support``; notes the
+        support of what is about to be added (call before counting its rows)."""
         if support is None or self.pending_support is None:
             self.pending_support = support if self.pending_rows == 0 else None
         else:
             self.pending_support |= support
         if support is None:
             return self.pending
-        index = support.tensor(self.pending.device)
-        return self.pending[..., index[:, None], index]
+        if self.pending_rows == 0:  # pending is all zeros
+            return self.pending.new_zeros(*self.pending.shape[:-2], support.size, support.size)
+        return support.gather(self.pending)
 
     def _put_pending_block(self, block: Tensor, support: Support | None) -> None:
         """Write a block from :meth:`_pending_block` back (no-op for ``pending`` itself)."""
         if support is not None:
-            index = support.tensor(self.pending.device)
-            self.pending[..., index[:, None], index] = block
+            support.scatter(self.pending, block)
 
     def _add_row_count(self, target: Tensor, rows: int, row_sum: Tensor | None) -> None:
         """Count ``rows`` more rows; with a bias, add their sum and count to ``target``'s trailing row/column."""
@@ -194,8 +237,7 @@ class Factor:
             if self.pending_support is None:
                 self.pending.zero_()
             else:
-                index = self.pending_support.tensor(self.pending.device)
-                self.pending[..., index[:, None], index] = 0
+                self.pending_support.zero(self.pending)
             self.pending_rows = 0
         self.pending_support = None
 
@@ -207,13 +249,12 @@ class Factor:
         supports (see the class docstring) only their union's block is folded.
         """
         support = None if self.pending_support is None or self.support is None else self.support | self.pending_support
-        if support is None or len(support) == self.dim:
+        if support is None or support.size == self.dim:
             self._fold_into(self.running, self.pending, scale, decay)
         else:
-            index = support.tensor(self.running.device)
-            running = self.running[..., index[:, None], index]
-            self._fold_into(running, self.pending[..., index[:, None], index], scale, decay)
-            self.running[..., index[:, None], index] = running
+            running = support.gather(self.running)
+            self._fold_into(running, support.gather(self.pending), scale, decay)
+            support.scatter(self.running, running)
         self.support = support
         self.version += 1
         self.rows_since_sync += self.pending_rows

@@ -32,8 +32,14 @@ from torch import Tensor, nn
 from kfac_optim.layers.base import KroneckerBlock, Support
 
 MIN_POSITIONS_FOR_COLUMNS = 64
+# Leave the zero taps' columns out only when at most this many taps are valid. One tap's block of
+# ``A`` is a plain strided ``(C, C)`` view; several taps' block is strided in runs of a few entries,
+# whose copies cost ~30x a dense pass per entry on CPU (measured: 2305-wide ``A``, 4 of 9 taps,
+# a 4x slower fold), more than the entries skipped save.
+MAX_VALID_TAPS = 1
 
 ConvNd = nn.Conv1d | nn.Conv2d | nn.Conv3d
+Taps = tuple[tuple[int, int], ...]  # kernel offsets [lo, hi) per spatial dim
 
 
 class ConvBlock(KroneckerBlock):
@@ -51,8 +57,7 @@ class ConvBlock(KroneckerBlock):
     def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
         self.groups = module.groups
         super().__init__(name, module, include_bias, factor_dtype)
-        self._valid_taps: dict[tuple[int, ...], tuple[tuple[int, ...], ...] | None] = {}
-        self._supports: dict[tuple[int, ...], Support] = {}
+        self._valid_taps: dict[tuple[int, ...], Taps | None] = {}
 
     @property
     def spatial_dims(self) -> int:
@@ -68,9 +73,10 @@ class ConvBlock(KroneckerBlock):
     def add_input_gram(self, inputs: Tensor, dtype: torch.dtype) -> None:
         """With enough output positions per sample (measured on CPU: ≥ 64), a batched Gram of the
         patches as ``F.unfold`` returns them beats copying them into rows first. Only the valid
-        taps' columns when some taps read nothing but padding (:meth:`valid_taps`)."""
+        taps' columns when the others read nothing but padding (:meth:`valid_taps`) and at most
+        ``MAX_VALID_TAPS`` are valid."""
         taps = self.valid_taps(tuple(inputs.shape[-self.spatial_dims :])) if self.skip_zero_taps else None
-        if taps is None:
+        if taps is None or math.prod(hi - lo for lo, hi in taps) > MAX_VALID_TAPS:
             patches, support = self.patches(inputs), None
         else:
             patches, support = self.tap_patches(inputs, taps), self.tap_support(taps)
@@ -100,15 +106,16 @@ class ConvBlock(KroneckerBlock):
             return [(pads[2 * i], pads[2 * i + 1]) for i in reversed(range(self.spatial_dims))]
         return [(p, p) for p in conv.padding]
 
-    def valid_taps(self, spatial: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
-        """Per spatial dim, the kernel offsets that read inside an input of spatial size ``spatial``
-        for some output position; None when every tap does (or the padding is not zeros, or the
+    def valid_taps(self, spatial: tuple[int, ...]) -> Taps | None:
+        """Per spatial dim, the range ``[lo, hi)`` of kernel offsets spanning those that read inside
+        an input of spatial size ``spatial`` for some output position (offsets outside it read
+        only zero padding); None when that is every offset (or the padding is not zeros, or the
         input is too small for the layer, which then raises as it would). Cached per size."""
         if spatial not in self._valid_taps:
             self._valid_taps[spatial] = self._compute_valid_taps(spatial)
         return self._valid_taps[spatial]
 
-    def _compute_valid_taps(self, spatial: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
+    def _compute_valid_taps(self, spatial: tuple[int, ...]) -> Taps | None:
         conv = self.module
         if conv.padding_mode != "zeros":
             return None
@@ -118,36 +125,28 @@ class ConvBlock(KroneckerBlock):
             outputs = (size + before + after - d * (k - 1) - 1) // s + 1
             if outputs < 1:
                 return None
-            # Tap t reads input index o·s + t·d − before at output o; it reads inside for some o
-            # iff the first o with o·s ≥ before − t·d exists and reads below ``size``.
+            # Offset t reads input index o·s + t·d − before at output o; it reads inside for some
+            # o iff the first o with o·s ≥ before − t·d exists and reads below ``size``.
             valid = []
             for t in range(k):
                 first = max(0, -((t * d - before) // s))  # ceil((before − t·d) / s), at least 0
                 if first < outputs and first * s + t * d - before < size:
                     valid.append(t)
-            taps.append(tuple(valid))
-        if all(len(valid) == k for valid, k in zip(taps, conv.kernel_size, strict=True)):
+            taps.append((valid[0], valid[-1] + 1) if valid else (0, 0))
+        if all(tap == (0, k) for tap, k in zip(taps, conv.kernel_size, strict=True)):
             return None
         return tuple(taps)
 
-    def tap_support(self, taps: tuple[tuple[int, ...], ...]) -> Support:
-        """``A``'s indices of the patch columns of ``taps`` (channel-major ``c·prod(kernel) + tap``,
-        per group) and the bias index."""
-        if taps not in self._supports:
-            kernel = self.module.kernel_size
-            flat = [sum(t * math.prod(kernel[i + 1 :]) for i, t in enumerate(tap)) for tap in itertools.product(*taps)]
-            size = math.prod(kernel)
-            channels = self.module.in_channels // self.groups
-            columns = [c * size + t for c in range(channels) for t in flat]
-            if self.bias is not None:
-                columns.append(self.A.dim - 1)
-            self._supports[taps] = Support(columns)
-        return self._supports[taps]
+    def tap_support(self, taps: Taps) -> Support:
+        """``A``'s indices of the patch columns of ``taps`` (every channel of a group, channel-major)
+        and of the bias."""
+        channels = self.module.in_channels // self.groups
+        return Support((channels, *self.module.kernel_size), ((0, channels), *taps), int(self.bias is not None))
 
-    def tap_patches(self, inputs: Tensor, taps: tuple[tuple[int, ...], ...]) -> Tensor:
-        """The patches' columns of ``taps`` (per spatial dim, see :meth:`valid_taps`), sliced tap by tap
-        from the zero-padded input: ``(N, C_in·T, L_out)`` for the ``T`` taps, channel-major like
-        :meth:`patches`."""
+    def tap_patches(self, inputs: Tensor, taps: Taps) -> Tensor:
+        """The patches' columns of ``taps`` (see :meth:`valid_taps`), sliced offset by offset from the
+        zero-padded input: ``(N, C_in·T, L_out)`` for the ``T`` taps, channel-major and then
+        row-major over the taps like :meth:`patches`."""
         conv = self.module
         dims = self.spatial_dims
         batched = inputs if inputs.dim() == dims + 2 else inputs.unsqueeze(0)
@@ -160,7 +159,7 @@ class ConvBlock(KroneckerBlock):
             )
         ]
         views = []
-        for tap in itertools.product(*taps):
+        for tap in itertools.product(*(range(lo, hi) for lo, hi in taps)):
             window = tuple(
                 slice(t * d, t * d + s * (o - 1) + 1, s)
                 for t, d, s, o in zip(tap, conv.dilation, conv.stride, outputs, strict=True)
