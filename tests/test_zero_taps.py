@@ -92,6 +92,25 @@ def test_pending_and_running_factors_equal_the_dense_patch_reference(conv_type, 
 
 
 @pytest.mark.usefixtures("any_box")
+@pytest.mark.parametrize(
+    "conv_args",
+    [
+        {"kernel_size": 3, "padding": 1, "padding_mode": "circular"},  # the padding is data, not zeros
+        {"kernel_size": 3, "padding": 5, "stride": 10},  # no tap reads inside: all-zero patches
+    ],
+)
+def test_geometries_without_zero_taps_to_skip_take_the_dense_path(conv_args) -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, **conv_args)
+    block = ConvBlock("conv", conv, include_bias=True, factor_dtype=torch.float64)
+    x = torch.randn(4, 3, 1, 1)
+    record(block, conv, x)
+    rows = reference_rows(conv, x, bias=True)[0]
+    assert block.A.pending_support is None
+    torch.testing.assert_close(block.A.pending, rows.T @ rows, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.usefixtures("any_box")
 def test_reduce_mode_skips_the_zero_taps_exactly() -> None:
     torch.manual_seed(0)
     conv = nn.Conv2d(4, 5, 3, padding=1, stride=2)

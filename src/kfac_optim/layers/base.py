@@ -185,7 +185,11 @@ class Factor:
         order (with the trailing 1 at the last of them) and every other column is zero: only
         ``pending``'s block on ``support`` is touched.
         """
-        target = self._pending_block(support) if group is None else self.pending[group]
+        if group is not None and support is not None:
+            raise ValueError("add_gram: a support applies to the whole pending sum, not to one group")
+        target = self._pending_block(support)
+        if group is not None:
+            target = target[group]
         n = rows.shape[-1]
         if rows.dim() == 2 and target.dim() == 2:
             linalg.add_gram_(target[:n, :n], rows)
