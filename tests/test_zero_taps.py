@@ -150,6 +150,24 @@ def test_a_growing_input_size_grows_the_support_and_stays_exact() -> None:
     assert block.A.support is None  # since the 3x3 batch, whose patches have every column
 
 
+def test_a_skipped_fold_discards_a_non_finite_batch_and_resets_a_non_finite_factor() -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    block = ConvBlock("conv", conv, include_bias=True, factor_dtype=torch.float64)
+    record(block, conv, torch.randn(2, 3, 1, 1))
+    block.fold(DECAY, "mean")
+    before = block.A.running.clone()
+    record(block, conv, torch.full((2, 3, 1, 1), float("inf")))
+    block.fold(DECAY, "mean")
+    assert torch.equal(block.A.running, before) and int(block.A.discarded) == 1
+    block.A.running[4, 4] = float("nan")  # channel 0's center tap: inside the support
+    x = torch.randn(2, 3, 1, 1)
+    record(block, conv, x)
+    block.fold(DECAY, "mean")
+    rows = reference_rows(conv, x, bias=True)[0]
+    torch.testing.assert_close(block.A.running, rows.T @ rows / len(rows), rtol=1e-12, atol=1e-12)
+
+
 def test_a_loaded_or_globally_averaged_factor_folds_whole() -> None:
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 4, 3, padding=1)

@@ -133,7 +133,9 @@ class Factor:
     ``support``), ``support`` every nonzero row/column ``running`` has ever had (the union of what
     was folded). Folding then touches only the ``(U, U)`` block of their union ``U``: outside it
     both are zero and stay so, and the fold's arithmetic is elementwise, so the result is the
-    same, bit for bit, as folding the whole matrix.
+    same, bit for bit, as folding the whole matrix. ``running`` changes only through this class
+    (fold, :meth:`set_global`, :meth:`load_state_dict`), which keeps that so; code that writes it
+    otherwise must set ``support`` to None.
     """
 
     diagonal = False
