@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
+from benchmarks.output import write_json_and_plot
 from examples.training.config import DataConfig
 from examples.training.data import load_datasets
 from examples.training.models import DigitsCNN
@@ -81,7 +82,7 @@ def train(fp16: bool, args: argparse.Namespace) -> dict[str, Any]:
     return {"summary": summary, "train_loss": losses, "loss_scale": scales}
 
 
-def plot(runs: list[dict[str, Any]], path: Path) -> None:
+def plot(runs: list[dict[str, Any]]) -> Figure:
     """Training loss per iteration (skipped steps marked) and the fp16 run's loss scale."""
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     by_loss, by_scale = fig.subplots(1, 2, sharex=True)
@@ -103,8 +104,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle("K-FAC on digits: fp32 vs fp16 autocast + GradScaler")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -121,10 +121,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     runs = [train(fp16, args) for fp16 in (False, True)]
     for run in runs:
         print(json.dumps(run["summary"]))  # noqa: T201 (a command-line report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "amp_steps.json").write_text(json.dumps(runs, indent=1))
-    plot(runs, args.out / "amp_steps.png")
-    print(f"wrote {args.out / 'amp_steps.json'} and {args.out / 'amp_steps.png'}")  # noqa: T201
+    write_json_and_plot(args.out, "amp_steps", runs, plot(runs))
     return runs
 
 

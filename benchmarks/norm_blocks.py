@@ -28,6 +28,7 @@ from matplotlib.figure import Figure
 from torch import nn
 from tqdm import tqdm
 
+from benchmarks.output import write_json_and_plot
 from kfac_optim import KFAC, register_block
 from kfac_optim.layers import LayerNormBlock, unregister_block
 
@@ -123,8 +124,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             result = run(variant, seed, train, held_out, vocabulary, args)
             runs.append(result)
             print(json.dumps({k: v for k, v in result.items() if k != "losses"}))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "norm_blocks.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}))
     figure = Figure(figsize=(7, 4))
     axes = figure.subplots()
     colors = {"adamw": "tab:gray", "kfac": "tab:blue", "kfac+norm": "tab:orange"}
@@ -133,8 +132,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                   label=result["variant"] if result["seed"] == args.seeds[0] else None)
     axes.set(xlabel="step", ylabel="training loss", title="char LM (argparse source): LayerNorm on SGD vs 2x2 blocks")
     axes.legend()
-    figure.savefig(args.out / "norm_blocks.png", dpi=120)
-    print(f"wrote {args.out / 'norm_blocks.json'} and {args.out / 'norm_blocks.png'}")
+    write_json_and_plot(args.out, "norm_blocks", {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, figure)
     return runs
 
 

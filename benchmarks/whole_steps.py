@@ -11,6 +11,9 @@ step by step. Runs:
   async    the same with ``async_decompositions=True`` (decompositions on a worker)
   stagger  ``sync`` with ``stagger_factor_updates=True`` (each layer folds on its own step of the interval)
   async-stagger  ``async`` with ``stagger_factor_updates=True``
+  statistics ``sync`` with ``async_statistics=True`` (Gram products and folds on a worker thread)
+  async-statistics  ``async`` with ``async_statistics=True``: decompositions and statistics off the
+           step's critical path
   defaults ``KFAC(model, lr, momentum, weight_decay)``: the library's default intervals and damping
            (what a user swapping SGD for K-FAC meets first)
   sgd      ``torch.optim.SGD`` (the floor)
@@ -27,7 +30,6 @@ before rank-aware preconditioning).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -42,11 +44,20 @@ from matplotlib.figure import Figure
 from torch import nn
 from tqdm import tqdm
 
+from benchmarks.output import write_json_and_plot
 from benchmarks.step_time import add_workload_arguments, build_model, workload_shape
 from kfac_optim import KFAC, linalg
 from kfac_optim.methods import method_named
 
-RUNS = ("sync", "async", "stagger", "async-stagger", "defaults", "sgd", "kaisa")
+RUNS = ("sync", "async", "stagger", "async-stagger", "statistics", "async-statistics", "defaults", "sgd", "kaisa")
+KFAC_RUNS = {  # run: (async_decompositions, stagger_factor_updates, async_statistics)
+    "sync": (False, False, False),
+    "async": (True, False, False),
+    "stagger": (False, True, False),
+    "async-stagger": (True, True, False),
+    "statistics": (False, False, True),
+    "async-statistics": (True, False, True),
+}
 
 
 def kaisa_available() -> bool:
@@ -67,8 +78,8 @@ def make_step(run: str, model: nn.Module, args: argparse.Namespace) -> tuple[Cal
     if run == "defaults":
         kfac = KFAC(model, **common)
         return kfac.step, kfac
-    if run in ("sync", "async", "stagger", "async-stagger"):
-        extra = {"async_decompositions": run.startswith("async"), "stagger_factor_updates": run.endswith("stagger")}
+    if run in KFAC_RUNS:
+        extra = dict(zip(("async_decompositions", "stagger_factor_updates", "async_statistics"), KFAC_RUNS[run]))
         kfac = KFAC(model, **common, **intervals, damping=args.damping, **extra)
         return kfac.step, kfac
     from kfac.preconditioner import KFACPreconditioner  # kfac-pytorch (KAISA)
@@ -136,14 +147,14 @@ def precondition_times(optimizer: KFAC, damping: float, repeats: int) -> dict[st
     return {"full_s": full_s, "rank_aware_s": rank_aware_s, "dim_and_columns": columns}
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+def plot(results: dict[str, dict[str, Any]]) -> Figure:
     fig = Figure(figsize=(8, 4), layout="constrained")
     ax = fig.subplots()
     for run, result in results.items():
         ax.plot(range(len(result["times_s"])), result["times_s"], marker=".", linewidth=1, label=run)
     ax.set(xlabel="step", ylabel="step time (s)", yscale="log", title="whole steps")
     ax.legend()
-    fig.savefig(path)
+    return fig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -192,12 +203,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p = results["sync"]["precondition"]
         print(f"preconditioning per step: full {p['full_s'] * 1e3:.1f} ms, rank-aware {p['rank_aware_s'] * 1e3:.1f} ms "  # noqa: T201
               f"({p['rank_aware_s'] / p['full_s']:.2f}x)")
-    args.out.mkdir(parents=True, exist_ok=True)
     payload = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": results, "torch": torch.__version__,
                "machine": platform.machine(), "cpus": os.cpu_count(), "load": os.getloadavg()}
-    (args.out / "whole_steps.json").write_text(json.dumps(payload, indent=1))
-    plot(results, args.out / "whole_steps.png")
-    print(f"wrote {args.out / 'whole_steps.json'} and {args.out / 'whole_steps.png'}")  # noqa: T201
+    write_json_and_plot(args.out, "whole_steps", payload, plot(results))
     return payload
 
 

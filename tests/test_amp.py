@@ -7,22 +7,19 @@ on the concatenated batch) instead of numbers copied from a previous run.
 from __future__ import annotations
 
 import copy
-import gc
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kfac_optim import KFAC
+from tests.distributed_helpers import spawn
 
 OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, inv_update_steps=2)
 BATCH = 16
@@ -278,36 +275,26 @@ WORLD = 2
 DDP_STEPS = 4
 
 
-def _ddp_rank(rank: int, init_file: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
-    try:
-        model = make_model()
-        ddp = DDP(model)
-        optimizer = KFAC(ddp, **OPTIONS)
-        scaler = torch.amp.GradScaler("cpu")
-        size = BATCH // WORLD
-        for step in range(DDP_STEPS):
-            x, y = batch(step)
-            optimizer.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.cross_entropy(ddp(x[rank * size : (rank + 1) * size]), y[rank * size : (rank + 1) * size])
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        optimizer.synchronize_factors()
-        if rank == 0:
-            torch.save({"params": params(model), "factors": factors(optimizer), "steps": optimizer.steps}, out)
-    finally:
-        gc.collect()  # free DDP reducers and collectives' work objects while the group and Python are alive
-        dist.destroy_process_group()
+def ddp_with_grad_scaler(rank: int, world: int, directory: Path) -> dict[str, Any]:
+    model = make_model()
+    ddp = DDP(model)
+    optimizer = KFAC(ddp, **OPTIONS)
+    scaler = torch.amp.GradScaler("cpu")
+    size = BATCH // world
+    for step in range(DDP_STEPS):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(ddp(x[rank * size : (rank + 1) * size]), y[rank * size : (rank + 1) * size])
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    optimizer.synchronize_factors()
+    return {"params": params(model), "factors": factors(optimizer), "steps": optimizer.steps}
 
 
 def test_ddp_with_grad_scaler_on_two_gloo_ranks_matches_one_process_on_the_whole_batch(tmp_path: Path) -> None:
-    out = tmp_path / "rank0.pt"
-    mp.start_processes(_ddp_rank, args=(str(tmp_path / "init"), str(out)), nprocs=WORLD, start_method="spawn")
-    result = torch.load(out)
+    result = spawn(ddp_with_grad_scaler, WORLD, tmp_path, deadline_s=120.0)[0]
     model, optimizer, _ = run(DDP_STEPS)
     assert result["steps"] == optimizer.steps == DDP_STEPS
     torch.testing.assert_close(result["factors"], factors(optimizer), rtol=1e-3, atol=1e-6)

@@ -1,31 +1,29 @@
 """Distributed K-FAC on real gloo ranks against one process on the concatenated batch (docs/design.md §5, §8).
 
-Each scenario group is one spawn of 2, 3 or 4 CPU ranks (file:// rendezvous in a tmp dir, one
-thread each, a deadline that fails the test instead of hanging). The ranks run DDP on their shard
-of every global batch and save what they ended with; the tests compare it, in this process, with
-a control run of one process on the whole batch.
+Each scenario group is one spawn of 2, 3 or 4 CPU ranks (tests/distributed_helpers.py: file://
+rendezvous in a tmp dir, one thread each, a deadline that fails the test instead of hanging).
+The ranks run DDP on their shard of every global batch and save what they ended with; the tests
+compare it, in this process, with a control run of one process on the whole batch.
 """
 
 from __future__ import annotations
 
-import gc
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kfac_optim import KFAC
 from kfac_optim.distributed.comm import Communicator
+from tests.distributed_helpers import assert_same_tensors, spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -37,6 +35,7 @@ OPTIONS: dict[str, Any] = dict(
     lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.1, kl_clip=1e-2, factor_decay=0.9, inv_update_steps=2
 )
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
+assert_same = partial(assert_same_tensors, **TOLERANCE)  # rtol=0, atol=0 for bit-identity
 STAGGER: dict[str, Any] = dict(stagger_factor_updates=True, factor_update_steps=3)  # phases 0-2 over 4 blocks
 
 
@@ -273,44 +272,6 @@ def scenario_four_ranks(rank: int, world: int, directory: Path) -> dict[str, Any
     return results
 
 
-SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
-    "two": scenario_two_ranks,
-    "three": scenario_three_ranks,
-    "four": scenario_four_ranks,
-}
-
-
-def _rank_main(rank: int, world: int, scenario: str, directory: str) -> None:
-    torch.set_num_threads(1)
-    path = Path(directory)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{path / f'rendezvous-{scenario}'}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=DEADLINE_S / 2),
-    )
-    try:
-        torch.save(SCENARIOS[scenario](rank, world, path), path / f"{scenario}-{rank}.pt")
-    finally:
-        gc.collect()  # free DDP reducers and collectives' work objects while the group and Python are alive
-        dist.destroy_process_group()
-
-
-def spawn(world: int, scenario: str, directory: Path) -> list[dict[str, Any]]:
-    """Run ``scenario`` on ``world`` gloo ranks; every rank's results, or a failure on a hang."""
-    context = mp.start_processes(
-        _rank_main, args=(world, scenario, str(directory)), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{world} ranks of scenario {scenario!r} did not finish in {DEADLINE_S:.0f} s")
-    return [torch.load(directory / f"{scenario}-{rank}.pt", weights_only=False) for rank in range(world)]
-
-
 # -- the control runs and the ranks' results ----------------------------------------------------
 
 
@@ -322,35 +283,24 @@ def single_process(steps: int = STEPS, **kwargs: Any) -> tuple[Net, KFAC]:
 
 
 @pytest.fixture(scope="module")
-def directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("distributed")
+def two_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
+    return spawn(scenario_two_ranks, 2, module_tmp_path, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(directory: Path) -> list[dict[str, Any]]:
-    return spawn(2, "two", directory)
+def three_ranks(module_tmp_path: Path, two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return spawn(scenario_three_ranks, 3, module_tmp_path, deadline_s=DEADLINE_S)  # resumes from the 2-rank checkpoint
 
 
 @pytest.fixture(scope="module")
-def three_ranks(directory: Path, two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return spawn(3, "three", directory)  # resumes from the 2-rank checkpoint
-
-
-@pytest.fixture(scope="module")
-def four_ranks(directory: Path) -> list[dict[str, Any]]:
-    return spawn(4, "four", directory)
+def four_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
+    return spawn(scenario_four_ranks, 4, module_tmp_path, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
     return parameters(single_process()[0])
-
-
-def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], **tolerance: float) -> None:
-    assert actual.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], **(tolerance or TOLERANCE), msg=key)
 
 
 @pytest.mark.parametrize("key", ["comm sums", "comm sums in place"])
@@ -520,8 +470,8 @@ def test_memory_opt_holds_fewer_decomposition_bytes(two_ranks) -> None:
         assert comm_opt["total"] == sum(v for k, v in comm_opt.items() if k != "total")
 
 
-def test_checkpoint_saved_on_rank_zero_under_mem_opt_holds_every_layer(two_ranks, directory) -> None:
-    state = torch.load(directory / "checkpoint.pt", weights_only=False)["optimizer"]
+def test_checkpoint_saved_on_rank_zero_under_mem_opt_holds_every_layer(two_ranks, module_tmp_path) -> None:
+    state = torch.load(module_tmp_path / "checkpoint.pt", weights_only=False)["optimizer"]
     decompositions = [
         factor["decomposition"] for block in state["kfac"]["blocks"].values() for factor in block["factors"].values()
     ]
@@ -530,8 +480,8 @@ def test_checkpoint_saved_on_rank_zero_under_mem_opt_holds_every_layer(two_ranks
     assert_same(saved_factors(state), saved_factors(optimizer.state_dict()))
 
 
-def test_two_rank_checkpoint_resumes_on_one_process(two_ranks, directory, reference) -> None:
-    assert_same(resume(0, 1, directory / "checkpoint.pt", 1.0), reference)
+def test_two_rank_checkpoint_resumes_on_one_process(two_ranks, module_tmp_path, reference) -> None:
+    assert_same(resume(0, 1, module_tmp_path / "checkpoint.pt", 1.0), reference)
 
 
 def test_two_rank_checkpoint_resumes_on_three_ranks(three_ranks, reference) -> None:

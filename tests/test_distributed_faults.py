@@ -9,7 +9,6 @@ process group run on a group of their own with a short timeout: the collective m
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 import traceback
@@ -21,14 +20,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kfac_optim import KFAC
 from kfac_optim.schedules import MilestoneSchedule
-from tests.test_distributed import make_model, parameters, saved_factors, shard, train
+from tests.distributed_helpers import load_results, results_file, run_ranks
+from tests.test_distributed import make_model, parameters, saved_factors, train
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -74,10 +73,17 @@ MISMATCHES: dict[str, tuple[tuple[Callable[[], nn.Module], dict[str, Any]], ...]
         (make_model, dict(damping=MilestoneSchedule(0.1, milestones=(200,), gamma=0.5))),
     ),
     "skip_layers": ((make_model, {}), (make_model, dict(skip_layers=["fc2"]))),
+    "async_decompositions": ((make_model, {}), (make_model, dict(async_decompositions=True))),
+    "async_delay": (
+        (make_model, dict(async_decompositions=True, async_delay=1)),
+        (make_model, dict(async_decompositions=True, async_delay=2)),
+    ),
     "layer shapes": ((lambda: Wide(8), {}), (lambda: Wide(9), {})),
     "same settings spelled differently": (
         (make_model, dict(grad_worker_fraction="comm-opt", damping=MilestoneSchedule(0.1, milestones=(100,)))),
-        (make_model, dict(grad_worker_fraction=1.0, damping=MilestoneSchedule(0.1, milestones=(100,)))),
+        # async_statistics changes no result (the same factors, computed later): ranks may differ in it
+        (make_model, dict(grad_worker_fraction=1.0, damping=MilestoneSchedule(0.1, milestones=(100,)),
+                          async_statistics=True)),
     ),
 }
 
@@ -177,29 +183,21 @@ def dead_peer(rank: int, directory: Path, results: dict[str, Any]) -> dict[str, 
     optimizer = KFAC(model, process_group=group, **OPTIONS)
     train(model, optimizer, range(4), rank, WORLD)
     if rank == 1:  # dies as step 4, a decomposition step, begins
-        torch.save(results, directory / f"results-{rank}.pt")
+        torch.save(results, results_file(directory, every_fault, rank))
         optimizer.register_step_pre_hook(lambda *_: os._exit(DEAD_RANK_EXIT_CODE))
     start = time.monotonic()
     raised = outcome(lambda: train(model, optimizer, range(4, 6), rank, WORLD))
     return {"raised": raised, "seconds": time.monotonic() - start}
 
 
-def _rank_main(rank: int, directory: str) -> None:
-    torch.set_num_threads(1)
-    path = Path(directory)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{path / 'rendezvous'}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
-    )
+def every_fault(rank: int, world: int, directory: Path) -> dict[str, Any]:
+    """The scenarios in turn, each one's result or traceback (``dead peer`` breaks the default group)."""
     results: dict[str, Any] = {}
     scenarios: dict[str, Callable[[], Any]] = {
         "mismatch": lambda: mismatched_settings(rank),
         "join": lambda: uneven_inputs(rank),
         "state_dict": lambda: state_dict_on_rank_zero(rank),
-        "dead peer": lambda: dead_peer(rank, path, results),
+        "dead peer": lambda: dead_peer(rank, directory, results),
     }
     for name, scenario in scenarios.items():
         try:
@@ -208,29 +206,19 @@ def _rank_main(rank: int, directory: str) -> None:
             results[name] = {"error": traceback.format_exc()}
         if name != "dead peer":
             dist.barrier()
-    torch.save(results, path / f"results-{rank}.pt")
-    gc.collect()
-    os._exit(0)  # the default group has a dead peer: do not wait for it in destroy_process_group
+    return results
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
     """Every rank's results (rank 1's as saved right before it died)."""
-    directory = tmp_path_factory.mktemp("distributed_faults")
-    context = mp.get_context("spawn")
-    processes = [context.Process(target=_rank_main, args=(rank, str(directory))) for rank in range(WORLD)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + DEADLINE_S
-    for process in processes:
-        process.join(timeout=max(0.0, deadline - time.monotonic()))
-    if any(process.is_alive() for process in processes):
-        for process in processes:
-            process.kill()
-        pytest.fail(f"the ranks did not finish in {DEADLINE_S:.0f} s")
-    results = [torch.load(directory / f"results-{rank}.pt", weights_only=False) for rank in range(WORLD)]
-    for result, process in zip(results, processes, strict=True):
-        result["exit code"] = process.exitcode
+    exit_codes = run_ranks(
+        every_fault, WORLD, module_tmp_path, deadline_s=DEADLINE_S, group_timeout_s=GROUP_TIMEOUT_S,
+        exit_codes=(0, DEAD_RANK_EXIT_CODE), abandon_group=True,
+    )
+    results = load_results(every_fault, WORLD, module_tmp_path)
+    for result, exit_code in zip(results, exit_codes, strict=True):
+        result["exit code"] = exit_code
     return results
 
 

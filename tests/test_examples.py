@@ -49,25 +49,28 @@ def test_transformer_recipe_trains_and_kfac_preconditions_its_weight_matrices(ca
     assert "(decreased: True)" in out and "(>= 95%: True)" in out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch.distributed.run") is None, reason="torchrun unavailable")
-def test_ddp_recipe_under_torchrun_keeps_two_gloo_ranks_bit_identical(tmp_path: Path) -> None:
+def torchrun(module: str, *args: str, directory: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc_per_node=2 -m module args`` in ``directory``: 2 gloo ranks, one thread each."""
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "examples.recipes.ddp", "--steps", "4", "--batch-size", "16"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", module, *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=directory, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+needs_torchrun = pytest.mark.skipif(importlib.util.find_spec("torch.distributed.run") is None, reason="torchrun unavailable")
+
+
+@needs_torchrun
+def test_ddp_recipe_under_torchrun_keeps_two_gloo_ranks_bit_identical(tmp_path: Path) -> None:
+    result = torchrun("examples.recipes.ddp", "--steps", "4", "--batch-size", "16", directory=tmp_path, timeout_s=120)
     assert "2 ranks, parameters bit-identical on every rank: True" in result.stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch.distributed.run") is None, reason="torchrun unavailable")
+@needs_torchrun
 def test_fsdp_recipe_under_torchrun_resumes_from_its_dcp_checkpoint_exactly(tmp_path: Path) -> None:
-    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "examples.recipes.fsdp", "--steps", "12", "--batch-size", "16"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun("examples.recipes.fsdp", "--steps", "12", "--batch-size", "16", directory=tmp_path, timeout_s=180)
     assert "2 ranks, resumed from the DCP checkpoint after 6 steps" in result.stdout
     assert "max parameter difference to the straight run 0.00e+00: True" in result.stdout
 

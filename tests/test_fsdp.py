@@ -1,29 +1,28 @@
 """K-FAC on models sharded by FSDP2 (``fully_shard``) and HSDP, on real gloo ranks (DESIGN §10).
 
-One spawn of 2 and one of 4 CPU ranks (file:// rendezvous, one thread each, a deadline that fails
-the test instead of hanging) run every scenario and save what they ended with; the tests compare
-it, in this process, with one process training the unsharded model on the concatenated batch.
+One spawn of 2 and one of 4 CPU ranks (tests/distributed_helpers.py: file:// rendezvous, one
+thread each, a deadline that fails the test instead of hanging) run every scenario and save what
+they ended with; the tests compare it, in this process, with one process training the unsharded
+model on the concatenated batch.
 """
 
 from __future__ import annotations
 
-import gc
-import time
 from collections.abc import Callable
-from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC
 from kfac_optim.distributed.fsdp import MeshLayout, assign_routes, mesh_layout, service_groups
 from kfac_optim.distributed.plan import make_plan, work_items
+from tests.distributed_helpers import assert_same_tensors, spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -36,6 +35,7 @@ OPTIONS: dict[str, Any] = dict(
 )
 SGD_OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True)
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+assert_same = partial(assert_same_tensors, **TOLERANCE)  # rtol=0, atol=0 for bit-identity
 
 
 class Net(nn.Module):
@@ -322,59 +322,17 @@ def scenario_four_ranks(rank: int, world: int, directory: Path) -> dict[str, Any
     return results
 
 
-SCENARIOS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
-    "two": scenario_two_ranks,
-    "four": scenario_four_ranks,
-}
-
-
-def _rank_main(rank: int, world: int, scenario: str, directory: str) -> None:
-    torch.set_num_threads(1)
-    path = Path(directory)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{path / f'rendezvous-{scenario}'}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=DEADLINE_S / 2),
-    )
-    try:
-        torch.save(SCENARIOS[scenario](rank, world, path), path / f"{scenario}-{rank}.pt")
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def spawn(world: int, scenario: str, directory: Path) -> list[dict[str, Any]]:
-    """Run ``scenario`` on ``world`` gloo ranks; every rank's results, or a failure on a hang."""
-    context = mp.start_processes(
-        _rank_main, args=(world, scenario, str(directory)), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{world} ranks of scenario {scenario!r} did not finish in {DEADLINE_S:.0f} s")
-    return [torch.load(directory / f"{scenario}-{rank}.pt", weights_only=False) for rank in range(world)]
-
-
 # -- the control runs and the ranks' results ----------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("fsdp")
+def two_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
+    return spawn(scenario_two_ranks, 2, module_tmp_path, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(directory: Path) -> list[dict[str, Any]]:
-    return spawn(2, "two", directory)
-
-
-@pytest.fixture(scope="module")
-def four_ranks(directory: Path, two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return spawn(4, "four", directory)  # resumes from the 2-rank DCP checkpoint
+def four_ranks(module_tmp_path: Path, two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return spawn(scenario_four_ranks, 4, module_tmp_path, deadline_s=DEADLINE_S)  # resumes from the 2-rank DCP checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -384,12 +342,6 @@ def reference() -> dict[str, torch.Tensor]:
     model = make_model()
     train(model, KFAC(model, **OPTIONS), range(STEPS))
     return full_parameters(model)
-
-
-def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], **tolerance: float) -> None:
-    assert actual.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], **(tolerance or TOLERANCE), msg=key)
 
 
 @pytest.mark.parametrize("key", ["params 1.0", "params 0.5", "params keep unsharded", "params root only"])
@@ -465,12 +417,12 @@ SINGLE_PROCESS_DCP = "ignore:torch.distributed is disabled:UserWarning"  # DCP's
 
 
 @pytest.mark.filterwarnings(SINGLE_PROCESS_DCP)
-def test_dcp_checkpoint_from_two_fsdp_ranks_loads_in_one_process(two_ranks, directory, reference) -> None:
-    assert_same(resume_from_checkpoint(make_model(), directory / "dcp"), reference)
+def test_dcp_checkpoint_from_two_fsdp_ranks_loads_in_one_process(two_ranks, module_tmp_path, reference) -> None:
+    assert_same(resume_from_checkpoint(make_model(), module_tmp_path / "dcp"), reference)
 
 
 @pytest.mark.filterwarnings(SINGLE_PROCESS_DCP)
-def test_dcp_checkpoint_holds_global_factors_by_module_name(two_ranks, directory) -> None:
+def test_dcp_checkpoint_holds_global_factors_by_module_name(two_ranks, module_tmp_path) -> None:
     """What DCP wrote: one copy of each layer's global factors, keyed by its name; no decompositions."""
     import torch.distributed.checkpoint as dcp
 
@@ -478,7 +430,7 @@ def test_dcp_checkpoint_holds_global_factors_by_module_name(two_ranks, directory
     optimizer = KFAC(model, **OPTIONS)
     train(model, optimizer, range(SAVE_AT))
     expected = optimizer.kfac_state_dict()
-    metadata = dcp.FileSystemReader(str(directory / "dcp")).read_metadata()
+    metadata = dcp.FileSystemReader(str(module_tmp_path / "dcp")).read_metadata()
     kfac_keys = {key for key in metadata.state_dict_metadata if key.startswith("kfac.")}
     assert "kfac.blocks.fc1.factors.G.running" in kfac_keys
     assert not any("decomposition" in key for key in kfac_keys)
@@ -486,7 +438,7 @@ def test_dcp_checkpoint_holds_global_factors_by_module_name(two_ranks, directory
     for block in optimizer.blocks:  # load into zeroed factors: everything comes from the file
         for factor in block.factors.values():
             factor.running.zero_()
-    dcp.load(state, checkpoint_id=directory / "dcp")
+    dcp.load(state, checkpoint_id=module_tmp_path / "dcp")
     for block in optimizer.blocks:
         for name, factor in block.factors.items():
             torch.testing.assert_close(factor.running, expected["blocks"][block.name]["factors"][name]["running"], **TOLERANCE)

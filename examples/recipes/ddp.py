@@ -12,8 +12,7 @@ parameters with rank 0's: they must be bit-identical. Rank 0 prints the losses.
 from __future__ import annotations
 
 import argparse
-import gc
-import os
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import kfac_optim
+from examples.recipes.ranks import Ranks, process_group, torchrun_ranks
 from examples.recipes.toy import toy_batches, toy_model
 
 
@@ -34,44 +34,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun, with RANK and LOCAL_RANK
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
-    if args.batch_size % world_size:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {world_size} ranks")
-    model = toy_model()
-    if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        model = DistributedDataParallel(model.to(device), device_ids=[local_rank] if device.type == "cuda" else None)
-    else:
-        model = model.to(device)
+    ranks = torchrun_ranks(args.device, args.batch_size)
+    with process_group(ranks) if ranks.world_size > 1 else nullcontext():
+        return train(args, ranks)
+
+
+def train(args: argparse.Namespace, ranks: Ranks) -> int:
+    """Train on this rank's shards; 0 when every rank ends with rank 0's parameters, bit for bit."""
+    device = ranks.device
+    model = toy_model().to(device)
+    if ranks.world_size > 1:
+        model = DistributedDataParallel(model, device_ids=[ranks.local_rank] if device.type == "cuda" else None)
     optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, weight_decay=5e-4)
-    try:
-        shard = args.batch_size // world_size
-        for step, (x, y) in enumerate(toy_batches(args.steps, args.batch_size)):
-            x, y = x[rank * shard:(rank + 1) * shard].to(device), y[rank * shard:(rank + 1) * shard].to(device)
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-                print(f"step {step:3d}  loss (rank 0's shard) {loss.item():.4f}")
-        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        if world_size > 1:
-            reference = params.clone()
-            dist.broadcast(reference, src=0)
-            identical = torch.equal(params, reference)
-            flags = torch.tensor([int(identical)], device=device)
-            dist.all_reduce(flags)
-            if rank == 0:
-                print(f"{world_size} ranks, parameters bit-identical on every rank: {int(flags) == world_size}")
-            if int(flags) != world_size:
-                return 1
+    for step, (x, y) in enumerate(toy_batches(args.steps, args.batch_size)):
+        x, y = ranks.shard(x), ranks.shard(y)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if ranks.rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+            print(f"step {step:3d}  loss (rank 0's shard) {loss.item():.4f}")
+    if ranks.world_size == 1:
         return 0
-    finally:
-        if dist.is_initialized():
-            gc.collect()  # free DDP's reducer and pending work while the group is alive
-            dist.destroy_process_group()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    reference = params.clone()
+    dist.broadcast(reference, src=0)
+    flags = torch.tensor([int(torch.equal(params, reference))], device=device)
+    dist.all_reduce(flags)
+    if ranks.rank == 0:
+        print(f"{ranks.world_size} ranks, parameters bit-identical on every rank: {int(flags) == ranks.world_size}")
+    return 0 if int(flags) == ranks.world_size else 1
 
 
 if __name__ == "__main__":

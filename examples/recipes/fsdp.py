@@ -14,8 +14,6 @@ computed from).
 from __future__ import annotations
 
 import argparse
-import gc
-import os
 import shutil
 import tempfile
 
@@ -28,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 import kfac_optim
+from examples.recipes.ranks import Ranks, process_group, torchrun_ranks
 from examples.recipes.toy import toy_batches, toy_model
 
 INV_UPDATE_STEPS = 5
@@ -50,36 +49,28 @@ def sharded_toy_model(device: torch.device) -> nn.Module:
     return model
 
 
-def train(model: nn.Module, optimizer: kfac_optim.KFAC, batches: list, steps: range, rank: int, world_size: int,
-          device: torch.device) -> None:
-    shard = len(batches[0][0]) // world_size
+def train(model: nn.Module, optimizer: kfac_optim.KFAC, batches: list, steps: range, ranks: Ranks) -> None:
     for step in steps:
         x, y = batches[step]
-        x, y = x[rank * shard:(rank + 1) * shard].to(device), y[rank * shard:(rank + 1) * shard].to(device)
+        x, y = ranks.shard(x), ranks.shard(y)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
-        if rank == 0 and (step % 5 == 0 or step == len(batches) - 1):
+        if ranks.rank == 0 and (step % 5 == 0 or step == len(batches) - 1):
             print(f"step {step:3d}  loss (rank 0's shard) {loss.item():.4f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun, with RANK and LOCAL_RANK
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
-    if args.batch_size % world_size:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {world_size} ranks")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    ranks = torchrun_ranks(args.device, args.batch_size)
+    rank, device = ranks.rank, ranks.device
     batches = toy_batches(args.steps, args.batch_size)
     middle = (args.steps // 2) // INV_UPDATE_STEPS * INV_UPDATE_STEPS + 1  # steps up to a decomposition step
-    try:
+    with process_group(ranks):
         model = sharded_toy_model(device)
         optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, inv_update_steps=INV_UPDATE_STEPS)
-        train(model, optimizer, batches, range(middle), rank, world_size, device)
+        train(model, optimizer, batches, range(middle), ranks)
         path = tempfile.mkdtemp() if rank == 0 else None
         shared = [path]
         dist.broadcast_object_list(shared, src=0)
@@ -87,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd, "kfac": optimizer.kfac_state()}, checkpoint_id=path)
-        train(model, optimizer, batches, range(middle, args.steps), rank, world_size, device)
+        train(model, optimizer, batches, range(middle, args.steps), ranks)
         straight = [p.detach().full_tensor() for p in model.parameters()]
 
         model = sharded_toy_model(device)  # a fresh run resumes from the checkpoint
@@ -96,19 +87,16 @@ def main(argv: list[str] | None = None) -> int:
         state = {"model": model_sd, "optim": optim_sd, "kfac": optimizer.kfac_state()}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        train(model, optimizer, batches, range(middle, args.steps), rank, world_size, device)
+        train(model, optimizer, batches, range(middle, args.steps), ranks)
         resumed = [p.detach().full_tensor() for p in model.parameters()]
         difference = max(float((a - b).abs().max()) for a, b in zip(straight, resumed, strict=True))
         if rank == 0:
-            print(f"{world_size} ranks, resumed from the DCP checkpoint after {middle} steps; "
+            print(f"{ranks.world_size} ranks, resumed from the DCP checkpoint after {middle} steps; "
                   f"max parameter difference to the straight run {difference:.2e}: {difference <= 1e-6}")
         dist.barrier()
         if rank == 0:
             shutil.rmtree(path)
         return 0 if difference <= 1e-6 else 1
-    finally:
-        gc.collect()  # free FSDP's and the collectives' state while the group is alive
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

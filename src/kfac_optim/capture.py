@@ -33,6 +33,13 @@ hook dict is ignored.
 With ``every_backward=False`` (the sampled Fisher) output-gradients are recorded only inside
 :meth:`StatisticsCapture.recording`, the optimizer's extra backward pass at sampled targets; the
 training loss's own backward then passes the hooks without recording.
+
+With a statistics worker (``KFAC(async_statistics=True)``, see ``statistics_worker``) a recorded
+pair is handed on by the worker instead of inside the backward pass, with the backward pass it
+came from (:func:`~kfac_optim.layers.base.in_graph_task`). The pair's tensors are read then, so
+a pair whose input or output-gradient was modified in place in between (a reused input buffer)
+is dropped and named in :attr:`StatisticsCapture.overwritten` (checked by the tensors' version
+counters) instead of recorded wrong.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ from torch.utils.hooks import RemovableHandle
 
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.layers import KroneckerBlock
+from kfac_optim.layers.base import in_graph_task
+from kfac_optim.statistics_worker import StatisticsWorker
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +135,12 @@ def _remove_hooks(
     copies.clear()
 
 
+def _tensors_of(layer_input: Any, grad_output: Tensor) -> list[Tensor]:
+    """The tensors of a captured pair (a block's input may be a tuple holding tensors)."""
+    parts = layer_input if isinstance(layer_input, tuple) else (layer_input,)
+    return [t for t in (*parts, grad_output) if isinstance(t, Tensor)]
+
+
 class StatisticsCapture:
     """Forward hooks on every block's module; statistics flow only while ``armed`` is True, and
     then only for the modules in ``only`` (None: all).
@@ -134,7 +149,9 @@ class StatisticsCapture:
     one that handles loss scaling, see ``precision``). ``every_backward``: record the
     output-gradients of every backward pass (True) or only those inside :meth:`recording`.
     ``graph_backward_skipped`` is set when an output-gradient of a ``create_graph=True`` backward
-    was passed over (the optimizer reports a step whose every backward was such).
+    was passed over (the optimizer reports a step whose every backward was such); ``recorded``
+    counts the pairs handed on (or to ``worker``) since the caller last reset it. With ``worker``,
+    pairs are handed on there unless ``in_line()`` says they must not be now.
     """
 
     def __init__(
@@ -142,11 +159,17 @@ class StatisticsCapture:
         blocks: Iterable[KroneckerBlock],
         accumulate: Accumulate = accumulate_plainly,
         every_backward: bool = True,
+        worker: StatisticsWorker | None = None,
+        in_line: Callable[[], bool] = lambda: False,
     ) -> None:
         blocks = list(blocks)
         self.armed = False
         self.only: set[int] | None = None  # armed modules' id()s; None: all
         self.graph_backward_skipped = False
+        self.recorded = 0
+        self.overwritten: set[str] = set()  # blocks whose pair changed before the worker read it
+        self._worker = worker
+        self._in_line = in_line
         self.copies: list[tuple[weakref.ref[nn.Module], InertHook]] = []
         self._accumulate = accumulate
         self._recording = every_backward
@@ -208,7 +231,27 @@ class StatisticsCapture:
         if torch.is_grad_enabled():  # a create_graph=True backward: see the module docstring
             self.graph_backward_skipped = True
             return
-        self._accumulate(block, layer_input, grad_output)
+        self.recorded += 1
+        if self._worker is None or self._in_line():
+            if self._worker is not None:
+                self._worker.wait()  # its earlier work (e.g. a fold) comes first
+            self._accumulate(block, layer_input, grad_output)
+            return
+        tensors = _tensors_of(layer_input, grad_output)
+        versions = [t._version for t in tensors]
+        self._worker.submit(
+            self._accumulate_later, block, layer_input, grad_output, torch._C._current_graph_task_id(), versions
+        )
+
+    def _accumulate_later(
+        self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor, task: int, versions: list[int]
+    ) -> None:
+        """On the worker: hand the pair on as :meth:`record` would have, unless it changed since."""
+        if [t._version for t in _tensors_of(layer_input, grad_output)] != versions:
+            self.overwritten.add(block.name)
+            return
+        with in_graph_task(task):
+            self._accumulate(block, layer_input, grad_output)
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:

@@ -27,6 +27,7 @@ import math
 import numbers
 import re
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,6 +56,7 @@ from kfac_optim.methods import Method, method_named
 from kfac_optim.precision import MixedPrecision
 from kfac_optim.schedules import resolve
 from kfac_optim.stagger import FactorStagger
+from kfac_optim.statistics_worker import StatisticsWorker
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,9 @@ class KFACOptions:
     ``fisher``: where G's statistics come from: "empirical" (the training loss's backward) or
     "sampled" (:meth:`KFAC.sample_fisher`'s backward at targets drawn from the model).
     ``stagger_factor_updates``: spread the blocks' factor updates over the steps of an interval
-    (``kfac_optim.stagger``).
+    (``kfac_optim.stagger``). ``async_decompositions`` / ``async_delay``: decompositions on a
+    background worker, adopted at the next decomposition step or this many steps later (they
+    change which decompositions a step uses, so every rank must agree on them).
     """
 
     damping: FloatSchedule = 0.1
@@ -90,12 +94,17 @@ class KFACOptions:
     factor_dtype: torch.dtype = torch.float32
     inv_dtype: torch.dtype = torch.float32
     stagger_factor_updates: bool = False
+    async_decompositions: bool = False
+    async_delay: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.stagger_factor_updates, bool):
-            raise TypeError(
-                f"stagger_factor_updates must be a bool, got {type(self.stagger_factor_updates).__name__}"
-            )
+        for name in ("stagger_factor_updates", "async_decompositions"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.async_delay is not None and (isinstance(self.async_delay, bool) or not isinstance(self.async_delay, int)):
+            raise TypeError(f"async_delay must be an int or None, got {type(self.async_delay).__name__}")
+        if self.async_delay is not None and self.async_delay < 1:
+            raise ValueError(f"async_delay must be >= 1, got {self.async_delay}")
         if not callable(self.damping):
             check_damping(self.damping)
         if self.kl_clip is not None and not 0 < self.kl_clip < math.inf:
@@ -116,6 +125,26 @@ class KFACOptions:
         for name in ("factor_dtype", "inv_dtype"):
             if getattr(self, name) not in (torch.float32, torch.float64):
                 raise ValueError(f"{name} must be torch.float32 or torch.float64, got {getattr(self, name)}")
+
+
+def fold_statistics(
+    blocks: Sequence[layers.KroneckerBlock],
+    folding: Sequence[layers.KroneckerBlock],
+    decay: float,
+    reduction: str,
+    statistics_scale: float | Tensor,
+) -> None:
+    """A factor step's statistics work after the capture: fold the pending statistics of
+    ``folding`` (see ``KroneckerBlock.fold``), then forget whatever the other ``blocks`` hold."""
+    for block in folding:
+        block.fold(decay, reduction, statistics_scale)
+    clear_pending(blocks)  # a no-op for blocks that folded or captured nothing
+
+
+def clear_pending(blocks: Sequence[layers.KroneckerBlock]) -> None:
+    """Forget the pending statistics of ``blocks``."""
+    for block in blocks:
+        block.clear_pending()
 
 
 def check_damping(value: float) -> float:
@@ -247,6 +276,16 @@ class KFAC(Optimizer, Joinable):
             the worker if needed), or at the next decomposition step if that comes first. None
             (default): at the next decomposition step. 1 keeps layers one step stale and
             overlaps the decompositions with one step's forward and backward.
+        async_statistics: compute the statistics on a background worker thread instead of in
+            the backward pass and ``step()``: each captured pair's Gram products, and a factor
+            step's fold. The factors are exactly those of the synchronous mode (the same work
+            in the same order, with the same thread count), only ready later: the optimizer
+            waits for the worker where it reads them (decomposition steps, ``state_dict()``,
+            ``synchronize_factors()``), and a factor step first waits for the previous factor
+            step's work (at most one factor step in flight). The model's inputs must not be
+            modified in place before the worker reads them: a pair that changed is dropped with
+            a warning (version counters). Under Apex amp the statistics are computed in line
+            (one warning). It changes no result, so ranks may differ in it.
 
     Mixed precision: ``scaler.step(optimizer)`` with a ``torch.amp.GradScaler`` skips the whole
     step on inf/nan gradients (factors, momentum, step count and parameters untouched) and
@@ -284,9 +323,10 @@ class KFAC(Optimizer, Joinable):
         maximize: bool = False,
         foreach: bool | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
-        async_decompositions: bool = False,
-        async_delay: int | None = None,
+        async_decompositions: bool = KFACOptions.async_decompositions,
+        async_delay: int | None = KFACOptions.async_delay,
         stagger_factor_updates: bool = KFACOptions.stagger_factor_updates,
+        async_statistics: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -294,12 +334,8 @@ class KFAC(Optimizer, Joinable):
             check_hyperparameter(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov requires momentum > 0 and dampening = 0")
-        if not isinstance(async_decompositions, bool):
-            raise TypeError(f"async_decompositions must be a bool, got {type(async_decompositions).__name__}")
-        if async_delay is not None and (isinstance(async_delay, bool) or not isinstance(async_delay, int)):
-            raise TypeError(f"async_delay must be an int or None, got {type(async_delay).__name__}")
-        if async_delay is not None and async_delay < 1:
-            raise ValueError(f"async_delay must be >= 1, got {async_delay}")
+        if not isinstance(async_statistics, bool):
+            raise TypeError(f"async_statistics must be a bool, got {type(async_statistics).__name__}")
         skip_layers = check_skip_layers(skip_layers)
         self.options = KFACOptions(
             damping=damping,
@@ -314,6 +350,8 @@ class KFAC(Optimizer, Joinable):
             factor_dtype=factor_dtype,
             inv_dtype=inv_dtype,
             stagger_factor_updates=stagger_factor_updates,
+            async_decompositions=async_decompositions,
+            async_delay=async_delay,
         )
         self.model = unwrap_model(model)
         model_params = set(self.model.parameters())
@@ -360,7 +398,17 @@ class KFAC(Optimizer, Joinable):
             self.blocks, grad_worker_fraction, process_group, settings=vars(self.options)
         )
         self._precision = MixedPrecision(self, grad_scaler, statistics_loss_scaled=empirical)
-        self._capture = StatisticsCapture(self.blocks, self._precision.accumulate, every_backward=empirical)
+        self._statistics = StatisticsWorker() if async_statistics else None
+        self._capture = StatisticsCapture(
+            self.blocks,
+            self._precision.accumulate,
+            every_backward=empirical,
+            worker=self._statistics,
+            in_line=self._precision.under_apex,  # Apex's loss scale is read during backward
+        )
+        self._last_fold: Future[None] | None = None  # async_statistics: the latest factor step's fold
+        self._reported_overwritten: set[str] = set()
+        self._warned_apex_in_line = False
         self._join = JoinSupport(self, model)
         self._background = BackgroundDecompositions() if async_decompositions else None
         self._async_delay = async_delay
@@ -465,8 +513,18 @@ class KFAC(Optimizer, Joinable):
 
     def discard_pending_statistics(self) -> None:
         """Forget statistics captured since the last step (e.g. of a step that will not happen)."""
-        for block in self.blocks:
-            block.clear_pending()
+        if self._statistics is None:
+            clear_pending(self.blocks)
+        elif self._capture.recorded:  # after the worker's work on them (in order)
+            self._statistics.submit(clear_pending, self.blocks)
+        self._capture.recorded = 0
+
+    def _settle_statistics(self) -> None:
+        """With ``async_statistics``: wait until the worker has run everything submitted, so that
+        the factors and pending statistics may be read here (a no-op otherwise)."""
+        if self._statistics is not None:
+            self._statistics.wait()
+            self._last_fold = None
 
     @record_function("kfac.sample_fisher")
     def sample_fisher(
@@ -498,10 +556,10 @@ class KFAC(Optimizer, Joinable):
             return  # not a factor step, or eval mode (the hooks capture nothing)
         loss = fisher_lib.sampled_loss(outputs, likelihood, generator)
         weights = [block.module_weight for block in self.blocks]
-        recorded_before = sum(block.pending_samples for block in self.blocks)
+        recorded_before = self._capture.recorded
         with self._capture.recording():
             torch.autograd.grad(loss, weights, retain_graph=True, allow_unused=True)
-        if sum(block.pending_samples for block in self.blocks) == recorded_before and not self._warned_nothing_sampled:
+        if self._capture.recorded == recorded_before and not self._warned_nothing_sampled:
             warn_user(
                 "sample_fisher recorded no statistics: no K-FAC layer's output on the path to `outputs` was "
                 "captured (reentrant torch.utils.checkpoint hides its layers from this pass; use "
@@ -562,20 +620,51 @@ class KFAC(Optimizer, Joinable):
             self._check_something_was_recorded()
             # sample_fisher's loss is a sum over samples, whatever the training loss's reduction.
             reduction = "sum" if self.options.fisher == "sampled" else self.options.loss_reduction
+            if not self._checked_capture or (self._stagger is not None and not self._stagger.ready):
+                self._settle_statistics()  # the one-time checks below read the pending statistics
             if not self._checked_capture:
                 self._warn_about_silent_blocks()
             if self._stagger is not None and not self._stagger.ready:
                 self._assign_stagger_phases()
             with record_function("kfac.fold"):
-                for block in folding:
-                    block.fold(self.options.factor_decay, reduction, statistics_scale)
+                fold = (self.blocks, folding, self.options.factor_decay, reduction, statistics_scale)
+                if self._statistics is None or self._precision.under_apex():
+                    self._settle_statistics()
+                    fold_statistics(*fold)
+                else:  # after the previous factor step's (at most one in flight), then this one's
+                    if self._last_fold is not None:
+                        self._statistics.wait(self._last_fold)
+                    self._last_fold = self._statistics.submit(fold_statistics, *fold)
+                self._capture.recorded = 0
             self._sharding.factors_folded()
-        self.discard_pending_statistics()  # a no-op for blocks that folded or captured nothing
+        else:
+            self.discard_pending_statistics()  # a no-op when nothing was captured
         if self.is_inverse_step(step):
             self._decomposition_step(damping)
         elif self._adopt_at == step:  # async_delay: adopt the round in flight, the same step on every rank
             self._adopt_background_round()
             self._sharding.share_decompositions(self.options.method, self.options.inv_dtype)
+        if self._statistics is not None:  # after any wait for the worker above
+            self._report_statistics_worker()
+
+    def _report_statistics_worker(self) -> None:
+        """With ``async_statistics``: warn once about pairs the worker dropped because their tensors
+        were modified in place before it read them, and about Apex keeping the statistics in line."""
+        overwritten = self._capture.overwritten.copy() - self._reported_overwritten
+        if overwritten:
+            self._reported_overwritten |= overwritten
+            warn_user(
+                f"K-FAC layer(s) {sorted(overwritten)}: an input or output-gradient was modified in place before "
+                "the statistics worker (async_statistics=True) read it (e.g. an input buffer refilled in place); "
+                "those statistics were dropped. Hand the model fresh tensors, or use async_statistics=False",
+                RuntimeWarning,
+            )
+        if not self._warned_apex_in_line and self._precision.under_apex():
+            self._warned_apex_in_line = True
+            warn_user(
+                "async_statistics=True does not apply under Apex amp (its loss scale is read during the backward "
+                "pass): the statistics are computed in line"
+            )
 
     def _assign_stagger_phases(self) -> None:
         """At an all-block factor step: fix the stagger phases from the statistics costs summed
@@ -605,7 +694,7 @@ class KFAC(Optimizer, Joinable):
     def _check_something_was_recorded(self) -> None:
         """Warn once when every backward of a factor step ran with ``create_graph=True`` (not recorded)."""
         skipped, self._capture.graph_backward_skipped = self._capture.graph_backward_skipped, False
-        if skipped and not self._warned_graph_backward and not any(b.pending_samples for b in self.blocks):
+        if skipped and not self._warned_graph_backward and not self._capture.recorded:
             warn_user(
                 "every backward since the last step ran with create_graph=True: K-FAC records the "
                 "output-gradients of the backward that produces .grad without create_graph (e.g. the "
@@ -621,6 +710,7 @@ class KFAC(Optimizer, Joinable):
         decomposition step (waiting for it if needed), then decompose in line only the factors
         that have no decomposition yet, share, and hand the rest to the worker as snapshots.
         """
+        self._settle_statistics()
         with record_function("kfac.reduce_factors"):
             self._sharding.synchronize_factors()
         if self._background is not None and not only_missing:
@@ -847,6 +937,7 @@ class KFAC(Optimizer, Joinable):
         rank holds; a checkpoint saved under ``grad_worker_fraction < 1`` lacks the others, and
         whoever loads it recomputes them from the saved factors at its first step.
         """
+        self._settle_statistics()
         self._sharding.synchronize_factors("KFAC.state_dict()", confirm=True)
         state = super().state_dict()
         state["kfac"] = self._kfac_state()
@@ -855,6 +946,7 @@ class KFAC(Optimizer, Joinable):
     def kfac_state_dict(self) -> dict[str, Any]:
         """The ``"kfac"`` entry of :meth:`state_dict`: the step and every block's factors (and the
         decompositions held here) by module name; a collective as :meth:`state_dict` is."""
+        self._settle_statistics()
         self._sharding.synchronize_factors("KFAC.kfac_state_dict()", confirm=True)
         return self._kfac_state()
 
@@ -892,6 +984,7 @@ class KFAC(Optimizer, Joinable):
         self._restore_kfac_state(kfac_state["steps"], self._validate_kfac_state(kfac_state))
 
     def _restore_kfac_state(self, steps: int, saved: dict[str, Any]) -> None:
+        self._settle_statistics()  # work in flight writes into the factors being replaced
         if self._background is not None:  # a round in flight decomposes the factors being replaced
             self._background.close()
             self._adopt_at = None
@@ -938,6 +1031,7 @@ class KFAC(Optimizer, Joinable):
         saving; calling it after every step gives eager reduction (the same factors). A no-op on
         one process and when no factor step happened since the last reduction.
         """
+        self._settle_statistics()
         self._sharding.synchronize_factors("KFAC.synchronize_factors()", confirm=True)
 
     # -- uneven inputs (torch.distributed.algorithms.Join) -----------------------------------

@@ -164,9 +164,13 @@ class MixedPrecision:
 
     # -- Apex amp ------------------------------------------------------------------------------
 
+    def under_apex(self) -> bool:
+        """Whether the optimizer went through Apex's ``amp.initialize``."""
+        return hasattr(self._optimizer(), "_amp_stash")
+
     def _apex_state(self) -> Any | None:
         """Apex's ``_amp_state`` if this optimizer went through ``amp.initialize``, else None."""
-        if not hasattr(self._optimizer(), "_amp_stash"):
+        if not self.under_apex():
             return None
         return importlib.import_module("apex.amp._amp_state")._amp_state
 

@@ -12,12 +12,15 @@ over the N·R rows of N samples since the last fold.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 import logging
 import math
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -31,6 +34,27 @@ from kfac_optim.methods import Method
 logger = logging.getLogger(__name__)
 
 FactorName = Literal["A", "G"]
+
+_replayed_task = threading.local()
+
+
+def current_graph_task() -> int:
+    """The autograd graph task (one backward pass) whose output-gradients are being recorded:
+    the one running on this thread (-1: none), or the one :func:`in_graph_task` replays."""
+    task: int | None = getattr(_replayed_task, "id", None)
+    return torch._C._current_graph_task_id() if task is None else task
+
+
+@contextlib.contextmanager
+def in_graph_task(task: int) -> Iterator[None]:
+    """Record statistics captured in graph task ``task`` as if inside it, on another thread (the
+    statistics worker of ``KFAC(async_statistics=True)``): per-backward bookkeeping such as
+    :meth:`KroneckerBlock.count_samples` sees the backward pass the pair came from."""
+    _replayed_task.id = task
+    try:
+        yield
+    finally:
+        _replayed_task.id = None
 
 
 class Capture(Protocol):
@@ -593,7 +617,7 @@ class KroneckerBlock(ABC):
         """Add ``samples`` to N, once per backward pass: a module called several times in one
         forward (weight sharing) adds every call's rows but its samples once ("expand",
         Eschenhagen et al. 2023). Outside a backward pass every call counts."""
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task()
         if task == -1 or task != self._counted_task:
             self.pending_samples += samples
         self._counted_task = task

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from kfac_optim.diagnostics import warn_user
-from kfac_optim.layers.base import KroneckerBlock
+from kfac_optim.layers.base import KroneckerBlock, current_graph_task
 
 
 class LinearBlock(KroneckerBlock):
@@ -66,7 +66,7 @@ class LinearBlock(KroneckerBlock):
             super().accumulate(inputs, grad_output)
             return
         dtype = self.A.pending.dtype
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task()
         with torch.autocast(inputs.device.type, enabled=False):
             input_sums, uses = self.use_sums(inputs.to(dtype))
             grad_sums, _ = self.use_sums(grad_output.to(dtype))
