@@ -205,8 +205,12 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     results["params sampled"] = parameters(model)
     results["factors sampled"] = saved_factors(optimizer.state_dict())
 
-    model, _ = ddp_run(rank, world, 1.0, async_decompositions=True)
+    model, optimizer = ddp_run(rank, world, 1.0, async_decompositions=True)
     results["params async"] = parameters(model)
+    results["factors async"] = saved_factors(optimizer.state_dict())
+    model, optimizer = ddp_run(rank, world, 1.0, async_decompositions=True, async_statistics=True)
+    results["params async statistics"] = parameters(model)
+    results["factors async statistics"] = saved_factors(optimizer.state_dict())
     results.update(async_resumed(rank, world))
     results.update(async_delay_with_a_rank_that_decomposes_nothing(rank, world))
 
@@ -463,6 +467,14 @@ def test_async_delay_adopts_on_every_rank_when_one_rank_decomposes_nothing(two_r
     assert_same(params_0, params_1, rtol=0, atol=0)
 
 
+def test_async_statistics_under_ddp_are_bit_identical_to_in_line(two_ranks) -> None:
+    """The worker runs the same statistics work in the same order: each rank's factors and parameters
+    equal, bit for bit, those of its own run with the statistics in line."""
+    for results in two_ranks:
+        assert_same(results["params async statistics"], results["params async"], rtol=0, atol=0)
+        assert_same(results["factors async statistics"], results["factors async"], rtol=0, atol=0)
+
+
 def test_staggered_factor_updates_under_ddp_equal_one_process(two_ranks) -> None:
     """The ranks sum their statistics costs, so they assign the phases one process assigns."""
     model, optimizer = single_process(**STAGGER)
@@ -490,7 +502,7 @@ def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_ba
 @pytest.mark.parametrize(
     ("world", "key"),
     [("two_ranks", "params 1.0"), ("two_ranks", "params mem-opt"), ("two_ranks", "params sampled"),
-     ("two_ranks", "params async"), ("two_ranks", "params stagger"),
+     ("two_ranks", "params async"), ("two_ranks", "params async statistics"), ("two_ranks", "params stagger"),
      ("three_ranks", "params 1.0"), ("three_ranks", f"params {1 / 3}"), ("three_ranks", "params resumed"),
      ("four_ranks", "params eigen"), ("four_ranks", "params inverse")],
 )

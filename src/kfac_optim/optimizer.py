@@ -64,7 +64,8 @@ IntSchedule = int | Callable[[int], int]
 FloatSchedule = float | Callable[[int], float]
 
 LARGE_FACTOR_DIM = 4096
-"""Factors at least this wide take seconds to decompose on a CPU (``eigh`` is ``O(n³)``): noted once."""
+"""Factors at least this wide take seconds to decompose on a CPU at full rank (``eigh`` is ``O(n³)``;
+a rank-``r`` factor is decomposed in ``O(n²r)``, see ``linalg.symmetric_eigen``): noted once."""
 
 
 @dataclass(frozen=True)
@@ -434,8 +435,9 @@ class KFAC(Optimizer, Joinable):
         factors = [(f"{block.name}.{name}", f.dim) for block in self.blocks for name, f in block.factors.items()]
         large = [f"{name} ({dim})" for name, dim in factors if dim >= LARGE_FACTOR_DIM]
         if large:
-            logger.warning("K-FAC factors of dim >= %d take seconds each to decompose on a CPU: %s; see "
-                           "inv_update_steps, method='inverse' and skip_layers (docs/design.md §4)",
+            logger.warning("K-FAC factors of dim >= %d take seconds each to decompose on a CPU at full rank "
+                           "(rank-deficient ones, e.g. of convs on small feature maps, far less): %s; see "
+                           "inv_update_steps, async_decompositions and skip_layers (docs/design.md §4)",
                            LARGE_FACTOR_DIM, ", ".join(large))
 
     # -- schedules ---------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
@@ -66,6 +67,83 @@ class Capture(Protocol):
         """Hand one (input, output-gradient) pair of ``block`` on (unless it must not be recorded)."""
 
 
+@dataclass(frozen=True)
+class Support:
+    """Where a symmetric factor ``(n, n)`` can be nonzero: the rows and columns of a box of its
+    leading ``prod(shape)`` indices viewed as an array of ``shape`` (``box``: ``(lo, hi)`` per entry
+    of ``shape``), and its trailing ``extra`` indices; zero everywhere else. E.g. a convolution's
+    ``A`` viewed as ``(C_in, *kernel)`` with a bias: ``extra = 1``, and ``box`` all channels and the
+    kernel offsets that read inside the input.
+
+    A box, so that its block is a strided view (no index gather). Host-side: unions need no host
+    sync. An empty ``shape`` holds no index at all (``EMPTY_SUPPORT``: a zero factor).
+    """
+
+    shape: tuple[int, ...]
+    box: tuple[tuple[int, int], ...]
+    extra: int = 0
+
+    @property
+    def size(self) -> int:
+        """How many indices are in it."""
+        return math.prod(hi - lo for lo, hi in self.box) + self.extra if self.shape else 0
+
+    def __or__(self, other: Support) -> Support | None:
+        """A support holding both (the box's hull); None (unknown) for different layouts."""
+        if not other.shape or other == self:
+            return self
+        if not self.shape:
+            return other
+        if (self.shape, self.extra) != (other.shape, other.extra):
+            return None
+        box = tuple((min(a, c), max(b, d)) for (a, b), (c, d) in zip(self.box, other.box, strict=True))
+        return Support(self.shape, box, self.extra)
+
+    def _views(self, matrix: Tensor) -> list[Tensor]:
+        """Views of ``matrix (..., n, n)`` that together are its block on this support."""
+        m, dims = math.prod(self.shape), len(self.shape)
+        cut = tuple(slice(lo, hi) for lo, hi in self.box)
+        whole = matrix[..., :m, :m].unflatten(-1, self.shape).unflatten(-1 - dims, self.shape)
+        views = [whole[(..., *cut, *cut)]]
+        if self.extra:
+            views.append(matrix[..., m:, :m].unflatten(-1, self.shape)[(..., *cut)])
+            views.append(matrix[..., :m, m:].unflatten(-2, self.shape)[(..., *cut, slice(None))])
+            views.append(matrix[..., m:, m:])
+        return views
+
+    def _block_views(self, block: Tensor) -> list[Tensor]:
+        """Views of a compact ``block (..., size, size)`` matching :meth:`_views` one for one."""
+        shape = tuple(hi - lo for lo, hi in self.box)
+        inner, dims = math.prod(shape), len(shape)
+        views = [block[..., :inner, :inner].unflatten(-1, shape).unflatten(-1 - dims, shape)]
+        if self.extra:
+            views.append(block[..., inner:, :inner].unflatten(-1, shape))
+            views.append(block[..., :inner, inner:].unflatten(-2, shape))
+            views.append(block[..., inner:, inner:])
+        return views
+
+    def gather(self, matrix: Tensor) -> Tensor:
+        """A copy of ``matrix (..., n, n)``'s block on this support: ``(..., size, size)``, rows and
+        columns in index order."""
+        block = matrix.new_empty(*matrix.shape[:-2], self.size, self.size)
+        for part, whole in zip(self._block_views(block), self._views(matrix), strict=True):
+            part.copy_(whole)
+        return block
+
+    def scatter(self, matrix: Tensor, block: Tensor) -> None:
+        """Write ``block`` (as from :meth:`gather`) into ``matrix``'s block on this support."""
+        for whole, part in zip(self._views(matrix), self._block_views(block), strict=True):
+            whole.copy_(part)
+
+    def zero(self, matrix: Tensor) -> None:
+        """Zero ``matrix``'s block on this support."""
+        for whole in self._views(matrix):
+            whole.zero_()
+
+
+EMPTY_SUPPORT = Support((), ())  # no index: a zero factor
+
+
 class Factor:
     """One dense symmetric Kronecker factor: pending sum, running average, decomposition.
 
@@ -73,6 +151,15 @@ class Factor:
     blocks of one layer (a grouped convolution: one Kronecker pair per group). The running average
     only changes through device-side selects, so folding a batch needs no host sync: a non-finite
     batch leaves the factor as it was and counts one discard.
+
+    Supports (:class:`Support`; None: unknown, all indices): ``pending_support`` holds every
+    nonzero row/column of ``pending`` when the statistics were added with one (``add_gram``'s
+    ``support``), ``support`` every nonzero row/column ``running`` has ever had (the union of what
+    was folded). Folding then touches only the ``(U, U)`` block of their union ``U``: outside it
+    both are zero and stay so, and the fold's arithmetic is elementwise, so the result is the
+    same, bit for bit, as folding the whole matrix. ``running`` changes only through this class
+    (fold, :meth:`set_global`, :meth:`load_state_dict`), which keeps that so; code that writes it
+    otherwise must set ``support`` to None.
     """
 
     diagonal = False
@@ -83,7 +170,9 @@ class Factor:
         shape = self.storage_shape(dim, groups)
         self.pending = torch.zeros(shape, dtype=dtype, device=device)
         self.pending_rows = 0
+        self.pending_support: Support | None = None
         self.running = torch.zeros(shape, dtype=dtype, device=device)
+        self.support: Support | None = EMPTY_SUPPORT
         self.initialized = torch.zeros((), dtype=torch.bool, device=device)
         self.discarded = torch.zeros((), dtype=torch.int64, device=device)
         self.reported_discards = 0
@@ -112,23 +201,55 @@ class Factor:
         """``tr F / dim`` over all blocks (a host sync; used by the damped inverse's π)."""
         return float(self.diagonal_of(self.running).mean())
 
-    def add_gram(self, rows: Tensor, append_ones: bool = False, group: int | None = None) -> None:
+    def add_gram(
+        self, rows: Tensor, append_ones: bool = False, group: int | None = None, support: Support | None = None
+    ) -> None:
         """Accumulate ``rowsᵀ rows`` for ``rows: (R, dim[-1])``, or ``(groups, R, dim[-1])`` per block,
-        or into block ``group`` only (a trailing 1 when ``append_ones``)."""
-        target = self.pending if group is None else self.pending[group]
+        or into block ``group`` only (a trailing 1 when ``append_ones``).
+
+        ``support`` (with ``group`` None): the rows' columns are the indices of ``support`` in
+        order (with the trailing 1 at the last of them) and every other column is zero: only
+        ``pending``'s block on ``support`` is touched.
+        """
+        if group is not None and support is not None:
+            raise ValueError("add_gram: a support applies to the whole pending sum, not to one group")
+        target = self._pending_block(support)
+        if group is not None:
+            target = target[group]
         n = rows.shape[-1]
         if rows.dim() == 2 and target.dim() == 2:
             linalg.add_gram_(target[:n, :n], rows)
         else:
             target[..., :n, :n].baddbmm_(rows.mT, rows)
         self._add_row_count(target, rows.shape[-2], rows.sum(dim=-2) if append_ones else None)
+        self._put_pending_block(target, support)
 
-    def add_column_gram(self, columns: Tensor, append_ones: bool = False) -> None:
+    def add_column_gram(self, columns: Tensor, append_ones: bool = False, support: Support | None = None) -> None:
         """As :meth:`add_gram` for the ``B·L`` rows ``columns[b, :, l]`` of ``columns: (B, dim[-1], L)``."""
+        target = self._pending_block(support)
         n = columns.shape[1]
-        linalg.add_column_gram_(self.pending[:n, :n], columns)
+        linalg.add_column_gram_(target[:n, :n], columns)
         rows = columns.shape[0] * columns.shape[2]
-        self._add_row_count(self.pending, rows, columns.sum(dim=(0, 2)) if append_ones else None)
+        self._add_row_count(target, rows, columns.sum(dim=(0, 2)) if append_ones else None)
+        self._put_pending_block(target, support)
+
+    def _pending_block(self, support: Support | None) -> Tensor:
+        """``pending`` itself (``support`` None), or a copy of its block on ``support``; notes the
+        support of what is about to be added (call before counting its rows)."""
+        if support is None or self.pending_support is None:
+            self.pending_support = support if self.pending_rows == 0 else None
+        else:
+            self.pending_support |= support
+        if support is None:
+            return self.pending
+        if self.pending_rows == 0:  # pending is all zeros
+            return self.pending.new_zeros(*self.pending.shape[:-2], support.size, support.size)
+        return support.gather(self.pending)
+
+    def _put_pending_block(self, block: Tensor, support: Support | None) -> None:
+        """Write a block from :meth:`_pending_block` back (no-op for ``pending`` itself)."""
+        if support is not None:
+            support.scatter(self.pending, block)
 
     def _add_row_count(self, target: Tensor, rows: int, row_sum: Tensor | None) -> None:
         """Count ``rows`` more rows; with a bias, add their sum and count to ``target``'s trailing row/column."""
@@ -143,30 +264,47 @@ class Factor:
         """Forget the pending statistics. ``pending`` is all zeros whenever ``pending_rows == 0``,
         so a factor that accumulated nothing (every non-factor step) costs no n² pass."""
         if self.pending_rows:
-            self.pending.zero_()
+            if self.pending_support is None:
+                self.pending.zero_()
+            else:
+                self.pending_support.zero(self.pending)
             self.pending_rows = 0
+        self.pending_support = None
 
     def fold(self, scale: float | Tensor, decay: float) -> None:
         """``F ← decay·F + (1−decay)·scale·pending`` (``F ← scale·pending`` on the first fold).
 
         A non-finite batch leaves ``F`` as it was (one discard counted); a non-finite ``F``
-        (however it got there) is reset to the batch instead of being averaged into.
+        (however it got there) is reset to the batch instead of being averaged into. With known
+        supports (see the class docstring) only their union's block is folded.
         """
+        support = None if self.pending_support is None or self.support is None else self.support | self.pending_support
+        if support is None or support.size == self.dim:
+            self._fold_into(self.running, self.pending, scale, decay)
+        else:
+            running = support.gather(self.running)
+            self._fold_into(running, support.gather(self.pending), scale, decay)
+            support.scatter(self.running, running)
+        self.support = support
+        self.version += 1
+        self.rows_since_sync += self.pending_rows
+        self.clear_pending()
+
+    def _fold_into(self, running: Tensor, batch: Tensor, scale: float | Tensor, decay: float) -> None:
+        """The fold's arithmetic on ``running`` and ``batch`` (``running``, ``pending`` or blocks of
+        both); ``running`` and ``batch`` are modified in place."""
         # In place, no n×n temporaries (fresh CPU pages cost more than the arithmetic; isfinite
         # and where are slow on CPU): F ← F + w·(batch − F) with w = 1 − decay once initialized,
         # 1 before or when F is not finite (exactly batch: non-finite entries of F are zeroed first),
         # 0 for a non-finite batch (zeroed first so 0·nan cannot leak). F and the batch are sums of
         # Gram matrices, finite iff their diagonal is (|F_ij| ≤ √(F_ii F_jj)): O(n) checks.
-        batch = self.pending.mul_(scale)
+        batch = batch.mul_(scale)
         finite = torch.isfinite(self.diagonal_of(batch).sum())
-        keep_running = self.initialized & torch.isfinite(self.diagonal_of(self.running).sum())
+        keep_running = self.initialized & torch.isfinite(self.diagonal_of(running).sum())
         weight = finite.to(batch.dtype) * (1 - keep_running.to(batch.dtype) * decay)
-        self.running.nan_to_num_(0.0, 0.0, 0.0).lerp_(batch.nan_to_num_(0.0, 0.0, 0.0), weight)
+        running.nan_to_num_(0.0, 0.0, 0.0).lerp_(batch.nan_to_num_(0.0, 0.0, 0.0), weight)
         self.initialized |= finite
         self.discarded += ~finite
-        self.version += 1
-        self.rows_since_sync += self.pending_rows
-        self.clear_pending()
 
     def snapshot(self) -> Factor:
         """A shallow copy holding a copy of ``running``: what a background decomposition reads
@@ -209,6 +347,7 @@ class Factor:
         and counts as a new version of the factor.
         """
         self.running = total.div_(ranks.clamp(min=1))
+        self.support = None  # the other ranks' supports are not known here
         self.initialized = ranks > 0
         self.version += 1
         if self.rows_synced is not None:
@@ -308,6 +447,7 @@ class Factor:
         caller validates ``state`` first (:meth:`validate_state`)."""
         device, dtype = self.running.device, self.running.dtype
         self.running = state["running"].to(device, dtype, copy=True)
+        self.support = None
         self.initialized = state["initialized"].to(device, copy=True)
         self.discarded = state["discarded"].to(device, copy=True)
         self.reported_discards = int(self.discarded)
