@@ -14,6 +14,7 @@ step by step. Runs:
   statistics ``sync`` with ``async_statistics=True`` (Gram products and folds on a worker thread)
   async-statistics  ``async`` with ``async_statistics=True``: decompositions and statistics off the
            step's critical path
+  async-stagger-statistics  ``async-statistics`` with ``stagger_factor_updates=True``
   defaults ``KFAC(model, lr, momentum, weight_decay)``: the library's default intervals and damping
            (what a user swapping SGD for K-FAC meets first)
   sgd      ``torch.optim.SGD`` (the floor)
@@ -49,7 +50,8 @@ from benchmarks.step_time import add_workload_arguments, build_model, workload_s
 from kfac_optim import KFAC, linalg
 from kfac_optim.methods import method_named
 
-RUNS = ("sync", "async", "stagger", "async-stagger", "statistics", "async-statistics", "defaults", "sgd", "kaisa")
+RUNS = ("sync", "async", "stagger", "async-stagger", "statistics", "async-statistics", "async-stagger-statistics",
+        "defaults", "sgd", "kaisa")
 KFAC_RUNS = {  # run: (async_decompositions, stagger_factor_updates, async_statistics)
     "sync": (False, False, False),
     "async": (True, False, False),
@@ -57,6 +59,7 @@ KFAC_RUNS = {  # run: (async_decompositions, stagger_factor_updates, async_stati
     "async-stagger": (True, True, False),
     "statistics": (False, False, True),
     "async-statistics": (True, False, True),
+    "async-stagger-statistics": (True, True, True),
 }
 
 
