@@ -120,6 +120,25 @@ def summary(times: list[float]) -> dict[str, float]:
             "p95_s": p95, "max_s": max(rest), "p95_over_median": p95 / statistics.median(rest)}
 
 
+def windows(times: list[float], factor_interval: int, size: int) -> list[dict[str, float]]:
+    """Per window of ``size`` steps (step 0 left out): the median of the factor steps (every
+    ``factor_interval``-th) and of the others, and the window's p95 over its median. A spike is a
+    factor step far above the other steps of its window; a drift is windows whose medians differ."""
+    rows = []
+    for start in range(1, len(times), size):
+        steps = range(start, min(start + size, len(times)))
+        factor = [times[k] for k in steps if k % factor_interval == 0]
+        other = [times[k] for k in steps if k % factor_interval != 0]
+        window = [times[k] for k in steps]
+        if len(window) < 2 or not factor or not other:
+            continue
+        median = statistics.median(window)
+        rows.append({"first_step": start, "last_step": steps[-1], "median_s": median,
+                     "factor_median_s": statistics.median(factor), "other_median_s": statistics.median(other),
+                     "p95_over_median": statistics.quantiles(window, n=20)[-1] / median})
+    return rows
+
+
 def precondition_times(optimizer: KFAC, damping: float, repeats: int) -> dict[str, Any]:
     """Per-step preconditioning of every block with decompositions of its current running factors:
     rank-aware (as the optimizer would compute them now) vs full."""
@@ -170,6 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=["sync", "kaisa"],
                         help="kaisa is skipped when kfac-pytorch is not importable")
+    parser.add_argument("--window", type=int, default=100, help="steps per window of the spike/drift report")
     parser.add_argument("--precondition", action="store_true", help="after sync: rank-aware vs full preconditioning")
     parser.add_argument("--repeats", type=int, default=5, help="repeats for --precondition (median)")
     parser.add_argument("--out", type=Path, default=Path("runs/whole_steps"), help="folder for the JSON and the plot")
@@ -189,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     for run in runs:
         times, state = time_run(run, args, batches)
-        results[run] = {"times_s": times, **summary(times)}
+        results[run] = {"times_s": times, **summary(times), "windows": windows(times, args.factor_interval, args.window)}
         if run == "sync" and args.precondition:
             results[run]["precondition"] = precondition_times(state, args.damping, args.repeats)
     print(f"{args.model}, batch {batch}, {image_size}px, {args.steps} steps, intervals "  # noqa: T201
@@ -199,6 +219,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for run, r in results.items():
         print(f"| {run} | {r['first_s']:.2f} | {r['mean_s']:.3f} | {r['median_s']:.3f} | {r['p95_s']:.3f} "  # noqa: T201
               f"| {r['max_s']:.2f} | {r['p95_over_median']:.2f} |")
+    print(f"per {args.window} steps: factor-step median / other-step median, p95 / median")  # noqa: T201
+    for run, r in results.items():
+        cells = [f"{w['first_step']}-{w['last_step']}: {w['factor_median_s'] / w['other_median_s']:.2f}, "
+                 f"{w['p95_over_median']:.2f}" for w in r["windows"]]
+        print(f"  {run}: " + " | ".join(cells))  # noqa: T201
     if "kaisa" in results and "sync" in results:
         print(f"sync/kaisa: mean {results['sync']['mean_s'] / results['kaisa']['mean_s']:.2f}x, "  # noqa: T201
               f"first step {results['sync']['first_s'] / results['kaisa']['first_s']:.2f}x")
