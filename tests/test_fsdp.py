@@ -123,6 +123,26 @@ def train(
         optimizer.step()
 
 
+def train_sampled(model: nn.Module, optimizer: KFAC, steps: range, rank: int = 0, world: int = 1,
+                  micro_batches: int = 1, scaler: torch.amp.GradScaler | None = None) -> None:
+    """Sampled-Fisher steps: this rank's shard as ``micro_batches`` parts (one process: every rank's
+    shard in turn), each with its own draws, so one process can replay what the ranks drew."""
+    for step in steps:
+        optimizer.zero_grad()
+        for part in range(micro_batches):
+            shard_rank = rank * micro_batches + part
+            x, y = shard(step, shard_rank, world * micro_batches)
+            out = model(x)
+            optimizer.sample_fisher(out, "cross_entropy", generator=torch.Generator().manual_seed(100 * step + shard_rank))
+            loss = F.cross_entropy(out, y) / micro_batches
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+
+
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole (an all-gather of sharded ones: a collective under FSDP)."""
     return {
@@ -267,6 +287,24 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     results["params bf16"] = kfac_run(rank, world, 0.5, mp_policy=policy)
     results.update(sgd_runs(rank, world))
+    model = sharded_model()
+    train_sampled(model, KFAC(model, grad_worker_fraction=0.5, fisher="sampled", **OPTIONS), range(STEPS), rank, world)
+    results["params sampled"] = full_parameters(model)
+    model = sharded_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    train_sampled(model, KFAC(model, grad_worker_fraction=0.5, fisher="sampled", **OPTIONS), range(STEPS), rank, world,
+                  scaler=scaler)
+    results["params sampled grad scaler"] = full_parameters(model)
+    model = sharded_model()
+    optimizer = KFAC(model, **OPTIONS)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(STEPS):
+        x, y = shard(step, rank, world)
+        optimizer.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    results["params grad scaler"] = full_parameters(model)
     from torch.distributed.fsdp import fully_shard
 
     model = make_token_model()
@@ -344,7 +382,8 @@ def reference() -> dict[str, torch.Tensor]:
     return full_parameters(model)
 
 
-@pytest.mark.parametrize("key", ["params 1.0", "params 0.5", "params keep unsharded", "params root only"])
+@pytest.mark.parametrize("key", ["params 1.0", "params 0.5", "params keep unsharded", "params root only",
+                                 "params grad scaler"])
 def test_two_fsdp_ranks_equal_one_process_on_the_concatenated_batch(two_ranks, reference, key: str) -> None:
     for results in two_ranks:
         assert_same(results[key], reference)
@@ -360,6 +399,18 @@ def test_four_fsdp_ranks_equal_one_process_on_the_concatenated_batch(four_ranks,
 def test_hsdp_on_a_two_by_two_mesh_equals_one_process(four_ranks, reference, key: str) -> None:
     for results in four_ranks:
         assert_same(results[key], reference)
+
+
+@pytest.mark.parametrize("key", ["params sampled", "params sampled grad scaler"])
+def test_sampled_fisher_on_two_fsdp_ranks_equals_one_process_with_the_shards_as_micro_batches(two_ranks, key) -> None:
+    """``sample_fisher`` back-propagates to the hooked layer outputs, so it records under FSDP2 too
+    (differentiating w.r.t. the sharded parameters reached no layer: no statistics at all)."""
+    model = make_model()
+    optimizer = KFAC(model, fisher="sampled", **OPTIONS)
+    train_sampled(model, optimizer, range(STEPS), micro_batches=2)
+    assert all(f.running.abs().sum() > 0 for b in optimizer.blocks for f in b.factors.values())
+    for results in two_ranks:
+        assert_same(results[key], full_parameters(model))
 
 
 def test_new_block_kinds_on_two_fsdp_ranks_equal_one_process(two_ranks) -> None:

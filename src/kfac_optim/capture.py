@@ -94,15 +94,7 @@ class CaptureHook:
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
-        layer_input = self.block.layer_input(args, kwargs, module)
-        block = self.block
-
-        def record(grad_output: Tensor) -> None:
-            live = self._capture()
-            if live is not None:
-                live.record(block, layer_input, grad_output)
-
-        output.register_hook(record)
+        capture.tap(self.block, self.block.layer_input(args, kwargs, module), output)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> InertHook:
         inert = InertHook()
@@ -168,6 +160,7 @@ class StatisticsCapture:
         self.graph_backward_skipped = False
         self.recorded = 0
         self.overwritten: set[str] = set()  # blocks whose pair changed before the worker read it
+        self._tapped: list[Tensor] = []  # every_backward=False: hooked outputs since the last pass
         self._worker = worker
         self._in_line = in_line
         self.copies: list[tuple[weakref.ref[nn.Module], InertHook]] = []
@@ -214,6 +207,7 @@ class StatisticsCapture:
         """Arm the hooks (or disarm them), for every module or only those whose ``id()`` is in ``only``."""
         self.armed = armed
         self.only = only
+        self._tapped.clear()
 
     def should_capture(self, module: nn.Module) -> bool:
         """Whether a forward of ``module`` now records statistics: armed (for it), training, grad enabled."""
@@ -223,6 +217,22 @@ class StatisticsCapture:
             and module.training
             and torch.is_grad_enabled()
         )
+
+    def tap(self, block: KroneckerBlock, layer_input: Any, output: Tensor) -> None:
+        """Hook ``output`` so that its gradient is recorded with ``layer_input`` for ``block``
+        (:meth:`record`); the hook holds this capture weakly. Without ``every_backward`` the output
+        is also held for :meth:`recording_outputs` (until that pass, or until the hooks are armed
+        anew at the step: at most one output per layer and forward, on factor steps only)."""
+        capture = weakref.ref(self)
+
+        def on_gradient(grad_output: Tensor) -> None:
+            live = capture()
+            if live is not None:
+                live.record(block, layer_input, grad_output)
+
+        output.register_hook(on_gradient)
+        if not self._every_backward:
+            self._tapped.append(output)
 
     def record(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
         """Hand one (input, output-gradient) pair to the block, unless it must not be recorded."""
@@ -254,11 +264,15 @@ class StatisticsCapture:
             self._accumulate(block, layer_input, grad_output)
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        """Record the output-gradients of the backward passes run inside (for ``every_backward=False``)."""
+    def recording_outputs(self) -> Iterator[list[Tensor]]:
+        """Record the output-gradients of the backward passes run inside (for ``every_backward=False``),
+        yielding the hooked outputs of the forward passes since the last such pass: a pass that
+        differentiates with respect to them runs exactly the backward their hooks need (it does not
+        depend on how the parameters reach the graph, e.g. FSDP2's unsharded copies)."""
+        outputs, self._tapped = self._tapped, []
         self._recording = True
         try:
-            yield
+            yield outputs
         finally:
             self._recording = self._every_backward
 

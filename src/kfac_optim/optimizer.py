@@ -545,8 +545,11 @@ class KFAC(Optimizer, Joinable):
         Call it on every (micro-)batch between the forward pass and ``loss.backward()``, with the
         model's ``outputs`` and the ``likelihood`` its training loss assumes: "cross_entropy"
         (logits ``(N, C)``) or "mse" (see ``kfac_optim.fisher``). On a step that updates factors
-        it back-propagates the loss at sampled targets with ``torch.autograd.grad`` (one more
-        backward pass; ``.grad`` is left alone and the graph is kept for the training loss);
+        it back-propagates the loss at sampled targets with ``torch.autograd.grad`` with respect to
+        the K-FAC layers' outputs of this forward (one more backward pass, down to the first
+        K-FAC layer and without weight gradients, however the parameters reach the graph, e.g.
+        FSDP2's unsharded copies; ``.grad`` is left alone and the graph is kept for the training
+        loss; the outputs are held from the forward until then);
         on the other steps, in eval mode and under ``torch.no_grad()`` it returns at once.
         ``generator`` draws the targets (default: torch's global generator). Loss scaling
         (GradScaler, Apex) needs nothing more: the sampled loss is never scaled, as its
@@ -562,10 +565,10 @@ class KFAC(Optimizer, Joinable):
         if not self._capture.armed or not any(block.module.training for block in self.blocks):
             return  # not a factor step, or eval mode (the hooks capture nothing)
         loss = fisher_lib.sampled_loss(outputs, likelihood, generator)
-        weights = [block.module_weight for block in self.blocks]
         recorded_before = self._capture.recorded
-        with self._capture.recording():
-            torch.autograd.grad(loss, weights, retain_graph=True, allow_unused=True)
+        with self._capture.recording_outputs() as layer_outputs:
+            if layer_outputs:  # back-propagate exactly as far as the hooked layer outputs
+                torch.autograd.grad(loss, layer_outputs, retain_graph=True, allow_unused=True)
         if self._capture.recorded == recorded_before and not self._warned_nothing_sampled:
             warn_user(
                 "sample_fisher recorded no statistics: no K-FAC layer's output on the path to `outputs` was "

@@ -270,16 +270,10 @@ class _Tap(TorchFunctionMode):
         return self._tapped(func, p)
 
     def _tap(self, block: KroneckerBlock | None, layer_input: Any, output: Tensor) -> None:
-        if block is None or not output.requires_grad:
+        capture = self.capture()
+        if block is None or capture is None or not output.requires_grad:
             return
-        capture = self.capture
-
-        def record(grad: Tensor) -> None:
-            live = capture()
-            if live is not None:
-                live.record(block, layer_input, grad)
-
-        output.register_hook(record)
+        capture.tap(block, layer_input, output)
 
     def _tapped(self, func, p: dict[str, Any]) -> tuple[Tensor, Tensor | None]:  # noqa: ANN001
         attention = self.attention

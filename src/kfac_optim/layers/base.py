@@ -63,8 +63,9 @@ class Capture(Protocol):
     def should_capture(self, module: nn.Module) -> bool:
         """Whether a forward of ``module`` now should record statistics."""
 
-    def record(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
-        """Hand one (input, output-gradient) pair of ``block`` on (unless it must not be recorded)."""
+    def tap(self, block: KroneckerBlock, layer_input: Any, output: Tensor) -> None:
+        """Record ``(layer_input, output's gradient)`` for ``block`` when that gradient arrives
+        (``output`` must require grad)."""
 
 
 @dataclass(frozen=True)
