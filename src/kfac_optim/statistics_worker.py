@@ -70,11 +70,6 @@ class StatisticsWorker:
             self._last = None
         self._raise_error()
 
-    @property
-    def idle(self) -> bool:
-        """Whether everything submitted so far has run (no wait needed)."""
-        return self._last is None or self._last.done()
-
     def _run(self, work: Callable[..., None], args: tuple[Any, ...], threads: int, stream: Any) -> None:
         if self._error is not None:
             return
