@@ -18,7 +18,7 @@ from torch import nn
 from kfac_optim import KFAC
 from kfac_optim.layers import ConvBlock
 from kfac_optim.layers import conv as conv_module
-from kfac_optim.layers.base import Support
+from kfac_optim.layers.factor import Support
 
 DECAY = 0.9
 

@@ -28,7 +28,7 @@ from torch import Tensor
 from kfac_optim import linalg
 
 if TYPE_CHECKING:
-    from kfac_optim.layers.base import Factor
+    from kfac_optim.layers.factor import Factor
     from kfac_optim.methods import Method
 
 logger = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ training loss's own backward then passes the hooks without recording.
 
 With a statistics worker (``KFAC(async_statistics=True)``, see ``statistics_worker``) a recorded
 pair is handed on by the worker instead of inside the backward pass, with the backward pass it
-came from (:func:`~kfac_optim.layers.base.in_graph_task`). The pair's tensors are read then, so
+came from (:func:`~kfac_optim.layers.hooks.in_graph_task`). The pair's tensors are read then, so
 a pair whose input or output-gradient was modified in place in between (a reused input buffer)
 is dropped and named in :attr:`StatisticsCapture.overwritten` (checked by the tensors' version
 counters) instead of recorded wrong.
@@ -55,8 +55,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kfac_optim.diagnostics import warn_user
-from kfac_optim.layers import KroneckerBlock
-from kfac_optim.layers.base import in_graph_task
+from kfac_optim.layers.base import KroneckerBlock
+from kfac_optim.layers.hooks import CopiedAsInert, InertHook, in_graph_task
 from kfac_optim.statistics_worker import StatisticsWorker
 
 logger = logging.getLogger(__name__)
@@ -72,14 +72,7 @@ def accumulate_plainly(block: KroneckerBlock, inputs: Tensor, grad_output: Tenso
     block.accumulate(inputs, grad_output)
 
 
-class InertHook:
-    """What a copied or pickled model gets in place of a capture hook: it does nothing."""
-
-    def __call__(self, *args: Any) -> None:
-        return None
-
-
-class CaptureHook:
+class CaptureHook(CopiedAsInert):
     """The forward hook (``with_kwargs=True``) of one of a block's modules (``block.captured_modules()``:
     its own, and e.g. a module sharing its weight); see the module docstring."""
 
@@ -102,9 +95,6 @@ class CaptureHook:
         if capture is not None and isinstance(copied_module, nn.Module):
             capture.copies.append((weakref.ref(copied_module), inert))
         return inert
-
-    def __reduce__(self) -> tuple[type[InertHook], tuple[()]]:
-        return InertHook, ()
 
 
 def _remove_hooks(

@@ -3,10 +3,13 @@
 Owns, per method: decomposing one factor of either kind, the per-factor damping shifts, the damped
 Kronecker preconditioning of a joint gradient, the tensors a decomposition travels as (and how a
 receiver rebuilds it), and its size in elements. The optimizer turns its ``method`` argument into
-one of these (:func:`method_named`); below that no method is named by a string.
-Must not know: modules, hooks, ranks, schedules.
+one of these (:func:`method_named`); below that no method is named by a string: blocks and the
+distributed layer ask a method for what depends on it (:meth:`Method.shifts`,
+:meth:`Method.rank_thresholds`, ...).
+Must not know: modules, hooks, ranks, schedules; a factor is read through :class:`FactorView`
+(``layers.factor.Factor`` is one), so this module imports nothing of ``layers``.
 
-Factor kinds (see ``layers.base``): **dense** ``(n, n)``, or ``(k, n, n)`` for ``k`` independent
+Factor kinds (see ``layers.factor``): **dense** ``(n, n)``, or ``(k, n, n)`` for ``k`` independent
 blocks (grouped convolutions), and **diagonal** ``(n,)``. A joint gradient is ``(out, in)`` (or
 ``(k, out, in)``) with ``G`` on the left and ``A`` on the right.
 """
@@ -15,17 +18,38 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from kfac_optim import linalg
 
-if TYPE_CHECKING:
-    from kfac_optim.layers.base import Factor
-
 Decomposition = linalg.Eigen | Tensor
+
+
+class FactorView(Protocol):
+    """What a method reads of a factor (``layers.factor.Factor``): its kind (``diagonal``: stored
+    as its diagonal ``(dim,)``; else dense ``(dim, dim)``, or ``(groups, dim, dim)`` with
+    ``batch_shape == (groups,)``), its ``running`` average and the ``decomposition`` held."""
+
+    dim: int
+    groups: int
+    diagonal: bool
+    running: Tensor
+    decomposition: Decomposition | None
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """``()`` or ``(groups,)``: the storage's leading dimensions before the factor's own."""
+
+    @property
+    def rank_bound(self) -> int | None:
+        """An upper bound of ``running``'s rank (None: unknown)."""
+
+    def mean_eigenvalue(self) -> float:
+        """``tr F / dim`` over all blocks."""
+
 
 
 class Method(ABC):
@@ -35,39 +59,44 @@ class Method(ABC):
 
     @abstractmethod
     def decompose(
-        self, factor: Factor, shift: float, dtype: torch.dtype, drop_below: float | None = None
+        self, factor: FactorView, shift: float, dtype: torch.dtype, drop_below: float | None = None
     ) -> Decomposition | None:
         """The decomposition of ``factor.running`` in ``dtype`` (None: it failed in float32 and float64).
         ``drop_below``: eigenvalues that may count as 0 (``KroneckerBlock.rank_thresholds``)."""
 
     @abstractmethod
-    def shifts(self, a: Factor, g: Factor, damping: float) -> tuple[float, float]:
+    def shifts(self, a: FactorView, g: FactorView, damping: float) -> tuple[float, float]:
         """The damping shifts ``(A, G)`` this method adds to the factors before decomposing."""
 
+    def rank_thresholds(self, a: FactorView, g: FactorView, damping: float) -> tuple[float | None, float | None]:
+        """Per factor ``(A, G)``, the eigenvalue below which :meth:`decompose` may treat eigenvalues
+        as 0 (its ``drop_below``); None: keep every one (the default)."""
+        return None, None
+
     @abstractmethod
-    def precondition(self, grad: Tensor, a: Factor, g: Factor, damping: float) -> Tensor:
+    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float) -> Tensor:
         """The preconditioned joint gradient from the factors' decompositions (in their dtype)."""
 
     @abstractmethod
-    def tensors(self, factor: Factor) -> list[Tensor]:
+    def tensors(self, factor: FactorView) -> list[Tensor]:
         """The tensors ``factor``'s decomposition travels as, in a fixed order."""
 
     @abstractmethod
-    def buffers(self, factor: Factor, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
+    def buffers(self, factor: FactorView, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
         """Receive buffers shaped as :meth:`tensors` for ``factor`` whose owner's decomposition has
         ``columns`` (:meth:`columns`) (its decomposition's storage when it has the right layout, so
         receivers do not allocate fresh pages every time)."""
 
-    def columns(self, factor: Factor) -> int:
+    def columns(self, factor: FactorView) -> int:
         """The last dimension of ``factor``'s decomposition's first tensor (``r`` of a thin ``Q``)."""
         return self.tensors(factor)[0].shape[-1]
 
     @abstractmethod
-    def from_tensors(self, factor: Factor, parts: Sequence[Tensor]) -> Decomposition:
+    def from_tensors(self, factor: FactorView, parts: Sequence[Tensor]) -> Decomposition:
         """Rebuild a decomposition of ``factor`` from :meth:`tensors`' output."""
 
     @abstractmethod
-    def symmetric(self, factor: Factor) -> list[bool]:
+    def symmetric(self, factor: FactorView) -> list[bool]:
         """Per tensor of :meth:`tensors`: whether it is one symmetric ``(n, n)`` matrix (sent as a triangle)."""
 
     @abstractmethod
@@ -99,19 +128,27 @@ class Eigen(Method):
     name = "eigen"
 
     def decompose(
-        self, factor: Factor, shift: float, dtype: torch.dtype, drop_below: float | None = None
+        self, factor: FactorView, shift: float, dtype: torch.dtype, drop_below: float | None = None
     ) -> Decomposition | None:
         if factor.diagonal:
             return factor.running.clamp(min=0).to(dtype)
         return linalg.symmetric_eigen(factor.running, dtype, drop_below, factor.rank_bound)
 
-    def shifts(self, a: Factor, g: Factor, damping: float) -> tuple[float, float]:
+    def shifts(self, a: FactorView, g: FactorView, damping: float) -> tuple[float, float]:
         return 0.0, 0.0
+
+    def rank_thresholds(self, a: FactorView, g: FactorView, damping: float) -> tuple[float | None, float | None]:
+        """For two dense ungrouped factors (the solve of ``linalg.eigen_precondition``), each factor's
+        :func:`linalg.rank_threshold` from the other's trace; None otherwise."""
+        if a.diagonal or g.diagonal or a.groups > 1 or g.groups > 1:
+            return None, None
+        traces = torch.stack([torch.trace(a.running), torch.trace(g.running)]).tolist()
+        return linalg.rank_threshold(damping, traces[1]), linalg.rank_threshold(damping, traces[0])
 
     def keyed_shift(self, shift: float) -> float:
         return 0.0
 
-    def precondition(self, grad: Tensor, a: Factor, g: Factor, damping: float) -> Tensor:
+    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float) -> Tensor:
         ea, eg = a.decomposition, g.decomposition
         if not (a.diagonal or g.diagonal or a.groups > 1):
             return linalg.eigen_precondition(grad, ea, eg, damping)
@@ -125,12 +162,12 @@ class Eigen(Method):
             rotated = rotated @ ea.Q.mT
         return rotated if g.diagonal else eg.Q @ rotated
 
-    def tensors(self, factor: Factor) -> list[Tensor]:
+    def tensors(self, factor: FactorView) -> list[Tensor]:
         decomposition = factor.decomposition
         assert decomposition is not None
         return [decomposition] if factor.diagonal else [decomposition.Q, decomposition.d]
 
-    def buffers(self, factor: Factor, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
+    def buffers(self, factor: FactorView, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
         batch, n = factor.batch_shape, factor.dim
         if factor.diagonal:
             wanted = [((n,), dtype)]
@@ -141,10 +178,10 @@ class Eigen(Method):
             held = self.tensors(factor)
         return _reuse(held, wanted, device)
 
-    def from_tensors(self, factor: Factor, parts: Sequence[Tensor]) -> Decomposition:
+    def from_tensors(self, factor: FactorView, parts: Sequence[Tensor]) -> Decomposition:
         return parts[0] if factor.diagonal else linalg.Eigen(Q=parts[0], d=parts[1])
 
-    def symmetric(self, factor: Factor) -> list[bool]:
+    def symmetric(self, factor: FactorView) -> list[bool]:
         return [False] if factor.diagonal else [False, False]
 
     def elements(self, diagonal: bool, dim: int, count: int = 1) -> int:
@@ -159,41 +196,41 @@ class DampedInverse(Method):
     name = "inverse"
 
     def decompose(
-        self, factor: Factor, shift: float, dtype: torch.dtype, drop_below: float | None = None
+        self, factor: FactorView, shift: float, dtype: torch.dtype, drop_below: float | None = None
     ) -> Decomposition | None:
         if factor.diagonal:
             inverse = (factor.running.clamp(min=0) + shift).reciprocal().to(dtype)
             return inverse if bool(torch.isfinite(inverse.sum())) else None
         return linalg.damped_inverse(factor.running, shift, dtype)
 
-    def shifts(self, a: Factor, g: Factor, damping: float) -> tuple[float, float]:
+    def shifts(self, a: FactorView, g: FactorView, damping: float) -> tuple[float, float]:
         a_mean, g_mean = a.mean_eigenvalue(), g.mean_eigenvalue()
         pi = (a_mean / g_mean) ** 0.5 if a_mean > 0 and g_mean > 0 else 1.0
         root = damping**0.5
         return pi * root, root / pi
 
-    def precondition(self, grad: Tensor, a: Factor, g: Factor, damping: float) -> Tensor:
+    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float) -> Tensor:
         ia, ig = a.decomposition, g.decomposition
         if not (a.diagonal or g.diagonal or a.groups > 1):
             return linalg.inverse_precondition(grad, ia, ig)
         left = grad * ig.unsqueeze(-1) if g.diagonal else ig @ grad
         return left * ia.unsqueeze(-2) if a.diagonal else left @ ia
 
-    def tensors(self, factor: Factor) -> list[Tensor]:
+    def tensors(self, factor: FactorView) -> list[Tensor]:
         assert factor.decomposition is not None
         return [factor.decomposition]
 
-    def buffers(self, factor: Factor, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
+    def buffers(self, factor: FactorView, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
         shape = (factor.dim,) if factor.diagonal else (*factor.batch_shape, factor.dim, factor.dim)
         held = None
         if isinstance(factor.decomposition, Tensor):
             held = [factor.decomposition]
         return _reuse(held, [(shape, dtype)], device)
 
-    def from_tensors(self, factor: Factor, parts: Sequence[Tensor]) -> Decomposition:
+    def from_tensors(self, factor: FactorView, parts: Sequence[Tensor]) -> Decomposition:
         return parts[0]
 
-    def symmetric(self, factor: Factor) -> list[bool]:
+    def symmetric(self, factor: FactorView) -> list[bool]:
         return [not factor.diagonal and factor.groups == 1]
 
     def elements(self, diagonal: bool, dim: int, count: int = 1) -> int:

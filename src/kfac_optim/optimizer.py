@@ -379,10 +379,9 @@ class KFAC(Optimizer, Joinable):
             raise ValueError("params must all be parameters of model")
 
         self.method: Method = method_named(self.options.method)
-        self.blocks, self._reports = discover(self.model, trainable, skip_layers, factor_dtype)
-        for block in self.blocks:
-            if hasattr(block, "reduce"):  # blocks with positions to share weights over
-                block.reduce = self.options.weight_sharing == "reduce"
+        self.blocks, self._reports = discover(
+            self.model, trainable, skip_layers, factor_dtype, weight_sharing=self.options.weight_sharing
+        )
         note = sequence_first_note(self.blocks)
         if note is not None:
             warn_user(note)

@@ -11,9 +11,10 @@ from __future__ import annotations
 from torch import nn
 
 from kfac_optim.layers.attention import InProjectionBlock, OutProjectionBlock, ProjectionBlock
-from kfac_optim.layers.base import DiagonalFactor, Factor, KroneckerBlock
+from kfac_optim.layers.base import KroneckerBlock
 from kfac_optim.layers.conv import ConvBlock
 from kfac_optim.layers.embedding import EmbeddingBlock
+from kfac_optim.layers.factor import DiagonalFactor, Factor
 from kfac_optim.layers.linear import LinearBlock
 from kfac_optim.layers.norm import ChannelNormBlock, LayerNormBlock, NormBlock, RMSNormBlock
 from kfac_optim.layers.registry import (

@@ -10,7 +10,7 @@ projections (exact: multiplying by ``I`` and adding no bias changes no value), s
 (same RNG draws), ``bias_k``/``bias_v``, ``add_zero_attn``, ``batch_first`` and cross-attention
 behave as the module's own forward. Cost: four extra ``E x E`` matmuls per recorded forward.
 
-Blocks (conventions of ``layers.base``; rows are sequence positions, N the batch):
+Blocks (conventions of ``layers.factor``; rows are sequence positions, N the batch):
 - packed ``in_proj_weight (3E, E)`` (``kdim = vdim = E``): one block of three Kronecker pairs
   (q, k, v), ``A: (3, E [+1], E [+1])`` from the query, key and value rows (each with its own row
   count), ``G: (3, E, E)`` from the projections' output-gradients; ``in_proj_bias`` rides along;
@@ -32,6 +32,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from kfac_optim.layers.base import Capture, KroneckerBlock
+from kfac_optim.layers.factor import output_gram_scale
+from kfac_optim.layers.hooks import CopiedAsInert
 from kfac_optim.layers.linear import LinearBlock
 
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
@@ -123,9 +125,8 @@ class InProjectionBlock(_FedByTheAttentionTap):
         if self.pending_samples == 0:
             return
         rows = torch.tensor([1.0 / max(r, 1) for r in self._group_rows], dtype=self.A.pending.dtype)
-        n = self.pending_samples
         self.A.fold(rows.to(self.A.pending.device).view(-1, 1, 1), decay)
-        self.G.fold(grad_scale * (n if loss_reduction == "mean" else 1.0 / n), decay)
+        self.G.fold(output_gram_scale(self.pending_samples, loss_reduction, grad_scale), decay)
         self.pending_samples = 0
         self._group_rows = [0] * self.groups
 
@@ -203,27 +204,7 @@ class _AttentionCapture:
         ]
 
 
-class _TapHook:
-    """A hook object that a copied or pickled model gets as an inert placeholder (as ``capture``'s)."""
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return _inert()
-
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return _inert_type(), ()
-
-
-def _inert_type() -> type:
-    from kfac_optim.capture import InertHook  # capture imports layers: resolved at call time
-
-    return InertHook
-
-
-def _inert() -> Any:
-    return _inert_type()()
-
-
-class _PushTap(_TapHook):
+class _PushTap(CopiedAsInert):
     """Forward pre-hook: push a :class:`_Tap` when this forward of the module records statistics."""
 
     def __init__(self, attention: _AttentionCapture, capture: Capture) -> None:
@@ -238,7 +219,7 @@ class _PushTap(_TapHook):
             self.attention.taps.append(mode)
 
 
-class _PopTap(_TapHook):
+class _PopTap(CopiedAsInert):
     """Forward hook (always called, also when the forward raised): pop the tap pushed for it."""
 
     def __init__(self, attention: _AttentionCapture) -> None:

@@ -11,8 +11,8 @@ Kernel taps that read only the zero padding for every output position (a 3x3 ker
 1 over a 1x1 feature map: 8 of its 9 taps) give patch columns that are zero in every row, whatever
 the data: which ones depends only on the geometry (input size, kernel, stride, padding, dilation;
 zero padding only). Those columns are never built: the patches are sliced tap by tap for the
-valid taps only, and their Gram goes to that block of ``A`` (see ``Support`` in
-``kfac_optim.layers.base``), with the same values as the whole unfold's.
+valid taps only, and their Gram goes to that block of ``A`` (:class:`BoxSupport`, the box of
+``A``'s indices they span), with the same values as the whole unfold's.
 
 Grouped and depthwise convolutions (``groups = g``) get one Kronecker pair per group, stored and
 decomposed as batched ``(g, n, n)`` factors: group ``j`` maps input channels
@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kfac_optim.layers.base import KroneckerBlock, Support
+from kfac_optim.layers.base import KroneckerBlock
+from kfac_optim.layers.factor import Support
 
 MIN_POSITIONS_FOR_COLUMNS = 64
 # Leave the zero taps' columns out only when at most this many taps are valid. One tap's block of
@@ -43,6 +45,83 @@ ConvNd = nn.Conv1d | nn.Conv2d | nn.Conv3d
 Taps = tuple[tuple[int, int], ...]  # kernel offsets [lo, hi) per spatial dim
 
 
+@dataclass(frozen=True)
+class BoxSupport:
+    """A :class:`~kfac_optim.layers.factor.Support` shaped as a box: where a symmetric factor
+    ``(n, n)`` can be nonzero: the rows and columns of a box of its leading ``prod(shape)``
+    indices viewed as an array of ``shape`` (``box``: ``(lo, hi)`` per entry of ``shape``), and
+    its trailing ``extra`` indices; zero everywhere else. E.g. a convolution's
+    ``A`` viewed as ``(C_in, *kernel)`` with a bias: ``extra = 1``, and ``box`` all channels and the
+    kernel offsets that read inside the input.
+
+    A box, so that its block is a strided view (no index gather). Host-side: unions need no host
+    sync. An empty ``shape`` holds no index at all.
+    """
+
+    shape: tuple[int, ...]
+    box: tuple[tuple[int, int], ...]
+    extra: int = 0
+
+    @property
+    def size(self) -> int:
+        """How many indices are in it."""
+        return math.prod(hi - lo for lo, hi in self.box) + self.extra if self.shape else 0
+
+    def __or__(self, other: Support) -> Support | None:
+        """A support holding both (the box's hull); None (unknown) for different layouts."""
+        if not isinstance(other, BoxSupport):
+            return self if other.size == 0 else None
+        if not other.shape or other == self:
+            return self
+        if not self.shape:
+            return other
+        if (self.shape, self.extra) != (other.shape, other.extra):
+            return None
+        box = tuple((min(a, c), max(b, d)) for (a, b), (c, d) in zip(self.box, other.box, strict=True))
+        return BoxSupport(self.shape, box, self.extra)
+
+    def _views(self, matrix: Tensor) -> list[Tensor]:
+        """Views of ``matrix (..., n, n)`` that together are its block on this support."""
+        m, dims = math.prod(self.shape), len(self.shape)
+        cut = tuple(slice(lo, hi) for lo, hi in self.box)
+        whole = matrix[..., :m, :m].unflatten(-1, self.shape).unflatten(-1 - dims, self.shape)
+        views = [whole[(..., *cut, *cut)]]
+        if self.extra:
+            views.append(matrix[..., m:, :m].unflatten(-1, self.shape)[(..., *cut)])
+            views.append(matrix[..., :m, m:].unflatten(-2, self.shape)[(..., *cut, slice(None))])
+            views.append(matrix[..., m:, m:])
+        return views
+
+    def _block_views(self, block: Tensor) -> list[Tensor]:
+        """Views of a compact ``block (..., size, size)`` matching :meth:`_views` one for one."""
+        shape = tuple(hi - lo for lo, hi in self.box)
+        inner, dims = math.prod(shape), len(shape)
+        views = [block[..., :inner, :inner].unflatten(-1, shape).unflatten(-1 - dims, shape)]
+        if self.extra:
+            views.append(block[..., inner:, :inner].unflatten(-1, shape))
+            views.append(block[..., :inner, inner:].unflatten(-2, shape))
+            views.append(block[..., inner:, inner:])
+        return views
+
+    def gather(self, matrix: Tensor) -> Tensor:
+        """A copy of ``matrix (..., n, n)``'s block on this support: ``(..., size, size)``, rows and
+        columns in index order."""
+        block = matrix.new_empty(*matrix.shape[:-2], self.size, self.size)
+        for part, whole in zip(self._block_views(block), self._views(matrix), strict=True):
+            part.copy_(whole)
+        return block
+
+    def scatter(self, matrix: Tensor, block: Tensor) -> None:
+        """Write ``block`` (as from :meth:`gather`) into ``matrix``'s block on this support."""
+        for whole, part in zip(self._views(matrix), self._block_views(block), strict=True):
+            whole.copy_(part)
+
+    def zero(self, matrix: Tensor) -> None:
+        """Zero ``matrix``'s block on this support."""
+        for whole in self._views(matrix):
+            whole.zero_()
+
+
 class ConvBlock(KroneckerBlock):
     """``nn.ConvNd`` (N = 1, 2, 3) with ``a`` the patches ``(N·L_out, C_in/g·prod(kernel))`` per group.
 
@@ -51,7 +130,7 @@ class ConvBlock(KroneckerBlock):
     """
 
     module: ConvNd
-    reduce = False
+    supports_weight_sharing = True
     # Leave out the patch columns of taps that only ever read zero padding (see the module docstring).
     skip_zero_taps = True
 
@@ -140,11 +219,11 @@ class ConvBlock(KroneckerBlock):
             return None
         return tuple(taps)
 
-    def tap_support(self, taps: Taps) -> Support:
+    def tap_support(self, taps: Taps) -> BoxSupport:
         """``A``'s indices of the patch columns of ``taps`` (every channel of a group, channel-major)
         and of the bias."""
         channels = self.module.in_channels // self.groups
-        return Support((channels, *self.module.kernel_size), ((0, channels), *taps), int(self.bias is not None))
+        return BoxSupport((channels, *self.module.kernel_size), ((0, channels), *taps), int(self.bias is not None))
 
     def tap_patches(self, inputs: Tensor, taps: Taps) -> Tensor:
         """The patches' columns of ``taps`` (see :meth:`valid_taps`), sliced offset by offset from the

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kfac_optim import linalg
-from kfac_optim.layers.base import DiagonalFactor, Factor, FactorName, KroneckerBlock
+from kfac_optim.layers.base import KroneckerBlock
+from kfac_optim.layers.factor import DiagonalFactor, Factor, FactorName, output_gram_scale
 
 
 class TiedHead:
@@ -79,7 +80,7 @@ class EmbeddingBlock(KroneckerBlock):
             return "sparse gradients (sparse=True) take the SGD path"
         return None
 
-    reduce = False  # for a tied head's leading dims only; the embedding's own uses always expand
+    supports_weight_sharing = True  # "reduce": for a tied head's leading dims only; the embedding's own uses expand
     head: TiedHead | None = None
 
     def tie(self, name: str, module: nn.Module) -> bool:
@@ -154,8 +155,7 @@ class EmbeddingBlock(KroneckerBlock):
         if head is None or self.pending_samples == 0:
             super().fold(decay, loss_reduction, grad_scale)
             return
-        n = self.pending_samples
-        g_scale = grad_scale * (n if loss_reduction == "mean" else 1.0 / n)
+        g_scale = output_gram_scale(self.pending_samples, loss_reduction, grad_scale)
         a, g = self.A, self.G
         v, d = linalg.nearest_kronecker_sum(
             a.pending / max(a.pending_rows, 1), g.pending * g_scale,

@@ -20,13 +20,14 @@ import torch
 from torch import Tensor, nn
 
 from kfac_optim.diagnostics import warn_user
-from kfac_optim.layers.base import KroneckerBlock, current_graph_task
+from kfac_optim.layers.base import KroneckerBlock
+from kfac_optim.layers.hooks import current_graph_task
 
 
 class LinearBlock(KroneckerBlock):
     """``nn.Linear`` with ``a`` the input rows ``(N·R, in)`` and ``g`` the output-gradient rows."""
 
-    reduce = False
+    supports_weight_sharing = True
 
     def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
         super().__init__(name, module, include_bias, factor_dtype)

@@ -4,7 +4,7 @@ A normalization layer computes ``y = γ ⊙ x̂ + β`` per unit (a feature of ``
 a channel of ``GroupNorm``/``BatchNorm*d``), ``x̂`` the normalized input. The per-sample gradient of
 unit ``i`` is ``s_i = (Σ_r ĝ_ri x̂_ri, Σ_r ĝ_ri)`` over the sample's positions ``r``, so its exact
 Fisher block is ``F_i = (1/N) Σ_n ŝ_ni ŝ_niᵀ`` (2x2; 1x1 without ``β``), as kfac-jax's and ASDL's
-scale-and-shift blocks. Stored in the Kronecker form of ``layers.base`` with one group per unit:
+scale-and-shift blocks. Stored in the Kronecker form of ``layers.factor`` with one group per unit:
 ``A = F: (units, 2, 2)`` and ``G = 1: (units, 1, 1)``, so eigen preconditioning is exactly
 ``(F_i + λI)⁻¹ ∇_i`` (the damped inverse applies π-damping between A and the constant G).
 
@@ -24,11 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kfac_optim.layers.base import Factor, FactorName, KroneckerBlock
+from kfac_optim.layers.base import KroneckerBlock
+from kfac_optim.layers.factor import Factor, FactorName, output_gram_scale
 
 
 class NormBlock(KroneckerBlock):
     """Per-unit 2x2 Fisher blocks of ``(γ_i, β_i)``; subclasses say how to normalize and where units lie."""
+
+    # The statistics are exact per-sample gradients, summed over a sample's positions: what
+    # weight sharing approximates, so "expand" and "reduce" give the same factors.
+    supports_weight_sharing = True
 
     def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
         self.groups = module.weight.numel()
@@ -79,8 +84,7 @@ class NormBlock(KroneckerBlock):
         ``G ← 1``."""
         if self.pending_samples == 0:
             return
-        n = self.pending_samples
-        self.A.fold(grad_scale * (n if loss_reduction == "mean" else 1.0 / n), decay)
+        self.A.fold(output_gram_scale(self.pending_samples, loss_reduction, grad_scale), decay)
         self.G.fold(1.0 / self.G.pending_rows, decay)
         self.pending_samples = 0
 

@@ -1,28 +1,32 @@
 """The block registry: which ``KroneckerBlock`` class preconditions which module type, and discovery.
 
 Owns: ``module type → block class`` (looked up along the module type's MRO, so subclasses of a
-registered type share its block unless registered themselves), finding a model's blocks, and
-saying for every module with trainable parameters what happens to them.
+registered type share its block unless registered themselves), with a per-call override
+(``blocks``, e.g. one optimizer's own) consulted first; finding a model's blocks and setting their
+weight sharing; saying for every module with trainable parameters what happens to them.
 Must not know: hooks, ranks, the step.
 
 Built-in kinds are registered here the same way a user registers one::
 
     kfac_optim.register_block(MyLayer, MyBlock)   # MyBlock subclasses kfac_optim.layers.KroneckerBlock
+
+or for one discovery only, leaving the registry alone: ``discover(model, blocks={MyLayer: MyBlock})``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from kfac_optim.diagnostics import warn_user
-from kfac_optim.layers.base import KroneckerBlock
+from kfac_optim.layers.base import KroneckerBlock, WeightSharing
 
 SkipLayers = Sequence[str | type[nn.Module]]
+BlockOverrides = Mapping[type[nn.Module], type[KroneckerBlock]]
 
 _REGISTRY: dict[type[nn.Module], type[KroneckerBlock]] = {}
 
@@ -37,11 +41,28 @@ def register_block(module_type: type[nn.Module], block_class: type[KroneckerBloc
         TypeError: ``module_type`` is not an ``nn.Module`` subclass, or ``block_class`` not a
             ``KroneckerBlock`` subclass.
     """
-    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-        raise TypeError(f"module_type must be a subclass of torch.nn.Module, got {module_type!r}")
-    if not (isinstance(block_class, type) and issubclass(block_class, KroneckerBlock)):
-        raise TypeError(f"block_class must be a subclass of kfac_optim.layers.KroneckerBlock, got {block_class!r}")
+    _check_pair(module_type, block_class, "module_type", "block_class")
     _REGISTRY[module_type] = block_class
+
+
+def _check_pair(module_type: object, block_class: object, module_name: str, block_name: str) -> None:
+    """Raise ``TypeError`` naming the argument unless ``module_type`` is an ``nn.Module`` subclass
+    and ``block_class`` a ``KroneckerBlock`` subclass."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"{module_name} must be a subclass of torch.nn.Module, got {module_type!r}")
+    if not (isinstance(block_class, type) and issubclass(block_class, KroneckerBlock)):
+        raise TypeError(f"{block_name} must be a subclass of kfac_optim.layers.KroneckerBlock, got {block_class!r}")
+
+
+def check_block_overrides(blocks: BlockOverrides | None) -> None:
+    """Raise ``TypeError`` naming the entry unless ``blocks`` is None or maps ``nn.Module``
+    subclasses to ``KroneckerBlock`` subclasses."""
+    if blocks is None:
+        return
+    if not isinstance(blocks, Mapping):
+        raise TypeError(f"blocks must be a mapping from module types to block classes, got {type(blocks).__name__}")
+    for module_type, block_class in blocks.items():
+        _check_pair(module_type, block_class, "blocks: a key", f"blocks[{getattr(module_type, '__name__', module_type)}]")
 
 
 def unregister_block(module_type: type[nn.Module]) -> type[KroneckerBlock] | None:
@@ -55,12 +76,14 @@ def registered_blocks() -> dict[type[nn.Module], type[KroneckerBlock]]:
     return dict(_REGISTRY)
 
 
-def block_kind(module: nn.Module) -> type[KroneckerBlock] | None:
-    """The block class registered for ``module``'s type or its nearest registered base, or None."""
-    for klass in type(module).__mro__:
-        block_class = _REGISTRY.get(klass)
-        if block_class is not None:
-            return block_class
+def block_kind(module: nn.Module, blocks: BlockOverrides | None = None) -> type[KroneckerBlock] | None:
+    """The block class for ``module``: ``blocks``' for its type or nearest base in it, else the
+    registry's for its type or nearest registered base; None when neither has one."""
+    for table in (blocks or {}, _REGISTRY):
+        for klass in type(module).__mro__:
+            block_class = table.get(klass)
+            if block_class is not None:
+                return block_class
     return None
 
 
@@ -108,27 +131,36 @@ def discover(
     trainable: set[Tensor] | None = None,
     skip_layers: SkipLayers = (),
     factor_dtype: torch.dtype = torch.float32,
+    blocks: BlockOverrides | None = None,
+    weight_sharing: WeightSharing = "expand",
 ) -> tuple[list[KroneckerBlock], list[ModuleReport]]:
     """The blocks of ``model`` (model order) and one report per module with trainable parameters.
 
-    A module gets blocks when its type has a registered block class that supports the instance,
-    it is not skipped, and its parameters are in ``trainable`` (default: those that require grad)
-    and not taken by an earlier block (a parameter shared by several modules belongs to the first).
+    A module gets blocks when its type has a block class (in ``blocks``, else registered: see
+    :func:`block_kind`) that supports the instance, it is not skipped, and its parameters are in
+    ``trainable`` (default: those that require grad) and not taken by an earlier block (a parameter shared by several modules belongs to the first).
     A module whose weight an earlier block took (tied weights) is offered to that block
     (:meth:`KroneckerBlock.tie`); if it declines, the module's uses of the weight are left out of the
-    statistics, with a warning.
+    statistics, with a warning. Every block gets ``weight_sharing``
+    (:meth:`KroneckerBlock.set_weight_sharing`); blocks that do not implement it are named in a
+    warning and in their reports.
+
+    Raises:
+        TypeError: ``blocks`` does not map ``nn.Module`` subclasses to ``KroneckerBlock`` subclasses.
     """
+    check_block_overrides(blocks)
     if trainable is None:
         trainable = {p for p in model.parameters() if p.requires_grad}
-    blocks: list[KroneckerBlock] = []
+    found: list[KroneckerBlock] = []
     claimed: set[Tensor] = set()
     owner_of: dict[Tensor, KroneckerBlock] = {}
     decisions: dict[str, tuple[str | None, str, str]] = {}
     untied: list[str] = []
     untied_names: set[str] = set()
+    ignored_sharing: list[str] = []
     created_by: dict[str, list[KroneckerBlock]] = {}
     for name, module in model.named_modules():
-        kind = block_kind(module)
+        kind = block_kind(module, blocks)
         if kind is None:
             continue
         if _is_skipped(name, module, skip_layers):
@@ -148,7 +180,9 @@ def discover(
         for block in created:
             for param in block.parameters():
                 owner_of[param] = block
-        blocks.extend(created)
+            if not block.set_weight_sharing(weight_sharing):
+                ignored_sharing.append(f"'{block.name}' ({type(block).__name__})")
+        found.extend(created)
         if created:
             decisions[name] = (created[0].name, "kfac", "")  # described below, once every tie is known
             created_by[name] = created
@@ -180,7 +214,12 @@ def discover(
             "statistics, which are its own module's only (an Embedding followed by a Linear head sharing its "
             "weight is supported; docs/design.md §3)"
         )
-    return blocks, reports
+    if ignored_sharing:
+        warn_user(
+            f"weight_sharing={weight_sharing!r} is not implemented by the block(s) of " + ", ".join(ignored_sharing)
+            + ": they make every use of the weight a row ('expand'; KroneckerBlock.supports_weight_sharing)"
+        )
+    return found, reports
 
 
 def discover_blocks(
@@ -188,6 +227,8 @@ def discover_blocks(
     trainable: set[Tensor] | None = None,
     skip_layers: SkipLayers = (),
     factor_dtype: torch.dtype = torch.float32,
+    blocks: BlockOverrides | None = None,
+    weight_sharing: WeightSharing = "expand",
 ) -> list[KroneckerBlock]:
     """One block per supported module whose weight is among ``trainable``, in model order (see :func:`discover`)."""
-    return discover(model, trainable, skip_layers, factor_dtype)[0]
+    return discover(model, trainable, skip_layers, factor_dtype, blocks, weight_sharing)[0]

@@ -1,0 +1,58 @@
+"""What every capture hook shares: the backward pass being recorded, and the inert placeholder.
+
+Owns: which autograd graph task (one backward pass) an output-gradient belongs to, also when it is
+recorded later on another thread (:func:`in_graph_task`); :class:`InertHook`, what a copied or
+pickled model gets in place of a capture hook, and :class:`CopiedAsInert`, the base of hook
+objects that turn into one.
+Must not know: blocks, factors, the capture itself (``kfac_optim.capture`` and the blocks that
+install their own hooks, e.g. ``layers.attention``, build on this module; it imports nothing of
+the package).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_replayed_task = threading.local()
+
+
+def current_graph_task() -> int:
+    """The autograd graph task (one backward pass) whose output-gradients are being recorded:
+    the one running on this thread (-1: none), or the one :func:`in_graph_task` replays."""
+    task: int | None = getattr(_replayed_task, "id", None)
+    return torch._C._current_graph_task_id() if task is None else task
+
+
+@contextlib.contextmanager
+def in_graph_task(task: int) -> Iterator[None]:
+    """Record statistics captured in graph task ``task`` as if inside it, on another thread (the
+    statistics worker of ``KFAC(async_statistics=True)``): per-backward bookkeeping such as
+    :meth:`KroneckerBlock.count_samples` sees the backward pass the pair came from."""
+    _replayed_task.id = task
+    try:
+        yield
+    finally:
+        _replayed_task.id = None
+
+
+class InertHook:
+    """What a copied or pickled model gets in place of a capture hook: it does nothing."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+class CopiedAsInert:
+    """A hook object that a deep-copied or pickled model gets as an :class:`InertHook`: a hook
+    records only for the module object it was registered on (docs/design.md §4, "Lifetime")."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> InertHook:
+        return InertHook()
+
+    def __reduce__(self) -> tuple[type[InertHook], tuple[()]]:
+        return InertHook, ()
