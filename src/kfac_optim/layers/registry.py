@@ -62,7 +62,8 @@ def check_block_overrides(blocks: BlockOverrides | None) -> None:
     if not isinstance(blocks, Mapping):
         raise TypeError(f"blocks must be a mapping from module types to block classes, got {type(blocks).__name__}")
     for module_type, block_class in blocks.items():
-        _check_pair(module_type, block_class, "blocks: a key", f"blocks[{getattr(module_type, '__name__', module_type)}]")
+        name = getattr(module_type, "__name__", module_type)
+        _check_pair(module_type, block_class, "blocks: a key", f"blocks[{name}]")
 
 
 def unregister_block(module_type: type[nn.Module]) -> type[KroneckerBlock] | None:
@@ -138,12 +139,12 @@ def discover(
 
     A module gets blocks when its type has a block class (in ``blocks``, else registered: see
     :func:`block_kind`) that supports the instance, it is not skipped, and its parameters are in
-    ``trainable`` (default: those that require grad) and not taken by an earlier block (a parameter shared by several modules belongs to the first).
-    A module whose weight an earlier block took (tied weights) is offered to that block
-    (:meth:`KroneckerBlock.tie`); if it declines, the module's uses of the weight are left out of the
-    statistics, with a warning. Every block gets ``weight_sharing``
-    (:meth:`KroneckerBlock.set_weight_sharing`); blocks that do not implement it are named in a
-    warning and in their reports.
+    ``trainable`` (default: those that require grad) and not taken by an earlier block (a parameter
+    shared by several modules belongs to the first). A module whose weight an earlier block took
+    (tied weights) is offered to that block (:meth:`KroneckerBlock.tie`); if it declines, the
+    module's uses of the weight are left out of the statistics, with a warning. Every block gets
+    ``weight_sharing`` (:meth:`KroneckerBlock.set_weight_sharing`); blocks that do not implement
+    it are named in a warning and in their reports.
 
     Raises:
         TypeError: ``blocks`` does not map ``nn.Module`` subclasses to ``KroneckerBlock`` subclasses.
@@ -216,8 +217,8 @@ def discover(
         )
     if ignored_sharing:
         warn_user(
-            f"weight_sharing={weight_sharing!r} is not implemented by the block(s) of " + ", ".join(ignored_sharing)
-            + ": they make every use of the weight a row ('expand'; KroneckerBlock.supports_weight_sharing)"
+            f"weight_sharing={weight_sharing!r} is not implemented by the block(s) of {', '.join(ignored_sharing)}: "
+            "they make every use of the weight a row ('expand'; KroneckerBlock.supports_weight_sharing)"
         )
     return found, reports
 
