@@ -25,7 +25,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from kfac_optim import linalg
 from kfac_optim.layers.factor import Factor, FactorName, output_gram_scale
 from kfac_optim.layers.hooks import current_graph_task
 from kfac_optim.methods import Method
@@ -277,11 +276,11 @@ class KroneckerBlock(ABC):
         return torch.cat([matrix, bias_grad.reshape(*matrix.shape[:-1], 1)], dim=-1)
 
     def precondition(self, grad: Tensor, method: Method, damping: float) -> Tensor | None:
-        """The preconditioned joint direction, or None before any decomposition."""
-        a, g = self.A.decomposition, self.G.decomposition
-        if a is None or g is None:
+        """The preconditioned joint direction (in the dtype of ``A``'s decomposition: its last tensor,
+        e.g. the eigenvalues), or None before any decomposition."""
+        if self.A.decomposition is None or self.G.decomposition is None:
             return None
-        dtype = a.d.dtype if isinstance(a, linalg.Eigen) else a.dtype
+        dtype = method.tensors(self.A)[-1].dtype
         return method.precondition(grad.to(dtype), self.A, self.G, damping)
 
     def split(self, direction: Tensor) -> list[tuple[nn.Parameter, Tensor]]:
