@@ -2,6 +2,9 @@
 
 The stand-in's docstring lists the Apex behaviours it models. Each test compares an Apex run with
 a control: plain fp32 ``KFAC``, or an Apex run without the disturbance under test.
+
+Marked ``apex`` (pytest.ini): plain ``pytest`` runs it, ``pytest -m "not apex"`` leaves out the
+whole Apex stand-in suite.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from kfac_optim import KFAC
 
 OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, inv_update_steps=2)
 LEVELS = ["O1", "O2"]
+
+pytestmark = pytest.mark.apex
 
 
 def make_model() -> nn.Module:
