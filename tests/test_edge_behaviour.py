@@ -5,7 +5,9 @@ condition or term) would change, checked through the public API:
   a model without weight matrices is fully covered (100%, not 0%);
 - the ``create_graph=True`` warning: once, and only for a step whose every backward built a graph;
 - a decomposition is refreshed when the damping changes although the factors did not (inverse
-  method: ``(F + shift·I)⁻¹`` depends on the damping), checked against a dense reference;
+  method: ``(F + shift·I)⁻¹`` depends on the damping), and when the factors change although the
+  damping did not (eigen method: its decomposition does not depend on the damping), checked
+  against dense references;
 - ``weight_sharing="reduce"``: the warning about one layer called with different batch sizes in
   one backward pass is given once, and never for calls from different backward passes;
 - the construction-time note about factors that take seconds to decompose names exactly the
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import kron_solve
 from kfac_optim import KFAC
 
 # -- describe() ------------------------------------------------------------------------------------
@@ -129,6 +132,28 @@ def test_a_new_damping_refreshes_the_inverse_although_the_factors_did_not_change
     torch.testing.assert_close(block.A.running, A, rtol=0, atol=0)  # the factors did not change
     torch.testing.assert_close(block.G.running, G, rtol=0, atol=0)
     torch.testing.assert_close(before - after, _inverse_method_direction(A, G, grad, 10.0), rtol=1e-8, atol=1e-10)
+
+
+def test_new_factors_refresh_the_eigendecomposition_at_an_unchanged_damping() -> None:
+    """Eigen method, constant damping: every step folds new factors and decomposes; each step's
+    update is ``(G ⊗ A + λI)⁻¹ vec ∇`` of that step's factors, not of the first step's."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3).double()
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, method="eigen", damping=0.1, factor_update_steps=1,
+                     inv_update_steps=1, factor_decay=0.5, factor_dtype=torch.float64, inv_dtype=torch.float64)
+    (block,) = optimizer.blocks
+    for seed in range(3):
+        generator = torch.Generator().manual_seed(seed)
+        x = torch.randn(16, 4, generator=generator, dtype=torch.float64) * (1 + seed)  # factors change a lot
+        y = torch.randint(0, 3, (16,), generator=generator)
+        optimizer.zero_grad()
+        F.cross_entropy(layer(x), y).backward()
+        grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], dim=1)
+        before = torch.cat([layer.weight.detach(), layer.bias.detach()[:, None]], dim=1).clone()
+        optimizer.step()
+        after = torch.cat([layer.weight.detach(), layer.bias.detach()[:, None]], dim=1)
+        expected = kron_solve(block.G.running, block.A.running, grad, 0.1)
+        torch.testing.assert_close(before - after, expected, rtol=1e-6, atol=1e-9, msg=f"step {seed}")
 
 
 # -- weight_sharing="reduce": calls with different batch sizes ------------------------------------
