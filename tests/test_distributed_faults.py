@@ -91,7 +91,7 @@ MISMATCHES: dict[str, tuple[tuple[Callable[[], nn.Module], dict[str, Any]], ...]
 # -- what the ranks do --------------------------------------------------------------------------
 
 
-def factors(optimizer: KFAC) -> dict[str, torch.Tensor]:
+def saved_factor_copies(optimizer: KFAC) -> dict[str, torch.Tensor]:
     """A copy of the factors ``state_dict()`` saves (later steps update them in place)."""
     return {key: factor.clone() for key, factor in saved_factors(optimizer.state_dict()).items()}
 
@@ -115,7 +115,7 @@ def state(model: nn.Module, optimizer: KFAC) -> dict[str, Any]:
     return {
         "params": parameters(model),
         "steps": optimizer.steps,
-        "factors": factors(optimizer),  # state_dict() on every rank
+        "factors": saved_factor_copies(optimizer),  # state_dict() on every rank
         "decompositions": decompositions,
         "momentum": momentum,
     }
@@ -161,9 +161,9 @@ def state_dict_on_rank_zero(rank: int) -> dict[str, Any]:
     optimizer = KFAC(model, process_group=group, **OPTIONS)
     train(model, optimizer, range(3), rank, WORLD)  # step 2 decomposed: the factors are global
     if rank == 0:
-        results["right after a decomposition step"] = factors(optimizer)
+        results["right after a decomposition step"] = saved_factor_copies(optimizer)
     dist.barrier()  # on the default group: rank 1 waits until rank 0 saved
-    results["on every rank"] = factors(optimizer)
+    results["on every rank"] = saved_factor_copies(optimizer)
     train(model, optimizer, range(3, 4), rank, WORLD)  # step 3 folds only: the factors are local
     if rank == 0:  # waits for rank 1's call up to the store's timeout (init_process_group's): shortened
         store = dist.group.WORLD.get_group_store()
