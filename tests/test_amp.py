@@ -241,11 +241,6 @@ def test_statistics_under_autocast_are_grams_of_the_upcast_captured_tensors(dtyp
     torch.testing.assert_close(block.G.pending, g.T @ g, rtol=1e-6, atol=1e-12)
 
 
-def test_grad_scaler_must_be_a_torch_amp_grad_scaler() -> None:
-    with pytest.raises(TypeError, match="grad_scaler"):
-        KFAC(make_amp_net(), grad_scaler=object())
-
-
 def test_the_deprecated_torch_cuda_amp_grad_scaler_is_accepted() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecated; disabled without CUDA

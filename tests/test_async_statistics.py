@@ -224,8 +224,3 @@ def test_under_apex_the_statistics_are_computed_in_line_with_one_warning(fake_ap
         factors = run(True)
     assert sum("does not apply under Apex" in str(w.message) for w in record) == 1
     assert all(torch.equal(a, b) for a, b in zip(in_line, factors, strict=True))
-
-
-def test_async_statistics_must_be_a_bool() -> None:
-    with pytest.raises(TypeError, match="async_statistics must be a bool"):
-        KFAC(nn.Linear(2, 2), async_statistics=1)  # type: ignore[arg-type]

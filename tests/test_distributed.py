@@ -570,9 +570,3 @@ def test_single_process_ignores_the_fraction_and_holds_every_decomposition() -> 
     assert_same(parameters(model), parameters(single_process()[0]), rtol=0, atol=0)
 
 
-def test_grad_worker_fraction_outside_the_range_is_rejected() -> None:
-    with pytest.raises(ValueError, match="grad_worker_fraction"):
-        KFAC(make_ddp_net(), grad_worker_fraction=1.5)
-    with pytest.raises(ValueError, match="grad_worker_fraction"):
-        KFAC(make_ddp_net(), grad_worker_fraction="fastest")
-

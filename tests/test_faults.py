@@ -211,29 +211,6 @@ def test_a_non_finite_layer_is_left_out_of_the_trust_region_and_reported() -> No
     assert len([w for w in record if "non-finite gradient" in str(w.message)]) == 1
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "argument", "error"),
-    [
-        ({"damping": float("inf")}, "damping", ValueError),
-        ({"damping": float("nan")}, "damping", ValueError),
-        ({"kl_clip": float("inf")}, "kl_clip", ValueError),
-        ({"kl_clip": float("nan")}, "kl_clip", ValueError),
-        ({"lr": float("nan")}, "lr", ValueError),
-        ({"lr": "0.1"}, "lr", TypeError),
-        ({"momentum": float("nan")}, "momentum", ValueError),
-        ({"weight_decay": float("inf")}, "weight_decay", ValueError),
-        ({"dampening": float("nan")}, "dampening", ValueError),
-        ({"skip_layers": None}, "skip_layers", TypeError),
-        ({"skip_layers": [5]}, "skip_layers", TypeError),
-        ({"skip_layers": ["("]}, "skip_layers", ValueError),
-        ({"factor_update_steps": True}, "factor_update_steps", ValueError),
-    ],
-)
-def test_bad_argument_names_itself(kwargs: dict, argument: str, error: type[Exception]) -> None:
-    with pytest.raises(error, match=argument):
-        KFAC(faults_mlp(), **{"lr": 0.1, **kwargs})
-
-
 def test_a_damping_schedule_returning_inf_is_named_when_used() -> None:
     optimizer = KFAC(faults_mlp(), lr=0.1, damping=lambda step: float("inf"))
     with pytest.raises(ValueError, match="damping"):

@@ -148,11 +148,6 @@ def test_attention_projections_share_one_phase_and_are_captured_together() -> No
     assert all(any(c[i] for c in seen) for i in range(len(names)))
 
 
-def test_stagger_factor_updates_must_be_a_bool() -> None:
-    with pytest.raises(TypeError, match="stagger_factor_updates"):
-        KFAC(stagger_mlp(), stagger_factor_updates=1)  # type: ignore[arg-type]
-
-
 def test_sampled_fisher_records_only_the_layers_of_the_phase() -> None:
     model = stagger_mlp()
     optimizer = KFAC(model, lr=0.1, factor_update_steps=3, fisher="sampled", stagger_factor_updates=True)
