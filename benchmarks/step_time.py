@@ -19,8 +19,9 @@ Parts and their floors (the bare torch calls of the same shapes, timed in the sa
                             block (unfold, row copies, bias column, Gram products); floor:
                             ``torch.matmul(rowsᵀ, rows, out=)`` on contiguous rows of the same
                             shapes (a full product: the blocked symmetric one can beat it)
-  fold                      ``block.fold``; floor: ``running.lerp_(pending)`` + ``pending.zero_()``
-  decompositions            ``factor.decompose`` (cache key reset, rank thresholds as the optimizer
+  fold                      ``block.fold`` after recording one sample (``block.accumulate``) minus
+                            that recording alone; floor: ``running.lerp_(pending)`` + ``pending.zero_()``
+  decompositions            ``factor.decompose`` (after ``factor.adopt(None, ...)``, rank thresholds as the optimizer
                             passes them); floor ``torch.linalg.eigh``
                             (eigen) or ``cholesky`` + ``cholesky_inverse`` (inverse) of the same
                             factor. Timed once per distinct factor size (eigh of a 4608² factor
@@ -301,17 +302,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     progress.update()
 
     # Fold: pending from the real batch, then fold repeatedly (content does not change the cost).
+    # Each timed fold first gives every block pending statistics the public way, by recording the
+    # first sample of the captured batch (``block.accumulate``); that recording is timed alone
+    # in the same interleaved run and subtracted.
     clear()
     statistics_part()
-    counts = {b.name: (b.pending_samples, b.A.pending_rows, b.G.pending_rows) for b in blocks}
     for block in blocks:
         block.fold(decay, reduction)
     factors = [f for b in blocks for f in b.factors.values()]
     pending_ones = {id(f): torch.ones_like(f.running) for f in factors}
+    first_sample = {name: (inputs[:1], grads[:1]) for name, (inputs, grads) in pairs.items()}
+
+    def record_one_sample() -> None:
+        for block in blocks:
+            block.accumulate(*first_sample[block.name])
 
     def fold_part() -> None:
+        record_one_sample()
         for block in blocks:
-            block.pending_samples, block.A.pending_rows, block.G.pending_rows = counts[block.name]
             block.fold(decay, reduction)
 
     def fold_floor() -> None:
@@ -319,8 +327,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             f.running.lerp_(pending_ones[id(f)], 1 - decay)
             f.pending.zero_()
 
-    folds = interleaved({"part": fold_part, "floor": fold_floor}, args.repeats, budget)
-    out["fold"], out["fold_floor"] = folds["part"], folds["floor"]
+    folds = interleaved({"record": record_one_sample, "part": fold_part, "floor": fold_floor}, args.repeats, budget)
+    recorded_and_folded, recorded = folds["part"], folds["record"]
+    out["fold"] = Timing(recorded_and_folded.median - recorded.median,
+                         max(recorded_and_folded.spread, recorded.spread), recorded_and_folded.n)
+    out["fold_floor"] = folds["floor"]
     progress.update()
 
     # Decompositions, once per distinct factor size; the result is shared by same-size factors
@@ -341,7 +352,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             drop_below = block.rank_thresholds(method_named(method), damping)[name]
 
             def part() -> None:
-                factor.decomposed_key = None
+                factor.adopt(None, shift)  # hold none: decompose() computes it afresh
                 factor.decompose(method_named(method), shift, torch.float32, drop_below)
 
             def floor() -> None:
@@ -357,7 +368,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             floor_total += timed["floor"].median * len(members)
             worst = max(worst, timed["part"].spread, timed["floor"].spread)
             for _, _, other in members[1:]:
-                other.decomposition, other.decomposed_key = factor.decomposition, factor.decomposed_key
+                other.adopt(factor.decomposition, method_named(method).keyed_shift(shift))
         out[f"decomposition_{method}"] = Timing(part_total, worst, 0)
         out[f"decomposition_{method}_floor"] = Timing(floor_total, worst, 0)
         progress.update()

@@ -154,7 +154,7 @@ def precondition_times(optimizer: KFAC, damping: float, repeats: int) -> dict[st
     def run_with(decompositions: dict[str, dict[str, Any]]) -> float:
         for block in optimizer.blocks:
             for name, factor in block.factors.items():
-                factor.decomposition = decompositions[block.name][name]
+                factor.adopt(decompositions[block.name][name], method_named("eigen").keyed_shift(damping))
         samples = []
         for _ in range(repeats + 1):
             start = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Shared test settings: deterministic, single-threaded CPU math."""
+"""Shared test settings: deterministic, single-threaded CPU math; the ``apex`` marker on every
+test that uses the Apex stand-in's ``fake_apex`` fixture (tests/conftest_apex.py)."""
 
 from pathlib import Path
 
@@ -16,3 +17,11 @@ def _deterministic() -> None:
 def module_tmp_path(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """A temporary folder shared by one test module's fixtures and tests (what spawned ranks saved)."""
     return tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``apex`` every test that installs the Apex stand-in through the ``fake_apex`` fixture,
+    wherever it lives, so ``pytest -m "not apex"`` leaves out the whole stand-in suite."""
+    for item in items:
+        if "fake_apex" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.apex)

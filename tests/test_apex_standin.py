@@ -1,6 +1,9 @@
 """Specification of the CPU Apex stand-in (``tests/apex_standin``) with plain ``torch.optim.SGD``.
 
 Each test states one Apex behaviour that the KFAC Apex tests rely on.
+
+Marked ``apex`` (pytest.ini): plain ``pytest`` runs it, ``pytest -m "not apex"`` leaves out the
+whole Apex stand-in suite.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest_apex import fake_apex, install_fake_apex, scaled_step  # noqa: F401  (fake_apex is a fixture)
+
+pytestmark = pytest.mark.apex
 
 HUGE_SCALE = 2.0**40  # any fp16 gradient of a loss of order 1 overflows at this scale
 

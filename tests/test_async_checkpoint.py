@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import seeded_batch
 from kfac_optim import KFAC
 
 STEPS = 12
@@ -26,7 +27,7 @@ SETTINGS = dict(
 )
 
 
-class Net(nn.Module):
+class CheckpointNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(1, 3, 3, padding=1)
@@ -36,20 +37,19 @@ class Net(nn.Module):
         return self.head(torch.relu(self.conv(x)).flatten(1))
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(step)
-    return torch.randn(8, 1, 6, 6, generator=generator), torch.randint(0, 5, (8,), generator=generator)
+def checkpoint_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return seeded_batch((8, 1, 6, 6), 5, seed=step)
 
 
-def fresh(**settings) -> tuple[Net, KFAC]:
+def fresh(**settings) -> tuple[CheckpointNet, KFAC]:
     torch.manual_seed(0)
-    model = Net()
+    model = CheckpointNet()
     return model, KFAC(model, **{**SETTINGS, **settings})
 
 
-def run(model: nn.Module, optimizer: KFAC, steps: range) -> None:
+def checkpoint_run(model: nn.Module, optimizer: KFAC, steps: range) -> None:
     for step in steps:
-        x, y = batch(step)
+        x, y = checkpoint_batch(step)
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
@@ -63,7 +63,7 @@ def saved(model: nn.Module, optimizer: KFAC) -> dict:
     return torch.load(buffer, weights_only=True)
 
 
-def resumed(checkpoint: dict, **settings) -> tuple[Net, KFAC]:
+def resumed(checkpoint: dict, **settings) -> tuple[CheckpointNet, KFAC]:
     model, optimizer = fresh(**settings)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
@@ -95,18 +95,18 @@ def test_resume_while_a_round_is_in_flight_continues_bit_identically(
     # (None, 6): step 6 adopted it and started the next one. (2, 5): saved right before adopting.
     settings = dict(async_delay=async_delay, async_statistics=async_statistics)
     reference, reference_optimizer = fresh(**settings)
-    run(reference, reference_optimizer, range(STEPS))
+    checkpoint_run(reference, reference_optimizer, range(STEPS))
 
     model, optimizer = fresh(**settings)
-    run(model, optimizer, range(save_at))
+    checkpoint_run(model, optimizer, range(save_at))
     checkpoint = saved(model, optimizer)
-    run(model, optimizer, range(save_at, STEPS))
+    checkpoint_run(model, optimizer, range(save_at, STEPS))
     assert_same_parameters(model, reference)  # saving did not change the run that saved
 
     model, optimizer = resumed(checkpoint, **settings)
     assert optimizer.steps == save_at
     assert_same_rounds(optimizer.state_dict()["kfac"]["round"], checkpoint["optimizer"]["kfac"]["round"])
-    run(model, optimizer, range(save_at, STEPS))
+    checkpoint_run(model, optimizer, range(save_at, STEPS))
     assert_same_parameters(model, reference)
 
     entry = checkpoint["optimizer"]["kfac"]["round"]
@@ -119,16 +119,16 @@ def test_resume_while_a_round_is_in_flight_continues_bit_identically(
 
 def test_a_checkpoint_between_rounds_holds_none() -> None:
     model, optimizer = fresh(async_delay=1)
-    run(model, optimizer, range(5))  # step 3's round was adopted at step 4
+    checkpoint_run(model, optimizer, range(5))  # step 3's round was adopted at step 4
     assert optimizer.state_dict()["kfac"]["round"] is None
     model, optimizer = fresh(async_decompositions=False)
-    run(model, optimizer, range(4))
+    checkpoint_run(model, optimizer, range(4))
     assert optimizer.state_dict()["kfac"]["round"] is None
 
 
 def test_synchronous_optimizer_adopts_a_saved_round_at_once() -> None:
     model, optimizer = fresh()
-    run(model, optimizer, range(4))
+    checkpoint_run(model, optimizer, range(4))
     checkpoint = saved(model, optimizer)
     _, synchronous = resumed(checkpoint, async_decompositions=False)
     for block in synchronous.blocks:
@@ -142,26 +142,26 @@ def test_synchronous_optimizer_adopts_a_saved_round_at_once() -> None:
 def test_checkpoints_without_a_round_load_into_an_async_optimizer() -> None:
     # From before rounds were saved (no entry), and from a synchronous run (None).
     model, optimizer = fresh(async_decompositions=False)
-    run(model, optimizer, range(4))
+    checkpoint_run(model, optimizer, range(4))
     checkpoint = saved(model, optimizer)
     old = copy.deepcopy(checkpoint)
     del old["optimizer"]["kfac"]["round"]
     for state in (checkpoint, old):
         resumed_model, resumed_optimizer = resumed(state)
-        run(resumed_model, resumed_optimizer, range(4, 8))  # step 6 adopts nothing, starts a round
+        checkpoint_run(resumed_model, resumed_optimizer, range(4, 8))  # step 6 adopts nothing, starts a round
         assert resumed_optimizer.state_dict()["kfac"]["round"] is not None
 
 
 def test_a_failed_result_in_the_round_is_reported_when_adopted() -> None:
     model, optimizer = fresh()
-    run(model, optimizer, range(4))
+    checkpoint_run(model, optimizer, range(4))
     checkpoint = saved(model, optimizer)
     checkpoint["optimizer"]["kfac"]["round"]["factors"]["head"]["G"]["decomposition"] = None
     model, optimizer = resumed(checkpoint)
     kept = optimizer.blocks[1].G.decomposed_key
-    run(model, optimizer, range(4, 6))
+    checkpoint_run(model, optimizer, range(4, 6))
     with pytest.warns(RuntimeWarning, match=r"'head'.*decomposition of G failed.*last good decomposition is kept"):
-        run(model, optimizer, range(6, 7))
+        checkpoint_run(model, optimizer, range(6, 7))
     assert optimizer.blocks[1].G.decomposed_key == kept
     head = checkpoint["optimizer"]["kfac"]["round"]["factors"]["head"]
     assert optimizer.blocks[1].A.decomposed_key[0] == head["A"]["version"]
@@ -201,11 +201,11 @@ def assert_equal_states(a: list, b: list) -> None:
 )
 def test_a_bad_round_is_rejected_before_anything_changes(edit, match: str) -> None:
     model, optimizer = fresh(async_delay=2)
-    run(model, optimizer, range(4))
+    checkpoint_run(model, optimizer, range(4))
     checkpoint = saved(model, optimizer)
     edit(checkpoint["optimizer"]["kfac"]["round"])
     target_model, target = fresh(async_delay=2)
-    run(target_model, target, range(5))  # step 3's round adopted at 5
+    checkpoint_run(target_model, target, range(5))  # step 3's round adopted at 5
     before = state_of(target)
     with pytest.raises(ValueError, match=match):
         target.load_state_dict(checkpoint["optimizer"])
@@ -215,12 +215,12 @@ def test_a_bad_round_is_rejected_before_anything_changes(edit, match: str) -> No
 def test_the_dcp_state_leaves_the_round_out_and_does_not_perturb_the_run() -> None:
     # DCP writes one copy of what every rank saves; a round holds this rank's decompositions only.
     reference, reference_optimizer = fresh()
-    run(reference, reference_optimizer, range(8))
+    checkpoint_run(reference, reference_optimizer, range(8))
     model, optimizer = fresh()
-    run(model, optimizer, range(4))
+    checkpoint_run(model, optimizer, range(4))
     state = optimizer.kfac_state().state_dict()
     assert "round" not in state
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        run(model, optimizer, range(4, 8))
+        checkpoint_run(model, optimizer, range(4, 8))
     assert_same_parameters(model, reference)

@@ -113,7 +113,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[int], list[Batch]], Ca
 }
 
 
-def train(case: str, async_statistics: bool, steps: int = 9) -> tuple[list[Tensor], dict[str, Any]]:
+def train_case(case: str, async_statistics: bool, steps: int = 9) -> tuple[list[Tensor], dict[str, Any]]:
     factory, batches, step, options = CASES[case]
     torch.manual_seed(0)
     model = factory()
@@ -126,19 +126,19 @@ def train(case: str, async_statistics: bool, steps: int = 9) -> tuple[list[Tenso
     return [p.detach().clone() for p in model.parameters()], optimizer.state_dict()["kfac"]
 
 
-def running_factors(kfac_state: dict[str, Any]) -> dict[str, Tensor]:
+def saved_running_factors(kfac_state: dict[str, Any]) -> dict[str, Tensor]:
     return {f"{block}.{name}": factor["running"] for block, state in kfac_state["blocks"].items()
             for name, factor in state["factors"].items()}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_async_statistics_train_bit_identically_to_in_line(case: str) -> None:
-    in_line_params, in_line_state = train(case, async_statistics=False)
+    in_line_params, in_line_state = train_case(case, async_statistics=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback, no dropped pair
-        params, state = train(case, async_statistics=True)
+        params, state = train_case(case, async_statistics=True)
     assert all(torch.equal(a, b) for a, b in zip(in_line_params, params, strict=True))
-    in_line_factors, factors = running_factors(in_line_state), running_factors(state)
+    in_line_factors, factors = saved_running_factors(in_line_state), saved_running_factors(state)
     assert in_line_factors.keys() == factors.keys()
     for key, factor in factors.items():
         assert torch.equal(factor, in_line_factors[key]), key
@@ -224,8 +224,3 @@ def test_under_apex_the_statistics_are_computed_in_line_with_one_warning(fake_ap
         factors = run(True)
     assert sum("does not apply under Apex" in str(w.message) for w in record) == 1
     assert all(torch.equal(a, b) for a, b in zip(in_line, factors, strict=True))
-
-
-def test_async_statistics_must_be_a_bool() -> None:
-    with pytest.raises(TypeError, match="async_statistics must be a bool"):
-        KFAC(nn.Linear(2, 2), async_statistics=1)  # type: ignore[arg-type]

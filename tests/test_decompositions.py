@@ -14,13 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import kron_solve
 from kfac_optim import KFAC, linalg
 
 
-def kron_solve(G: torch.Tensor, A: torch.Tensor, grad: torch.Tensor, damping: float) -> torch.Tensor:
-    """(G ⊗ A + λI)⁻¹ vec(∇W) with the row-major vec that torch.kron matches."""
-    dense = torch.kron(G, A) + damping * torch.eye(G.shape[0] * A.shape[0], dtype=G.dtype)
-    return torch.linalg.solve(dense, grad.reshape(-1)).reshape(grad.shape)
 
 
 def low_rank_gram(dim: int, rank: int, zero_rows: int = 0) -> torch.Tensor:

@@ -40,7 +40,7 @@ assert_same = partial(assert_same_tensors, **TOLERANCE)  # rtol=0, atol=0 for bi
 STAGGER: dict[str, Any] = dict(stagger_factor_updates=True, factor_update_steps=3)  # phases 0-2 over 4 blocks
 
 
-class Net(nn.Module):
+class DdpNet(nn.Module):
     """Conv → tanh → three Linear layers: four K-FAC blocks of different sizes.
 
     ``unused`` is never called; ``branch`` is called only when ``use_branch`` (set per rank).
@@ -87,9 +87,9 @@ class ModernNet(nn.Module):
         return self.head(h.flatten(1))
 
 
-def make_model(extra_layers: bool = False, modern: bool = False) -> nn.Module:
+def make_ddp_net(extra_layers: bool = False, modern: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return ModernNet() if modern else Net(extra_layers)
+    return ModernNet() if modern else DdpNet(extra_layers)
 
 
 def global_batch(step: int, modern: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,13 +101,13 @@ def global_batch(step: int, modern: bool = False) -> tuple[torch.Tensor, torch.T
     return x, torch.randint(0, 3, (GLOBAL_BATCH,), generator=generator)
 
 
-def shard(step: int, rank: int, world: int, modern: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def ddp_shard(step: int, rank: int, world: int, modern: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = global_batch(step, modern)
     size = GLOBAL_BATCH // world
     return x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]
 
 
-def train(
+def ddp_train(
     model: nn.Module,
     optimizer: KFAC,
     steps: range,
@@ -119,7 +119,7 @@ def train(
     """Steps on this rank's shard; ``micro_batches`` > 1 accumulates under DDP ``no_sync``."""
     modern = isinstance(model.module if isinstance(model, DDP) else model, ModernNet)
     for step in steps:
-        x, y = shard(step, rank, world, modern)
+        x, y = ddp_shard(step, rank, world, modern)
         optimizer.zero_grad()
         for index, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True)):
             last = index == micro_batches - 1
@@ -160,16 +160,16 @@ MODERN_RUNS = [(1.0, "eigen"), ("mem-opt", "inverse")]
 def ddp_run(
     rank: int, world: int, fraction: float | str, steps: range = range(STEPS), **kwargs: Any
 ) -> tuple[DDP, KFAC]:
-    model = DDP(make_model())
+    model = DDP(make_ddp_net())
     optimizer = KFAC(model, grad_worker_fraction=fraction, **{**OPTIONS, **kwargs})
-    train(model, optimizer, steps, rank, world)
+    ddp_train(model, optimizer, steps, rank, world)
     return model, optimizer
 
 
 # -- what the ranks do --------------------------------------------------------------------------
 
 
-def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]:
+def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for fraction in (1.0, "mem-opt"):
         model, optimizer = ddp_run(rank, world, fraction)
@@ -177,17 +177,17 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
         results[f"factors {fraction}"] = saved_factors(optimizer.state_dict())
         results[f"memory {fraction}"] = optimizer.memory_usage()
 
-    model = DDP(make_model())
+    model = DDP(make_ddp_net())
     optimizer = KFAC(model, **OPTIONS)
-    train(model, optimizer, range(STEPS), rank, world, after_step=optimizer.synchronize_factors)
+    ddp_train(model, optimizer, range(STEPS), rank, world, after_step=optimizer.synchronize_factors)
     results["factors eager"] = saved_factors(optimizer.state_dict())
 
-    model = DDP(make_model())
+    model = DDP(make_ddp_net())
     optimizer = KFAC(model, **OPTIONS)
-    train(model, optimizer, range(STEPS), rank, world, micro_batches=2)
+    ddp_train(model, optimizer, range(STEPS), rank, world, micro_batches=2)
     results["params no_sync"] = parameters(model)
 
-    model = DDP(make_model())
+    model = DDP(make_ddp_net())
     optimizer = KFAC(model, **OPTIONS)  # comm-opt: every rank receives the decompositions it does not own
     storage: list[dict[str, int]] = []
 
@@ -198,7 +198,7 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
             if factor.decomposition is not None and not optimizer._sharding.decomposes(block.name, name)
         })
 
-    train(model, optimizer, range(STEPS), rank, world, after_step=record_received_storage)
+    ddp_train(model, optimizer, range(STEPS), rank, world, after_step=record_received_storage)
     results["received decomposition storage"] = storage
 
     model, optimizer = ddp_run(rank, world, 1.0, fisher="sampled")
@@ -218,10 +218,10 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     results["params stagger"] = parameters(model)
     results["factors stagger"] = saved_factors(optimizer.state_dict())
 
-    model = DDP(make_model(extra_layers=True), find_unused_parameters=True)
+    model = DDP(make_ddp_net(extra_layers=True), find_unused_parameters=True)
     model.module.use_branch = rank == 0
     optimizer = KFAC(model, grad_worker_fraction="mem-opt", **OPTIONS)
-    train(model, optimizer, range(STEPS), rank, world)
+    ddp_train(model, optimizer, range(STEPS), rank, world)
     results["params unused"] = parameters(model)
     results["factors unused"] = saved_factors(optimizer.state_dict())
 
@@ -235,9 +235,9 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     results["comm broadcast"] = communicator.broadcast(sent, src=1, ranks=(0, 1)).wait()
 
     for fraction, method in MODERN_RUNS:
-        model = DDP(make_model(modern=True))
+        model = DDP(make_ddp_net(modern=True))
         optimizer = KFAC(model, grad_worker_fraction=fraction, method=method, **OPTIONS)
-        train(model, optimizer, range(STEPS), rank, world)
+        ddp_train(model, optimizer, range(STEPS), rank, world)
         results[f"modern params {fraction} {method}"] = parameters(model)
         results[f"modern factors {fraction} {method}"] = saved_factors(optimizer.state_dict())
 
@@ -256,19 +256,19 @@ def async_resumed(rank: int, world: int) -> dict[str, Any]:
         model, optimizer = ddp_run(rank, world, 1.0, steps=range(SAVE_AT), async_decompositions=True, async_delay=delay)
         buffer = io.BytesIO()
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-        train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
+        ddp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
         results[f"params async {delay}"] = parameters(model)
         own = buffer.getvalue()
         shared = [own]
         dist.broadcast_object_list(shared, src=0)
         for source, data in (("own", own), ("rank 0's", shared[0])):
             saved = torch.load(io.BytesIO(data), weights_only=True)
-            inner = make_model()
+            inner = make_ddp_net()
             inner.load_state_dict(saved["model"])
             model = DDP(inner)
             optimizer = KFAC(model, async_decompositions=True, async_delay=delay, **OPTIONS)
             optimizer.load_state_dict(saved["optimizer"])
-            train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
+            ddp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
             results[f"params async {delay} resumed from {source}"] = parameters(model)
     return results
 
@@ -280,7 +280,7 @@ def async_delay_with_a_rank_that_decomposes_nothing(rank: int, world: int) -> di
     model = DDP(nn.Linear(16, 3))
     optimizer = KFAC(model, grad_worker_fraction="mem-opt", async_decompositions=True, async_delay=1, **OPTIONS)
     for step in range(4):  # decomposition steps 0 (in line) and 2 (a round, adopted at 3)
-        x, y = shard(step, rank, world)
+        x, y = ddp_shard(step, rank, world)
         optimizer.zero_grad()
         F.cross_entropy(model(x.flatten(1)), y).backward()
         optimizer.step()
@@ -289,12 +289,12 @@ def async_delay_with_a_rank_that_decomposes_nothing(rank: int, world: int) -> di
 
 def resume(rank: int, world: int, checkpoint: Path, fraction: float | str) -> dict[str, torch.Tensor]:
     saved = torch.load(checkpoint, weights_only=False)
-    inner = make_model()
+    inner = make_ddp_net()
     inner.load_state_dict(saved["model"])
     model = DDP(inner) if world > 1 else inner
     optimizer = KFAC(model, grad_worker_fraction=fraction, **OPTIONS)
     optimizer.load_state_dict(saved["optimizer"])
-    train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
+    ddp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
     return parameters(model)
 
 
@@ -307,7 +307,7 @@ def scenario_three_ranks(rank: int, world: int, directory: Path) -> dict[str, An
     return results
 
 
-def scenario_four_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]:
+def ddp_scenario_four_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for method in ("eigen", "inverse"):
         model, optimizer = ddp_run(rank, world, 0.5, method=method)
@@ -321,47 +321,47 @@ def scenario_four_ranks(rank: int, world: int, directory: Path) -> dict[str, Any
 # -- the control runs and the ranks' results ----------------------------------------------------
 
 
-def single_process(steps: int = STEPS, **kwargs: Any) -> tuple[Net, KFAC]:
-    model = make_model()
+def single_process(steps: int = STEPS, **kwargs: Any) -> tuple[DdpNet, KFAC]:
+    model = make_ddp_net()
     optimizer = KFAC(model, **{**OPTIONS, **kwargs})
-    train(model, optimizer, range(steps))
+    ddp_train(model, optimizer, range(steps))
     return model, optimizer
 
 
 @pytest.fixture(scope="module")
-def two_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
-    return spawn(scenario_two_ranks, 2, module_tmp_path, deadline_s=DEADLINE_S)
+def ddp_two_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
+    return spawn(ddp_scenario_two_ranks, 2, module_tmp_path, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
-def three_ranks(module_tmp_path: Path, two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def three_ranks(module_tmp_path: Path, ddp_two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return spawn(scenario_three_ranks, 3, module_tmp_path, deadline_s=DEADLINE_S)  # resumes from the 2-rank checkpoint
 
 
 @pytest.fixture(scope="module")
-def four_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
-    return spawn(scenario_four_ranks, 4, module_tmp_path, deadline_s=DEADLINE_S)
+def ddp_four_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
+    return spawn(ddp_scenario_four_ranks, 4, module_tmp_path, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, torch.Tensor]:
+def ddp_reference() -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
     return parameters(single_process()[0])
 
 
 @pytest.mark.parametrize("key", ["comm sums", "comm sums in place"])
-def test_bucketed_all_reduce_of_packed_matrices_sums_them_whole(two_ranks, key: str) -> None:
+def test_bucketed_all_reduce_of_packed_matrices_sums_them_whole(ddp_two_ranks, key: str) -> None:
     expected = [a + b for a, b in zip(symmetric_matrices(0), symmetric_matrices(1), strict=True)]
-    for results in two_ranks:
+    for results in ddp_two_ranks:
         assert len(results[key]) == len(expected)
         for actual, want in zip(results[key], expected, strict=True):
             assert actual.dtype == want.dtype
             torch.testing.assert_close(actual, want, rtol=0, atol=0)
-    assert all(results["comm sums are the inputs"] for results in two_ranks)
+    assert all(results["comm sums are the inputs"] for results in ddp_two_ranks)
 
 
-def test_broadcast_fills_every_rank_with_the_source_tensors(two_ranks) -> None:
-    for results in two_ranks:
+def test_broadcast_fills_every_rank_with_the_source_tensors(ddp_two_ranks) -> None:
+    for results in ddp_two_ranks:
         matrix, vector = results["comm broadcast"]
         assert (matrix == 1).all() and (vector == 1).all() and vector.dtype == torch.float64
 
@@ -375,124 +375,124 @@ def test_communicator_is_a_no_op_on_one_process() -> None:
 
 
 @pytest.mark.parametrize("fraction", [1.0, "mem-opt"], ids=["comm-opt", "mem-opt"])
-def test_two_ranks_equal_one_process_on_the_concatenated_batch(two_ranks, reference, fraction) -> None:
-    for results in two_ranks:
-        assert_same(results[f"params {fraction}"], reference)
+def test_two_ranks_equal_one_process_on_the_concatenated_batch(ddp_two_ranks, ddp_reference, fraction) -> None:
+    for results in ddp_two_ranks:
+        assert_same(results[f"params {fraction}"], ddp_reference)
 
 
 @pytest.mark.parametrize("fraction", [1.0, 1 / 3], ids=["comm-opt", "mem-opt"])
-def test_three_ranks_equal_one_process_on_the_concatenated_batch(three_ranks, reference, fraction) -> None:
+def test_three_ranks_equal_one_process_on_the_concatenated_batch(three_ranks, ddp_reference, fraction) -> None:
     for results in three_ranks:
-        assert_same(results[f"params {fraction}"], reference)
+        assert_same(results[f"params {fraction}"], ddp_reference)
 
 
-def test_four_ranks_hybrid_equals_one_process(four_ranks, reference) -> None:
-    for results in four_ranks:
-        assert_same(results["params eigen"], reference)
+def test_four_ranks_hybrid_equals_one_process(ddp_four_ranks, ddp_reference) -> None:
+    for results in ddp_four_ranks:
+        assert_same(results["params eigen"], ddp_reference)
 
 
-def test_four_ranks_hybrid_inverse_method_equals_one_process(four_ranks) -> None:
+def test_four_ranks_hybrid_inverse_method_equals_one_process(ddp_four_ranks) -> None:
     control = parameters(single_process(method="inverse")[0])
-    for results in four_ranks:
+    for results in ddp_four_ranks:
         assert_same(results["params inverse"], control)
 
 
-def test_hybrid_ranks_hold_decompositions_of_their_own_blocks_only(four_ranks) -> None:
-    held = [results["decomposed blocks eigen"] for results in four_ranks]
+def test_hybrid_ranks_hold_decompositions_of_their_own_blocks_only(ddp_four_ranks) -> None:
+    held = [results["decomposed blocks eigen"] for results in ddp_four_ranks]
     assert sum(held) == 2 * 4  # 4 blocks, 2 gradient workers each
     assert all(0 < count < 4 for count in held)
 
 
-def test_global_factors_equal_one_process_factors(two_ranks) -> None:
+def test_global_factors_equal_one_process_factors(ddp_two_ranks) -> None:
     _, optimizer = single_process()
     expected = saved_factors(optimizer.state_dict())
-    for results in two_ranks:
+    for results in ddp_two_ranks:
         assert_same(results["factors 1.0"], expected)
 
 
 @pytest.mark.parametrize(("fraction", "method"), MODERN_RUNS)
-def test_two_ranks_equal_one_process_with_embedding_attention_grouped_and_nd_conv_blocks(two_ranks, fraction, method) -> None:
-    model = make_model(modern=True)
+def test_two_ranks_equal_one_process_with_embedding_attention_grouped_and_nd_conv_blocks(ddp_two_ranks, fraction, method) -> None:
+    model = make_ddp_net(modern=True)
     optimizer = KFAC(model, method=method, **OPTIONS)
     assert len(optimizer.blocks) == 7
-    train(model, optimizer, range(STEPS))
-    for results in two_ranks:
+    ddp_train(model, optimizer, range(STEPS))
+    for results in ddp_two_ranks:
         assert_same(results[f"modern params {fraction} {method}"], parameters(model))
         assert_same(results[f"modern factors {fraction} {method}"], saved_factors(optimizer.state_dict()))
-    first, second = two_ranks
+    first, second = ddp_two_ranks
     assert_same(first[f"modern params {fraction} {method}"], second[f"modern params {fraction} {method}"], rtol=0, atol=0)
 
 
-def test_lazy_and_eager_reduction_give_the_same_factors(two_ranks) -> None:
-    for results in two_ranks:
+def test_lazy_and_eager_reduction_give_the_same_factors(ddp_two_ranks) -> None:
+    for results in ddp_two_ranks:
         assert_same(results["factors 1.0"], results["factors eager"])
 
 
-def test_no_sync_accumulation_equals_one_large_batch(two_ranks, reference) -> None:
-    for results in two_ranks:
-        assert_same(results["params no_sync"], reference)
+def test_no_sync_accumulation_equals_one_large_batch(ddp_two_ranks, ddp_reference) -> None:
+    for results in ddp_two_ranks:
+        assert_same(results["params no_sync"], ddp_reference)
 
 
-def test_async_decompositions_under_ddp_equal_one_process_with_the_shards_as_micro_batches(two_ranks) -> None:
+def test_async_decompositions_under_ddp_equal_one_process_with_the_shards_as_micro_batches(ddp_two_ranks) -> None:
     """Each rank adopts the worker's round at the same step; owners broadcast what they adopted."""
-    model = make_model()
+    model = make_ddp_net()
     optimizer = KFAC(model, async_decompositions=True, **OPTIONS)
-    train(model, optimizer, range(STEPS), micro_batches=2)
-    for results in two_ranks:
+    ddp_train(model, optimizer, range(STEPS), micro_batches=2)
+    for results in ddp_two_ranks:
         assert_same(results["params async"], parameters(model))
-    synchronous = make_model()
-    train(synchronous, KFAC(synchronous, **OPTIONS), range(STEPS), micro_batches=2)
+    synchronous = make_ddp_net()
+    ddp_train(synchronous, KFAC(synchronous, **OPTIONS), range(STEPS), micro_batches=2)
     # Stale by one refresh from step 4 on (rounds: step 0 in line, submitted at 2, adopted at 4).
     assert not torch.allclose(parameters(model)["fc1.weight"], parameters(synchronous)["fc1.weight"], rtol=1e-4)
 
 
 @pytest.mark.parametrize("delay", [None, 1])
-def test_async_run_resumed_from_each_ranks_checkpoint_continues_bit_identically(two_ranks, delay: int | None) -> None:
+def test_async_run_resumed_from_each_ranks_checkpoint_continues_bit_identically(ddp_two_ranks, delay: int | None) -> None:
     """Each rank saved the round in flight it computed; a checkpoint of rank 0 loaded on every rank
     adopts at the same step on every rank (no hang), and the ranks stay bit-identical."""
-    for results in two_ranks:
+    for results in ddp_two_ranks:
         assert_same(results[f"params async {delay} resumed from own"], results[f"params async {delay}"], rtol=0, atol=0)
     if delay is None:
-        assert_same(two_ranks[0]["params async None"], two_ranks[0]["params async"], rtol=0, atol=0)
-    first, second = two_ranks
+        assert_same(ddp_two_ranks[0]["params async None"], ddp_two_ranks[0]["params async"], rtol=0, atol=0)
+    first, second = ddp_two_ranks
     key = f"params async {delay} resumed from rank 0's"
     assert_same(first[key], second[key], rtol=0, atol=0)
 
 
-def test_async_delay_adopts_on_every_rank_when_one_rank_decomposes_nothing(two_ranks) -> None:
+def test_async_delay_adopts_on_every_rank_when_one_rank_decomposes_nothing(ddp_two_ranks) -> None:
     """The adopt step shares decompositions (a collective): a rank without a job of its own must
     take part too (it used to skip it, and the ranks timed out)."""
-    (owned_0, params_0), (owned_1, params_1) = (results["async_delay lone owner"] for results in two_ranks)
+    (owned_0, params_0), (owned_1, params_1) = (results["async_delay lone owner"] for results in ddp_two_ranks)
     assert sorted([len(owned_0), len(owned_1)]) == [0, 2]  # A and G on one rank
     assert_same(params_0, params_1, rtol=0, atol=0)
 
 
-def test_async_statistics_under_ddp_are_bit_identical_to_in_line(two_ranks) -> None:
+def test_async_statistics_under_ddp_are_bit_identical_to_in_line(ddp_two_ranks) -> None:
     """The worker runs the same statistics work in the same order: each rank's factors and parameters
     equal, bit for bit, those of its own run with the statistics in line."""
-    for results in two_ranks:
+    for results in ddp_two_ranks:
         assert_same(results["params async statistics"], results["params async"], rtol=0, atol=0)
         assert_same(results["factors async statistics"], results["factors async"], rtol=0, atol=0)
 
 
-def test_staggered_factor_updates_under_ddp_equal_one_process(two_ranks) -> None:
+def test_staggered_factor_updates_under_ddp_equal_one_process(ddp_two_ranks) -> None:
     """The ranks sum their statistics costs, so they assign the phases one process assigns."""
     model, optimizer = single_process(**STAGGER)
     factors = saved_factors(optimizer.state_dict())
-    for results in two_ranks:
+    for results in ddp_two_ranks:
         assert_same(results["params stagger"], parameters(model))
         assert_same(results["factors stagger"], factors)
     unstaggered = saved_factors(single_process(factor_update_steps=3)[1].state_dict())
     assert any(not torch.allclose(factors[key], unstaggered[key]) for key in factors)
 
 
-def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_batches(two_ranks) -> None:
+def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_batches(ddp_two_ranks) -> None:
     """Each rank draws targets for its shard; one process drawing the same per shard agrees."""
-    model = make_model()
+    model = make_ddp_net()
     optimizer = KFAC(model, fisher="sampled", **OPTIONS)
-    train(model, optimizer, range(STEPS), micro_batches=2)
+    ddp_train(model, optimizer, range(STEPS), micro_batches=2)
     factors = saved_factors(optimizer.state_dict())
-    for results in two_ranks:
+    for results in ddp_two_ranks:
         assert_same(results["params sampled"], parameters(model))
         assert_same(results["factors sampled"], factors)
     empirical = saved_factors(single_process()[1].state_dict())
@@ -501,10 +501,10 @@ def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_ba
 
 @pytest.mark.parametrize(
     ("world", "key"),
-    [("two_ranks", "params 1.0"), ("two_ranks", "params mem-opt"), ("two_ranks", "params sampled"),
-     ("two_ranks", "params async"), ("two_ranks", "params async statistics"), ("two_ranks", "params stagger"),
+    [("ddp_two_ranks", "params 1.0"), ("ddp_two_ranks", "params mem-opt"), ("ddp_two_ranks", "params sampled"),
+     ("ddp_two_ranks", "params async"), ("ddp_two_ranks", "params async statistics"), ("ddp_two_ranks", "params stagger"),
      ("three_ranks", "params 1.0"), ("three_ranks", f"params {1 / 3}"), ("three_ranks", "params resumed"),
-     ("four_ranks", "params eigen"), ("four_ranks", "params inverse")],
+     ("ddp_four_ranks", "params eigen"), ("ddp_four_ranks", "params inverse")],
 )
 def test_ranks_hold_bit_identical_parameters(request: pytest.FixtureRequest, world: str, key: str) -> None:
     """DDP's premise: ranks never drift apart, not even by one rounding (a received decomposition
@@ -514,8 +514,8 @@ def test_ranks_hold_bit_identical_parameters(request: pytest.FixtureRequest, wor
         assert_same(other[key], first[key], rtol=0, atol=0)
 
 
-def test_receivers_take_new_decompositions_into_the_storage_of_the_old_ones(two_ranks) -> None:
-    for results in two_ranks:
+def test_receivers_take_new_decompositions_into_the_storage_of_the_old_ones(ddp_two_ranks) -> None:
+    for results in ddp_two_ranks:
         storage = results["received decomposition storage"]
         assert storage[0], "this rank received no decomposition"
         # Decomposition steps 0, 2, 4 (inv_update_steps=2). A thin Q (linalg.symmetric_eigen) may
@@ -530,22 +530,22 @@ def test_receivers_take_new_decompositions_into_the_storage_of_the_old_ones(two_
         assert reused >= len(storage[0])  # at least one step's worth of reuse
 
 
-def test_unused_and_rank_dependent_layers_do_not_hang_and_ranks_agree(two_ranks) -> None:
-    first, second = two_ranks
+def test_unused_and_rank_dependent_layers_do_not_hang_and_ranks_agree(ddp_two_ranks) -> None:
+    first, second = ddp_two_ranks
     assert_same(first["params unused"], second["params unused"], rtol=0, atol=0)
     assert_same(first["factors unused"], second["factors unused"], rtol=0, atol=0)
     assert not first["factors unused"]["unused.A"].any()
 
 
-def test_memory_opt_holds_fewer_decomposition_bytes(two_ranks) -> None:
-    for results in two_ranks:
+def test_memory_opt_holds_fewer_decomposition_bytes(ddp_two_ranks) -> None:
+    for results in ddp_two_ranks:
         comm_opt, mem_opt = results["memory 1.0"], results["memory mem-opt"]
         assert comm_opt["factors"] == mem_opt["factors"] > 0
         assert 0 < mem_opt["decompositions"] < comm_opt["decompositions"]
         assert comm_opt["total"] == sum(v for k, v in comm_opt.items() if k != "total")
 
 
-def test_checkpoint_saved_on_rank_zero_under_mem_opt_holds_every_layer(two_ranks, module_tmp_path) -> None:
+def test_checkpoint_saved_on_rank_zero_under_mem_opt_holds_every_layer(ddp_two_ranks, module_tmp_path) -> None:
     state = torch.load(module_tmp_path / "checkpoint.pt", weights_only=False)["optimizer"]
     decompositions = [
         factor["decomposition"] for block in state["kfac"]["blocks"].values() for factor in block["factors"].values()
@@ -555,13 +555,13 @@ def test_checkpoint_saved_on_rank_zero_under_mem_opt_holds_every_layer(two_ranks
     assert_same(saved_factors(state), saved_factors(optimizer.state_dict()))
 
 
-def test_two_rank_checkpoint_resumes_on_one_process(two_ranks, module_tmp_path, reference) -> None:
-    assert_same(resume(0, 1, module_tmp_path / "checkpoint.pt", 1.0), reference)
+def test_two_rank_checkpoint_resumes_on_one_process(ddp_two_ranks, module_tmp_path, ddp_reference) -> None:
+    assert_same(resume(0, 1, module_tmp_path / "checkpoint.pt", 1.0), ddp_reference)
 
 
-def test_two_rank_checkpoint_resumes_on_three_ranks(three_ranks, reference) -> None:
+def test_two_rank_checkpoint_resumes_on_three_ranks(three_ranks, ddp_reference) -> None:
     for results in three_ranks:
-        assert_same(results["params resumed"], reference)
+        assert_same(results["params resumed"], ddp_reference)
 
 
 def test_single_process_ignores_the_fraction_and_holds_every_decomposition() -> None:
@@ -569,10 +569,4 @@ def test_single_process_ignores_the_fraction_and_holds_every_decomposition() -> 
     assert all(f.decomposition is not None for block in optimizer.blocks for f in block.factors.values())
     assert_same(parameters(model), parameters(single_process()[0]), rtol=0, atol=0)
 
-
-def test_grad_worker_fraction_outside_the_range_is_rejected() -> None:
-    with pytest.raises(ValueError, match="grad_worker_fraction"):
-        KFAC(make_model(), grad_worker_fraction=1.5)
-    with pytest.raises(ValueError, match="grad_worker_fraction"):
-        KFAC(make_model(), grad_worker_fraction="fastest")
 

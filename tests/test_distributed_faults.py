@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from kfac_optim import KFAC
 from kfac_optim.schedules import MilestoneSchedule
 from tests.distributed_helpers import load_results, results_file, run_ranks
-from tests.test_distributed import make_model, parameters, saved_factors, train
+from tests.test_distributed import ddp_train, make_ddp_net, parameters, saved_factors
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -63,26 +63,26 @@ class Wide(nn.Module):
 
 # per rank: (model factory, KFAC keyword arguments); rank r uses entry r
 MISMATCHES: dict[str, tuple[tuple[Callable[[], nn.Module], dict[str, Any]], ...]] = {
-    "damping": ((make_model, dict(damping=0.1)), (make_model, dict(damping=0.2))),
-    "inv_update_steps": ((make_model, dict(inv_update_steps=10)), (make_model, dict(inv_update_steps=5))),
-    "method": ((make_model, dict(method="eigen")), (make_model, dict(method="inverse"))),
-    "factor_dtype": ((make_model, {}), (make_model, dict(factor_dtype=torch.float64))),
-    "grad_worker_fraction": ((make_model, dict(grad_worker_fraction=1.0)), (make_model, dict(grad_worker_fraction="mem-opt"))),
+    "damping": ((make_ddp_net, dict(damping=0.1)), (make_ddp_net, dict(damping=0.2))),
+    "inv_update_steps": ((make_ddp_net, dict(inv_update_steps=10)), (make_ddp_net, dict(inv_update_steps=5))),
+    "method": ((make_ddp_net, dict(method="eigen")), (make_ddp_net, dict(method="inverse"))),
+    "factor_dtype": ((make_ddp_net, {}), (make_ddp_net, dict(factor_dtype=torch.float64))),
+    "grad_worker_fraction": ((make_ddp_net, dict(grad_worker_fraction=1.0)), (make_ddp_net, dict(grad_worker_fraction="mem-opt"))),
     "damping schedule": (
-        (make_model, dict(damping=MilestoneSchedule(0.1, milestones=(100,), gamma=0.5))),
-        (make_model, dict(damping=MilestoneSchedule(0.1, milestones=(200,), gamma=0.5))),
+        (make_ddp_net, dict(damping=MilestoneSchedule(0.1, milestones=(100,), gamma=0.5))),
+        (make_ddp_net, dict(damping=MilestoneSchedule(0.1, milestones=(200,), gamma=0.5))),
     ),
-    "skip_layers": ((make_model, {}), (make_model, dict(skip_layers=["fc2"]))),
-    "async_decompositions": ((make_model, {}), (make_model, dict(async_decompositions=True))),
+    "skip_layers": ((make_ddp_net, {}), (make_ddp_net, dict(skip_layers=["fc2"]))),
+    "async_decompositions": ((make_ddp_net, {}), (make_ddp_net, dict(async_decompositions=True))),
     "async_delay": (
-        (make_model, dict(async_decompositions=True, async_delay=1)),
-        (make_model, dict(async_decompositions=True, async_delay=2)),
+        (make_ddp_net, dict(async_decompositions=True, async_delay=1)),
+        (make_ddp_net, dict(async_decompositions=True, async_delay=2)),
     ),
     "layer shapes": ((lambda: Wide(8), {}), (lambda: Wide(9), {})),
     "same settings spelled differently": (
-        (make_model, dict(grad_worker_fraction="comm-opt", damping=MilestoneSchedule(0.1, milestones=(100,)))),
+        (make_ddp_net, dict(grad_worker_fraction="comm-opt", damping=MilestoneSchedule(0.1, milestones=(100,)))),
         # async_statistics changes no result (the same factors, computed later): ranks may differ in it
-        (make_model, dict(grad_worker_fraction=1.0, damping=MilestoneSchedule(0.1, milestones=(100,)),
+        (make_ddp_net, dict(grad_worker_fraction=1.0, damping=MilestoneSchedule(0.1, milestones=(100,)),
                           async_statistics=True)),
     ),
 }
@@ -91,7 +91,7 @@ MISMATCHES: dict[str, tuple[tuple[Callable[[], nn.Module], dict[str, Any]], ...]
 # -- what the ranks do --------------------------------------------------------------------------
 
 
-def factors(optimizer: KFAC) -> dict[str, torch.Tensor]:
+def saved_factor_copies(optimizer: KFAC) -> dict[str, torch.Tensor]:
     """A copy of the factors ``state_dict()`` saves (later steps update them in place)."""
     return {key: factor.clone() for key, factor in saved_factors(optimizer.state_dict()).items()}
 
@@ -115,7 +115,7 @@ def state(model: nn.Module, optimizer: KFAC) -> dict[str, Any]:
     return {
         "params": parameters(model),
         "steps": optimizer.steps,
-        "factors": factors(optimizer),  # state_dict() on every rank
+        "factors": saved_factor_copies(optimizer),  # state_dict() on every rank
         "decompositions": decompositions,
         "momentum": momentum,
     }
@@ -123,31 +123,31 @@ def state(model: nn.Module, optimizer: KFAC) -> dict[str, Any]:
 
 def uneven_inputs(rank: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    model = DDP(make_model())
+    model = DDP(make_ddp_net())
     optimizer = KFAC(model, **OPTIONS)
     with Join([model, optimizer]):
-        train(model, optimizer, range(JOIN_BATCHES[rank]), rank, WORLD)
+        ddp_train(model, optimizer, range(JOIN_BATCHES[rank]), rank, WORLD)
     results["joined"] = state(model, optimizer)
-    train(model, optimizer, range(6, 9), rank, WORLD)  # an even epoch after: the ranks stay identical
+    ddp_train(model, optimizer, range(6, 9), rank, WORLD)  # an even epoch after: the ranks stay identical
     results["after"] = state(model, optimizer)
 
-    model = DDP(make_model())
+    model = DDP(make_ddp_net())
     optimizer = KFAC(model, grad_worker_fraction="mem-opt", **OPTIONS)
     results["refused mem-opt"] = outcome(lambda: Join([model, optimizer]))
-    model = DDP(make_model())
+    model = DDP(make_ddp_net())
     optimizer = KFAC(model, **OPTIONS)
 
     def optimizer_first() -> None:
         with Join([optimizer, model]):
-            train(model, optimizer, range(JOIN_BATCHES[rank]), rank, WORLD)
+            ddp_train(model, optimizer, range(JOIN_BATCHES[rank]), rank, WORLD)
 
     results["refused optimizer first"] = outcome(optimizer_first)
-    model = DDP(make_model())
+    model = DDP(make_ddp_net())
     optimizer = KFAC(model, **OPTIONS)
 
     def model_only() -> None:
         with Join([model]):
-            train(model, optimizer, range(JOIN_BATCHES[rank]), rank, WORLD)
+            ddp_train(model, optimizer, range(JOIN_BATCHES[rank]), rank, WORLD)
 
     results["refused model only"] = outcome(model_only)
     return results
@@ -157,21 +157,21 @@ def state_dict_on_rank_zero(rank: int) -> dict[str, Any]:
     """The habit ``if rank == 0: torch.save(optimizer.state_dict())``, with the ranks then going on."""
     results: dict[str, Any] = {}
     group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S))  # broken at the end
-    model = DDP(make_model(), process_group=group)
+    model = DDP(make_ddp_net(), process_group=group)
     optimizer = KFAC(model, process_group=group, **OPTIONS)
-    train(model, optimizer, range(3), rank, WORLD)  # step 2 decomposed: the factors are global
+    ddp_train(model, optimizer, range(3), rank, WORLD)  # step 2 decomposed: the factors are global
     if rank == 0:
-        results["right after a decomposition step"] = factors(optimizer)
+        results["right after a decomposition step"] = saved_factor_copies(optimizer)
     dist.barrier()  # on the default group: rank 1 waits until rank 0 saved
-    results["on every rank"] = factors(optimizer)
-    train(model, optimizer, range(3, 4), rank, WORLD)  # step 3 folds only: the factors are local
+    results["on every rank"] = saved_factor_copies(optimizer)
+    ddp_train(model, optimizer, range(3, 4), rank, WORLD)  # step 3 folds only: the factors are local
     if rank == 0:  # waits for rank 1's call up to the store's timeout (init_process_group's): shortened
         store = dist.group.WORLD.get_group_store()
         store.set_timeout(timedelta(seconds=FAULT_TIMEOUT_S))
         results["after a factor step"] = outcome(optimizer.state_dict)
         store.set_timeout(timedelta(seconds=GROUP_TIMEOUT_S))
     else:  # goes on with the next step; its DDP gradient all-reduce times out, matched by nothing
-        results["after a factor step"] = outcome(lambda: train(model, optimizer, range(4, 5), rank, WORLD))
+        results["after a factor step"] = outcome(lambda: ddp_train(model, optimizer, range(4, 5), rank, WORLD))
     return results
 
 
@@ -179,14 +179,14 @@ def dead_peer(rank: int, directory: Path, results: dict[str, Any]) -> dict[str, 
     """Rank 1 dies inside a step (after saving ``results``, the other scenarios'); rank 0 must raise
     from K-FAC's collective within the timeout."""
     group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S))
-    model = DDP(make_model(), process_group=group)
+    model = DDP(make_ddp_net(), process_group=group)
     optimizer = KFAC(model, process_group=group, **OPTIONS)
-    train(model, optimizer, range(4), rank, WORLD)
+    ddp_train(model, optimizer, range(4), rank, WORLD)
     if rank == 1:  # dies as step 4, a decomposition step, begins
         torch.save(results, results_file(directory, every_fault, rank))
         optimizer.register_step_pre_hook(lambda *_: os._exit(DEAD_RANK_EXIT_CODE))
     start = time.monotonic()
-    raised = outcome(lambda: train(model, optimizer, range(4, 6), rank, WORLD))
+    raised = outcome(lambda: ddp_train(model, optimizer, range(4, 6), rank, WORLD))
     return {"raised": raised, "seconds": time.monotonic() - start}
 
 

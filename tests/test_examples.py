@@ -22,12 +22,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_bf16_recipe_trains_close_to_fp32(capsys: pytest.CaptureFixture[str]) -> None:
     assert amp.main(["--dtype", "bf16", "--steps", "4"]) == 0
-    assert "bf16" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "bf16" in out and "(decreased: True)" in out and "bf16 within 2% of it: True" in out
 
 
 def test_fp16_recipe_trains_with_a_grad_scaler(capsys: pytest.CaptureFixture[str]) -> None:
     assert amp.main(["--dtype", "fp16", "--steps", "4"]) == 0
-    assert "fp16" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fp16" in out and "(decreased: True)" in out and "fp16 within 2% of it: True" in out
+
+
+@pytest.mark.parametrize("mixed_run", [(2.3, float("nan")), (2.3, 2.4), (2.3, 1.0)],
+                         ids=["non-finite", "loss went up", "far from fp32"])
+def test_amp_recipe_exits_nonzero_when_the_mixed_run_fails(
+    mixed_run: tuple[float, float], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The recipe's own check can fail: a mixed-precision run that diverges, does not learn or
+    drifts from the fp32 run gives exit status 1 (the fp32 run ends at 2.2 here)."""
+    monkeypatch.setattr(amp, "train", lambda dtype, device, steps: (2.3, 2.2) if dtype == "fp32" else mixed_run)
+    assert amp.main(["--dtype", "bf16", "--steps", "4"]) == 1
 
 
 def test_accumulation_recipe_matches_one_large_batch(capsys: pytest.CaptureFixture[str]) -> None:

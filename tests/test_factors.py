@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import kron_solve
 from kfac_optim import KFAC
 
 DTYPES = {"factor_dtype": torch.float64, "inv_dtype": torch.float64}
@@ -86,10 +87,6 @@ def one_kfac_step(layer: nn.Module, x: torch.Tensor, target: torch.Tensor, **kwa
     return optimizer, grad, before - joint_weight(layer)
 
 
-def kron_solve(G: torch.Tensor, A: torch.Tensor, grad: torch.Tensor, damping: float) -> torch.Tensor:
-    """(G ⊗ A + λI)⁻¹ vec(∇W) with the row-major vec that torch.kron matches."""
-    dense = torch.kron(G, A) + damping * torch.eye(G.shape[0] * A.shape[0])
-    return torch.linalg.solve(dense, grad.reshape(-1)).reshape(grad.shape)
 
 
 def assert_one_step_matches_reference(

@@ -17,20 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import seeded_batch
 from kfac_optim import KFAC
 
 
-def mlp() -> nn.Module:
+def faults_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def batch(n: int = 12, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=generator), torch.randint(0, 3, (n,), generator=generator)
+def faults_batch(n: int = 12, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return seeded_batch((n, 6), 3, seed=seed)
 
 
-def train_step(net: nn.Module, optimizer: KFAC, seed: int = 0) -> None:
-    x, y = batch(seed=seed)
+def faults_train_step(net: nn.Module, optimizer: KFAC, seed: int = 0) -> None:
+    x, y = faults_batch(seed=seed)
     optimizer.zero_grad()
     F.cross_entropy(net(x), y).backward()
     optimizer.step()
@@ -46,10 +46,10 @@ def forward_hook_count(net: nn.Module) -> int:
 def test_gradient_penalty_records_plain_tensors_once_per_step() -> None:
     """A double backward records the output-gradients of the backward that produces ``.grad``."""
     torch.manual_seed(0)
-    net = mlp()
+    net = faults_mlp()
     reference_net = copy.deepcopy(net)  # no optimizer: gradients computed directly below
     optimizer = KFAC(net, lr=0.1, factor_decay=0.0, inv_update_steps=1000)
-    x, y = batch()
+    x, y = faults_batch()
     x.requires_grad_(True)
     loss = F.cross_entropy(net(x), y)
     (gx,) = torch.autograd.grad(loss, x, create_graph=True)
@@ -73,10 +73,10 @@ def test_gradient_penalty_records_plain_tensors_once_per_step() -> None:
 
 
 def test_gradient_penalty_does_not_grow_a_graph_across_steps() -> None:
-    net = mlp()
+    net = faults_mlp()
     optimizer = KFAC(net, lr=0.01, factor_update_steps=1, inv_update_steps=2)
     for step in range(4):
-        x, y = batch(seed=step)
+        x, y = faults_batch(seed=step)
         x.requires_grad_(True)
         optimizer.zero_grad()
         loss = F.cross_entropy(net(x), y)
@@ -89,12 +89,12 @@ def test_gradient_penalty_does_not_grow_a_graph_across_steps() -> None:
 
 
 def test_a_collected_optimizer_takes_its_hooks_with_it() -> None:
-    net = mlp()
+    net = faults_mlp()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no take-over warning: each optimizer is gone before the next
         for _ in range(3):
             optimizer = KFAC(net, lr=0.1)
-            train_step(net, optimizer)
+            faults_train_step(net, optimizer)
             assert forward_hook_count(net) == 2
             del optimizer
             gc.collect()
@@ -102,19 +102,19 @@ def test_a_collected_optimizer_takes_its_hooks_with_it() -> None:
 
 
 def test_a_second_live_optimizer_takes_the_model_over_with_a_warning() -> None:
-    net = mlp()
+    net = faults_mlp()
     first = KFAC(net, lr=0.1)
     with pytest.warns(UserWarning, match="already has a live KFAC") as record:
         second = KFAC(net, lr=0.1)
     assert {w.filename for w in record} == {__file__}
     assert forward_hook_count(net) == len(second.blocks)  # only the new optimizer's hooks
-    train_step(net, second)
+    faults_train_step(net, second)
     assert all(block.A.initialized for block in second.blocks)
     assert not any(block.A.initialized for block in first.blocks)  # the old one records nothing
 
 
 def test_recreating_the_optimizer_keeps_one_hook_per_layer() -> None:
-    net = mlp()
+    net = faults_mlp()
     optimizers = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -125,10 +125,10 @@ def test_recreating_the_optimizer_keeps_one_hook_per_layer() -> None:
 
 def test_a_deep_copied_model_does_not_feed_the_originals_factors() -> None:
     torch.manual_seed(0)
-    net = mlp()
+    net = faults_mlp()
     optimizer = KFAC(net, lr=0.1, factor_decay=0.0)
     ema = copy.deepcopy(net)  # an EMA / teacher copy made after the optimizer
-    x, y = batch()
+    x, y = faults_batch()
     F.cross_entropy(net(x), y).backward()
     pending = {b.name: b.A.pending.clone() for b in optimizer.blocks}
     F.cross_entropy(ema(x * 10), y).backward()  # a backward through the copy before step()
@@ -138,7 +138,7 @@ def test_a_deep_copied_model_does_not_feed_the_originals_factors() -> None:
 
 
 def test_remove_hooks_leaves_no_hooks_on_copies() -> None:
-    net = mlp()
+    net = faults_mlp()
     optimizer = KFAC(net, lr=0.1)
     twin = copy.deepcopy(net)
     optimizer.remove_hooks()
@@ -147,11 +147,11 @@ def test_remove_hooks_leaves_no_hooks_on_copies() -> None:
 
 
 def test_a_copy_of_the_model_can_be_trained_by_its_own_optimizer() -> None:
-    net = mlp()
+    net = faults_mlp()
     KFAC(net, lr=0.1)
     twin = copy.deepcopy(net)
     twin_optimizer = KFAC(twin, lr=0.1)
-    train_step(twin, twin_optimizer)
+    faults_train_step(twin, twin_optimizer)
     assert all(block.A.initialized for block in twin_optimizer.blocks)
 
 
@@ -161,7 +161,7 @@ def test_a_layer_called_with_keyword_arguments_is_captured() -> None:
     positional_net.load_state_dict(keyword_net.state_dict())
     keyword = KFAC(keyword_net, lr=0.1, inv_update_steps=1)
     positional = KFAC(positional_net, lr=0.1, inv_update_steps=1)
-    x, y = batch()
+    x, y = faults_batch()
     F.cross_entropy(keyword_net(input=x), y).backward()
     F.cross_entropy(positional_net(x), y).backward()
     keyword.step()
@@ -177,8 +177,8 @@ def test_one_nan_gradient_entry_stays_in_its_layer() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
     optimizer = KFAC(net, lr=0.1, inv_update_steps=1, kl_clip=1e-3)
-    train_step(net, optimizer)  # decompositions exist from here on
-    x, y = batch(seed=1)
+    faults_train_step(net, optimizer)  # decompositions exist from here on
+    x, y = faults_batch(seed=1)
     optimizer.zero_grad()
     F.cross_entropy(net(x), y).backward()
     net[2].weight.grad[0, 0] = float("nan")
@@ -194,9 +194,9 @@ def test_a_non_finite_layer_is_left_out_of_the_trust_region_and_reported() -> No
     twin = copy.deepcopy(net)
     optimizer = KFAC(net, lr=0.1, inv_update_steps=2, kl_clip=1e-4)
     control = KFAC(twin, lr=0.1, inv_update_steps=2, kl_clip=1e-4)
-    train_step(net, optimizer)
-    train_step(twin, control)
-    x, y = batch(seed=1)
+    faults_train_step(net, optimizer)
+    faults_train_step(twin, control)
+    x, y = faults_batch(seed=1)
     for model, opt in ((net, optimizer), (twin, control)):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -207,35 +207,12 @@ def test_a_non_finite_layer_is_left_out_of_the_trust_region_and_reported() -> No
     # Layer 0's update is clipped by its own term only, as if layer 2 had no gradient.
     torch.testing.assert_close(net[0].weight, twin[0].weight, rtol=0, atol=0)
     with pytest.warns(RuntimeWarning, match=r"layer '2'.*non-finite gradient") as record:
-        train_step(net, optimizer, seed=2)  # step 2 decomposes and reports the earlier step
+        faults_train_step(net, optimizer, seed=2)  # step 2 decomposes and reports the earlier step
     assert len([w for w in record if "non-finite gradient" in str(w.message)]) == 1
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "argument", "error"),
-    [
-        ({"damping": float("inf")}, "damping", ValueError),
-        ({"damping": float("nan")}, "damping", ValueError),
-        ({"kl_clip": float("inf")}, "kl_clip", ValueError),
-        ({"kl_clip": float("nan")}, "kl_clip", ValueError),
-        ({"lr": float("nan")}, "lr", ValueError),
-        ({"lr": "0.1"}, "lr", TypeError),
-        ({"momentum": float("nan")}, "momentum", ValueError),
-        ({"weight_decay": float("inf")}, "weight_decay", ValueError),
-        ({"dampening": float("nan")}, "dampening", ValueError),
-        ({"skip_layers": None}, "skip_layers", TypeError),
-        ({"skip_layers": [5]}, "skip_layers", TypeError),
-        ({"skip_layers": ["("]}, "skip_layers", ValueError),
-        ({"factor_update_steps": True}, "factor_update_steps", ValueError),
-    ],
-)
-def test_bad_argument_names_itself(kwargs: dict, argument: str, error: type[Exception]) -> None:
-    with pytest.raises(error, match=argument):
-        KFAC(mlp(), **{"lr": 0.1, **kwargs})
-
-
 def test_a_damping_schedule_returning_inf_is_named_when_used() -> None:
-    optimizer = KFAC(mlp(), lr=0.1, damping=lambda step: float("inf"))
+    optimizer = KFAC(faults_mlp(), lr=0.1, damping=lambda step: float("inf"))
     with pytest.raises(ValueError, match="damping"):
         optimizer.step()
 
@@ -248,21 +225,21 @@ def trained(width: int = 16, steps: int = 2, **kwargs) -> tuple[nn.Module, KFAC]
     net = nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 3))
     optimizer = KFAC(net, lr=0.1, momentum=0.9, inv_update_steps=1, **kwargs)
     for step in range(steps):
-        train_step(net, optimizer, seed=step)
+        faults_train_step(net, optimizer, seed=step)
     return net, optimizer
 
 
-def snapshot(optimizer: KFAC) -> bytes:
+def state_dict_bytes(optimizer: KFAC) -> bytes:
     buffer = io.BytesIO()
     torch.save(optimizer.state_dict(), buffer)
     return buffer.getvalue()
 
 
 def assert_rejected_untouched(optimizer: KFAC, state: dict, match: str) -> None:
-    before = snapshot(optimizer)
+    before = state_dict_bytes(optimizer)
     with pytest.raises(ValueError, match=match):
         optimizer.load_state_dict(state)
-    assert snapshot(optimizer) == before
+    assert state_dict_bytes(optimizer) == before
 
 
 def test_checkpoint_of_another_width_is_rejected_before_anything_changes() -> None:
@@ -296,7 +273,7 @@ def test_a_non_finite_running_factor_is_reset_by_the_next_fold() -> None:
     net, optimizer = trained(steps=1, factor_decay=0.9)
     factor = optimizer.blocks[0].A
     factor.running.fill_(float("nan"))  # however it got there
-    x, y = batch(seed=5)
+    x, y = faults_batch(seed=5)
     optimizer.zero_grad()
     F.cross_entropy(net(x), y).backward()
     rows = torch.cat([x, torch.ones(len(x), 1)], dim=1)
@@ -314,10 +291,10 @@ def test_pickling_or_copying_the_optimizer_says_to_save_the_state_dict() -> None
 
 def test_checkpoint_of_a_compiled_model_loads_into_the_plain_model() -> None:
     torch.manual_seed(0)
-    net = mlp()
+    net = faults_mlp()
     compiled = torch.compile(net, backend="eager")
     optimizer = KFAC(compiled, lr=0.1, inv_update_steps=1)
-    x, y = batch()
+    x, y = faults_batch()
     F.cross_entropy(compiled(x), y).backward()
     optimizer.step()
     assert [block.name for block in optimizer.blocks] == ["0", "2"]

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from helpers import seeded_batch
 from kfac_optim import KFAC
 from kfac_optim.fisher import sampled_loss
 
@@ -38,9 +39,8 @@ def make(dtype: torch.dtype = torch.float64, **options) -> tuple[TwoLayer, KFAC]
     return model, KFAC(model, **{**defaults, **options})
 
 
-def batch(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    return torch.randn(N, D_IN, generator=generator, dtype=dtype), torch.randint(0, D_OUT, (N,), generator=generator)
+def fisher_batch(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    return seeded_batch((N, D_IN), D_OUT, seed=1, dtype=dtype)
 
 
 def training_loss(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, likelihood: str) -> torch.Tensor:
@@ -68,7 +68,7 @@ def per_sample_loss(out_row: torch.Tensor, target: torch.Tensor, likelihood: str
 @pytest.mark.parametrize("likelihood", ["cross_entropy", "mse"])
 def test_sampled_factors_match_a_dense_reference(likelihood: str) -> None:
     model, optimizer = make()
-    x, y = batch()
+    x, y = fisher_batch()
     out = model(x)
     optimizer.sample_fisher(out, likelihood, generator=torch.Generator().manual_seed(7))
     training_loss(out, x, y, likelihood).backward()
@@ -112,7 +112,7 @@ def test_sampled_output_gradients_have_the_fisher_covariance(likelihood: str) ->
 
 
 def test_sample_fisher_leaves_gradients_alone() -> None:
-    x, y = batch()
+    x, y = fisher_batch()
     model, optimizer = make()
     out = model(x)
     optimizer.sample_fisher(out, "cross_entropy")
@@ -126,7 +126,7 @@ def test_sample_fisher_leaves_gradients_alone() -> None:
 
 
 def test_sample_fisher_records_only_on_factor_steps_and_the_training_backward_never() -> None:
-    x, y = batch()
+    x, y = fisher_batch()
     model, optimizer = make(factor_update_steps=2)
     for step in range(4):
         optimizer.zero_grad()
@@ -144,7 +144,7 @@ def test_loss_scaling_does_not_change_sampled_factors() -> None:
     results = []
     for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**12)):
         model, optimizer = make(torch.float32, factor_update_steps=1)
-        x, y = batch(torch.float32)
+        x, y = fisher_batch(torch.float32)
         for step in range(3):
             optimizer.zero_grad()
             out = model(x)
@@ -172,7 +172,7 @@ def test_sampled_fisher_errors_name_the_argument() -> None:
         empirical.sample_fisher(model(torch.randn(2, D_IN)), "cross_entropy")
     empirical.remove_hooks()
     model, optimizer = make(torch.float32)
-    x, _ = batch(torch.float32)
+    x, _ = fisher_batch(torch.float32)
     with pytest.raises(ValueError, match="likelihood"):
         optimizer.sample_fisher(model(x), "poisson")
     with pytest.raises(ValueError, match=r"\(N, C\)"):
@@ -180,7 +180,7 @@ def test_sampled_fisher_errors_name_the_argument() -> None:
     with pytest.raises(ValueError, match="outputs"):
         optimizer.sample_fisher(model(x).detach(), "mse")
     model, optimizer = make(torch.float32, factor_update_steps=2)
-    F.cross_entropy(model(x), batch()[1]).backward()
+    F.cross_entropy(model(x), fisher_batch()[1]).backward()
     optimizer.step()  # the next step does not update factors: a bad argument is still an error
     with pytest.raises(ValueError, match="outputs"):
         optimizer.sample_fisher(model(x).detach(), "mse")
@@ -192,7 +192,7 @@ def test_sampled_fisher_errors_name_the_argument() -> None:
 def test_checkpointed_models_are_sampled_or_the_user_is_told(reentrant: bool) -> None:
     """Non-reentrant checkpointing works; the reentrant variant hides the layers: a warning, not silence."""
     model, optimizer = make()
-    x, y = batch()
+    x, y = fisher_batch()
     out = checkpoint(model, x.requires_grad_(), use_reentrant=reentrant)
     if reentrant:
         with pytest.warns(RuntimeWarning, match="use_reentrant=False") as caught:
@@ -207,5 +207,5 @@ def test_checkpointed_models_are_sampled_or_the_user_is_told(reentrant: bool) ->
 def test_sample_fisher_in_eval_mode_does_nothing() -> None:
     model, optimizer = make()
     model.eval()
-    optimizer.sample_fisher(model(batch()[0]), "mse")
+    optimizer.sample_fisher(model(fisher_batch()[0]), "mse")
     assert [block.pending_samples for block in optimizer.blocks] == [0, 0]

@@ -38,7 +38,7 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 assert_same = partial(assert_same_tensors, **TOLERANCE)  # rtol=0, atol=0 for bit-identity
 
 
-class Net(nn.Module):
+class FsdpNet(nn.Module):
     """Conv → tanh → three Linear layers; output sizes 3, 8, 5, 3 leave some ranks of 2 and 4
     with fewer rows than others, or none."""
 
@@ -54,9 +54,9 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def make_model() -> Net:
+def make_fsdp_net() -> FsdpNet:
     torch.manual_seed(0)
-    return Net()
+    return FsdpNet()
 
 
 class TokenNet(nn.Module):
@@ -104,7 +104,7 @@ def token_shard(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.T
     return x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]
 
 
-def shard(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fsdp_shard(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s part of the global batch of ``step``."""
     generator = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(GLOBAL_BATCH, 1, 4, 4, generator=generator)
@@ -113,8 +113,8 @@ def shard(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]
 
 
-def train(
-    model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank: int = 0, world: int = 1, data: Callable = shard
+def fsdp_train(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank: int = 0, world: int = 1, data: Callable = fsdp_shard
 ) -> None:
     for step in steps:
         x, y = data(step, rank, world)
@@ -131,7 +131,7 @@ def train_sampled(model: nn.Module, optimizer: KFAC, steps: range, rank: int = 0
         optimizer.zero_grad()
         for part in range(micro_batches):
             shard_rank = rank * micro_batches + part
-            x, y = shard(step, shard_rank, world * micro_batches)
+            x, y = fsdp_shard(step, shard_rank, world * micro_batches)
             out = model(x)
             optimizer.sample_fisher(out, "cross_entropy", generator=torch.Generator().manual_seed(100 * step + shard_rank))
             loss = F.cross_entropy(out, y) / micro_batches
@@ -213,11 +213,11 @@ def test_plan_rows_that_cut_across_shard_groups_are_rejected() -> None:
 # -- what the ranks do --------------------------------------------------------------------------
 
 
-def sharded_model(mesh: Any = None, root_only: bool = False, **fsdp_kwargs: Any) -> Net:
+def sharded_model(mesh: Any = None, root_only: bool = False, **fsdp_kwargs: Any) -> FsdpNet:
     """``fully_shard`` on every K-FAC layer (unless ``root_only``) and on the root."""
     from torch.distributed.fsdp import fully_shard
 
-    model = make_model()
+    model = make_fsdp_net()
     for layer in () if root_only else (model.conv, model.fc1, model.fc2, model.head):
         fully_shard(layer, mesh=mesh, **fsdp_kwargs)
     fully_shard(model, mesh=mesh, **fsdp_kwargs)
@@ -229,7 +229,7 @@ def kfac_run(
 ) -> dict[str, torch.Tensor]:
     model = sharded_model(mesh, root_only, **fsdp_kwargs)
     optimizer = KFAC(model, grad_worker_fraction=fraction, **OPTIONS)
-    train(model, optimizer, range(STEPS), rank, world)
+    fsdp_train(model, optimizer, range(STEPS), rank, world)
     SENT[fraction] = optimizer._sharding.comm.bytes_sent["fsdp_rows"]
     return full_parameters(model)
 
@@ -246,7 +246,7 @@ def sgd_runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
         ("kfac off", lambda m: KFAC(m, skip_layers=[nn.Linear, nn.Conv2d], **SGD_OPTIONS)),
     ):
         model = sharded_model()
-        train(model, build(model), range(STEPS), rank, world)
+        fsdp_train(model, build(model), range(STEPS), rank, world)
         results[name] = full_parameters(model)
     return results
 
@@ -271,11 +271,11 @@ def resume_from_checkpoint(model: nn.Module, path: Path, rank: int = 0, world: i
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert optimizer.steps == SAVE_AT
-    train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
+    fsdp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
     return full_parameters(model)
 
 
-def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]:
+def fsdp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     results: dict[str, Any] = {}
@@ -299,7 +299,7 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     optimizer = KFAC(model, **OPTIONS)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     for step in range(STEPS):
-        x, y = shard(step, rank, world)
+        x, y = fsdp_shard(step, rank, world)
         optimizer.zero_grad()
         scaler.scale(F.cross_entropy(model(x), y)).backward()
         scaler.step(optimizer)
@@ -311,7 +311,7 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     fully_shard(model)
     optimizer = KFAC(model, grad_worker_fraction=0.5, **OPTIONS)
     results["new blocks"] = sorted(type(block).__name__ for block in optimizer.blocks)
-    train(model, optimizer, range(STEPS), rank, world, data=token_shard)
+    fsdp_train(model, optimizer, range(STEPS), rank, world, data=token_shard)
     results["params new blocks"] = full_parameters(model)
 
     from kfac_optim.layers import LinearBlock, register_block, unregister_block
@@ -326,14 +326,14 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
 
     model = sharded_model()
     optimizer = KFAC(model, grad_worker_fraction=0.5, **OPTIONS)
-    train(model, optimizer, range(SAVE_AT), rank, world)
+    fsdp_train(model, optimizer, range(SAVE_AT), rank, world)
     save_checkpoint(model, optimizer, directory / "dcp")
     plain = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}  # DTensor shards, per rank
     model = sharded_model()
     optimizer = KFAC(model, grad_worker_fraction=0.5, **OPTIONS)
     model.load_state_dict(plain["model"])
     optimizer.load_state_dict(plain["optimizer"])
-    train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
+    fsdp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
     results["params plain resumed"] = full_parameters(model)
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -347,7 +347,7 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
     return results
 
 
-def scenario_four_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]:
+def fsdp_scenario_four_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     results: dict[str, Any] = {}
@@ -364,122 +364,122 @@ def scenario_four_ranks(rank: int, world: int, directory: Path) -> dict[str, Any
 
 
 @pytest.fixture(scope="module")
-def two_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
-    return spawn(scenario_two_ranks, 2, module_tmp_path, deadline_s=DEADLINE_S)
+def fsdp_two_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
+    return spawn(fsdp_scenario_two_ranks, 2, module_tmp_path, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
-def four_ranks(module_tmp_path: Path, two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return spawn(scenario_four_ranks, 4, module_tmp_path, deadline_s=DEADLINE_S)  # resumes from the 2-rank DCP checkpoint
+def fsdp_four_ranks(module_tmp_path: Path, fsdp_two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return spawn(fsdp_scenario_four_ranks, 4, module_tmp_path, deadline_s=DEADLINE_S)  # resumes from the 2-rank DCP checkpoint
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, torch.Tensor]:
+def fsdp_reference() -> dict[str, torch.Tensor]:
     """One process, the unsharded model, the concatenated batch."""
     torch.set_num_threads(1)
-    model = make_model()
-    train(model, KFAC(model, **OPTIONS), range(STEPS))
+    model = make_fsdp_net()
+    fsdp_train(model, KFAC(model, **OPTIONS), range(STEPS))
     return full_parameters(model)
 
 
 @pytest.mark.parametrize("key", ["params 1.0", "params 0.5", "params keep unsharded", "params root only",
                                  "params grad scaler"])
-def test_two_fsdp_ranks_equal_one_process_on_the_concatenated_batch(two_ranks, reference, key: str) -> None:
-    for results in two_ranks:
-        assert_same(results[key], reference)
+def test_two_fsdp_ranks_equal_one_process_on_the_concatenated_batch(fsdp_two_ranks, fsdp_reference, key: str) -> None:
+    for results in fsdp_two_ranks:
+        assert_same(results[key], fsdp_reference)
 
 
 @pytest.mark.parametrize("key", ["params 1.0", "params 0.5", "params 0.25"])
-def test_four_fsdp_ranks_equal_one_process_on_the_concatenated_batch(four_ranks, reference, key: str) -> None:
-    for results in four_ranks:
-        assert_same(results[key], reference)
+def test_four_fsdp_ranks_equal_one_process_on_the_concatenated_batch(fsdp_four_ranks, fsdp_reference, key: str) -> None:
+    for results in fsdp_four_ranks:
+        assert_same(results[key], fsdp_reference)
 
 
 @pytest.mark.parametrize("key", ["params hsdp 0.5", "params hsdp 0.25"])
-def test_hsdp_on_a_two_by_two_mesh_equals_one_process(four_ranks, reference, key: str) -> None:
-    for results in four_ranks:
-        assert_same(results[key], reference)
+def test_hsdp_on_a_two_by_two_mesh_equals_one_process(fsdp_four_ranks, fsdp_reference, key: str) -> None:
+    for results in fsdp_four_ranks:
+        assert_same(results[key], fsdp_reference)
 
 
 @pytest.mark.parametrize("key", ["params sampled", "params sampled grad scaler"])
-def test_sampled_fisher_on_two_fsdp_ranks_equals_one_process_with_the_shards_as_micro_batches(two_ranks, key) -> None:
+def test_sampled_fisher_on_two_fsdp_ranks_equals_one_process_with_the_shards_as_micro_batches(fsdp_two_ranks, key) -> None:
     """``sample_fisher`` back-propagates to the hooked layer outputs, so it records under FSDP2 too
     (differentiating w.r.t. the sharded parameters reached no layer: no statistics at all)."""
-    model = make_model()
+    model = make_fsdp_net()
     optimizer = KFAC(model, fisher="sampled", **OPTIONS)
     train_sampled(model, optimizer, range(STEPS), micro_batches=2)
     assert all(f.running.abs().sum() > 0 for b in optimizer.blocks for f in b.factors.values())
-    for results in two_ranks:
+    for results in fsdp_two_ranks:
         assert_same(results[key], full_parameters(model))
 
 
-def test_new_block_kinds_on_two_fsdp_ranks_equal_one_process(two_ranks) -> None:
+def test_new_block_kinds_on_two_fsdp_ranks_equal_one_process(fsdp_two_ranks) -> None:
     """Embedding, a grouped Conv1d cut inside a group, MultiheadAttention's blocks: each is
     preconditioned whole from its gathered gradient rows, as in one process."""
     torch.set_num_threads(1)
     model = make_token_model()
     optimizer = KFAC(model, **OPTIONS)
-    train(model, optimizer, range(STEPS), data=token_shard)
+    fsdp_train(model, optimizer, range(STEPS), data=token_shard)
     expected = full_parameters(model)
     kinds = sorted(type(block).__name__ for block in optimizer.blocks)
     assert {"EmbeddingBlock", "ConvBlock", "InProjectionBlock", "OutProjectionBlock"} <= set(kinds)
     sgd_only = make_token_model()
-    train(sgd_only, torch.optim.SGD(sgd_only.parameters(), **SGD_OPTIONS), range(STEPS), data=token_shard)
+    fsdp_train(sgd_only, torch.optim.SGD(sgd_only.parameters(), **SGD_OPTIONS), range(STEPS), data=token_shard)
     assert any(not torch.allclose(sgd_only.state_dict()[k], expected[k], **TOLERANCE) for k in expected)
-    for results in two_ranks:
+    for results in fsdp_two_ranks:
         assert results["new blocks"] == kinds
         assert_same(results["params new blocks"], expected)
 
 
-def test_a_block_whose_parameters_differ_in_rows_is_rejected_under_fsdp_naming_it(two_ranks) -> None:
+def test_a_block_whose_parameters_differ_in_rows_is_rejected_under_fsdp_naming_it(fsdp_two_ranks) -> None:
     """FSDP2 moves rows (dim 0) of a layer's parameters together: a block whose bias is not
     row-aligned with its weight cannot be gathered that way, and says so at construction."""
-    for results in two_ranks:
+    for results in fsdp_two_ranks:
         message = results["rows of different lengths error"]
         assert "'0'" in message and "TransposedBlock" in message and "FSDP2" in message and "(4, 2)" in message
 
 
-def test_bf16_parameters_with_fp32_reduction_stay_close_to_fp32(two_ranks, reference) -> None:
+def test_bf16_parameters_with_fp32_reduction_stay_close_to_fp32(fsdp_two_ranks, fsdp_reference) -> None:
     """MixedPrecisionPolicy computes forward and backward in bf16: close to fp32, not equal."""
-    sgd_only = make_model()
-    train(sgd_only, torch.optim.SGD(sgd_only.parameters(), **SGD_OPTIONS), range(STEPS))
-    for results in two_ranks:
-        assert_same(results["params bf16"], reference, rtol=0.0, atol=2e-2)
-        drift = max((results["params bf16"][k] - reference[k]).abs().max() for k in reference)
-        assert drift < max((sgd_only.state_dict()[k] - reference[k]).abs().max() for k in reference)
+    sgd_only = make_fsdp_net()
+    fsdp_train(sgd_only, torch.optim.SGD(sgd_only.parameters(), **SGD_OPTIONS), range(STEPS))
+    for results in fsdp_two_ranks:
+        assert_same(results["params bf16"], fsdp_reference, rtol=0.0, atol=2e-2)
+        drift = max((results["params bf16"][k] - fsdp_reference[k]).abs().max() for k in fsdp_reference)
+        assert drift < max((sgd_only.state_dict()[k] - fsdp_reference[k]).abs().max() for k in fsdp_reference)
 
 
-def test_kfac_without_preconditioning_is_bit_identical_to_sgd_on_the_same_fsdp_model(two_ranks) -> None:
-    for results in two_ranks:
+def test_kfac_without_preconditioning_is_bit_identical_to_sgd_on_the_same_fsdp_model(fsdp_two_ranks) -> None:
+    for results in fsdp_two_ranks:
         assert_same(results["kfac off"], results["torch sgd"], rtol=0, atol=0)
 
 
-def test_plain_state_dict_of_sharded_kfac_resumes_on_the_same_ranks(two_ranks, reference) -> None:
-    for results in two_ranks:
-        assert_same(results["params plain resumed"], reference)
+def test_plain_state_dict_of_sharded_kfac_resumes_on_the_same_ranks(fsdp_two_ranks, fsdp_reference) -> None:
+    for results in fsdp_two_ranks:
+        assert_same(results["params plain resumed"], fsdp_reference)
 
 
-def test_dcp_checkpoint_from_two_fsdp_ranks_resumes_on_four(four_ranks, reference) -> None:
-    for results in four_ranks:
-        assert_same(results["params dcp resumed"], reference)
+def test_dcp_checkpoint_from_two_fsdp_ranks_resumes_on_four(fsdp_four_ranks, fsdp_reference) -> None:
+    for results in fsdp_four_ranks:
+        assert_same(results["params dcp resumed"], fsdp_reference)
 
 
 SINGLE_PROCESS_DCP = "ignore:torch.distributed is disabled:UserWarning"  # DCP's note that it loads in one process
 
 
 @pytest.mark.filterwarnings(SINGLE_PROCESS_DCP)
-def test_dcp_checkpoint_from_two_fsdp_ranks_loads_in_one_process(two_ranks, module_tmp_path, reference) -> None:
-    assert_same(resume_from_checkpoint(make_model(), module_tmp_path / "dcp"), reference)
+def test_dcp_checkpoint_from_two_fsdp_ranks_loads_in_one_process(fsdp_two_ranks, module_tmp_path, fsdp_reference) -> None:
+    assert_same(resume_from_checkpoint(make_fsdp_net(), module_tmp_path / "dcp"), fsdp_reference)
 
 
 @pytest.mark.filterwarnings(SINGLE_PROCESS_DCP)
-def test_dcp_checkpoint_holds_global_factors_by_module_name(two_ranks, module_tmp_path) -> None:
+def test_dcp_checkpoint_holds_global_factors_by_module_name(fsdp_two_ranks, module_tmp_path) -> None:
     """What DCP wrote: one copy of each layer's global factors, keyed by its name; no decompositions."""
     import torch.distributed.checkpoint as dcp
 
-    model = make_model()
+    model = make_fsdp_net()
     optimizer = KFAC(model, **OPTIONS)
-    train(model, optimizer, range(SAVE_AT))
+    fsdp_train(model, optimizer, range(SAVE_AT))
     expected = optimizer.kfac_state_dict()
     metadata = dcp.FileSystemReader(str(module_tmp_path / "dcp")).read_metadata()
     kfac_keys = {key for key in metadata.state_dict_metadata if key.startswith("kfac.")}
@@ -495,18 +495,18 @@ def test_dcp_checkpoint_holds_global_factors_by_module_name(two_ranks, module_tm
             torch.testing.assert_close(factor.running, expected["blocks"][block.name]["factors"][name]["running"], **TOLERANCE)
 
 
-def test_parameters_sharded_other_than_by_rows_are_rejected_naming_the_placements(two_ranks) -> None:
+def test_parameters_sharded_other_than_by_rows_are_rejected_naming_the_placements(fsdp_two_ranks) -> None:
     """Tensor parallelism's column sharding (Shard(1)) is not FSDP2's layout: a clear error."""
-    for results in two_ranks:
+    for results in fsdp_two_ranks:
         assert "Shard(0)" in results["column sharding error"] and "Shard(dim=1)" in results["column sharding error"]
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
-def test_rows_sent_match_the_bytes_comm_bytes_counts(two_ranks, fraction: float) -> None:
+def test_rows_sent_match_the_bytes_comm_bytes_counts(fsdp_two_ranks, fraction: float) -> None:
     """What the ranks handed to gather/scatter equals benchmarks.comm_bytes' count, every step."""
     from benchmarks.comm_bytes import fsdp_bytes
     from kfac_optim.optimizer import block_dims
 
-    per_step = fsdp_bytes(block_dims(make_model()), param_bytes=0, world=2, fraction=fraction)
-    sent = sum(results[f"rows sent {fraction}"] for results in two_ranks)
+    per_step = fsdp_bytes(block_dims(make_fsdp_net()), param_bytes=0, world=2, fraction=fraction)
+    sent = sum(results[f"rows sent {fraction}"] for results in fsdp_two_ranks)
     assert sent == STEPS * 2 * per_step["kfac_rows_per_step_mean"] > 0

@@ -14,10 +14,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import kron_solve
 from test_factors import (  # the float64 fixture and the reference helpers
     DTYPES,
     _float64,  # noqa: F401 (autouse fixture)
-    kron_solve,
     mean_loss,
     one_kfac_step,
     per_sample_output_grads,
@@ -726,10 +726,6 @@ def test_reduce_makes_one_row_per_sample_for_conv_positions(groups: int) -> None
         torch.testing.assert_close(A, A_ref, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(G, G_ref, rtol=1e-12, atol=1e-12)
 
-
-def test_weight_sharing_is_validated() -> None:
-    with pytest.raises(ValueError, match="weight_sharing"):
-        KFAC(nn.Linear(2, 2), weight_sharing="sum")
 
 
 def test_reduce_for_attention_is_one_row_per_sample_per_projection() -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from kfac_optim import KFAC
 
 
-def model() -> nn.Module:
+def memory_model() -> nn.Module:
     # Factor dims: conv A = 2·3·3 = 18 (no bias), G = 4; linear A = 4·6·6 + 1 = 145, G = 3.
     return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
 
@@ -32,7 +32,7 @@ def one_step(optimizer: KFAC, net: nn.Module) -> None:
 
 @pytest.mark.parametrize("factor_dtype", [torch.float32, torch.float64])
 def test_factors_and_pending_are_n_squared_before_any_decomposition(factor_dtype: torch.dtype) -> None:
-    optimizer = KFAC(model(), factor_dtype=factor_dtype)
+    optimizer = KFAC(memory_model(), factor_dtype=factor_dtype)
     size = torch.finfo(factor_dtype).bits // 8
     usage = optimizer.memory_usage()
     assert usage["factors"] == sum(n * n for n in DIMS) * size
@@ -51,7 +51,7 @@ def test_factors_and_pending_are_n_squared_before_any_decomposition(factor_dtype
     ],
 )
 def test_decompositions_are_q_and_d_or_one_inverse_per_factor(method, inv_dtype, per_factor) -> None:
-    net = model()
+    net = memory_model()
     optimizer = KFAC(net, lr=0.01, method=method, inv_dtype=inv_dtype)
     one_step(optimizer, net)
     size = torch.finfo(inv_dtype).bits // 8

@@ -2,7 +2,9 @@
 
 Benchmarks and examples must not reach into private state of `KFAC`, its blocks or its
 communicator (an attribute `x._name` of anything but their own `self`), must not replace the
-optimizer's attributes, and must not edit `sys.path` (they run as modules from the repository root).
+optimizer's attributes, must not write the attributes of its blocks and factors (their state
+changes only through their methods), and must not edit `sys.path` (they run as modules from the
+repository root).
 The instrumentation they read instead (profiler ranges, byte counters, read-only properties) is
 checked here on a real 2-layer model.
 """
@@ -18,10 +20,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC
+from kfac_optim.layers import LinearBlock
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted([*(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "examples").rglob("*.py")])
 KFAC_ATTRIBUTES = {"options", "blocks", "model", "param_groups", "state"}
+
+
+def _block_and_factor_attributes() -> set[str]:
+    """The public data attributes of a real block and of its factors (e.g. ``pending_rows``,
+    ``decomposed_key``, ``decomposition``): what a script must not assign."""
+    block = LinearBlock("probe", nn.Linear(2, 2), True, torch.float32)
+    names = set(vars(block)).union(*(vars(factor) for factor in block.factors.values()))
+    return {name for name in names if not name.startswith("_")}
+
+
+BLOCK_AND_FACTOR_ATTRIBUTES = _block_and_factor_attributes()
 
 
 def _is_self(node: ast.expr) -> bool:
@@ -40,6 +54,12 @@ def _violations(path: Path) -> list[str]:
                 found.append(f"{where}: sys.path")
             if isinstance(node.ctx, ast.Store) and node.attr in KFAC_ATTRIBUTES and not _is_self(node.value):
                 found.append(f"{where}: replaces {ast.unparse(node)}")
+            if isinstance(node.ctx, ast.Store) and node.attr in BLOCK_AND_FACTOR_ATTRIBUTES and not _is_self(node.value):
+                found.append(f"{where}: writes block/factor attribute {ast.unparse(node)}")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in BLOCK_AND_FACTOR_ATTRIBUTES):
+            found.append(f"{where}: writes block/factor attribute {ast.unparse(node)}")
     return found
 
 
@@ -53,6 +73,23 @@ def test_the_scan_finds_what_it_forbids(tmp_path: Path) -> None:
     script = tmp_path / "probe.py"
     script.write_text("opt._capture.armed = False\nopt.options = None\nimport sys\nsys.path.insert(0, '.')\n")
     assert len(_violations(script)) == 3
+
+
+def test_the_scan_finds_writes_to_block_and_factor_attributes(tmp_path: Path) -> None:
+    """What benchmarks/step_time.py once did to re-fold and re-decompose: writes to a block's and
+    its factors' counters and cache keys (and the same through ``setattr`` or ``+=``)."""
+    assert {"pending_rows", "pending_samples", "decomposed_key", "decomposition", "running"} <= BLOCK_AND_FACTOR_ATTRIBUTES
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "block.pending_samples, block.A.pending_rows = 3, 4\n"
+        "factor.decomposed_key = None\n"
+        "other.decomposition, other.decomposed_key = factor.decomposition, factor.decomposed_key\n"
+        "setattr(factor, 'running', None)\n"
+        "block.G.pending_rows += 1\n"
+        "capture.armed = False\n"  # not a block or factor attribute: allowed
+    )
+    found = _violations(script)
+    assert len(found) == 7 and all("writes block/factor attribute" in f for f in found), found
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.relative_to(ROOT).as_posix())

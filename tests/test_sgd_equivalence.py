@@ -23,7 +23,7 @@ def small_cnn() -> nn.Module:
     )
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, scheduler_factory: Callable | None = None) -> None:
+def sgd_train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, scheduler_factory: Callable | None = None) -> None:
     scheduler = scheduler_factory(optimizer) if scheduler_factory else None
     generator = torch.Generator().manual_seed(123)
     for _ in range(steps):
@@ -63,8 +63,8 @@ def assert_bit_identical(a: nn.Module, b: nn.Module) -> None:
 def test_all_layers_skipped_equals_sgd(settings: dict) -> None:
     model = small_cnn()
     reference = copy.deepcopy(model)
-    train(model, KFAC(model, skip_layers=[".*"], **settings), steps=6)
-    train(reference, torch.optim.SGD(reference.parameters(), **settings), steps=6)
+    sgd_train(model, KFAC(model, skip_layers=[".*"], **settings), steps=6)
+    sgd_train(reference, torch.optim.SGD(reference.parameters(), **settings), steps=6)
     assert_bit_identical(model, reference)
 
 
@@ -74,8 +74,8 @@ def test_two_param_groups_and_step_lr_equal_sgd() -> None:
     reference = copy.deepcopy(model)
     settings = {"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4}
     schedule = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # noqa: E731
-    train(model, KFAC(model, params=two_groups(model), skip_layers=[nn.Linear, nn.Conv2d], **settings), 7, schedule)
-    train(reference, torch.optim.SGD(two_groups(reference), **settings), 7, schedule)
+    sgd_train(model, KFAC(model, params=two_groups(model), skip_layers=[nn.Linear, nn.Conv2d], **settings), 7, schedule)
+    sgd_train(reference, torch.optim.SGD(two_groups(reference), **settings), 7, schedule)
     assert_bit_identical(model, reference)
 
 
@@ -117,6 +117,6 @@ def test_lr_scheduler_drives_kfac() -> None:
     model = small_cnn()
     optimizer = KFAC(model, lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    train(model, optimizer, steps=1)
+    sgd_train(model, optimizer, steps=1)
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == 0.05

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from helpers import running_factors, seeded_batch
 from kfac_optim import KFAC, MilestoneSchedule
 
 
-class Net(nn.Module):
+class CapturePathsNet(nn.Module):
     """Conv → in-place ReLU → Linear over a (N, T, features) view: every capture path at once."""
 
     def __init__(self, inplace: bool = True, checkpoint_mode: str | None = None) -> None:
@@ -37,17 +38,14 @@ class Net(nn.Module):
         return self.head(h.flatten(1))
 
 
-def batch(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 1, 6, 6, generator=generator), torch.randint(0, 5, (n,), generator=generator)
+def loop_batch(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return seeded_batch((n, 1, 6, 6), 5, seed=seed)
 
 
-def factors(optimizer: KFAC) -> dict[str, torch.Tensor]:
-    return {f"{b.name}.{k}": f.running.clone() for b in optimizer.blocks for k, f in b.factors.items()}
 
 
 def assert_same_factors(a: KFAC, b: KFAC, **tolerance) -> None:
-    fa, fb = factors(a), factors(b)
+    fa, fb = running_factors(a), running_factors(b)
     assert fa.keys() == fb.keys()
     for key in fa:
         torch.testing.assert_close(fa[key], fb[key], **tolerance, msg=key)
@@ -55,9 +53,9 @@ def assert_same_factors(a: KFAC, b: KFAC, **tolerance) -> None:
 
 def test_accumulated_micro_batches_equal_one_large_batch() -> None:
     torch.manual_seed(0)
-    model = Net()
+    model = CapturePathsNet()
     accumulated = copy.deepcopy(model)
-    x, y = batch(12)
+    x, y = loop_batch(12)
     opt_one = KFAC(model, lr=0.1, damping=0.1)
     F.cross_entropy(model(x), y).backward()
     opt_one.step()
@@ -74,10 +72,10 @@ def test_accumulated_micro_batches_equal_one_large_batch() -> None:
 
 @pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
 def test_activation_checkpointing_does_not_double_count(mode: str) -> None:
-    plain, checkpointed = Net(), Net(checkpoint_mode=mode)
+    plain, checkpointed = CapturePathsNet(), CapturePathsNet(checkpoint_mode=mode)
     checkpointed.load_state_dict(plain.state_dict())
     optimizers = [KFAC(m, lr=0.1) for m in (plain, checkpointed)]
-    x, y = batch(8)
+    x, y = loop_batch(8)
     x.requires_grad_(mode == "reentrant")  # reentrant checkpoint needs an input that requires grad
     for model, optimizer in zip((plain, checkpointed), optimizers):
         F.cross_entropy(model(x), y).backward()
@@ -87,10 +85,10 @@ def test_activation_checkpointing_does_not_double_count(mode: str) -> None:
 
 
 def test_inplace_relu_after_a_layer_sees_the_layers_own_output_gradient() -> None:
-    inplace, out_of_place = Net(inplace=True), Net(inplace=False)
+    inplace, out_of_place = CapturePathsNet(inplace=True), CapturePathsNet(inplace=False)
     out_of_place.load_state_dict(inplace.state_dict())
     optimizers = [KFAC(m, lr=0.1) for m in (inplace, out_of_place)]
-    x, y = batch(8)
+    x, y = loop_batch(8)
     for model, optimizer in zip((inplace, out_of_place), optimizers):
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
@@ -98,9 +96,9 @@ def test_inplace_relu_after_a_layer_sees_the_layers_own_output_gradient() -> Non
 
 
 def test_no_statistics_in_eval_mode_under_no_grad_or_between_factor_steps() -> None:
-    model = Net()
+    model = CapturePathsNet()
     optimizer = KFAC(model, lr=0.1, factor_update_steps=2)
-    x, y = batch(4)
+    x, y = loop_batch(4)
     model.eval()
     F.cross_entropy(model(x), y).backward()
     model.train()
@@ -114,25 +112,25 @@ def test_no_statistics_in_eval_mode_under_no_grad_or_between_factor_steps() -> N
 
 
 def test_remove_hooks_lets_a_second_optimizer_own_the_model() -> None:
-    model = Net()
+    model = CapturePathsNet()
     first = KFAC(model, lr=0.1)
     first.remove_hooks()
     second = KFAC(model, lr=0.1)
-    x, y = batch(4)
+    x, y = loop_batch(4)
     F.cross_entropy(model(x), y).backward()
     assert all(b.pending_samples == 0 for b in first.blocks)
     assert all(b.pending_samples == 4 for b in second.blocks)
 
 
 def test_zero_grad_drops_statistics_of_a_step_that_never_happened() -> None:
-    model = Net()
+    model = CapturePathsNet()
     optimizer = KFAC(model, lr=0.1, damping=0.1)
     reference = copy.deepcopy(model)
     reference_optimizer = KFAC(reference, lr=0.1, damping=0.1)
-    x_skipped, y_skipped = batch(4, seed=1)
+    x_skipped, y_skipped = loop_batch(4, seed=1)
     F.cross_entropy(model(x_skipped), y_skipped).backward()  # e.g. a NaN loss the user skips
     optimizer.zero_grad()
-    x, y = batch(4)
+    x, y = loop_batch(4)
     for m, opt in ((model, optimizer), (reference, reference_optimizer)):
         F.cross_entropy(m(x), y).backward()
         opt.step()
@@ -141,9 +139,9 @@ def test_zero_grad_drops_statistics_of_a_step_that_never_happened() -> None:
 
 def test_steps_without_statistics_do_not_touch_the_pending_buffers() -> None:
     """Non-factor steps and zero_grad cost no pass over the (n, n) pending statistics."""
-    model = Net()
+    model = CapturePathsNet()
     optimizer = KFAC(model, lr=0.1, factor_update_steps=2, inv_update_steps=2)
-    x, y = batch(4)
+    x, y = loop_batch(4)
     F.cross_entropy(model(x), y).backward()
     optimizer.step()  # step 0: a factor step folds (and clears) the statistics
     optimizer.zero_grad()
@@ -158,7 +156,7 @@ def test_steps_without_statistics_do_not_touch_the_pending_buffers() -> None:
 
 
 def test_update_intervals_follow_their_schedules() -> None:
-    model = Net()
+    model = CapturePathsNet()
     optimizer = KFAC(
         model,
         lr=0.01,
@@ -167,7 +165,7 @@ def test_update_intervals_follow_their_schedules() -> None:
     )
     folds, decompositions = [], []
     for step in range(6):
-        x, y = batch(4, seed=step)
+        x, y = loop_batch(4, seed=step)
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         versions = optimizer.blocks[0].A.version
@@ -178,9 +176,9 @@ def test_update_intervals_follow_their_schedules() -> None:
     assert decompositions == [1, 1, 3, 3, 4, 4]  # refreshed at steps 0, 2, 4 (factor versions)
 
 
-def run(model: nn.Module, optimizer: KFAC, steps: range) -> None:
+def loop_run(model: nn.Module, optimizer: KFAC, steps: range) -> None:
     for step in steps:
-        x, y = batch(8, seed=step)
+        x, y = loop_batch(8, seed=step)
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
@@ -189,25 +187,25 @@ def run(model: nn.Module, optimizer: KFAC, steps: range) -> None:
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_state_dict_round_trip_resumes_bit_identically(method: str) -> None:
     settings = dict(lr=0.05, momentum=0.9, weight_decay=1e-4, damping=0.05, factor_update_steps=2, inv_update_steps=3, method=method)
-    model = Net()
+    model = CapturePathsNet()
     optimizer = KFAC(model, **settings)
-    run(model, optimizer, range(5))
+    loop_run(model, optimizer, range(5))
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    run(model, optimizer, range(5, 10))
+    loop_run(model, optimizer, range(5, 10))
 
     buffer.seek(0)
     checkpoint_ = torch.load(buffer, weights_only=True)
-    resumed = Net()
+    resumed = CapturePathsNet()
     resumed.load_state_dict(checkpoint_["model"])
     resumed_optimizer = KFAC(resumed, **settings)
     resumed_optimizer.load_state_dict(checkpoint_["optimizer"])
     assert resumed_optimizer.steps == 5
-    run(resumed, resumed_optimizer, range(5, 10))
+    loop_run(resumed, resumed_optimizer, range(5, 10))
     for p, q in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
 
 
 def test_checkpoint_keys_factors_by_module_name() -> None:
-    optimizer = KFAC(Net(), lr=0.1)
+    optimizer = KFAC(CapturePathsNet(), lr=0.1)
     assert set(optimizer.state_dict()["kfac"]["blocks"]) == {"conv", "seq", "head"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,50 +12,81 @@ from torch import nn
 from kfac_optim import KFAC
 
 
-def model() -> nn.Module:
+# -- the validation table: KFAC(**kwargs) with one bad argument ---------------------------------
+#
+# One row per bad input: (constructor keywords, exception type, regex the message must match: the
+# argument's name at least). The keywords are merged over ``BASE`` (a model and ``lr``), so a row
+# names only what it tests, and re-pointing a row to a new spelling (e.g. a keyword that moves into a
+# config dataclass) is a change of that row alone.
+
+
+def small_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "argument"),
-    [
-        ({"lr": -0.1}, "lr"),
-        ({"momentum": -0.5}, "momentum"),
-        ({"weight_decay": -1e-4}, "weight_decay"),
-        ({"nesterov": True}, "nesterov"),
-        ({"nesterov": True, "momentum": 0.9, "dampening": 0.1}, "nesterov"),
-        ({"damping": 0.0}, "damping"),
-        ({"damping": -1.0}, "damping"),
-        ({"factor_decay": 1.0}, "factor_decay"),
-        ({"factor_decay": -0.1}, "factor_decay"),
-        ({"kl_clip": 0.0}, "kl_clip"),
-        ({"factor_update_steps": 0}, "factor_update_steps"),
-        ({"inv_update_steps": 0}, "inv_update_steps"),
-        ({"inv_update_steps": 2.5}, "inv_update_steps"),
-        ({"method": "cholesky"}, "method"),
-        ({"loss_reduction": "none"}, "loss_reduction"),
-        ({"factor_dtype": torch.float16}, "factor_dtype"),
-        ({"inv_dtype": torch.bfloat16}, "inv_dtype"),
-        ({"params": [nn.Parameter(torch.zeros(2))]}, "params"),
-    ],
-)
-def test_bad_argument_raises_value_error_naming_it(kwargs: dict, argument: str) -> None:
-    with pytest.raises(ValueError, match=argument):
-        KFAC(model(), **{"lr": 0.1, **kwargs})
+def bad(kwargs: dict[str, Any], error: type[Exception], match: str, id: str | None = None) -> Any:  # noqa: A002
+    """One table row, its test id the keywords (or ``id``)."""
+    return pytest.param(kwargs, error, match, id=id or ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))
 
 
-def test_model_must_be_a_module() -> None:
-    with pytest.raises(TypeError, match="model"):
-        KFAC([nn.Parameter(torch.zeros(2))], lr=0.1)
+BASE: dict[str, Any] = {"lr": 0.1}
+"""What every row's constructor call gets besides its own keywords (the model is built per call)."""
+
+VALIDATION_TABLE = [
+    # the model and the parameters
+    bad({"model": [nn.Parameter(torch.zeros(2))]}, TypeError, "model", id="model=list of parameters"),
+    bad({"params": [nn.Parameter(torch.zeros(2))]}, ValueError, "params", id="params=not the model's"),
+    # SGD's own arguments
+    bad({"lr": -0.1}, ValueError, "lr"),
+    bad({"lr": float("nan")}, ValueError, "lr"),
+    bad({"lr": "0.1"}, TypeError, "lr"),
+    bad({"momentum": -0.5}, ValueError, "momentum"),
+    bad({"momentum": float("nan")}, ValueError, "momentum"),
+    bad({"weight_decay": -1e-4}, ValueError, "weight_decay"),
+    bad({"weight_decay": float("inf")}, ValueError, "weight_decay"),
+    bad({"dampening": float("nan")}, ValueError, "dampening"),
+    bad({"nesterov": True}, ValueError, "nesterov"),
+    bad({"nesterov": True, "momentum": 0.9, "dampening": 0.1}, ValueError, "nesterov"),
+    # the everyday K-FAC arguments
+    bad({"damping": 0.0}, ValueError, "damping"),
+    bad({"damping": -1.0}, ValueError, "damping"),
+    bad({"damping": float("inf")}, ValueError, "damping"),
+    bad({"damping": float("nan")}, ValueError, "damping"),
+    bad({"kl_clip": 0.0}, ValueError, "kl_clip"),
+    bad({"kl_clip": float("inf")}, ValueError, "kl_clip"),
+    bad({"kl_clip": float("nan")}, ValueError, "kl_clip"),
+    bad({"factor_update_steps": 0}, ValueError, "factor_update_steps"),
+    bad({"factor_update_steps": True}, ValueError, "factor_update_steps"),
+    bad({"inv_update_steps": 0}, ValueError, "inv_update_steps"),
+    bad({"inv_update_steps": 2.5}, ValueError, "inv_update_steps"),
+    bad({"method": "cholesky"}, ValueError, "method"),
+    # the advanced ones
+    bad({"factor_decay": 1.0}, ValueError, "factor_decay"),
+    bad({"factor_decay": -0.1}, ValueError, "factor_decay"),
+    bad({"loss_reduction": "none"}, ValueError, "loss_reduction"),
+    bad({"weight_sharing": "sum"}, ValueError, "weight_sharing"),
+    bad({"skip_layers": "0"}, TypeError, "skip_layers"),
+    bad({"skip_layers": None}, TypeError, "skip_layers"),
+    bad({"skip_layers": [5]}, TypeError, "skip_layers"),
+    bad({"skip_layers": ["("]}, ValueError, "skip_layers"),
+    bad({"factor_dtype": torch.float16}, ValueError, "factor_dtype"),
+    bad({"inv_dtype": torch.bfloat16}, ValueError, "inv_dtype"),
+    bad({"grad_worker_fraction": 1.5}, ValueError, "grad_worker_fraction"),
+    bad({"grad_worker_fraction": "fastest"}, ValueError, "grad_worker_fraction"),
+    bad({"grad_scaler": object()}, TypeError, "grad_scaler"),
+    bad({"async_statistics": 1}, TypeError, "async_statistics must be a bool"),
+    bad({"stagger_factor_updates": 1}, TypeError, "stagger_factor_updates"),
+]
 
 
-def test_skip_layers_must_be_a_sequence() -> None:
-    with pytest.raises(TypeError, match="skip_layers"):
-        KFAC(model(), lr=0.1, skip_layers="0")
+@pytest.mark.parametrize(("kwargs", "error", "match"), VALIDATION_TABLE)
+def test_bad_argument_raises_an_error_naming_it(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        KFAC(**{"model": small_mlp(), **BASE, **kwargs})
 
 
 def test_schedule_returning_a_bad_value_is_named_when_used() -> None:
-    optimizer = KFAC(model(), lr=0.1, damping=lambda step: -1.0)
+    optimizer = KFAC(small_mlp(), lr=0.1, damping=lambda step: -1.0)
     with pytest.raises(ValueError, match="damping"):
         optimizer.step()
 
@@ -79,7 +112,7 @@ def train_step(net: nn.Module, optimizer: KFAC, seed: int = 0) -> None:
 
 
 def test_non_finite_statistics_are_discarded_with_a_warning() -> None:
-    net = model()
+    net = small_mlp()
     optimizer = KFAC(net, lr=0.1, inv_update_steps=2)
     train_step(net, optimizer)
     before = optimizer.blocks[0].A.running.clone()
@@ -95,7 +128,7 @@ def test_non_finite_statistics_are_discarded_with_a_warning() -> None:
 
 
 def test_first_fold_non_finite_leaves_factor_uninitialized() -> None:
-    net = model()
+    net = small_mlp()
     optimizer = KFAC(net, lr=0.1)
     x = torch.randn(8, 4)
     F.cross_entropy(net(x), torch.zeros(8, dtype=torch.long)).backward()
@@ -109,7 +142,7 @@ def test_first_fold_non_finite_leaves_factor_uninitialized() -> None:
 
 
 def test_failed_decomposition_keeps_the_last_good_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    net = model()
+    net = small_mlp()
     optimizer = KFAC(net, lr=0.1, inv_update_steps=1)
     train_step(net, optimizer)
     good = optimizer.blocks[0].A.decomposition
@@ -129,7 +162,7 @@ def test_failed_decomposition_keeps_the_last_good_one(monkeypatch: pytest.Monkey
 
 
 def test_float32_failure_is_retried_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
-    net = model()
+    net = small_mlp()
     optimizer = KFAC(net, lr=0.1, inv_update_steps=1)
     real_eigh = torch.linalg.eigh
 

@@ -204,7 +204,7 @@ def shrinking_net() -> nn.Sequential:
     )
 
 
-def train(skip: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[bool]]:
+def zero_taps_train(skip: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[bool]]:
     """Five K-FAC steps of :func:`shrinking_net`: its parameters, A factors, and which convs skipped taps."""
     monkeypatch.setattr(ConvBlock, "skip_zero_taps", skip)
     torch.manual_seed(0)
@@ -225,8 +225,8 @@ def test_an_optimizer_steps_the_same_with_and_without_skipping_zero_taps(
     max_valid_taps: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(conv_module, "MAX_VALID_TAPS", max_valid_taps)
-    params_skip, factors_skip, skipped = train(True, monkeypatch)
-    params_dense, factors_dense, skipped_dense = train(False, monkeypatch)
+    params_skip, factors_skip, skipped = zero_taps_train(True, monkeypatch)
+    params_dense, factors_dense, skipped_dense = zero_taps_train(False, monkeypatch)
     # 4x4 and 2x2 inputs use every tap, 2x2 with stride 2 four of them, 1x1 one.
     assert skipped == [False, False, max_valid_taps >= 4, True]
     assert not any(skipped_dense)

@@ -1,0 +1,42 @@
+"""The test suite's own layout: every helper is defined once.
+
+A test module's top-level functions and classes other than ``test_*`` (models, batches, dense
+references, fixtures, scenarios) are its helpers. One defined under the same name in two files
+(tests/helpers.py and tests/distributed_helpers.py included) is a copy waiting to drift: shared
+ones live in tests/helpers.py (or tests/distributed_helpers.py) and are imported; file-specific
+ones get a name that says what they are.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def helper_definitions(paths: list[Path]) -> dict[str, list[str]]:
+    """``{name: ["file:line", ...]}`` of the top-level non-test functions and classes in ``paths``."""
+    where: dict[str, list[str]] = defaultdict(list)
+    for path in paths:
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            is_definition = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            if is_definition and not node.name.startswith("test_"):
+                where[node.name].append(f"{path.name}:{node.lineno}")
+    return where
+
+
+def test_no_helper_is_defined_in_more_than_one_test_file() -> None:
+    paths = sorted(TESTS.glob("*.py"))
+    assert len(paths) > 20 and TESTS / "helpers.py" in paths
+    copies = {name: places for name, places in helper_definitions(paths).items()
+              if len({place.partition(":")[0] for place in places}) > 1}
+    assert copies == {}
+
+
+def test_the_scan_finds_a_copied_helper(tmp_path: Path) -> None:
+    (tmp_path / "test_one.py").write_text("def batch():\n    pass\n\nclass Net:\n    pass\n\ndef test_a():\n    pass\n")
+    (tmp_path / "test_two.py").write_text("def batch(n):\n    pass\n\ndef test_a():\n    pass\n")
+    found = helper_definitions(sorted(tmp_path.glob("*.py")))
+    assert found == {"batch": ["test_one.py:1", "test_two.py:1"], "Net": ["test_one.py:4"]}
