@@ -34,15 +34,17 @@ def reached(value: float, target: float, higher_is_better: bool) -> bool:
     return value >= target if higher_is_better else value <= target
 
 
-def time_to(history: Sequence[dict[str, float]], target: float, higher_is_better: bool, split: str = "test") -> float:
-    """Training time at which the metric first reaches ``target`` (interpolated); inf if never."""
+def time_to(history: Sequence[dict[str, float]], target: float, higher_is_better: bool, split: str = "test",
+            clock: str = "time_s") -> float:
+    """Training time (``clock="step"``: steps) at which the metric first reaches ``target``
+    (interpolated); inf if never."""
     previous = None
     for row in history:
         if reached(row[split], target, higher_is_better):
             if previous is None or row[split] == previous[split]:
-                return row["time_s"]
+                return row[clock]
             share = (target - previous[split]) / (row[split] - previous[split])
-            return previous["time_s"] + share * (row["time_s"] - previous["time_s"])
+            return previous[clock] + share * (row[clock] - previous[clock])
         previous = row
     return NEVER
 
@@ -98,6 +100,7 @@ def summarize_task(task: Task, results: dict[str, dict[str, Any]]) -> dict[str, 
             "finals": [final(r, "test") for r in seeds], "final_median": finals[name],
             "final_mean": statistics.fmean(final(r, "test") for r in seeds),
             "to_goal_s": to_goal, "to_goal_median_s": median(to_goal),
+            "to_goal_median_steps": median([time_to(r["history"], goal, hib, clock="step") for r in seeds]),
             "to_goal_mean_s": statistics.fmean(to_goal),
             "to_adamw_s": to_adamw, "to_adamw_median_s": median(to_adamw) if to_adamw else None,
             "at_equal_time": statistics.fmean(metric_at(r["history"], equal_time) for r in seeds),
@@ -119,6 +122,10 @@ def _seconds(value: float | None) -> str:
     return "never" if math.isinf(value) else f"{value:.2f}"
 
 
+def _steps(value: float) -> str:
+    return "never" if math.isinf(value) else f"{value:.0f}"
+
+
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -127,7 +134,7 @@ def format_table(summary: dict[str, Any]) -> str:
     """One Markdown table for a task, one row per optimizer."""
     metric, hib = summary["metric"], summary["higher_is_better"]
     head = ["optimizer", "lr (grid)", f"final test {metric}: median (seeds)", f"time to {summary['goal_from']}'s "
-            f"{summary['goal']:.4g}: per seed (s)", "median (s)", "vs AdamW",
+            f"{summary['goal']:.4g}: per seed (s)", "median (s)", "vs AdamW", "median steps",
             f"time to AdamW's {summary['adamw_goal']:.4g}: median (s)" if summary["adamw_goal"] is not None else
             "time to AdamW's final", "vs AdamW", f"{metric} at {summary['equal_time_s']:.1f} s", "step (ms)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -138,7 +145,7 @@ def format_table(summary: dict[str, Any]) -> str:
         if row["diverged"]:
             finals += f", {row['diverged']} diverged"
         cells = [name, lr, finals, ", ".join(map(_seconds, row["to_goal_s"])), _seconds(row["to_goal_median_s"]),
-                 _ratio(row["goal_vs_adamw"]), _seconds(row["to_adamw_median_s"]), _ratio(row["adamw_goal_vs_adamw"]),
+                 _ratio(row["goal_vs_adamw"]), _steps(row["to_goal_median_steps"]), _seconds(row["to_adamw_median_s"]), _ratio(row["adamw_goal_vs_adamw"]),
                  f"{row['at_equal_time']:.4f}", f"{row['step_ms']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     direction = "higher" if hib else "lower"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -35,6 +36,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each (default 2; 1: in this process)")
     parser.add_argument("--quick", action="store_true", help="tiny budget for a smoke test (CI)")
     parser.add_argument("--out", type=Path, default=Path("runs") / "peers", help="output folder (default runs/peers)")
+    parser.add_argument("--report", action="store_true",
+                        help="train nothing: re-read the runs of --out's <task>.json files and rewrite the tables, "
+                        "summaries and plots")
     args = parser.parse_args(argv)
     quick = args.quick
     for name, normal, small in (("grid_points", 4, 1), ("seeds", 3, 1), ("budget_scale", 1.0, QUICK_BUDGET_SCALE),
@@ -48,12 +52,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    command = " ".join(["python -m benchmarks.peers", *(argv if argv is not None else sys.argv[1:])])
+    if args.report:
+        return report(args, command)
     names = [n for n in dict.fromkeys(args.optimizers) if optimizers.available(n)]
     for skipped in sorted(set(args.optimizers) - set(names)):
         print(f"note: {skipped} skipped: heavyball is not installed (pip install heavyball, or .[peers])")
     tasks = list(dict.fromkeys(args.tasks))
     total = len(tasks) * len(names) * (args.grid_points + args.seeds - 1)
-    started, load = time.perf_counter(), os.getloadavg()
+    started, load = time.perf_counter(), os.getloadavg()[0]
     warned: dict[str, set[str]] = {}
     bar = tqdm(total=total, desc="peer runs", unit="run", dynamic_ncols=True)
 
@@ -68,31 +75,48 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         runner.close()
         bar.close()
-    wall = time.perf_counter() - started
-
-    summaries, tables = [], []
-    for task in tasks:
-        summary = analysis.summarize_task(TASKS[task], results[task])
-        summaries.append(summary)
-        tables.append(analysis.format_table(summary))
-        payload: dict[str, Any] = {"summary": summary, "runs": results[task], "settings": settings(args, names)}
-        write_json_and_plot(args.out, task, payload, analysis.plot_task(summary, results[task]))
-    verdicts = analysis.kfac_verdicts(summaries)
-    report = "\n\n".join([
-        f"`python -m benchmarks.peers {' '.join(argv if argv is not None else sys.argv[1:])}`".replace(" `", "`"),
-        *tables,
-        "Issue 21's goals for K-FAC, as measured:\n\n" + "\n".join(f"- {line}" for line in verdicts),
-        f"Wall time {wall / 60:.1f} min with --jobs {args.jobs}; load average at the start "
-        f"{load[0]:.2f}, at the end {os.getloadavg()[0]:.2f}.",
-    ])
     for name, messages in sorted(warned.items()):
         for message in sorted(messages):
             print(f"warning from {name} runs: {message}")
-    print("\n" + report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "peers.md").write_text(report + "\n", encoding="utf-8")
-    print(f"wrote {args.out / 'peers.md'}")
+    info = {**settings(args, names), "command": command, "wall_s": time.perf_counter() - started,
+            "load_start": load, "load_end": os.getloadavg()[0]}
+    write(args.out, {task: results[task] for task in tasks}, {task: info for task in tasks}, command)
     return 0
+
+
+def report(args: argparse.Namespace, command: str) -> int:
+    """``--report``: the tables and plots of the runs saved in ``args.out``."""
+    saved = {task: json.loads((args.out / f"{task}.json").read_text()) for task in args.tasks
+             if (args.out / f"{task}.json").is_file()}
+    if not saved:
+        print(f"no <task>.json for tasks {args.tasks} in {args.out}", file=sys.stderr)
+        return 1
+    write(args.out, {t: p["runs"] for t, p in saved.items()}, {t: p["settings"] for t, p in saved.items()}, command)
+    return 0
+
+
+def write(out: Path, results: dict[str, dict[str, Any]], infos: dict[str, dict[str, Any]], command: str) -> None:
+    """Per task: the table, ``<task>.json`` (summary, every run, settings) and ``<task>.png``; then ``peers.md``."""
+    summaries, tables = [], []
+    for task, runs in results.items():
+        summary = analysis.summarize_task(TASKS[task], runs)
+        summaries.append(summary)
+        tables.append(analysis.format_table(summary))
+        write_json_and_plot(out, task, {"summary": summary, "runs": runs, "settings": infos[task]},
+                            analysis.plot_task(summary, runs))
+    runs_line = sorted({f"`{i['command']}`: wall time {i['wall_s'] / 60:.1f} min with --jobs {i['jobs']}, "
+                        f"load average {i['load_start']:.2f} at the start and {i['load_end']:.2f} at the end"
+                        for i in infos.values() if "wall_s" in i})
+    text = "\n\n".join([
+        f"`{command}`", *tables,
+        "Issue 21's goals for K-FAC, as measured:\n\n"
+        + "\n".join(f"- {line}" for line in analysis.kfac_verdicts(summaries)),
+        "Runs: " + "; ".join(runs_line) if runs_line else "Runs: (no timing recorded)",
+    ])
+    print("\n" + text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peers.md").write_text(text + "\n", encoding="utf-8")
+    print(f"wrote {out / 'peers.md'}")
 
 
 def settings(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
