@@ -70,17 +70,21 @@ def main(argv: list[str] | None = None) -> int:
         warned.setdefault(run["optimizer"], set()).update(run["warnings"])
 
     runner = Runner(args.jobs, done)
+    results, infos = {}, {}
     try:
-        results = tune_and_seed(runner, tasks, names, args.grid_points, args.seeds, args.budget_scale, args.evals)
+        for task in tasks:  # each task's files are written as soon as it is done
+            results[task] = tune_and_seed(runner, task, names, args.grid_points, args.seeds, args.budget_scale,
+                                          args.evals)
+            infos[task] = {**settings(args, names), "command": command, "wall_s": time.perf_counter() - started,
+                           "load_start": load, "load_end": os.getloadavg()[0]}
+            bar.clear()
+            write(args.out, results, infos, command)
     finally:
         runner.close()
         bar.close()
     for name, messages in sorted(warned.items()):
         for message in sorted(messages):
             print(f"warning from {name} runs: {message}")
-    info = {**settings(args, names), "command": command, "wall_s": time.perf_counter() - started,
-            "load_start": load, "load_end": os.getloadavg()[0]}
-    write(args.out, {task: results[task] for task in tasks}, {task: info for task in tasks}, command)
     return 0
 
 
@@ -104,14 +108,14 @@ def write(out: Path, results: dict[str, dict[str, Any]], infos: dict[str, dict[s
         tables.append(analysis.format_table(summary))
         write_json_and_plot(out, task, {"summary": summary, "runs": runs, "settings": infos[task]},
                             analysis.plot_task(summary, runs))
-    runs_line = sorted({f"`{i['command']}`: wall time {i['wall_s'] / 60:.1f} min with --jobs {i['jobs']}, "
-                        f"load average {i['load_start']:.2f} at the start and {i['load_end']:.2f} at the end"
-                        for i in infos.values() if "wall_s" in i})
+    runs_line = [f"{task}: done {i['wall_s'] / 60:.1f} min after the start of `{i['command']}` (--jobs {i['jobs']}), "
+                 f"load average {i['load_start']:.2f} at the start and {i['load_end']:.2f} then"
+                 for task, i in infos.items() if "wall_s" in i]
     text = "\n\n".join([
         f"`{command}`", *tables,
         "Issue 21's goals for K-FAC, as measured:\n\n"
         + "\n".join(f"- {line}" for line in analysis.kfac_verdicts(summaries)),
-        "Runs: " + "; ".join(runs_line) if runs_line else "Runs: (no timing recorded)",
+        "Runs:\n\n" + "\n".join(f"- {line}" for line in runs_line) if runs_line else "Runs: (no timing recorded)",
     ])
     print("\n" + text)
     out.mkdir(parents=True, exist_ok=True)

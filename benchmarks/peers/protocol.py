@@ -7,7 +7,7 @@ budget. The metric is evaluated on validation and test at time 0 and each time t
 crosses another ``1/evals`` of the budget (evaluation is not timed). A non-finite training loss
 ends the run as diverged.
 
-The protocol: phase 1 runs each optimizer's lr grid on seed 0 and scores each lr by its final
+The protocol, one task at a time: phase 1 runs each optimizer's lr grid on seed 0 and scores each lr by its final
 validation metric; phase 2 runs the best lr on seeds 1..n-1, and the seed-0 run of the best lr
 serves as the first seed (its test metric was never used for the choice).
 """
@@ -120,20 +120,18 @@ class Runner:
             self.pool.shutdown()
 
 
-def tune_and_seed(runner: Runner, tasks: list[str], names: list[str], points: int, seeds: int,
-                  budget_scale: float, evals: int) -> dict[str, dict[str, Any]]:
-    """Both phases for every (task, optimizer): ``{task: {optimizer: {"grid": runs, "best_lr", "seeds": runs}}}``."""
-    grid = [RunSpec(t, n, lr, 0, TASKS[t].budget_s * budget_scale, evals)
-            for t in tasks for n in names for lr in optimizers.lr_grid(n, points)]
-    grid_runs = runner.map(grid)
-    results: dict[str, dict[str, Any]] = {t: {} for t in tasks}
-    for t in tasks:
-        for n in names:
-            runs = [r for r in grid_runs if r["task"] == t and r["optimizer"] == n]
-            best = max(runs, key=lambda r: score(r, TASKS[t].higher_is_better))
-            results[t][n] = {"grid": runs, "best_lr": best["lr"], "seeds": [best]}
-    more = [RunSpec(t, n, results[t][n]["best_lr"], seed, TASKS[t].budget_s * budget_scale, evals)
-            for t in tasks for n in names for seed in range(1, seeds)]
-    for run in runner.map(more):
-        results[run["task"]][run["optimizer"]]["seeds"].append(run)
+def tune_and_seed(runner: Runner, task: str, names: list[str], points: int, seeds: int, budget_scale: float,
+                  evals: int) -> dict[str, Any]:
+    """Both phases for every optimizer on one task: ``{optimizer: {"grid": runs, "best_lr", "seeds": runs}}``."""
+    budget = TASKS[task].budget_s * budget_scale
+    grid_runs = runner.map([RunSpec(task, n, lr, 0, budget, evals) for n in names
+                            for lr in optimizers.lr_grid(n, points)])
+    results: dict[str, Any] = {}
+    for n in names:
+        runs = [r for r in grid_runs if r["optimizer"] == n]
+        best = max(runs, key=lambda r: score(r, TASKS[task].higher_is_better))
+        results[n] = {"grid": runs, "best_lr": best["lr"], "seeds": [best]}
+    for run in runner.map([RunSpec(task, n, results[n]["best_lr"], seed, budget, evals)
+                           for n in names for seed in range(1, seeds)]):
+        results[run["optimizer"]]["seeds"].append(run)
     return results
