@@ -166,18 +166,18 @@ def kfac_verdicts(summaries: Sequence[dict[str, Any]]) -> list[str]:
             lines.append(f"{s['task']}: K-FAC to AdamW's final {s['adamw_goal']:.4g}: "
                          + ("never (median)" if ratio is None else f"{ratio:.2f}x AdamW's time")
                          + f" (goal <= 0.8x: {'met' if ratio is not None and ratio <= 0.8 else 'NOT met'})")
-        if "muon" in rows:
-            k, m = kfac["to_goal_median_s"], rows["muon"]["to_goal_median_s"]
-            ahead = k < m or (math.isinf(k) and math.isinf(m) and reached(kfac["at_equal_time"],
-                                                                          rows["muon"]["at_equal_time"],
-                                                                          s["higher_is_better"]))
-            lines.append(f"{s['task']}: K-FAC vs Muon to the best peer's final: {_seconds(k)} s vs {_seconds(m)} s; "
-                         f"at equal time {kfac['at_equal_time']:.4f} vs {rows['muon']['at_equal_time']:.4f} "
-                         f"(ahead: {'yes' if ahead else 'no'})")
-        if s["task"] == "cnn" and "sgd" in rows:
-            k, g = kfac["to_goal_median_s"], rows["sgd"]["to_goal_median_s"]
-            lines.append(f"cnn: K-FAC vs SGD to the best peer's final: {_seconds(k)} s vs {_seconds(g)} s "
-                         f"(never worse than SGD: {'met' if k <= g else 'NOT met'})")
+        for peer in ("muon", "sgd") if s["task"] == "cnn" else ("muon",):
+            if peer not in rows:
+                continue
+            k, m = kfac["to_goal_median_s"], rows[peer]["to_goal_median_s"]
+            both_never = math.isinf(k) and math.isinf(m)
+            ahead = (reached(kfac["at_equal_time"], rows[peer]["at_equal_time"], s["higher_is_better"])
+                     if both_never else k <= m)
+            goal = "never worse than SGD" if peer == "sgd" else "ahead"
+            lines.append(f"{s['task']}: K-FAC vs {peer} to the best peer's final: {_seconds(k)} s vs {_seconds(m)} s; "
+                         f"at equal time {kfac['at_equal_time']:.4f} vs {rows[peer]['at_equal_time']:.4f} "
+                         f"({goal}{' (both never: decided at equal time)' if both_never else ''}: "
+                         f"{'yes' if ahead else 'NO'})")
     return lines
 
 
