@@ -6,6 +6,7 @@ from setuptools import find_packages, setup
 
 EXAMPLES = ["torchvision", "scikit-learn", "pyyaml", "tqdm", "matplotlib"]
 DEV = EXAMPLES + ["pytest"]
+PEERS = ["heavyball"]  # SOAP for `python -m benchmarks.peers` (optional: skipped without it)
 
 setup(
     name="kfac_optim",
@@ -17,5 +18,5 @@ setup(
     packages=find_packages("src"),
     python_requires=">=3.10",
     install_requires=["torch>=2.1"],
-    extras_require={"examples": EXAMPLES, "dev": DEV},
+    extras_require={"examples": EXAMPLES, "dev": DEV, "peers": PEERS},
 )

@@ -1,0 +1,110 @@
+"""The optimizers compared, each built from (model, lr, weight decay), and their lr grids.
+
+Every optimizer gets the same grid shape: ``points`` learning rates spaced by sqrt(10),
+``centre * 10 ** (k / 2)`` for k = -points//2 ... points - points//2 - 1 (4 points: centre/10,
+centre/3.16, centre, 3.16 centre); only the centre differs per family (`CENTRES`).
+
+- ``sgd``: `torch.optim.SGD`, momentum 0.9 (weight decay coupled, as L2).
+- ``adamw``: `torch.optim.AdamW`, torch's defaults (betas 0.9/0.999).
+- ``muon``: `torch.optim.Muon` (momentum 0.95, Nesterov, 5 Newton-Schulz steps) on the hidden 2-D
+  weight matrices, the weights of the ``nn.Linear`` layers that are not the task's output head;
+  `torch.optim.AdamW` on everything else: embeddings (and the tied head), the output head,
+  biases, LayerNorms and conv filters (not flattened into Muon). Both share one lr:
+  ``adjust_lr_fn="match_rms_adamw"`` scales Muon's update to AdamW's RMS (Liu et al. 2025), so one
+  lr means the same for both parts and the tuning budget is one lr, like everyone's.
+- ``kfac``: `kfac_optim.KFAC` with ONE configuration on every task (`KFAC_SETTINGS`), only lr tuned.
+- ``soap``: heavyball's SOAP (Vyas et al. 2024), eager mode (no torch.compile), its defaults;
+  optional: skipped with a note when heavyball is not installed (``pip install .[peers]``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+import kfac_optim
+
+from benchmarks.peers.tasks import Task
+
+OPTIMIZERS = ("sgd", "adamw", "muon", "kfac", "soap")
+CENTRES = {"sgd": 0.3, "adamw": 3e-3, "muon": 1e-2, "kfac": 0.3, "soap": 3e-3}
+# The one K-FAC configuration: the library's damping and kl_clip defaults, SGD's momentum, and the
+# 5/50 statistics/decomposition intervals of the repository's digits configs (the 1/10 defaults
+# make a step several times SGD's).
+KFAC_SETTINGS = {"momentum": 0.9, "damping": 0.1, "kl_clip": 1e-3, "factor_update_steps": 5, "inv_update_steps": 50}
+
+
+def lr_grid(name: str, points: int) -> list[float]:
+    """The ``points`` learning rates of optimizer ``name`` (see the module docstring)."""
+    return [float(f"{CENTRES[name] * 10 ** (k / 2):.3g}") for k in range(-(points // 2), points - points // 2)]
+
+
+def available(name: str) -> bool:
+    """Whether optimizer ``name`` can be built here (SOAP needs heavyball)."""
+    return name != "soap" or importlib.util.find_spec("heavyball") is not None
+
+
+def build_kfac(model: nn.Module, lr: float, weight_decay: float) -> Optimizer:
+    """Every K-FAC optimizer of the benchmark is made here (re-point it when the constructor changes)."""
+    return kfac_optim.KFAC(model, lr=lr, weight_decay=weight_decay, **KFAC_SETTINGS)
+
+
+class OptimizerPair:
+    """Two optimizers over disjoint parameters, stepped together (Muon on matrices, AdamW on the rest)."""
+
+    def __init__(self, *optimizers: Optimizer) -> None:
+        self.optimizers = optimizers
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
+def hidden_matrices(model: nn.Module, heads: Iterable[str]) -> list[nn.Parameter]:
+    """Weights of the ``nn.Linear`` layers other than the heads, excluding weights tied to an embedding."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads = set(heads)
+    return [m.weight for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and name not in heads and id(m.weight) not in embedded]
+
+
+def _muon(model: nn.Module, lr: float, weight_decay: float, task: Task) -> OptimizerPair:
+    matrices = hidden_matrices(model, task.heads)
+    chosen = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in chosen]
+    return OptimizerPair(
+        torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
+        torch.optim.AdamW(rest, lr=lr, weight_decay=weight_decay),
+    )
+
+
+def _soap(model: nn.Module, lr: float, weight_decay: float) -> Optimizer:
+    import heavyball
+    import heavyball.utils
+
+    heavyball.utils.compile_mode = None  # eager: torch.compile on CPU would charge its compile time
+    return heavyball.SOAP(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+
+def build(name: str, model: nn.Module, lr: float, task: Task) -> Optimizer | OptimizerPair:
+    """Optimizer ``name`` over ``model`` at learning rate ``lr`` and the task's weight decay."""
+    wd = task.weight_decay
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    if name == "muon":
+        return _muon(model, lr, wd, task)
+    if name == "kfac":
+        return build_kfac(model, lr, wd)
+    if name == "soap":
+        return _soap(model, lr, wd)
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {name!r}")

@@ -1,0 +1,137 @@
+"""One training run on a CPU-time budget, and the tuning protocol that schedules the runs.
+
+A run: ``torch.set_num_threads(1)``, seed, model, optimizer, one untimed forward/backward (torch's
+one-time costs; gradients dropped), then steps until the training CPU time
+(``time.process_time`` around zero_grad, forward, backward and step only) reaches the task's
+budget. The metric is evaluated on validation and test at time 0 and each time training time
+crosses another ``1/evals`` of the budget (evaluation is not timed). A non-finite training loss
+ends the run as diverged.
+
+The protocol, one task at a time: phase 1 runs each optimizer's lr grid on seed 0 and scores each lr by its final
+validation metric; phase 2 runs the best lr on seeds 1..n-1, and the seed-0 run of the best lr
+serves as the first seed (its test metric was never used for the choice).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from typing import Any
+
+import torch
+
+from benchmarks.peers import optimizers
+from benchmarks.peers.tasks import TASKS
+
+Run = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    task: str
+    optimizer: str
+    lr: float
+    seed: int
+    budget_s: float
+    evals: int
+
+
+def train(spec: RunSpec) -> Run:
+    """Train one run (see the module docstring); returns the spec, the eval history and any warnings."""
+    torch.set_num_threads(1)
+    task = TASKS[spec.task]
+    torch.manual_seed(spec.seed)
+    model = task.build()
+    batches = task.batches(spec.seed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = optimizers.build(spec.optimizer, model, spec.lr, task)
+        task.loss(model, *next(batches)).backward()  # untimed warm-up
+        optimizer.zero_grad(set_to_none=True)
+
+        def record(step: int, seconds: float, loss: float) -> dict[str, float]:
+            return {"step": step, "time_s": seconds, "train_loss": loss,
+                    "val": task.evaluate(model, "val"), "test": task.evaluate(model, "test")}
+
+        history = [record(0, 0.0, math.nan)]
+        spent, step, diverged = 0.0, 0, False
+        every = spec.budget_s / spec.evals
+        next_eval = every
+        while spent < spec.budget_s:
+            x, y = next(batches)
+            start = time.process_time()
+            optimizer.zero_grad(set_to_none=True)
+            loss = task.loss(model, x, y)
+            loss.backward()
+            optimizer.step()
+            spent += time.process_time() - start
+            step += 1
+            value = loss.item()
+            diverged = not math.isfinite(value)
+            if diverged or spent >= next_eval or spent >= spec.budget_s:
+                history.append(record(step, spent, value))
+                next_eval += every
+            if diverged:
+                break
+    messages = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
+    return {**asdict(spec), "history": history, "diverged": diverged, "steps": step,
+            "step_s": spent / max(step, 1), "warnings": messages}
+
+
+def final(run: Run, split: str) -> float:
+    """The run's last evaluated ``split`` metric (NaN after a divergence)."""
+    return math.nan if run["diverged"] else run["history"][-1][split]
+
+
+def score(run: Run, higher_is_better: bool) -> float:
+    """Larger is better; a diverged or NaN run scores -inf."""
+    value = final(run, "val")
+    if math.isnan(value):
+        return -math.inf
+    return value if higher_is_better else -value
+
+
+class Runner:
+    """Runs specs inline (``jobs`` 1) or in ``jobs`` spawned worker processes, reporting each finished run."""
+
+    def __init__(self, jobs: int, on_done: Callable[[Run], None]) -> None:
+        self.jobs, self.on_done = jobs, on_done
+        self.pool = ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) if jobs > 1 else None
+
+    def map(self, specs: Iterable[RunSpec]) -> list[Run]:
+        if self.pool is None:
+            runs = []
+            for spec in specs:
+                runs.append(train(spec))
+                self.on_done(runs[-1])
+            return runs
+        futures: list[Future[Run]] = [self.pool.submit(train, spec) for spec in specs]
+        for future in futures:
+            future.add_done_callback(lambda f: self.on_done(f.result()))
+        return [future.result() for future in futures]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def tune_and_seed(runner: Runner, task: str, names: list[str], points: int, seeds: int, budget_scale: float,
+                  evals: int) -> dict[str, Any]:
+    """Both phases for every optimizer on one task: ``{optimizer: {"grid": runs, "best_lr", "seeds": runs}}``."""
+    budget = TASKS[task].budget_s * budget_scale
+    grid_runs = runner.map([RunSpec(task, n, lr, 0, budget, evals) for n in names
+                            for lr in optimizers.lr_grid(n, points)])
+    results: dict[str, Any] = {}
+    for n in names:
+        runs = [r for r in grid_runs if r["optimizer"] == n]
+        best = max(runs, key=lambda r: score(r, TASKS[task].higher_is_better))
+        results[n] = {"grid": runs, "best_lr": best["lr"], "seeds": [best]}
+    for run in runner.map([RunSpec(task, n, results[n]["best_lr"], seed, budget, evals)
+                           for n in names for seed in range(1, seeds)]):
+        results[run["optimizer"]]["seeds"].append(run)
+    return results
