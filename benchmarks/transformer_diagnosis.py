@@ -554,7 +554,7 @@ def probe_part(args) -> dict[str, Any]:
         warm.zero_grad()
     x, y = batch(train_ids, args.probe_batch, t, generator)
     layers = hidden_matrices(model)
-    names = [f"blocks.{i // 4}.{n}" for i in range(len(layers)) for n in ("qkv", "proj", "fc", "fc2")][: len(layers)]
+    names = [f"blocks.{i}.{n}" for i in range(len(model.blocks)) for n in ("qkv", "proj", "fc", "fc2")]
     model.zero_grad()
     cross_entropy(model(x), y).backward()
     grad = {i: torch.cat([m.weight.grad, m.bias.grad[:, None]], 1).flatten().clone() for i, m in enumerate(layers)}
@@ -607,7 +607,10 @@ def probe_part(args) -> dict[str, Any]:
             ea, eg = torch.linalg.eigvalsh(a.double()).clamp(min=0), torch.linalg.eigvalsh(gf.double()).clamp(min=0)
             kron = (eg[:, None] * ea[None, :]).flatten()
             spectra[name] = {"A_eigs": ea.tolist(), "G_eigs": eg.tolist(),
-                             "A_cond": float(ea.max() / ea.min().clamp(min=1e-30)), "G_cond": float(eg.max() / eg.min().clamp(min=1e-30)),
+                             # condition numbers: λmax/λmin (λmin clamped at 1e-12·λmax) and λmax/median
+                             "A_cond": float(ea.max() / ea.min().clamp(min=1e-12 * ea.max())),
+                             "G_cond": float(eg.max() / eg.min().clamp(min=1e-12 * eg.max())),
+                             "A_max_over_median": float(ea.max() / ea.median()), "G_max_over_median": float(eg.max() / eg.median()),
                              "A_top1_share": float(ea.max() / ea.sum()), "G_top1_share": float(eg.max() / eg.sum()),
                              "kron_frac_above_damping": float((kron > damping).double().mean()),
                              "kron_max_over_damping": float(kron.max() / damping)}
@@ -624,12 +627,13 @@ def print_probe(result: dict[str, Any]) -> None:
         print(f"  {name:14s} P={ti['params']:5d} eig max {ti['eig_max']:.3g} mean {ti['eig_mean_over_P']:.3g}  "
               + " ".join(f"{c:.2f}" for c in ti["cos_exact_vs_grad"].values()))
     print("\nK-FAC step per layer: cos(V, ∇) | cos(V, exact NG at matched damping) | cos(V, exact true NG at λ_tok=1e-3)"
-          " | frac Kronecker eigs > λ | A cond, G cond")
+          " | frac Kronecker eigs > λ | A cond, G cond | A, G max/median")
     for label, entry in result["settings"].items():
         print(f" {label}  (λ={entry['damping']:g}, per-token {entry['per_token_damping']:g})")
         for name, row in entry["layers"].items():
             f = entry["factors"].get(name)
-            extra = f"{f['kron_frac_above_damping']:.3f} | {f['A_cond']:.2e}, {f['G_cond']:.2e}" if f else ""
+            extra = (f"{f['kron_frac_above_damping']:.3f} | {f['A_cond']:.1e}, {f['G_cond']:.1e} | "
+                     f"{f['A_max_over_median']:.1e}, {f['G_max_over_median']:.1e}" if f else "")
             print(f"   {name:14s} {row['cos_grad']:6.3f} | {row['cos_exact_matched']:6.3f} | "
                   f"{row['cos_exact_true_by_lambda']['0.001']:6.3f} | {extra}")
 
