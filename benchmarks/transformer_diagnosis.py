@@ -353,6 +353,9 @@ VARIANTS = [
     Variant("kfac-damp/T-lrclip", "fix", "(2)+(c)", KFAC_LRS, _kfac("clip_base", per_token=-1)),
     Variant("graft-adam", "fix", "(b) K-FAC direction, per-tensor norm of Adam's step", ADAM_LRS, _kfac("graft_adam")),
     Variant("graft-adam-damp/T", "fix", "(2)+(b) λ = 0.1/T, Adam-grafted", ADAM_LRS, _kfac("graft_adam", per_token=-1)),
+    Variant("kfac-damp/T²-lrclip", "fix", "(2)+(c) λ = 0.1/T² (1.6e-3 per token)", KFAC_LRS, _kfac("clip_base", per_token=-2)),
+    Variant("graft-adam-damp/T²", "fix", "(2)+(b) λ = 0.1/T² (1.6e-3 per token), Adam-grafted", ADAM_LRS,
+            _kfac("graft_adam", per_token=-2)),
     Variant("graft-sgd-damp/T", "fix", "(2)+(b) λ = 0.1/T, SGD-momentum-grafted", SGD_LRS, _kfac("graft_sgd", per_token=-1)),
     Variant("ekfac-adam", "fix", "(a) Adam in K-FAC's eigenbasis (standalone, SOAP-like), hidden Linears", ADAM_LRS,
             lambda m, lr, a: EKFACAdamRunner(m, lr)),
@@ -413,12 +416,12 @@ def train_part(args) -> dict[str, Any]:
     data = load_corpus(args.chars)
     chosen = [v for v in VARIANTS if not args.only or v.name in args.only]
     runs = []
-    jobs = [(v, lr, s) for v in chosen for lr in v.lrs for s in args.seeds]
+    jobs = [(v, lr, s) for v in chosen for lr in (args.lrs or v.lrs) for s in args.seeds]
     for v, lr, s in tqdm(jobs, desc="train runs"):
         runs.append(train_run(v, lr, s, data, args))
         tqdm.write(f"{v.name:22s} lr={lr:<7g} seed={s} val={runs[-1]['val']:.3f} "
                    f"train@end={sum(runs[-1]['train'][-10:]) / 10:.3f} cpu={runs[-1]['cpu'][-1]:.1f}s {runs[-1]['stats']}")
-    return {"runs": runs, "variants": {v.name: {"group": v.group, "what": v.what, "lrs": v.lrs} for v in chosen}}
+    return {"runs": runs, "variants": {v.name: {"group": v.group, "what": v.what, "lrs": args.lrs or v.lrs} for v in chosen}}
 
 
 def best_table(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -653,6 +656,7 @@ def main() -> None:
     parser.add_argument("--chars", type=int, default=1_000_000, help="characters of stdlib source (default 1e6)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds (default 0 1)")
     parser.add_argument("--only", nargs="*", default=None, help="variant names to run (default all)")
+    parser.add_argument("--lrs", type=float, nargs="*", default=None, help="override every chosen variant's lr grid")
     parser.add_argument("--probe-width", type=int, default=32, help="probe model width (default 32)")
     parser.add_argument("--probe-context", type=int, default=32, help="probe T (default 32)")
     parser.add_argument("--probe-batch", type=int, default=8, help="probe sequences: rows = batch·T (default 8)")
