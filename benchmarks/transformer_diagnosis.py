@@ -678,9 +678,23 @@ def main() -> None:
         plot_train(result, rows, args.out / f"train{args.tag}.png")
         print(f"wrote {path}")
     elif args.part == "table":
-        for path in sorted(args.out.glob("train*.json")):
-            print(path)
-            print_table(json.loads(path.read_text())["table"])
+        results = [json.loads(path.read_text()) for path in sorted(args.out.glob("train*.json"))]
+        rows = {r["variant"]: (r, res) for res in results for r in res["table"]}  # later files win
+        budget = rows["adamw"][0]["cpu_s"] if "adamw" in rows else None
+        print_table([r for r, _ in rows.values()])
+        if budget:
+            print(f"\ntrain loss (20-step mean) at AdamW's CPU time ({budget:.1f} s) and step at which each reaches "
+                  f"AdamW's final train loss ({rows['adamw'][0]['train_last20']:.3f})")
+            target = rows["adamw"][0]["train_last20"]
+            for name, (r, res) in rows.items():
+                run = next(x for x in res["runs"] if x["variant"] == name and x["lr"] == r["lr"])
+                k = next((i for i, c in enumerate(run["cpu"]) if c >= budget), len(run["cpu"]) - 1)
+                at = sum(run["train"][max(0, k - 19): k + 1]) / len(run["train"][max(0, k - 19): k + 1])
+                smooth = [sum(run["train"][max(0, i - 19): i + 1]) / len(run["train"][max(0, i - 19): i + 1])
+                          for i in range(len(run["train"]))]
+                hit = next((i for i, v in enumerate(smooth) if v <= target), None)
+                when = "-" if hit is None else f"{run['cpu'][hit]:.1f} s"
+                print(f"  {name:22s} {at:.3f} (step {k})   reaches it at step {hit}, {when}")
     elif args.part == "probe":
         result = probe_part(args)
         path = args.out / f"probe{args.tag}.json"
