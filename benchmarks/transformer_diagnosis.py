@@ -679,7 +679,11 @@ def main() -> None:
         print(f"wrote {path}")
     elif args.part == "table":
         results = [json.loads(path.read_text()) for path in sorted(args.out.glob("train*.json"))]
-        rows = {r["variant"]: (r, res) for res in results for r in res["table"]}  # later files win
+        rows: dict[str, tuple[dict, dict]] = {}
+        for res in results:  # a variant run in several files: the lowest val loss
+            for r in res["table"]:
+                if r["variant"] not in rows or r["val"] < rows[r["variant"]][0]["val"]:
+                    rows[r["variant"]] = (r, res)
         budget = rows["adamw"][0]["cpu_s"] if "adamw" in rows else None
         print_table([r for r, _ in rows.values()])
         if budget:
