@@ -464,6 +464,8 @@ def plot_train(result: dict[str, Any], rows: list[dict[str, Any]], path: Path) -
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax in axes:
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)
     for r in rows:
         runs = [x for x in result["runs"] if x["variant"] == r["variant"] and x["lr"] == r["lr"]]
         n = min(len(x["train"]) for x in runs)
@@ -477,7 +479,7 @@ def plot_train(result: dict[str, Any], rows: list[dict[str, Any]], path: Path) -
     axes[1].set_xlabel("CPU seconds (1 thread)")
     for ax in axes:
         ax.set_ylabel("train loss (10-step mean)")
-        ax.set_ylim(top=3.2)
+        ax.set_ylim(2.0, 3.2)
     axes[1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -686,6 +688,10 @@ def main() -> None:
                     rows[r["variant"]] = (r, res)
         budget = rows["adamw"][0]["cpu_s"] if "adamw" in rows else None
         print_table([r for r, _ in rows.values()])
+        merged = {"runs": [x for name, (_, res) in rows.items() for x in res["runs"] if x["variant"] == name]}
+        finite = [r for r, _ in rows.values() if r["val"] < 4]  # diverged runs stay in the table, not the plot
+        plot_train(merged, finite, args.out / "train_all.png")
+        print(f"wrote {args.out / 'train_all.png'}")
         if budget:
             print(f"\ntrain loss (20-step mean) at AdamW's CPU time ({budget:.1f} s) and step at which each reaches "
                   f"AdamW's final train loss ({rows['adamw'][0]['train_last20']:.3f})")
