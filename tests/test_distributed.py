@@ -195,7 +195,7 @@ def scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]
         storage.append({
             f"{block.name}.{name}": (factor.decomposition.Q.data_ptr(), tuple(factor.decomposition.Q.shape))
             for block in optimizer.blocks for name, factor in block.factors.items()
-            if factor.decomposition is not None and not optimizer._sharding.decomposes(block.name, name)
+            if factor.decomposition is not None and not optimizer.estimator.sharding.decomposes(block.name, name)
         })
 
     train(model, optimizer, range(STEPS), rank, world, after_step=record_received_storage)

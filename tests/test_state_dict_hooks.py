@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -61,6 +62,7 @@ def test_a_load_pre_hook_runs_before_kfac_checks_the_checkpoint() -> None:
     # A checkpoint of the same net saved under other module names ("net.0" for "0"): K-FAC alone
     # would warn that no layer matches and start fresh; the user's pre hook renames them back.
     state["kfac"]["blocks"] = {f"net.{name}": block for name, block in state["kfac"]["blocks"].items()}
+    optimizer.remove_hooks()
     fresh = KFAC(model, lr=0.1, momentum=0.9, inv_update_steps=1)
 
     def rename(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -118,7 +120,7 @@ def test_an_sgd_state_dict_without_maximize_and_foreach_loads_and_steps_as_under
         replica = _sgd_only_model()
         replica.load_state_dict(model.state_dict())
         optimizer = make(replica)
-        optimizer.load_state_dict(old)
+        optimizer.load_state_dict(copy.deepcopy(old))  # SGD's steps update the loaded buffers in place
         assert optimizer.param_groups[0]["maximize"] is False
         assert optimizer.param_groups[0]["foreach"] is None
         for _ in range(2):
