@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.optim import Optimizer
 
@@ -58,7 +58,6 @@ from kfac_optim.diagnostics import warn_user
 
 if TYPE_CHECKING:
     from kfac_optim.estimator import KroneckerEstimator
-    from kfac_optim.optimizer import KFAC
 
 _NOT_SAVED = ("decomposition", "decomposed_key")
 
@@ -218,10 +217,18 @@ class Checkpointing:
             restore_checked(self._estimator, kfac_state, saved)
 
 
+class HasKFACState(Protocol):
+    """What :class:`KFACState` needs of the optimizer (``KFAC``'s public checkpoint methods)."""
+
+    def kfac_state_dict(self) -> dict[str, Any]: ...
+
+    def load_kfac_state_dict(self, kfac_state: dict[str, Any]) -> None: ...
+
+
 class KFACState:
     """``torch.distributed.checkpoint.stateful.Stateful`` over one ``KFAC`` optimizer's own state."""
 
-    def __init__(self, optimizer: KFAC) -> None:
+    def __init__(self, optimizer: HasKFACState) -> None:
         self._optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
