@@ -126,7 +126,7 @@ def train(
             context = model.no_sync() if isinstance(model, DDP) and not last else nullcontext()
             with context:
                 out = model(xs)
-                if optimizer.options.fisher == "sampled":  # shard k of the global batch: its own draws
+                if optimizer.options.curvature.fisher == "sampled":  # shard k of the global batch: its own draws
                     draws = torch.Generator().manual_seed(10_000 + 100 * step + rank * micro_batches + index)
                     optimizer.sample_fisher(out, "cross_entropy", generator=draws)
                 (F.cross_entropy(out, ys) / micro_batches).backward()
