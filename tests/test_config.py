@@ -150,8 +150,10 @@ def test_options_is_read_only_and_holds_the_configs() -> None:
 
 def test_the_rank_check_reads_every_shared_setting_and_no_per_process_one() -> None:
     settings = KFACOptions(asynchronous=AsyncConfig(delay=2)).rank_settings()
+    assert settings.keys() == KFACOptions().rank_settings().keys()  # the same names, in order, on every rank
     assert {"damping", "kl_clip", "factor_update_steps", "inv_update_steps", "method", "curvature.fisher",
-            "curvature.skip_layers", "curvature.blocks", "asynchronous.delay"} <= set(settings)
+            "curvature.factor_dtype", "async_decompositions", "async_delay"} <= set(settings)
+    assert "curvature.skip_layers" not in settings  # compared as the layer list it gives
     assert not any("process_group" in name or "grad_scaler" in name or "statistics" in name for name in settings)
 
 

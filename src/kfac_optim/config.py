@@ -83,9 +83,9 @@ def check_skip_layers(skip_layers: Any) -> tuple[str | type[nn.Module], ...]:
     return tuple(skip_layers)
 
 
-def _check_bool(owner: str, name: str, value: object) -> None:
+def _check_bool(owner: str, name: str, old_name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{owner}.{name} must be a bool, got {type(value).__name__}")
+        raise TypeError(f"{owner}.{name} ({old_name}) must be a bool, got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class CurvatureConfig:
             )
         if self.weight_sharing not in ("expand", "reduce"):
             raise ValueError(f"weight_sharing must be 'expand' or 'reduce', got {self.weight_sharing!r}")
-        _check_bool("CurvatureConfig", "stagger", self.stagger)
+        _check_bool("CurvatureConfig", "stagger", "stagger_factor_updates", self.stagger)
         for name in ("factor_dtype", "inv_dtype"):
             if getattr(self, name) not in (torch.float32, torch.float64):
                 raise ValueError(f"{name} must be torch.float32 or torch.float64, got {getattr(self, name)}")
@@ -168,7 +168,7 @@ class AsyncConfig:
     delay: int | None = None
 
     def __post_init__(self) -> None:
-        _check_bool("AsyncConfig", "decompositions", self.decompositions)
+        _check_bool("AsyncConfig", "decompositions", "async_decompositions", self.decompositions)
         if self.delay is not None and (isinstance(self.delay, bool) or not isinstance(self.delay, int)):
             raise TypeError(f"async_delay must be an int or None, got {type(self.delay).__name__}")
         if self.delay is not None and self.delay < 1:
@@ -201,7 +201,7 @@ class RuntimeConfig:
     async_statistics: bool = False
 
     def __post_init__(self) -> None:
-        _check_bool("RuntimeConfig", "async_statistics", self.async_statistics)
+        _check_bool("RuntimeConfig", "async_statistics", "async_statistics", self.async_statistics)
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
             raise ValueError(f"RuntimeConfig.bucket_bytes must be an int >= 1, got {self.bucket_bytes!r}")
 
@@ -254,17 +254,26 @@ class KFACOptions:
             )
 
     def rank_settings(self) -> dict[str, object]:
-        """``{name: value}`` of every setting, the configs' fields flattened as ``"curvature.fisher"``:
-        what ``distributed/consistency.py`` compares across ranks."""
-        settings: dict[str, object] = {}
-        for option in fields(self):
-            value = getattr(self, option.name)
-            if isinstance(value, CurvatureConfig | AsyncConfig):
-                settings.update({f"{option.name}.{f.name}": getattr(value, f.name) for f in fields(value)})
-            else:
-                settings[option.name] = value
-        return settings
+        """``{name: value}`` of every setting, the same names on every rank whatever they chose (the
+        digests are gathered in this order): what ``distributed/consistency.py`` compares across
+        ranks. ``CurvatureConfig``'s fields as ``"curvature.fisher"``, but for ``skip_layers`` and
+        ``blocks``, whose effect the check compares as the layer list; ``AsyncConfig``'s as
+        ``"async_decompositions"`` and ``"async_delay"``."""
+        asynchronous = self.asynchronous or AsyncConfig(decompositions=False)
+        return {
+            "damping": self.damping,
+            "kl_clip": self.kl_clip,
+            "factor_update_steps": self.factor_update_steps,
+            "inv_update_steps": self.inv_update_steps,
+            "method": self.method,
+            **{f"curvature.{f.name}": getattr(self.curvature, f.name) for f in fields(self.curvature)
+               if f.name not in _COMPARED_AS_LAYERS},
+            "async_decompositions": asynchronous.decompositions,
+            "async_delay": asynchronous.delay,
+        }
 
+
+_COMPARED_AS_LAYERS = ("skip_layers", "blocks")
 
 _CURVATURE_KEYWORDS = {
     "factor_decay": "factor_decay",
