@@ -220,15 +220,8 @@ class KFAC(Optimizer, Joinable):
         return self.estimator.describe(matrices)
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes of K-FAC state on this rank, by category, and their ``"total"``.
-
-        ``"factors"``: running A and G of every layer (every rank keeps all of them);
-        ``"pending"``: statistics captured since the last fold; ``"decompositions"``: the
-        eigendecompositions or inverses this rank holds (all layers with ``f = 1``, about
-        ``f`` of them otherwise); ``"sharded_preconditioning"``: under FSDP2, the most this rank
-        holds at once while preconditioning sharded layers (gathered gradient rows and one whole
-        gradient and direction; 0 without sharded layers). Momentum buffers are SGD's and not counted.
-        """
+        """Bytes of K-FAC state on this rank, by category, and their ``"total"`` (see
+        ``KroneckerEstimator.memory_usage``; momentum buffers are SGD's and not counted)."""
         return self.estimator.memory_usage()
 
     # -- the training loop's calls -----------------------------------------------------------
@@ -243,21 +236,8 @@ class KFAC(Optimizer, Joinable):
 
     def sample_fisher(self, outputs: Tensor, likelihood: fisher_lib.Likelihood,
                       generator: torch.Generator | None = None) -> None:
-        """Capture this batch's statistics at targets sampled from the model (``fisher="sampled"``).
-
-        Call it on every (micro-)batch between the forward pass and ``loss.backward()``, with the
-        model's ``outputs`` and the ``likelihood`` its training loss assumes: "cross_entropy"
-        (logits ``(N, C)``) or "mse" (see ``kfac_optim.fisher``). On a step that updates factors
-        it back-propagates the loss at sampled targets with ``torch.autograd.grad`` with respect to
-        the K-FAC layers' outputs of this forward (one more backward pass, down to the first
-        K-FAC layer and without weight gradients, however the parameters reach the graph, e.g.
-        FSDP2's unsharded copies; ``.grad`` is left alone and the graph is kept for the training
-        loss; the outputs are held from the forward until then);
-        on the other steps, in eval mode and under ``torch.no_grad()`` it returns at once.
-        ``generator`` draws the targets (default: torch's global generator). Loss scaling
-        (GradScaler, Apex) needs nothing more: the sampled loss is never scaled, as its
-        output-gradients are per-sample and of order one.
-        """
+        """Capture this batch's statistics at targets sampled from the model (``fisher="sampled"``),
+        between the forward pass and ``loss.backward()``; see ``KroneckerEstimator.sample_fisher``."""
         self.estimator.sample_fisher(outputs, likelihood, generator)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
