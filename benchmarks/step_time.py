@@ -66,11 +66,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from kfac_optim import KFAC
+from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.capture import StatisticsCapture
 from kfac_optim.layers import KroneckerBlock, LinearBlock
 from kfac_optim.methods import method_named
-from kfac_optim.optimizer import discover_blocks
+from kfac_optim.layers import discover_blocks
 
 MODELS = {
     # name: (image size, batch size)
@@ -423,7 +423,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     # The sampled Fisher's extra pass on factor steps, by difference with a forward alone.
     opt.remove_hooks()
-    sampled = KFAC(model, lr=1e-4, fisher="sampled", factor_update_steps=1)
+    sampled = KFAC(model, lr=1e-4, factor_update_steps=1, curvature=CurvatureConfig(fisher="sampled"))
 
     def forward() -> None:
         model(x)

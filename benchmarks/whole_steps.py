@@ -47,12 +47,12 @@ from tqdm import tqdm
 
 from benchmarks.output import write_json_and_plot
 from benchmarks.step_time import add_workload_arguments, build_model, workload_shape
-from kfac_optim import KFAC, linalg
+from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, RuntimeConfig, linalg
 from kfac_optim.methods import method_named
 
 RUNS = ("sync", "async", "stagger", "async-stagger", "statistics", "async-statistics", "async-stagger-statistics",
         "defaults", "sgd", "kaisa")
-KFAC_RUNS = {  # run: (async_decompositions, stagger_factor_updates, async_statistics)
+KFAC_RUNS = {  # run: (AsyncConfig(), CurvatureConfig(stagger=...), RuntimeConfig(async_statistics=...))
     "sync": (False, False, False),
     "async": (True, False, False),
     "stagger": (False, True, False),
@@ -82,8 +82,10 @@ def make_step(run: str, model: nn.Module, args: argparse.Namespace) -> tuple[Cal
         kfac = KFAC(model, **common)
         return kfac.step, kfac
     if run in KFAC_RUNS:
-        extra = dict(zip(("async_decompositions", "stagger_factor_updates", "async_statistics"), KFAC_RUNS[run]))
-        kfac = KFAC(model, **common, **intervals, damping=args.damping, **extra)
+        decompositions, stagger, statistics = KFAC_RUNS[run]
+        kfac = KFAC(model, **common, **intervals, damping=args.damping, curvature=CurvatureConfig(stagger=stagger),
+                    asynchronous=AsyncConfig() if decompositions else None,
+                    runtime=RuntimeConfig(async_statistics=statistics))
         return kfac.step, kfac
     from kfac.preconditioner import KFACPreconditioner  # kfac-pytorch (KAISA)
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from conftest_apex import fake_apex, scaled_step  # noqa: F401  (fake_apex is a fixture)
-from kfac_optim import KFAC
+from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, RuntimeConfig
 
 
 class SharedLinear(nn.Module):
@@ -103,11 +103,11 @@ def grad_scaler_step(model: nn.Module, optimizer: KFAC, x: Tensor, y: Tensor) ->
 
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[int], list[Batch]], Callable[..., None], dict[str, Any]]] = {
     "plain": (SharedLinear, image_batches, plain_step, {}),
-    "async decompositions, delay 1": (SharedLinear, image_batches, plain_step, dict(async_decompositions=True, async_delay=1)),
-    "staggered factor steps": (SharedLinear, image_batches, plain_step, dict(stagger_factor_updates=True)),
-    "weight sharing reduce": (SharedLinear, image_batches, plain_step, dict(weight_sharing="reduce")),
+    "async decompositions, delay 1": (SharedLinear, image_batches, plain_step, dict(asynchronous=AsyncConfig(delay=1))),
+    "staggered factor steps": (SharedLinear, image_batches, plain_step, dict(curvature=CurvatureConfig(stagger=True))),
+    "weight sharing reduce": (SharedLinear, image_batches, plain_step, dict(curvature=CurvatureConfig(weight_sharing="reduce"))),
     "accumulated micro-batches": (SharedLinear, image_batches, accumulated_step, {}),
-    "sampled fisher": (SharedLinear, image_batches, sampled_fisher_step, dict(fisher="sampled")),
+    "sampled fisher": (SharedLinear, image_batches, sampled_fisher_step, dict(curvature=CurvatureConfig(fisher="sampled"))),
     "grad scaler": (SharedLinear, image_batches, grad_scaler_step, {}),
     "transformer blocks": (TinyTransformer, token_batches, plain_step, {}),
 }
@@ -118,7 +118,7 @@ def train_case(case: str, async_statistics: bool, steps: int = 9) -> tuple[list[
     torch.manual_seed(0)
     model = factory()
     optimizer = KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=2, inv_update_steps=4,
-                     async_statistics=async_statistics, **options)
+                     runtime=RuntimeConfig(async_statistics=async_statistics), **options)
     if step is grad_scaler_step:
         optimizer.test_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # type: ignore[attr-defined]
     for x, y in batches(steps):
@@ -148,7 +148,7 @@ def test_async_statistics_train_bit_identically_to_in_line(case: str) -> None:
 def blocked_worker(optimizer: KFAC) -> threading.Event:
     """Hold the optimizer's statistics worker until the returned event is set."""
     release = threading.Event()
-    optimizer._statistics.submit(release.wait)  # type: ignore[union-attr]
+    optimizer.estimator._statistics.submit(release.wait)  # type: ignore[union-attr]
     return release
 
 

@@ -86,14 +86,15 @@ def test_amp_steps_compares_fp16_with_fp32_and_writes_json_and_a_plot(tmp_path: 
 
 def test_whole_steps_times_each_run_and_compares_rank_aware_preconditioning(tmp_path: Path) -> None:
     payload = whole_steps.main(["--model", "mlp", "--image-size", "4", "--batch-size", "8", "--steps", "3",
-                                "--factor-interval", "1", "--inverse-interval", "2",
+                                "--factor-interval", "2", "--inverse-interval", "2",
                                 "--runs", "sync", "async", "async-stagger", "async-statistics", "--precondition", "--repeats", "1",
                                 "--out", str(tmp_path)])
     runs = payload["runs"]
     assert set(runs) == {"sync", "async", "async-stagger", "async-statistics"}
     assert all(len(r["times_s"]) == 3 and r["first_s"] > 0 for r in runs.values())
     precondition = runs["sync"]["precondition"]
-    # 3·4·4 = 48 inputs + bias, 3 folds of 8 rows: A's rank ≤ 24 ≤ 49/2, held thin; full is 49 columns.
+    # 3·4·4 = 48 inputs + bias, 2 folds of 8 rows: A's rank ≤ 16 ≤ 49/2, held thin; full is 49 columns.
+    # (factor interval 2: staggering at interval 1 is a contradiction, a ValueError)
     assert precondition["dim_and_columns"]["1.A"][0] == 49 and precondition["dim_and_columns"]["1.A"][1] < 49
     assert (tmp_path / "whole_steps.json").exists() and (tmp_path / "whole_steps.png").exists()
 

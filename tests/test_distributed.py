@@ -126,7 +126,7 @@ def ddp_train(
             context = model.no_sync() if isinstance(model, DDP) and not last else nullcontext()
             with context:
                 out = model(xs)
-                if optimizer.options.fisher == "sampled":  # shard k of the global batch: its own draws
+                if optimizer.options.curvature.fisher == "sampled":  # shard k of the global batch: its own draws
                     draws = torch.Generator().manual_seed(10_000 + 100 * step + rank * micro_batches + index)
                     optimizer.sample_fisher(out, "cross_entropy", generator=draws)
                 (F.cross_entropy(out, ys) / micro_batches).backward()
@@ -195,7 +195,7 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
         storage.append({
             f"{block.name}.{name}": (factor.decomposition.Q.data_ptr(), tuple(factor.decomposition.Q.shape))
             for block in optimizer.blocks for name, factor in block.factors.items()
-            if factor.decomposition is not None and not optimizer._sharding.decomposes(block.name, name)
+            if factor.decomposition is not None and not optimizer.estimator.sharding.decomposes(block.name, name)
         })
 
     ddp_train(model, optimizer, range(STEPS), rank, world, after_step=record_received_storage)

@@ -230,7 +230,7 @@ def kfac_run(
     model = sharded_model(mesh, root_only, **fsdp_kwargs)
     optimizer = KFAC(model, grad_worker_fraction=fraction, **OPTIONS)
     fsdp_train(model, optimizer, range(STEPS), rank, world)
-    SENT[fraction] = optimizer._sharding.comm.bytes_sent["fsdp_rows"]
+    SENT[fraction] = optimizer.estimator.sharding.comm.bytes_sent["fsdp_rows"]
     return full_parameters(model)
 
 

@@ -74,7 +74,7 @@ VALIDATION_TABLE = [
     bad({"grad_worker_fraction": 1.5}, ValueError, "grad_worker_fraction"),
     bad({"grad_worker_fraction": "fastest"}, ValueError, "grad_worker_fraction"),
     bad({"grad_scaler": object()}, TypeError, "grad_scaler"),
-    bad({"async_statistics": 1}, TypeError, "async_statistics must be a bool"),
+    bad({"async_statistics": 1}, TypeError, "async_statistics.* must be a bool"),
     bad({"stagger_factor_updates": 1}, TypeError, "stagger_factor_updates"),
 ]
 

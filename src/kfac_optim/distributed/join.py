@@ -2,8 +2,9 @@
 
 Owns: the join hook (what a rank that ran out of inputs does while the others still step, and
 once all have joined) and the checks that ``Join`` is used in the way the hook relies on.
-Must not know: how factors are folded or decomposed (the optimizer's ``_shadow_step`` runs the
-same code as ``step()``), the plan's details.
+Must not know: how factors are folded or decomposed (the estimator's ``shadow_step``, handed in,
+runs the same code as ``step()``), the plan's details, the optimizer's private state (it is given
+the ``Sharding``, the shadow step and the optimizer's public ``param_groups`` / ``state``).
 
 Usage: ``with Join([ddp_model, optimizer]): for batch in this_ranks_batches: ...`` with one
 forward, backward and ``step()`` per batch. The DDP model comes first: its hook answers the
@@ -29,47 +30,52 @@ their collectives no longer match: an error, or with gloo possibly an abort on a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import JoinHook
+from torch.optim import Optimizer
 
-if TYPE_CHECKING:
-    from kfac_optim.optimizer import KFAC
+from kfac_optim.distributed.sharding import Sharding
 
 
 class KFACJoinHook(JoinHook):
     """The join hook of one ``KFAC`` optimizer (see the module docstring)."""
 
-    def __init__(self, optimizer: KFAC) -> None:
+    def __init__(self, support: JoinSupport) -> None:
         super().__init__()
-        self.optimizer = optimizer
+        self._support = support
 
     def main_hook(self) -> None:
         """Take part in one ``step()`` of the ranks that still have inputs."""
-        self.optimizer._shadow_step()
+        self._support.shadow_step()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """All ranks joined: make the factors global and adopt the last joiner's momentum buffers."""
-        optimizer = self.optimizer
-        sharding = optimizer._sharding
+        sharding = self._support.sharding
         if not sharding.active:
             return
         sharding.synchronize_factors("Join's KFAC post hook")
-        _adopt_momentum_of_last_joiner(optimizer, is_last_joiner)
+        _adopt_momentum_of_last_joiner(self._support.optimizer, sharding, is_last_joiner)
 
 
 class JoinSupport:
     """What ``KFAC`` needs to be a ``Joinable``: its hook, device and process group, and the checks.
 
-    ``model``: the model as given to ``KFAC`` (the DDP wrapper, when there is one, whose join
-    configuration tells whether it runs under ``Join``).
+    ``sharding``: the estimator's distributed layer. ``shadow_step``: a joined rank's part in one
+    step of the others (``KroneckerEstimator.shadow_step``). ``optimizer``: for its public
+    ``param_groups`` and ``state`` (the momentum buffers). ``model``: the model as given to ``KFAC``
+    (the DDP wrapper, when there is one, whose join configuration tells whether it runs under ``Join``).
     """
 
-    def __init__(self, optimizer: KFAC, model: nn.Module) -> None:
-        self._optimizer = optimizer
+    def __init__(self, sharding: Sharding, shadow_step: Callable[[], None], optimizer: Optimizer,
+                 model: nn.Module) -> None:
+        self.sharding = sharding
+        self.shadow_step = shadow_step
+        self.optimizer = optimizer
         self._ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
 
     def hook(self) -> KFACJoinHook:
@@ -78,49 +84,48 @@ class JoinSupport:
         Raises:
             ValueError: ``grad_worker_fraction < 1`` on more than one rank.
         """
-        sharding = self._optimizer._sharding
-        if sharding.active and sharding.plan.broadcasts_gradients:
+        if self.sharding.active and self.sharding.plan.broadcasts_gradients:
             raise ValueError(
                 "KFAC under Join needs grad_worker_fraction=1 (comm-opt): with "
-                f"{sharding.plan.grad_workers} gradient worker(s) per layer a rank that ran out of inputs "
+                f"{self.sharding.plan.grad_workers} gradient worker(s) per layer a rank that ran out of inputs "
                 "would have to precondition gradients it does not have"
             )
-        return KFACJoinHook(self._optimizer)
+        return KFACJoinHook(self)
 
     @property
     def device(self) -> torch.device:
         """The device of the first parameter (for ``Join``'s own all-reduces)."""
-        return self._optimizer.param_groups[0]["params"][0].device
+        return self.optimizer.param_groups[0]["params"][0].device
 
     @property
     def process_group(self) -> Any:
         """The group K-FAC runs on (the default group's object when none was given, as DDP's)."""
-        group = self._optimizer._sharding.comm.group
+        group = self.sharding.comm.group
         return dist.group.WORLD if group is None else group
 
-    def check_step(self) -> None:
-        """At ``step()``: refuse a ``Join`` the hook cannot work in, on every rank at once.
+    def check_step(self, config: Any) -> None:
+        """At ``step()``, with the optimizer's ``Joinable`` join configuration (``enable``, ``is_first_joinable``): refuse a ``Join`` the hook cannot
+        work in, on every rank at once.
 
         Raises:
             ValueError: ``KFAC`` is the first joinable (``Join``'s per-iteration all-reduce would
                 then be matched against the DDP model's), or the DDP model is under ``Join`` and
                 ``KFAC`` is not (a joined rank would not take part in K-FAC's collectives).
         """
-        config = self._optimizer._join_config
         if config.enable and config.is_first_joinable:
             raise ValueError("Join: pass the DDP model before the KFAC optimizer, Join([model, optimizer])")
         ddp_config = getattr(self._ddp, "_join_config", None)
-        if ddp_config is not None and ddp_config.enable and not config.enable and self._optimizer._sharding.active:
+        if ddp_config is not None and ddp_config.enable and not config.enable and self.sharding.active:
             raise ValueError(
                 "the DDP model runs under Join but its KFAC optimizer does not: pass both, "
                 "Join([model, optimizer])"
             )
 
 
-def _adopt_momentum_of_last_joiner(optimizer: KFAC, is_last_joiner: bool) -> None:
+def _adopt_momentum_of_last_joiner(optimizer: Optimizer, sharding: Sharding, is_last_joiner: bool) -> None:
     """Every rank takes the momentum buffers of the highest-ranked last joiner (DDP's choice of the
     rank whose parameters it broadcasts); a buffer that rank lacks is dropped."""
-    comm = optimizer._sharding.comm
+    comm = sharding.comm
     everyone = tuple(range(comm.world_size))
     what = "Join's KFAC post hook: the broadcast of momentum buffers"
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -1,0 +1,333 @@
+"""``KFAC``'s settings as typed, frozen, validated values (docs/api.md "Configs").
+
+Owns: the advanced settings grouped by what they are about, each checked when it is created
+(``ValueError``/``TypeError`` naming the setting; a contradictory combination names both), the
+one object of settings every rank must share (:class:`KFACOptions`), and the translation of the
+flat keywords of earlier releases (:func:`from_deprecated_keywords`).
+Must not know: how the settings are used (the estimator, the optimizer, the distributed layer).
+
+- :class:`CurvatureConfig`: where the statistics come from and how they become factors
+  (``fisher``, ``loss_reduction``, ``weight_sharing``, ``factor_decay``, ``stagger``, dtypes,
+  which layers: ``skip_layers`` and a per-optimizer ``blocks`` override of the registry).
+- :class:`AsyncConfig`: decompositions on a background worker (they change which decompositions a
+  step uses, so every rank must agree on them).
+- :class:`RuntimeConfig`: how this process carries the work out, never what it computes
+  (process group, ``grad_worker_fraction``, bucket size, ``GradScaler``, the statistics thread):
+  per process, so ranks may differ in all but ``grad_worker_fraction``, which the plan checks.
+
+``KFACOptions`` = the five everyday K-FAC arguments + ``CurvatureConfig`` + ``AsyncConfig``: what
+``distributed/consistency.py`` compares across ranks (:meth:`KFACOptions.rank_settings`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from kfac_optim.diagnostics import warn_user
+from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES
+from kfac_optim.layers import KroneckerBlock
+from kfac_optim.layers.registry import SkipLayers, check_block_overrides
+from kfac_optim.methods import Method, method_named
+
+IntSchedule = int | Callable[[int], int]
+FloatSchedule = float | Callable[[int], float]
+
+
+
+def check_damping(value: float) -> float:
+    if not 0 < value < math.inf:
+        raise ValueError(f"damping must be a finite number > 0, got {value}")
+    return value
+
+
+def check_interval(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def check_hyperparameter(name: str, value: float | Tensor, minimum: float = 0.0) -> None:
+    """A finite real number (or a 1-element tensor, for ``lr``) ``>= minimum``, else an error naming it."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a float or a 1-element tensor")
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not minimum <= float(value) < math.inf:
+        raise ValueError(f"{name} must be a finite number >= {minimum}, got {value}")
+
+
+def check_skip_layers(skip_layers: Any) -> tuple[str | type[nn.Module], ...]:
+    """``skip_layers`` as a tuple of valid full-match regexes and module types, else an error naming it."""
+    if isinstance(skip_layers, (str, type)) or not isinstance(skip_layers, Sequence | set | frozenset):
+        raise TypeError(
+            f"skip_layers must be a sequence of name patterns or module types, got {type(skip_layers).__name__}"
+        )
+    for rule in skip_layers:
+        if isinstance(rule, str):
+            try:
+                re.compile(rule)
+            except re.error as error:
+                raise ValueError(f"skip_layers: {rule!r} is not a valid regular expression ({error})") from None
+        elif not (isinstance(rule, type) and issubclass(rule, nn.Module)):
+            raise TypeError(f"skip_layers entries must be str patterns or nn.Module subclasses, got {rule!r}")
+    return tuple(skip_layers)
+
+
+def _check_bool(owner: str, name: str, old_name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}.{name} ({old_name}) must be a bool, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class CurvatureConfig:
+    """Where the statistics come from and how they become factors; every rank must share these.
+
+    ``factor_decay``: weight of the old factor in the running average, in [0, 1).
+    ``fisher``: "empirical" (G from the training loss's backward) or "sampled" (from
+    :meth:`KFAC.sample_fisher`'s backward at targets drawn from the model).
+    ``loss_reduction``: "mean" or "sum", how the training loss reduces over the batch (None:
+    "mean"); it does not apply to ``fisher="sampled"``, whose loss is a sum (a ``ValueError`` there).
+    ``weight_sharing``: "expand" or "reduce" (docs/design.md §3). ``stagger``: spread the blocks'
+    factor updates over the steps of each factor interval (``kfac_optim.stagger``).
+    ``factor_dtype``, ``inv_dtype``: float32 or float64 for factors and decompositions.
+    ``skip_layers``: module-name regexes (full match against the name or the class name) or module
+    types whose layers take the SGD path. ``blocks``: ``{module type: KroneckerBlock subclass}``,
+    consulted before the global registry (``kfac_optim.register_block``) for this optimizer only.
+    """
+
+    factor_decay: float = 0.95
+    fisher: Literal["empirical", "sampled"] = "empirical"
+    loss_reduction: Literal["mean", "sum"] | None = None
+    weight_sharing: Literal["expand", "reduce"] = "expand"
+    stagger: bool = False
+    factor_dtype: torch.dtype = torch.float32
+    inv_dtype: torch.dtype = torch.float32
+    skip_layers: SkipLayers = ()
+    blocks: Mapping[type[nn.Module], type[KroneckerBlock]] | None = None
+
+    def __post_init__(self) -> None:
+        check_hyperparameter("CurvatureConfig.factor_decay", self.factor_decay)
+        if not 0 <= self.factor_decay < 1:
+            raise ValueError(f"factor_decay must be in [0, 1), got {self.factor_decay}")
+        if self.fisher not in ("empirical", "sampled"):
+            raise ValueError(f"fisher must be 'empirical' or 'sampled', got {self.fisher!r}")
+        if self.loss_reduction not in (None, "mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean', 'sum' or None, got {self.loss_reduction!r}")
+        if self.loss_reduction is not None and self.fisher == "sampled":
+            raise ValueError(
+                f"loss_reduction={self.loss_reduction!r} does not apply to fisher='sampled' (sample_fisher's loss "
+                "is a sum over samples): leave loss_reduction None"
+            )
+        if self.weight_sharing not in ("expand", "reduce"):
+            raise ValueError(f"weight_sharing must be 'expand' or 'reduce', got {self.weight_sharing!r}")
+        _check_bool("CurvatureConfig", "stagger", "stagger_factor_updates", self.stagger)
+        for name in ("factor_dtype", "inv_dtype"):
+            if getattr(self, name) not in (torch.float32, torch.float64):
+                raise ValueError(f"{name} must be torch.float32 or torch.float64, got {getattr(self, name)}")
+        object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers))
+        check_block_overrides(self.blocks)
+
+    @property
+    def reduction(self) -> Literal["mean", "sum"]:
+        """How the batch's statistics are normalized at a fold: sample_fisher's loss is a sum."""
+        if self.fisher == "sampled":
+            return "sum"
+        return self.loss_reduction or "mean"
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """Decompositions on a background worker (a thread; on CUDA its own stream); every rank must share it.
+
+    A round starts at a decomposition step with snapshots of the factors and is adopted at the next
+    decomposition step, or ``delay`` (an int >= 1) steps after the one that started it if that
+    comes first (None: at the next decomposition step). ``decompositions=False`` is the same as no
+    ``AsyncConfig`` (the spelling of ``async_decompositions=False``).
+    """
+
+    decompositions: bool = True
+    delay: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_bool("AsyncConfig", "decompositions", "async_decompositions", self.decompositions)
+        if self.delay is not None and (isinstance(self.delay, bool) or not isinstance(self.delay, int)):
+            raise TypeError(f"async_delay must be an int or None, got {type(self.delay).__name__}")
+        if self.delay is not None and self.delay < 1:
+            raise ValueError(f"async_delay must be >= 1, got {self.delay}")
+        if self.delay is not None and not self.decompositions:
+            raise ValueError(
+                f"AsyncConfig.delay (async_delay={self.delay}) needs AsyncConfig.decompositions=True "
+                "(async_decompositions): there is no round in flight to adopt late"
+            )
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How this process carries out K-FAC's work, never what it computes; per process.
+
+    ``grad_worker_fraction``: the distributed strategy (docs/design.md §5), KAISA's ``f`` in (0, 1]
+    or "comm-opt" / "mem-opt" / "hybrid-opt"; every rank must share it (the plan checks it).
+    ``process_group``: the group to run on (None: the whole job when ``torch.distributed`` is
+    initialized with more than one rank, else one process). ``bucket_bytes``: the size of one
+    flat buffer of the factor and decomposition collectives. ``grad_scaler``: the
+    ``torch.amp.GradScaler`` of a loop that calls ``scaler.unscale_(optimizer)`` before
+    ``scaler.step(optimizer)`` (see ``kfac_optim.precision``). ``async_statistics``: compute the
+    statistics on a background thread (the same factors, only ready later).
+    """
+
+    grad_worker_fraction: float | str = 1.0
+    process_group: dist.ProcessGroup | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    grad_scaler: torch.amp.GradScaler | None = None
+    async_statistics: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bool("RuntimeConfig", "async_statistics", "async_statistics", self.async_statistics)
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            raise ValueError(f"RuntimeConfig.bucket_bytes must be an int >= 1, got {self.bucket_bytes!r}")
+
+
+@dataclass(frozen=True)
+class KFACOptions:
+    """The K-FAC settings every rank must share (the SGD ones live in ``param_groups``), validated.
+
+    ``damping``: λ, in Fisher units of a per-sample loss (docs/design.md §3), a float > 0 or a
+    callable ``step -> float``. ``kl_clip``: the trust-region size ν is computed from (None: no
+    clipping). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh
+    decompositions every this many steps (int >= 1 or callable ``step -> int``). ``method``:
+    "eigen", "inverse" or a ``kfac_optim.Method``. ``curvature``, ``asynchronous``: see
+    :class:`CurvatureConfig` and :class:`AsyncConfig` (None: decompositions in line).
+    """
+
+    damping: FloatSchedule = 0.1
+    kl_clip: float | None = 1e-3
+    factor_update_steps: IntSchedule = 1
+    inv_update_steps: IntSchedule = 10
+    method: Literal["eigen", "inverse"] | Method = "eigen"
+    curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
+    asynchronous: AsyncConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.damping):
+            check_damping(self.damping)
+        if self.kl_clip is not None and not 0 < self.kl_clip < math.inf:
+            raise ValueError(f"kl_clip must be a finite number > 0 or None, got {self.kl_clip}")
+        for name in ("factor_update_steps", "inv_update_steps"):
+            if not callable(getattr(self, name)):
+                check_interval(name, getattr(self, name))
+        method_named(self.method)  # ValueError naming method
+        if not isinstance(self.curvature, CurvatureConfig):
+            raise TypeError(f"curvature must be a CurvatureConfig, got {type(self.curvature).__name__}")
+        if self.asynchronous is not None and not isinstance(self.asynchronous, AsyncConfig):
+            raise TypeError(f"asynchronous must be an AsyncConfig or None, got {type(self.asynchronous).__name__}")
+        if self.asynchronous is not None and not self.asynchronous.decompositions:
+            object.__setattr__(self, "asynchronous", None)  # AsyncConfig(decompositions=False): in line
+        if self.curvature.stagger and self.factor_update_steps == 1:
+            raise ValueError(
+                "CurvatureConfig.stagger (stagger_factor_updates) needs factor_update_steps > 1: at an interval "
+                "of 1 every layer folds on every step, there is nothing to spread"
+            )
+        factor, inverse = self.factor_update_steps, self.inv_update_steps
+        if isinstance(factor, int) and isinstance(inverse, int) and inverse % factor:
+            warn_user(  # KAISA warns too: valid, but some decompositions see no new factors
+                f"inv_update_steps={inverse} is not a multiple of factor_update_steps={factor}: some decomposition "
+                "steps decompose the factors of an earlier one again",
+            )
+
+    def rank_settings(self) -> dict[str, object]:
+        """``{name: value}`` of every setting, the same names on every rank whatever they chose (the
+        digests are gathered in this order): what ``distributed/consistency.py`` compares across
+        ranks. ``CurvatureConfig``'s fields as ``"curvature.fisher"``, but for ``skip_layers`` and
+        ``blocks``, whose effect the check compares as the layer list; ``AsyncConfig``'s as
+        ``"async_decompositions"`` and ``"async_delay"``."""
+        asynchronous = self.asynchronous or AsyncConfig(decompositions=False)
+        return {
+            "damping": self.damping,
+            "kl_clip": self.kl_clip,
+            "factor_update_steps": self.factor_update_steps,
+            "inv_update_steps": self.inv_update_steps,
+            "method": self.method,
+            **{f"curvature.{f.name}": getattr(self.curvature, f.name) for f in fields(self.curvature)
+               if f.name not in _COMPARED_AS_LAYERS},
+            "async_decompositions": asynchronous.decompositions,
+            "async_delay": asynchronous.delay,
+        }
+
+
+_COMPARED_AS_LAYERS = ("skip_layers", "blocks")
+
+_CURVATURE_KEYWORDS = {
+    "factor_decay": "factor_decay",
+    "loss_reduction": "loss_reduction",
+    "fisher": "fisher",
+    "weight_sharing": "weight_sharing",
+    "stagger_factor_updates": "stagger",
+    "factor_dtype": "factor_dtype",
+    "inv_dtype": "inv_dtype",
+    "skip_layers": "skip_layers",
+}
+_ASYNC_KEYWORDS = {"async_decompositions": "decompositions", "async_delay": "delay"}
+_RUNTIME_KEYWORDS = {
+    "grad_worker_fraction": "grad_worker_fraction",
+    "process_group": "process_group",
+    "grad_scaler": "grad_scaler",
+    "async_statistics": "async_statistics",
+}
+DEPRECATED_KEYWORDS: dict[str, str] = {
+    **{old: f"curvature=CurvatureConfig({new}=...)" for old, new in _CURVATURE_KEYWORDS.items()},
+    "async_decompositions": "asynchronous=AsyncConfig()",
+    "async_delay": "asynchronous=AsyncConfig(delay=...)",
+    **{old: f"runtime=RuntimeConfig({new}=...)" for old, new in _RUNTIME_KEYWORDS.items()},
+}
+"""The flat keywords of earlier releases and their new spelling (accepted with a ``DeprecationWarning``)."""
+
+
+def from_deprecated_keywords(
+    keywords: Mapping[str, Any],
+    curvature: CurvatureConfig | None,
+    asynchronous: AsyncConfig | None,
+    runtime: RuntimeConfig | None,
+) -> tuple[CurvatureConfig, AsyncConfig | None, RuntimeConfig]:
+    """The configs, with the flat keywords of earlier releases moved in (one ``DeprecationWarning``).
+
+    Raises:
+        TypeError: an unknown keyword, or an old keyword next to the config that now holds it.
+    """
+    unknown = sorted(set(keywords) - set(DEPRECATED_KEYWORDS))
+    if unknown:
+        raise TypeError(f"KFAC() got an unexpected keyword argument {unknown[0]!r}")
+    if keywords:
+        warn_user(
+            "KFAC keyword(s) moved into configs and will be removed in the next release: "
+            + "; ".join(f"{old}= -> {DEPRECATED_KEYWORDS[old]}" for old in keywords)
+            + " (see docs/api.md, 'Migrating from flat keywords')",
+            DeprecationWarning,
+        )
+
+    def moved(table: dict[str, str], config: Any, name: str) -> dict[str, Any]:
+        given = {new: keywords[old] for old, new in table.items() if old in keywords}
+        if given and config is not None:
+            old = next(old for old in table if old in keywords)
+            raise TypeError(f"KFAC(): {old}= is part of {name}= now; give it there, not both")
+        return given
+
+    curvature_given = moved(_CURVATURE_KEYWORDS, curvature, "curvature")
+    async_given = moved(_ASYNC_KEYWORDS, asynchronous, "asynchronous")
+    runtime_given = moved(_RUNTIME_KEYWORDS, runtime, "runtime")
+    if async_given:
+        asynchronous = AsyncConfig(**{"decompositions": False, **async_given})
+    return (
+        curvature if curvature is not None else CurvatureConfig(**curvature_given),
+        asynchronous,
+        runtime if runtime is not None else RuntimeConfig(**runtime_given),
+    )

@@ -1,0 +1,166 @@
+"""``KFAC``'s typed configs (docs/api.md "Configs"): the constructor's size, contradictory settings,
+the deprecated flat keywords and the read-only ``options``."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, RuntimeConfig
+from kfac_optim.config import DEPRECATED_KEYWORDS, KFACOptions
+from kfac_optim.layers.linear import LinearBlock
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def test_the_constructor_has_at_most_18_parameters() -> None:
+    parameters = [p for p in inspect.signature(KFAC.__init__).parameters if p != "self"]
+    assert len(parameters) <= 18, parameters
+
+
+@pytest.mark.parametrize(
+    ("make", "first", "second"),
+    [
+        (lambda: AsyncConfig(decompositions=False, delay=2), "delay", "decompositions"),
+        (lambda: CurvatureConfig(fisher="sampled", loss_reduction="mean"), "loss_reduction", "fisher"),
+        (lambda: KFACOptions(curvature=CurvatureConfig(stagger=True)), "stagger", "factor_update_steps"),
+        (lambda: KFAC(_model(), curvature=CurvatureConfig(stagger=True), factor_update_steps=1), "stagger",
+         "factor_update_steps"),
+    ],
+    ids=["async delay without async decompositions", "loss_reduction under the sampled Fisher",
+         "stagger at interval 1 (options)", "stagger at interval 1 (KFAC)"],
+)
+def test_a_contradictory_combination_is_a_value_error_naming_both(make, first: str, second: str) -> None:
+    with pytest.raises(ValueError, match=rf"(?s)({first}.*{second}|{second}.*{first})"):
+        make()
+
+
+def test_the_old_spelling_of_a_contradiction_is_refused_too() -> None:
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="async_delay.*async_decompositions"):
+        KFAC(_model(), async_delay=2)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="loss_reduction.*fisher"):
+        KFAC(_model(), fisher="sampled", loss_reduction="sum")
+
+
+def test_an_inverse_interval_off_the_factor_interval_warns() -> None:
+    with pytest.warns(UserWarning, match="inv_update_steps=3 is not a multiple of factor_update_steps=2"):
+        KFAC(_model(), factor_update_steps=2, inv_update_steps=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KFAC(_model(), factor_update_steps=2, inv_update_steps=4)
+        KFAC(_model(), factor_update_steps=lambda step: 2, inv_update_steps=3)  # a schedule: not checked
+
+
+@pytest.mark.parametrize("config", [CurvatureConfig, AsyncConfig, RuntimeConfig, KFACOptions])
+def test_configs_are_frozen(config: type) -> None:
+    name = next(iter(config.__dataclass_fields__))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(config(), name, None)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        (dict(curvature=CurvatureConfig), "curvature"),
+        (dict(runtime=dict(process_group=None)), "runtime"),
+        (dict(asynchronous=True), "asynchronous"),
+    ],
+)
+def test_a_config_of_the_wrong_type_is_a_type_error_naming_it(kwargs: dict, argument: str) -> None:
+    with pytest.raises(TypeError, match=argument):
+        KFAC(_model(), **kwargs)
+
+
+def test_an_unknown_keyword_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fischer'"):
+        KFAC(_model(), fischer="sampled")
+
+
+def test_an_old_keyword_next_to_its_config_is_a_type_error() -> None:
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="fisher= is part of curvature="):
+        KFAC(_model(), fisher="sampled", curvature=CurvatureConfig())
+
+
+def _trained(**settings) -> list[torch.Tensor]:
+    model = _model()
+    optimizer = KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=2, inv_update_steps=2, **settings)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        optimizer.zero_grad()
+        x, y = torch.randn(8, 4, generator=generator), torch.randint(0, 2, (8,), generator=generator)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    optimizer.remove_hooks()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+OLD_AND_NEW = [
+    (dict(factor_decay=0.5, weight_sharing="reduce", factor_dtype=torch.float64, inv_dtype=torch.float64,
+          stagger_factor_updates=True, skip_layers=["2"], loss_reduction="sum"),
+     dict(curvature=CurvatureConfig(factor_decay=0.5, weight_sharing="reduce", factor_dtype=torch.float64,
+                                    inv_dtype=torch.float64, stagger=True, skip_layers=["2"],
+                                    loss_reduction="sum"))),
+    (dict(async_decompositions=True, async_delay=1, async_statistics=True, grad_worker_fraction=1.0),
+     dict(asynchronous=AsyncConfig(delay=1), runtime=RuntimeConfig(async_statistics=True))),
+]
+
+
+@pytest.mark.parametrize(("old", "new"), OLD_AND_NEW, ids=["curvature", "async and runtime"])
+def test_the_old_flat_keywords_warn_naming_the_new_spelling_and_train_the_same(old: dict, new: dict) -> None:
+    with pytest.warns(DeprecationWarning) as caught:
+        by_old = _trained(**old)
+    (message,) = {str(w.message) for w in caught if w.category is DeprecationWarning}
+    for keyword in old:
+        assert f"{keyword}= -> {DEPRECATED_KEYWORDS[keyword]}" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        by_new = _trained(**new)
+    assert all(torch.equal(a, b) for a, b in zip(by_old, by_new, strict=True))
+
+
+def test_every_deprecated_keyword_names_a_field_that_exists() -> None:
+    fields = {
+        "curvature": CurvatureConfig.__dataclass_fields__,
+        "asynchronous": AsyncConfig.__dataclass_fields__,
+        "runtime": RuntimeConfig.__dataclass_fields__,
+    }
+    for old, new in DEPRECATED_KEYWORDS.items():
+        argument, rest = new.split("=", 1)
+        field = rest[rest.index("(") + 1 :].split("=", 1)[0].rstrip(")")
+        assert field == "" or field in fields[argument], (old, new)
+
+
+def test_options_is_read_only_and_holds_the_configs() -> None:
+    curvature = CurvatureConfig(fisher="sampled")
+    optimizer = KFAC(_model(), damping=0.2, curvature=curvature, asynchronous=AsyncConfig())
+    assert optimizer.options.damping == 0.2
+    assert optimizer.options.curvature is curvature and optimizer.options.asynchronous == AsyncConfig()
+    with pytest.raises(AttributeError):
+        optimizer.options = KFACOptions()  # type: ignore[misc]
+
+
+def test_the_rank_check_reads_every_shared_setting_and_no_per_process_one() -> None:
+    settings = KFACOptions(asynchronous=AsyncConfig(delay=2)).rank_settings()
+    assert settings.keys() == KFACOptions().rank_settings().keys()  # the same names, in order, on every rank
+    assert {"damping", "kl_clip", "factor_update_steps", "inv_update_steps", "method", "curvature.fisher",
+            "curvature.factor_dtype", "async_decompositions", "async_delay"} <= set(settings)
+    assert "curvature.skip_layers" not in settings  # compared as the layer list it gives
+    assert not any("process_group" in name or "grad_scaler" in name or "statistics" in name for name in settings)
+
+
+def test_a_per_optimizer_block_override_is_accepted_by_the_config() -> None:
+    class MyLinear(nn.Linear):
+        pass
+
+    assert CurvatureConfig(blocks={MyLinear: LinearBlock}).blocks == {MyLinear: LinearBlock}
+    with pytest.raises(TypeError, match="blocks"):
+        CurvatureConfig(blocks={MyLinear: nn.Linear})
