@@ -30,9 +30,11 @@ KFAC_ATTRIBUTES = {"options", "blocks", "model", "param_groups", "state"}
 def _block_and_factor_attributes() -> set[str]:
     """The public data attributes of a real block and of its factors (e.g. ``pending_rows``,
     ``decomposed_key``, ``decomposition``): what a script must not assign."""
-    block = LinearBlock("probe", nn.Linear(2, 2), True, torch.float32)
+    layer = nn.Linear(2, 2)
+    block = LinearBlock("probe", layer, True, torch.float32)
     names = set(vars(block)).union(*(vars(factor) for factor in block.factors.values()))
-    return {name for name in names if not name.startswith("_")}
+    # A layer's own attributes (``head.weight = token.weight`` ties a model) are model code, not block writes.
+    return {name for name in names if not name.startswith("_")} - set(dir(layer))
 
 
 BLOCK_AND_FACTOR_ATTRIBUTES = _block_and_factor_attributes()
