@@ -16,7 +16,7 @@ marked ``xfail(strict=True)`` until the fix lands, so a test that starts to pass
 
 from __future__ import annotations
 
-import copy
+import itertools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,10 +30,11 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kfac_optim import KFAC
+from kfac_optim.layers import ModuleReport
 
 pytestmark = pytest.mark.xfail(strict=True, reason="issue 22: fixed in the next round")
 
-OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, damping=0.1, kl_clip=None, factor_decay=0.9, inv_update_steps=1)
+OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": None, "factor_decay": 0.9, "inv_update_steps": 1}
 STEPS = 3
 
 
@@ -41,7 +42,7 @@ def mlp(seed: int = 0, sizes: tuple[int, ...] = (4, 8, 3)) -> nn.Sequential:
     """Linear → tanh → ... → Linear, seeded."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
         if i:
             layers.append(nn.Tanh())
         layers.append(nn.Linear(n_in, n_out))
@@ -70,7 +71,7 @@ def assert_factors_equal(actual: dict[str, Tensor], expected: dict[str, Tensor],
         torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}")
 
 
-def report(optimizer: KFAC, module_name: str):  # -> kfac_optim.layers.ModuleReport
+def report(optimizer: KFAC, module_name: str) -> ModuleReport:
     rows = [row for row in optimizer.module_reports if row.name == module_name]
     assert len(rows) == 1, f"describe() has {len(rows)} rows for {module_name!r}:\n{optimizer.describe()}"
     return rows[0]
@@ -279,7 +280,7 @@ def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None
     def run(together: bool) -> tuple[Tensor, KFAC]:
         model = mlp()
         temperature = nn.Parameter(torch.tensor(1.5))
-        sgd_options = dict(lr=OPTIONS["lr"], momentum=OPTIONS["momentum"])
+        sgd_options = {"lr": OPTIONS["lr"], "momentum": OPTIONS["momentum"]}
         if together:
             optimizer = KFAC(model, params=[*model.parameters(), temperature], **OPTIONS)
             others: list[torch.optim.Optimizer] = []
@@ -489,7 +490,7 @@ def test_fullgraph_compiled_model_with_kfac_armed_records_like_eager() -> None:
 
 DDP_STEPS = 10
 DDP_BATCH = 8
-DDP_OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, damping=0.1, kl_clip=1e-2, factor_decay=0.9, inv_update_steps=2)
+DDP_OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": 1e-2, "factor_decay": 0.9, "inv_update_steps": 2}
 
 
 def train_lm(model: nn.Module, optimizer: KFAC, rank: int = 0, world: int = 1) -> dict[str, Tensor]:
