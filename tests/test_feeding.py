@@ -1,0 +1,523 @@
+"""Which backward passes and which samples feed the Kronecker factors (issue 22).
+
+One test per situation of issue 22's "What it must show". Each compares ``KFAC`` in an ordinary
+training loop with the same loop written the simple way (or with ``torch.optim.SGD`` where K-FAC
+must not touch a parameter), through the public API only: factors are read from
+``kfac_state_dict()``, what K-FAC does with a module from ``describe()`` / ``module_reports``.
+
+The rule these tests pin down (issue 22, docs/design.md §4 "Capture"): a block records the
+output-gradients of the backward that accumulates its weight's ``.grad``, once per forward;
+side passes (``torch.autograd.grad`` over parameters or inputs) and passes through frozen
+modules never record, and several backwards of one forward add up like their summed loss.
+
+Every test fails on the code of this commit (the comment above each says how); the whole file is
+marked ``xfail(strict=True)`` until the fix lands, so a test that starts to pass shows up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.nn.utils.prune
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from kfac_optim import KFAC
+from kfac_optim.layers import ModuleReport
+
+pytestmark = pytest.mark.xfail(strict=True, reason="issue 22: fixed in the next round")
+
+OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": None, "factor_decay": 0.9, "inv_update_steps": 1}
+STEPS = 3
+
+
+def mlp(seed: int = 0, sizes: tuple[int, ...] = (4, 8, 3)) -> nn.Sequential:
+    """Linear → tanh → ... → Linear, seeded."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
+        if i:
+            layers.append(nn.Tanh())
+        layers.append(nn.Linear(n_in, n_out))
+    return nn.Sequential(*layers)
+
+
+def batch(step: int, n: int = 6, features: int = 4, classes: int = 3) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(n, features, generator=generator), torch.randint(0, classes, (n,), generator=generator)
+
+
+def factors(optimizer: KFAC) -> dict[str, Tensor]:
+    """Every block's running factors by ``"<module>.<A|G>"``, from the public checkpoint."""
+    blocks = optimizer.kfac_state_dict()["blocks"]
+    return {
+        f"{name}.{kind}": factor["running"].clone()
+        for name, block in blocks.items()
+        for kind, factor in block["factors"].items()
+    }
+
+
+def assert_factors_equal(actual: dict[str, Tensor], expected: dict[str, Tensor], rtol: float = 0, atol: float = 0) -> None:
+    """The same factors, bit for bit by default."""
+    assert actual.keys() == expected.keys()
+    for key in sorted(expected, key=lambda key: (not key.endswith(".G"), key)):  # G first: what the fix changes
+        torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def report(optimizer: KFAC, module_name: str) -> ModuleReport:
+    rows = [row for row in optimizer.module_reports if row.name == module_name]
+    assert len(rows) == 1, f"describe() has {len(rows)} rows for {module_name!r}:\n{optimizer.describe()}"
+    return rows[0]
+
+
+# --- side passes --------------------------------------------------------------------------------
+
+
+def run_classifier(extra_pass: Callable[[nn.Module, Tensor, Tensor, Tensor], None] | None) -> tuple[dict[str, Tensor], nn.Module]:
+    """``STEPS`` plain K-FAC steps; ``extra_pass(model, x, y, loss)`` runs after the forward,
+    before ``loss.backward()``."""
+    model = mlp()
+    optimizer = KFAC(model, **OPTIONS)
+    for step in range(STEPS):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if extra_pass is not None:
+            extra_pass(model, x, y, loss)
+        loss.backward()
+        optimizer.step()
+    return factors(optimizer), model
+
+
+# Today: "0.G: Tensor-likes are not equal! ... 0.079" (every G factor is fed by both backwards).
+def test_monitoring_grad_pass_before_backward_does_not_change_the_factors() -> None:
+    def gradient_norm(model: nn.Module, x: Tensor, y: Tensor, loss: Tensor) -> None:
+        grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        torch.stack([g.norm() for g in grads]).norm()
+
+    expected, reference = run_classifier(None)
+    actual, model = run_classifier(gradient_norm)
+    assert_factors_equal(actual, expected)
+    assert_factors_equal(dict(model.named_parameters()), dict(reference.named_parameters()))
+
+
+# Today: "0.G: Tensor-likes are not equal! ... 0.078" (the input-gradient pass feeds G and counts N).
+def test_adversarial_input_gradient_pass_in_train_mode_does_not_change_the_factors() -> None:
+    def run(attack_in_eval_mode: bool) -> tuple[dict[str, Tensor], nn.Module]:
+        model = mlp()
+        optimizer = KFAC(model, **OPTIONS)
+        for step in range(STEPS):
+            x, y = batch(step)
+            optimizer.zero_grad()
+            model.train(not attack_in_eval_mode)  # the same function: no dropout or batch norm
+            x = x.clone().requires_grad_(True)
+            (input_grad,) = torch.autograd.grad(F.cross_entropy(model(x), y), x)  # FGSM
+            x_adv = (x + 0.1 * input_grad.sign()).detach()
+            model.train()
+            F.cross_entropy(model(x_adv), y).backward()
+            optimizer.step()
+        return factors(optimizer), model
+
+    expected, reference = run(attack_in_eval_mode=True)
+    actual, model = run(attack_in_eval_mode=False)
+    assert_factors_equal(actual, expected)
+    assert_factors_equal(dict(model.named_parameters()), dict(reference.named_parameters()))
+
+
+# --- GANs ---------------------------------------------------------------------------------------
+
+
+def gan() -> tuple[nn.Module, nn.Module]:
+    """Generator noise (N, 2) → (N, 4); discriminator (N, 4) → (N, 1)."""
+    return mlp(1, (2, 6, 4)), mlp(2, (4, 5, 1))
+
+
+def gan_batch(step: int, n: int = 6) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(200 + step)
+    return torch.randn(n, 4, generator=generator), torch.randn(n, 2, generator=generator)
+
+
+# Today: "0.G: Tensor-likes are not equal! ... 0.074" of D (the generator's pass through frozen D records).
+def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors() -> None:
+    """CycleGAN's ``set_requires_grad(D, False)`` around the generator's loss; both optimizers
+    zeroed at the top of the iteration, both stepped at the end. The reference runs the
+    generator's pass with D in eval mode (the same function: no dropout or batch norm), which
+    K-FAC never records, so the trajectories are identical whenever the frozen pass feeds nothing."""
+
+    def run(generator_pass_in_eval_mode: bool) -> tuple[dict[str, Tensor], nn.Module]:
+        net_g, net_d = gan()
+        opt_g, opt_d = KFAC(net_g, **OPTIONS), KFAC(net_d, **OPTIONS)
+        for step in range(STEPS):
+            real, noise = gan_batch(step)
+            opt_g.zero_grad()
+            opt_d.zero_grad()
+            fake = net_g(noise)
+            net_d.requires_grad_(False)
+            net_d.train(not generator_pass_in_eval_mode)
+            F.softplus(-net_d(fake)).mean().backward()  # non-saturating generator loss
+            net_d.train()
+            net_d.requires_grad_(True)
+            (F.softplus(-net_d(real)).mean() + F.softplus(net_d(fake.detach())).mean()).backward()
+            opt_g.step()
+            opt_d.step()
+        return factors(opt_d), net_d
+
+    expected, reference = run(generator_pass_in_eval_mode=True)
+    actual, net_d = run(generator_pass_in_eval_mode=False)
+    assert_factors_equal(actual, expected)
+    assert_factors_equal(dict(net_d.named_parameters()), dict(reference.named_parameters()))
+
+
+# Today: "0.G: Tensor-likes are not equal! ... 0.038" of D (the generator's backward through D stays pending).
+def test_module_level_zero_grad_gives_the_same_factors_as_the_optimizers() -> None:
+    """The DCGAN example's loop: ``netD.zero_grad()`` / ``netG.zero_grad()`` instead of the
+    optimizers'. The generator's backward runs through D (not frozen) after D's step."""
+
+    def run(zero: Callable[[nn.Module, KFAC], None]) -> tuple[dict[str, Tensor], nn.Module]:
+        net_g, net_d = gan()
+        opt_g, opt_d = KFAC(net_g, **OPTIONS), KFAC(net_d, **OPTIONS)
+        for step in range(STEPS):
+            real, noise = gan_batch(step)
+            zero(net_d, opt_d)
+            F.softplus(-net_d(real)).mean().backward()
+            fake = net_g(noise)
+            F.softplus(net_d(fake.detach())).mean().backward()
+            opt_d.step()
+            zero(net_g, opt_g)
+            F.softplus(-net_d(fake)).mean().backward()
+            opt_g.step()
+        return factors(opt_d), net_d
+
+    expected, reference = run(lambda module, optimizer: optimizer.zero_grad())
+    actual, net_d = run(lambda module, optimizer: module.zero_grad())
+    assert_factors_equal(actual, expected)
+    assert_factors_equal(dict(net_d.named_parameters()), dict(reference.named_parameters()))
+
+
+# --- several backwards of one forward -----------------------------------------------------------
+
+
+class TwoHeads(nn.Module):
+    """A shared trunk and two task heads: (N, 4) → ((N, 3), (N, 2))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk = nn.Linear(4, 8)
+        self.head_a = nn.Linear(8, 3)
+        self.head_b = nn.Linear(8, 2)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = torch.tanh(self.trunk(x))
+        return self.head_a(h), self.head_b(h)
+
+
+# Today: "head_a.G: Tensor-likes are not close! ... 5.0e-04" (trunk.G: 0.13; each backward counted as a new micro-batch).
+def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
+    def run(separately: bool) -> tuple[dict[str, Tensor], nn.Module]:
+        model = TwoHeads()
+        optimizer = KFAC(model, **OPTIONS)
+        for step in range(STEPS):
+            x, y = batch(step)
+            optimizer.zero_grad()
+            out_a, out_b = model(x)
+            loss_a, loss_b = F.cross_entropy(out_a, y), F.mse_loss(out_b, x[:, :2])
+            if separately:
+                loss_a.backward(retain_graph=True)
+                loss_b.backward()
+            else:
+                (loss_a + loss_b).backward()
+            optimizer.step()
+        return factors(optimizer), model
+
+    expected, reference = run(separately=False)
+    actual, model = run(separately=True)
+    assert_factors_equal(actual, expected, rtol=1e-6, atol=1e-6)
+    assert_factors_equal(dict(model.named_parameters()), dict(reference.named_parameters()), rtol=1e-6, atol=1e-6)
+
+
+# --- trainability and parameters ----------------------------------------------------------------
+
+
+# Today: "the unfrozen backbone did not move" (no block, not in any param group).
+def test_backbone_unfrozen_after_construction_trains_and_is_preconditioned() -> None:
+    model = mlp(sizes=(4, 8, 8, 3))  # "0", "2": backbone; "4": head
+    backbone = model[:3]
+    backbone.requires_grad_(False)
+    optimizer = KFAC(model, **OPTIONS)
+    for step in range(2):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    backbone.requires_grad_(True)
+    before = {name: p.detach().clone() for name, p in backbone.named_parameters()}
+    for step in range(2, 5):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    moved = [name for name, p in backbone.named_parameters() if not torch.equal(p, before[name])]
+    assert moved == list(before), f"the unfrozen backbone did not move: only {moved} of {list(before)}"
+    for name in ("0", "2"):
+        assert report(optimizer, name).status == "kfac", optimizer.describe()
+        factor = optimizer.kfac_state_dict()["blocks"][name]["factors"]["G"]["running"]
+        assert factor.abs().sum() > 0, f"{name}'s G is still empty after 3 steps unfrozen"
+
+
+# Today: "ValueError: params must all be parameters of model".
+def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None:
+    """A learnable loss temperature in ``params``: it follows SGD bit for bit (the reference:
+    K-FAC on the model alone and ``torch.optim.SGD`` on the temperature)."""
+
+    def run(together: bool) -> tuple[Tensor, KFAC]:
+        model = mlp()
+        temperature = nn.Parameter(torch.tensor(1.5))
+        sgd_options = {"lr": OPTIONS["lr"], "momentum": OPTIONS["momentum"]}
+        if together:
+            optimizer = KFAC(model, params=[*model.parameters(), temperature], **OPTIONS)
+            others: list[torch.optim.Optimizer] = []
+        else:
+            optimizer = KFAC(model, **OPTIONS)
+            others = [torch.optim.SGD([temperature], **sgd_options)]
+        for step in range(STEPS):
+            x, y = batch(step)
+            optimizer.zero_grad()
+            for other in others:
+                other.zero_grad()
+            F.cross_entropy(model(x) / temperature, y).backward()
+            optimizer.step()
+            for other in others:
+                other.step()
+        return temperature.detach(), optimizer
+
+    expected, alone = run(together=False)
+    actual, optimizer = run(together=True)
+    assert torch.equal(actual, expected)
+    assert len(optimizer.module_reports) == len(alone.module_reports) + 1, optimizer.describe()
+    extra = [row for row in optimizer.module_reports if row.block is None and any(shape == () for _, shape in row.params)]
+    assert len(extra) == 1, optimizer.describe()  # the temperature, on the SGD path
+
+
+# Today: "bias: Tensor-likes are not equal! ... 0.138" against SGD (K-FAC takes the complex layer).
+def test_complex_linear_takes_the_sgd_path_with_a_true_reason() -> None:
+    def run(make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(4)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3, dtype=torch.cfloat))
+        optimizer = make_optimizer(model)
+        for step in range(STEPS):
+            x, _ = batch(step)
+            target = torch.randn(6, 3, dtype=torch.cfloat, generator=torch.Generator().manual_seed(step))
+            optimizer.zero_grad()
+            out = model[2](model[1](model[0](x)).to(torch.cfloat))
+            (out - target).abs().square().mean().backward()
+            optimizer.step()
+        return model, optimizer
+
+    sgd_model, _ = run(lambda model: torch.optim.SGD(
+        [{"params": model[0].parameters(), "lr": 0.0}, {"params": model[2].parameters()}],
+        lr=OPTIONS["lr"], momentum=OPTIONS["momentum"]))
+    kfac_model, optimizer = run(lambda model: KFAC(
+        model, params=[{"params": model[0].parameters(), "lr": 0.0}, {"params": model[2].parameters()}], **OPTIONS))
+    assert_factors_equal(dict(kfac_model[2].named_parameters()), dict(sgd_model[2].named_parameters()))
+    row = report(optimizer, "2")
+    assert row.status != "kfac" and "complex" in row.detail.lower(), optimizer.describe()
+
+
+def parametrized(kind: str) -> nn.Sequential:
+    model = mlp(sizes=(4, 8, 3))
+    if kind == "weight_norm":
+        nn.utils.parametrizations.weight_norm(model[2])
+    elif kind == "spectral_norm":
+        nn.utils.parametrizations.spectral_norm(model[2])
+    else:
+        torch.nn.utils.prune.l1_unstructured(model[2], "weight", amount=0.5)
+    return model
+
+
+# Today: AssertionError showing describe(): "SGD: no K-FAC block registered for ParametrizedLinear" (prune: "... for Linear").
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "prune"])
+def test_parametrized_linear_is_preconditioned_or_takes_the_sgd_path_with_a_true_reason(kind: str) -> None:
+    """Either choice of issue 22 is accepted here; the fix should aim for preconditioning
+    (then this test gains a dense reference). On the SGD path the reason names the
+    parametrization and the layer's parameters follow ``torch.optim.SGD`` bit for bit."""
+    model = parametrized(kind)
+    optimizer = KFAC(model, **OPTIONS)
+    rows = [row for row in optimizer.module_reports if row.name == "2" or row.name.startswith("2.")]
+    if any(row.status == "kfac" for row in rows):
+        pytest.fail("preconditioned parametrized Linear: add the dense reference for it here")
+    word = "prun" if kind == "prune" else "parametriz"
+    assert rows and all(row.status != "unregistered" and word in row.detail.lower() for row in rows), optimizer.describe()
+    reference = parametrized(kind)
+    sgd = torch.optim.SGD(reference.parameters(), lr=OPTIONS["lr"], momentum=OPTIONS["momentum"])
+    for step in range(STEPS):
+        x, y = batch(step)
+        for net, opt in ((model, optimizer), (reference, sgd)):
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+        sgd.step()
+        optimizer.step()
+    assert_factors_equal(dict(model[2].named_parameters()), dict(reference[2].named_parameters()))
+
+
+# --- batch-free inputs --------------------------------------------------------------------------
+
+
+class TinyLM(nn.Module):
+    """Token and learned position embeddings, one MLP, a head: tokens (N, T) → logits (N, T, V)."""
+
+    def __init__(self, vocab: int = 11, context: int = 5, width: int = 6, tied: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.token = nn.Embedding(vocab, width)
+        self.position = nn.Embedding(context, width)
+        self.mlp = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        if tied:
+            self.head.weight = self.token.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.token(tokens) + self.position(torch.arange(tokens.shape[1]))
+        return self.head(h + torch.tanh(self.mlp(h)))
+
+
+def lm_batch(seed: int, n: int, context: int = 5, vocab: int = 11) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (n, context + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(model: nn.Module, tokens: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+
+# Today: "position's G changes 1.7x between B=8 and B=128 (token's: 1.0x)" (T positions counted as samples).
+def test_position_embedding_statistics_do_not_depend_on_the_batch_size() -> None:
+    """The trace of a layer's G (a per-sample Fisher) has the same expectation at any batch size;
+    averaged over 8 batches each, B=8 and B=128 agree within 10% for the token embedding. The
+    position embedding ``position(arange(T))`` must as well, or take the SGD path saying why."""
+
+    def mean_traces(batch_size: int) -> dict[str, float]:
+        sums: dict[str, float] = {}
+        for seed in range(8):
+            model = TinyLM()
+            optimizer = KFAC(model, **OPTIONS)
+            lm_loss(model, *lm_batch(seed, batch_size)).backward()
+            optimizer.step()
+            for key, factor in factors(optimizer).items():
+                if key.endswith(".G"):
+                    sums[key] = sums.get(key, 0.0) + factor.trace().item() / 8
+        return sums
+
+    probe = KFAC(TinyLM(), **OPTIONS)
+    row = report(probe, "position")
+    if row.status != "kfac":
+        assert "batch" in row.detail.lower(), probe.describe()
+        return
+    small, large = mean_traces(8), mean_traces(128)
+    ratios = {key: large[key] / small[key] for key in small}
+    assert abs(ratios["token.G"] - 1) < 0.1, ratios  # the yardstick itself
+    assert abs(ratios["position.G"] - 1) < 0.1, (
+        f"position's G changes {1 / ratios['position.G']:.1f}x between B=8 and B=128 "
+        f"(token's: {1 / ratios['token.G']:.1f}x)"
+    )
+
+
+# --- torch.compile ------------------------------------------------------------------------------
+
+
+def compile_run(compiled: bool, steps: int = 12) -> tuple[dict[str, Tensor], KFAC]:
+    model = mlp()
+    optimizer = KFAC(model, **{**OPTIONS, "inv_update_steps": 5})
+
+    def train_step(x: Tensor, y: Tensor) -> Tensor:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    run_step = torch.compile(train_step, backend="eager") if compiled else train_step
+    for step in range(steps):
+        run_step(*batch(step))
+    return dict(model.named_parameters()), optimizer
+
+
+# Today: "assert 0 == 12" (the compiled step never advances the step counter). Takes 13-19 s on this box today.
+def test_compiled_train_step_equals_eager_bit_for_bit() -> None:
+    torch._dynamo.reset()
+    start = time.perf_counter()
+    actual, compiled_optimizer = compile_run(compiled=True)
+    seconds = time.perf_counter() - start
+    expected, eager_optimizer = compile_run(compiled=False)
+    assert compiled_optimizer.state_dict()["kfac"]["steps"] == eager_optimizer.state_dict()["kfac"]["steps"] == 12
+    assert_factors_equal(actual, expected)
+    assert_factors_equal(factors(compiled_optimizer), factors(eager_optimizer))
+    assert seconds < 30, f"the compiled run took {seconds:.1f} s"
+
+
+# Today: "AssertionError: (4, 1, [])": 4 graphs with K-FAC, 1 without (fullgraph=True: "HOP: Non-nullified side effect").
+def test_fullgraph_compiled_model_with_kfac_armed_records_like_eager() -> None:
+    torch._dynamo.reset()
+    x, y = batch(0)
+    plain = torch._dynamo.explain(mlp())(x)
+    model = mlp()
+    optimizer = KFAC(model, **OPTIONS)
+    hooked = torch._dynamo.explain(model)(x)
+    assert hooked.graph_count == plain.graph_count, (hooked.graph_count, plain.graph_count, hooked.break_reasons)
+    optimizer.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    eager = mlp()
+    eager_optimizer = KFAC(eager, **OPTIONS)
+    for step in range(2):
+        x, y = batch(step)
+        for net, opt in ((compiled, optimizer), (eager, eager_optimizer)):
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+    assert_factors_equal(factors(optimizer), factors(eager_optimizer), rtol=1e-6, atol=1e-7)
+
+
+# --- DDP: learned positions and a tied head -----------------------------------------------------
+
+DDP_STEPS = 10
+DDP_BATCH = 8
+DDP_OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": 1e-2, "factor_decay": 0.9, "inv_update_steps": 2}
+
+
+def train_lm(model: nn.Module, optimizer: KFAC, rank: int = 0, world: int = 1) -> dict[str, Tensor]:
+    size = DDP_BATCH // world
+    for step in range(DDP_STEPS):
+        tokens, targets = lm_batch(300 + step, DDP_BATCH)
+        optimizer.zero_grad()
+        lm_loss(model, tokens[rank * size : (rank + 1) * size], targets[rank * size : (rank + 1) * size]).backward()
+        optimizer.step()
+    inner = model.module if isinstance(model, DDP) else model
+    return {name: p.detach().clone() for name, p in inner.named_parameters()}
+
+
+# Controls measured with this harness on the code of this commit (2 ranks vs one process, largest
+# parameter difference after 10 steps): no positions, untied head 1.0e-6; no positions, tied head
+# 1.6e-2; positions, untied head 1.2e-2. Each cause alone breaks the 1e-5 bound.
+def scenario_tied_lm(rank: int, world: int, directory: Path) -> dict[str, Any]:
+    model = DDP(TinyLM(tied=True))
+    return {"params": train_lm(model, KFAC(model, **DDP_OPTIONS), rank, world)}
+
+
+# Today: "mlp.bias: Tensor-likes are not close! ... Greatest absolute difference: 0.0166" (positions, tied head).
+def test_tied_lm_with_learned_positions_on_two_ddp_ranks_equals_one_process(tmp_path: Path) -> None:
+    from tests.distributed_helpers import spawn
+
+    model = TinyLM(tied=True)
+    expected = train_lm(model, KFAC(model, **DDP_OPTIONS))
+    ranks = spawn(scenario_tied_lm, 2, tmp_path, deadline_s=90)
+    for result in ranks:
+        assert_factors_equal(result["params"], expected, rtol=0, atol=1e-5)
