@@ -90,7 +90,7 @@ def test_an_old_keyword_next_to_its_config_is_a_type_error() -> None:
         KFAC(_config_model(), fisher="sampled", curvature=CurvatureConfig())
 
 
-def _trained(**settings) -> list[torch.Tensor]:
+def _trained_config_run(**settings) -> list[torch.Tensor]:
     model = _config_model()
     optimizer = KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=2, inv_update_steps=2, **settings)
     generator = torch.Generator().manual_seed(0)
@@ -117,13 +117,13 @@ OLD_AND_NEW = [
 @pytest.mark.parametrize(("old", "new"), OLD_AND_NEW, ids=["curvature", "async and runtime"])
 def test_the_old_flat_keywords_warn_naming_the_new_spelling_and_train_the_same(old: dict, new: dict) -> None:
     with pytest.warns(DeprecationWarning) as caught:
-        by_old = _trained(**old)
+        by_old = _trained_config_run(**old)
     (message,) = {str(w.message) for w in caught if w.category is DeprecationWarning}
     for keyword in old:
         assert f"{keyword}= -> {DEPRECATED_KEYWORDS[keyword]}" in message
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        by_new = _trained(**new)
+        by_new = _trained_config_run(**new)
     assert all(torch.equal(a, b) for a, b in zip(by_old, by_new, strict=True))
 
 
