@@ -29,8 +29,8 @@ from torch import nn
 from tqdm import tqdm
 
 from benchmarks.output import write_json_and_plot
-from kfac_optim import KFAC, register_block
-from kfac_optim.layers import LayerNormBlock, unregister_block
+from kfac_optim import KFAC, CurvatureConfig
+from kfac_optim.layers import LayerNormBlock
 
 KFAC_OPTIONS = dict(lr=0.1, momentum=0.9, damping=0.03, kl_clip=1e-3, factor_update_steps=1, inv_update_steps=10)
 
@@ -75,12 +75,8 @@ def run(variant: str, seed: int, train: torch.Tensor, held_out: torch.Tensor, vo
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.adamw_lr, weight_decay=0.0)
     elif variant == "kfac":
         optimizer = KFAC(model, **KFAC_OPTIONS)
-    else:  # LayerNorm is not registered by default: register it for this optimizer only
-        register_block(nn.LayerNorm, LayerNormBlock)
-        try:
-            optimizer = KFAC(model, **KFAC_OPTIONS)
-        finally:
-            unregister_block(nn.LayerNorm)
+    else:  # LayerNorm is not registered by default: precondition it for this optimizer only
+        optimizer = KFAC(model, curvature=CurvatureConfig(blocks={nn.LayerNorm: LayerNormBlock}), **KFAC_OPTIONS)
     losses, times = [], []
     for chunk in tqdm(batches(train, args.steps, args.batch, args.length, seed), desc=f"{variant} seed {seed}", leave=False):
         start = time.perf_counter()

@@ -314,15 +314,16 @@ def fsdp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str,
     fsdp_train(model, optimizer, range(STEPS), rank, world, data=token_shard)
     results["params new blocks"] = full_parameters(model)
 
-    from kfac_optim.layers import LinearBlock, register_block, unregister_block
+    from kfac_optim import CurvatureConfig
+    from kfac_optim.layers import LinearBlock
 
-    register_block(Transposed, type("TransposedBlock", (LinearBlock,), {}))
+    blocks = {Transposed: type("TransposedBlock", (LinearBlock,), {})}
+    options = {key: value for key, value in OPTIONS.items() if key != "factor_decay"}
+    curvature = CurvatureConfig(factor_decay=OPTIONS["factor_decay"], blocks=blocks)
     try:
-        KFAC(fully_shard(nn.Sequential(Transposed())), **OPTIONS)
+        KFAC(fully_shard(nn.Sequential(Transposed())), curvature=curvature, **options)
     except ValueError as error:
         results["rows of different lengths error"] = str(error)
-    finally:
-        unregister_block(Transposed)
 
     model = sharded_model()
     optimizer = KFAC(model, grad_worker_fraction=0.5, **OPTIONS)

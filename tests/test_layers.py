@@ -27,7 +27,7 @@ from test_factors import (  # the float64 fixture and the reference helpers
 from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 
-from kfac_optim import KFAC, KroneckerBlock, register_block
+from kfac_optim import KFAC, CurvatureConfig, KroneckerBlock, register_block
 from kfac_optim.layers import (
     ConvBlock,
     EmbeddingBlock,
@@ -667,21 +667,15 @@ def test_norm_blocks_are_the_exact_per_unit_fisher(make_layer, shape) -> None:
         per_sample.append(torch.stack([g.reshape(-1) for g in torch.autograd.grad(loss, params, retain_graph=True)], -1))
     s_hat = torch.stack(per_sample)  # (N, units, 1 or 2)
     fisher = torch.einsum("nui,nuj->uij", s_hat, s_hat) / N
-    norm_types = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d)
-    try:
-        for module_type, block in ((nn.LayerNorm, LayerNormBlock), (nn.RMSNorm, RMSNormBlock),
-                                   (nn.GroupNorm, ChannelNormBlock), (nn.BatchNorm1d, ChannelNormBlock),
-                                   (nn.BatchNorm2d, ChannelNormBlock)):
-            register_block(module_type, block)
-        layer.zero_grad()
-        optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, **DTYPES)
-        snapshot = [p.detach().clone() for p in params]
-        (0.5 * ((layer(x) - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
-        grad = torch.stack([p.grad.reshape(-1) for p in params], -1)
-        optimizer.step()
-    finally:
-        for module_type in norm_types:
-            unregister_block(module_type)
+    norm_blocks = {nn.LayerNorm: LayerNormBlock, nn.RMSNorm: RMSNormBlock, nn.GroupNorm: ChannelNormBlock,
+                   nn.BatchNorm1d: ChannelNormBlock, nn.BatchNorm2d: ChannelNormBlock}
+    layer.zero_grad()
+    curvature = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64, blocks=norm_blocks)
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, curvature=curvature)
+    snapshot = [p.detach().clone() for p in params]
+    (0.5 * ((layer(x) - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
+    grad = torch.stack([p.grad.reshape(-1) for p in params], -1)
+    optimizer.step()
     block = optimizer.blocks[0]
     torch.testing.assert_close(block.A.running, fisher, rtol=1e-10, atol=1e-12)
     moved = torch.stack([(b - p.detach()).reshape(-1) for b, p in zip(snapshot, params, strict=True)], -1)
