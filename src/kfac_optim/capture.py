@@ -197,7 +197,7 @@ class StatisticsCapture:
         self.overwritten: set[str] = set()  # blocks whose pair changed before the worker read it
         self._tapped: list[Tensor] = []  # every_backward=False: hooked outputs since the last pass
         self._held: dict[Tapped, None] = {}  # pairs of backward passes that kept their graph, in order
-        self._fed: set[KroneckerBlock] = set()  # blocks handed pairs since the last fold or discard
+        self._fed: dict[KroneckerBlock, int] = {}  # blocks handed pairs since the last fold or discard: their last graph task
         self._nodes: dict[KroneckerBlock, tuple[Tensor, Any]] = {}  # the recorded parameter and its AccumulateGrad
         self._worker = worker
         self._in_line = in_line
@@ -303,22 +303,23 @@ class StatisticsCapture:
             return
         if self._every_backward and not writes_gradient(tapped.node):
             return  # a side pass: torch.autograd.grad, an input gradient
-        block = tapped.block
-        if block in self._fed and not tapped.gradient_kept():
-            self._drop_pending(block)  # the gradient they belonged to was discarded (module.zero_grad())
+        block, task = tapped.block, current_graph_task()
+        fed_in = self._fed.get(block)
+        if fed_in is not None and fed_in != task and not tapped.gradient_kept():
+            self._drop_pending(block)  # an earlier backward's gradient was discarded (module.zero_grad())
         total = grad_output if tapped.summed is None else tapped.summed + grad_output
         if self._every_backward and keeps_graph():  # another backward of this forward may add to it
             if tapped.summed is None:
-                tapped.task = current_graph_task()
+                tapped.task = task
                 self._held[tapped] = None
             tapped.summed = total
             return
-        task = None
+        replayed = None
         if tapped.summed is not None:
-            task = tapped.task
+            replayed = tapped.task
             tapped.summed = None
             del self._held[tapped]
-        self._hand_on(block, tapped.layer_input, total, task)
+        self._hand_on(block, tapped.layer_input, total, replayed)
 
     def flush(self) -> None:
         """Hand on the pairs held for backward passes that kept their graph (at the step)."""
@@ -342,7 +343,7 @@ class StatisticsCapture:
 
     def _drop_pending(self, block: KroneckerBlock) -> None:
         """Forget ``block``'s pending statistics (after the worker's work on them, in order)."""
-        self._fed.discard(block)
+        self._fed.pop(block, None)
         if self._worker is None or self._in_line():
             if self._worker is not None:
                 self._worker.wait()
@@ -354,7 +355,7 @@ class StatisticsCapture:
         """Hand the pair to ``accumulate`` (or the worker), as recorded in graph task ``task`` (None:
         the running one)."""
         self.recorded += 1
-        self._fed.add(block)
+        self._fed[block] = current_graph_task() if task is None else task
         if self._worker is None or self._in_line():
             if self._worker is not None:
                 self._worker.wait()  # its earlier work (e.g. a fold) comes first
