@@ -71,6 +71,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kfac_optim.diagnostics import warn_user
+from kfac_optim.distributed import fsdp
 from kfac_optim.layers.base import KroneckerBlock
 from kfac_optim.layers.hooks import (
     CopiedAsInert,
@@ -267,7 +268,9 @@ class StatisticsCapture:
         if param is None:
             return
         capture = weakref.ref(self)
-        tapped = Tapped(block, layer_input, param, self._nodes[block][1])
+        # FSDP2 has put the sharded parameter back by now; its unsharded copy is back in the backward
+        node = None if fsdp.is_sharded(param) else self._node_of(block, param)
+        tapped = Tapped(block, layer_input, param, node)
 
         def on_gradient(grad_output: Tensor) -> None:
             live = capture()
@@ -281,16 +284,30 @@ class StatisticsCapture:
     def _recorded_parameter(self, block: KroneckerBlock) -> Tensor | None:
         """The parameter of ``block`` whose ``.grad`` decides whether a backward records (the one
         its module uses now: FSDP2's unsharded copy, Apex's model weight; the weight, else an
-        included bias that requires grad), with its ``AccumulateGrad`` node kept in ``_nodes``;
-        None when none requires grad."""
+        included bias that requires grad); None when none requires grad."""
         weight, bias = block.weight_and_bias(block.module)
         param = weight if weight.requires_grad else bias if block.bias is not None and bias is not None else None
         if param is None or not param.requires_grad:
             return None
+        return param
+
+    def _node_of(self, block: KroneckerBlock, param: Tensor) -> Any:
+        """``param``'s ``AccumulateGrad`` node, fetched once per parameter object of ``block``."""
         cached = self._nodes.get(block)
         if cached is None or cached[0] is not param:
-            self._nodes[block] = (param, gradient_node(param))
-        return param
+            cached = self._nodes[block] = (param, gradient_node(param))
+        return cached[1]
+
+    def _writes_gradient(self, tapped: Tapped) -> bool:
+        """Whether the running backward writes ``tapped``'s parameter's ``.grad``; its node is taken
+        here when the forward's parameter was a ``DTensor`` (FSDP2 swaps its unsharded copy back in
+        for the backward)."""
+        if tapped.node is None:
+            param = self._recorded_parameter(tapped.block)
+            if param is None:
+                return False
+            tapped.param, tapped.node = param, self._node_of(tapped.block, param)
+        return writes_gradient(tapped.node)
 
     def record(self, tapped: Tapped, grad_output: Tensor) -> None:
         """Hand one forward's (input, output-gradient) pair to its block, if this backward pass
@@ -301,7 +318,7 @@ class StatisticsCapture:
         if torch.is_grad_enabled():  # a create_graph=True backward: see the module docstring
             self.graph_backward_skipped = True
             return
-        if self._every_backward and not writes_gradient(tapped.node):
+        if self._every_backward and not self._writes_gradient(tapped):
             return  # a side pass: torch.autograd.grad, an input gradient
         block, task = tapped.block, current_graph_task()
         fed_in = self._fed.get(block)
