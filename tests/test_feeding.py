@@ -131,6 +131,22 @@ def test_adversarial_input_gradient_pass_in_train_mode_does_not_change_the_facto
     assert_factors_equal(dict(model.named_parameters()), dict(reference.named_parameters()))
 
 
+# Before the fix: every G and A factor differs (the discarded backward's statistics were folded).
+def test_setting_grads_to_none_drops_the_statistics_of_the_discarded_gradient() -> None:
+    """``p.grad = None`` after a backward (a gradient thrown away outside the optimizer) drops
+    that backward's pending statistics, as ``KFAC.zero_grad()`` would."""
+
+    def discarded_backward(model: nn.Module, x: Tensor, y: Tensor, loss: Tensor) -> None:
+        F.cross_entropy(model(2 * x), y).backward()
+        for param in model.parameters():
+            param.grad = None
+
+    expected, reference = run_classifier(None)
+    actual, model = run_classifier(discarded_backward)
+    assert_factors_equal(actual, expected)
+    assert_factors_equal(dict(model.named_parameters()), dict(reference.named_parameters()))
+
+
 # --- GANs ---------------------------------------------------------------------------------------
 
 

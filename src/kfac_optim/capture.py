@@ -127,7 +127,7 @@ class Tapped:
     backward writes (and that parameter's ``AccumulateGrad`` node), and, while its graph is kept
     for another backward, the sum of its output-gradients so far and the graph task that brought the first."""
 
-    __slots__ = ("block", "layer_input", "param", "node", "summed", "task")
+    __slots__ = ("block", "layer_input", "node", "param", "summed", "task")
 
     def __init__(self, block: KroneckerBlock, layer_input: Any, param: Tensor, node: Any) -> None:
         self.block = block
