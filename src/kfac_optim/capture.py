@@ -17,6 +17,22 @@ pair is handed to the block. Nothing is computed in the forward pass, so:
 ``register_full_backward_hook`` is deliberately not used (it breaks on in-place ops after the layer).
 The input is taken however the layer was called (positionally or by keyword).
 
+Which backward records (docs/design.md §4, "Capture"; README "What feeds the factors"): a block
+records the output-gradients of the backward pass that writes its parameters' ``.grad`` (its
+weight's ``AccumulateGrad`` node runs in that graph task: :func:`~kfac_optim.layers.hooks.writes_gradient`),
+once per forward. So ``torch.autograd.grad`` side passes (monitoring, input gradients for FGSM or
+saliency) and passes through a module whose parameters do not require grad (a frozen GAN
+discriminator: not even hooked) record nothing. Several backward passes of one forward
+(``retain_graph=True``, a multi-task loss back-propagated per task) add their output-gradients
+for the same samples: the forward's pair is held while its graph is kept and handed on once with
+the summed output-gradient (at the backward that frees the graph, else at the step), as
+``(loss_a + loss_b).backward()`` would. A new forward is a new micro-batch. The gradient the
+statistics belong to can be discarded outside the optimizer (``module.zero_grad()``, ``p.grad =
+None``): a block whose statistics are pending drops them when its weight has no ``.grad`` at its
+next recording (and at the step, ``KroneckerEstimator.update_curvature``). The sampled Fisher's
+pass (:meth:`StatisticsCapture.recording_outputs`, an ``autograd.grad`` over layer outputs)
+records by construction.
+
 Double backward (docs/design.md §4, "Capture"): an output-gradient that arrives with grad enabled
 belongs to a backward run with ``create_graph=True``, which builds a graph for a later backward
 (a gradient penalty's ``torch.autograd.grad(loss, x, create_graph=True)``). It is not recorded:
@@ -55,8 +71,17 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kfac_optim.diagnostics import warn_user
+from kfac_optim.distributed import fsdp
 from kfac_optim.layers.base import KroneckerBlock
-from kfac_optim.layers.hooks import CopiedAsInert, InertHook, in_graph_task
+from kfac_optim.layers.hooks import (
+    CopiedAsInert,
+    InertHook,
+    current_graph_task,
+    gradient_node,
+    in_graph_task,
+    keeps_graph,
+    writes_gradient,
+)
 from kfac_optim.statistics_worker import StatisticsWorker
 
 logger = logging.getLogger(__name__)
@@ -95,6 +120,27 @@ class CaptureHook(CopiedAsInert):
         if capture is not None and isinstance(copied_module, nn.Module):
             capture.copies.append((weakref.ref(copied_module), inert))
         return inert
+
+
+class Tapped:
+    """One forward call's tapped output of a block: its input, the parameter whose ``.grad`` its
+    backward writes (and that parameter's ``AccumulateGrad`` node), and, while its graph is kept
+    for another backward, the sum of its output-gradients so far and the graph task that brought the first."""
+
+    __slots__ = ("block", "layer_input", "node", "param", "summed", "task")
+
+    def __init__(self, block: KroneckerBlock, layer_input: Any, param: Tensor, node: Any) -> None:
+        self.block = block
+        self.layer_input = layer_input
+        self.param = param
+        self.node = node
+        self.summed: Tensor | None = None
+        self.task = -1
+
+    def gradient_kept(self) -> bool:
+        """Whether the gradient the block's pending statistics belong to still exists (``.grad`` of
+        the parameter the forward used, e.g. FSDP2's unsharded copy, or of the block's own)."""
+        return self.param.grad is not None or self.block.has_gradient()
 
 
 def _remove_hooks(
@@ -151,6 +197,9 @@ class StatisticsCapture:
         self.recorded = 0
         self.overwritten: set[str] = set()  # blocks whose pair changed before the worker read it
         self._tapped: list[Tensor] = []  # every_backward=False: hooked outputs since the last pass
+        self._held: dict[Tapped, None] = {}  # pairs of backward passes that kept their graph, in order
+        self._fed: dict[KroneckerBlock, int] = {}  # blocks handed pairs since the last fold or discard: their last graph task
+        self._nodes: dict[KroneckerBlock, tuple[Tensor, Any]] = {}  # the recorded parameter and its AccumulateGrad
         self._worker = worker
         self._in_line = in_line
         self.copies: list[tuple[weakref.ref[nn.Module], InertHook]] = []
@@ -210,38 +259,133 @@ class StatisticsCapture:
 
     def tap(self, block: KroneckerBlock, layer_input: Any, output: Tensor) -> None:
         """Hook ``output`` so that its gradient is recorded with ``layer_input`` for ``block``
-        (:meth:`record`); the hook holds this capture weakly. Without ``every_backward`` the output
-        is also held for :meth:`recording_outputs` (until that pass, or until the hooks are armed
-        anew at the step: at most one output per layer and forward, on factor steps only)."""
+        (:meth:`record`); the hook holds this capture weakly. A block whose parameters all have
+        ``requires_grad=False`` is not hooked (no backward writes their ``.grad``). Without
+        ``every_backward`` the output is also held for :meth:`recording_outputs` (until that pass,
+        or until the hooks are armed anew at the step: at most one output per layer and forward,
+        on factor steps only)."""
+        param = self._recorded_parameter(block)
+        if param is None:
+            return
         capture = weakref.ref(self)
+        # FSDP2 has put the sharded parameter back by now; its unsharded copy is back in the backward
+        node = None if fsdp.is_sharded(param) else self._node_of(block, param)
+        tapped = Tapped(block, layer_input, param, node)
 
         def on_gradient(grad_output: Tensor) -> None:
             live = capture()
             if live is not None:
-                live.record(block, layer_input, grad_output)
+                live.record(tapped, grad_output)
 
         output.register_hook(on_gradient)
         if not self._every_backward:
             self._tapped.append(output)
 
-    def record(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
-        """Hand one (input, output-gradient) pair to the block, unless it must not be recorded."""
+    def _recorded_parameter(self, block: KroneckerBlock) -> Tensor | None:
+        """The parameter of ``block`` whose ``.grad`` decides whether a backward records (the one
+        its module uses now: FSDP2's unsharded copy, Apex's model weight; the weight, else an
+        included bias that requires grad); None when none requires grad."""
+        weight, bias = block.weight_and_bias(block.module)
+        param = weight if weight.requires_grad else bias if block.bias is not None and bias is not None else None
+        if param is None or not param.requires_grad:
+            return None
+        return param
+
+    def _node_of(self, block: KroneckerBlock, param: Tensor) -> Any:
+        """``param``'s ``AccumulateGrad`` node, fetched once per parameter object of ``block``."""
+        cached = self._nodes.get(block)
+        if cached is None or cached[0] is not param:
+            cached = self._nodes[block] = (param, gradient_node(param))
+        return cached[1]
+
+    def _writes_gradient(self, tapped: Tapped) -> bool:
+        """Whether the running backward writes ``tapped``'s parameter's ``.grad``; its node is taken
+        here when the forward's parameter was a ``DTensor`` (FSDP2 swaps its unsharded copy back in
+        for the backward)."""
+        if tapped.node is None:
+            param = self._recorded_parameter(tapped.block)
+            if param is None:
+                return False
+            tapped.param, tapped.node = param, self._node_of(tapped.block, param)
+        return writes_gradient(tapped.node)
+
+    def record(self, tapped: Tapped, grad_output: Tensor) -> None:
+        """Hand one forward's (input, output-gradient) pair to its block, if this backward pass
+        writes the block's ``.grad`` (see the module docstring); while the graph is kept for
+        another backward, hold the summed output-gradient instead (:meth:`flush`)."""
         if not self._recording:
             return
         if torch.is_grad_enabled():  # a create_graph=True backward: see the module docstring
             self.graph_backward_skipped = True
             return
+        if self._every_backward and not self._writes_gradient(tapped):
+            return  # a side pass: torch.autograd.grad, an input gradient
+        block, task = tapped.block, current_graph_task()
+        fed_in = self._fed.get(block)
+        if fed_in is not None and fed_in != task and not tapped.gradient_kept():
+            self._drop_pending(block)  # an earlier backward's gradient was discarded (module.zero_grad())
+        total = grad_output if tapped.summed is None else tapped.summed + grad_output
+        if self._every_backward and keeps_graph():  # another backward of this forward may add to it
+            if tapped.summed is None:
+                tapped.task = task
+                self._held[tapped] = None
+            tapped.summed = total
+            return
+        replayed = None
+        if tapped.summed is not None:
+            replayed = tapped.task
+            tapped.summed = None
+            del self._held[tapped]
+        self._hand_on(block, tapped.layer_input, total, replayed)
+
+    def flush(self) -> None:
+        """Hand on the pairs held for backward passes that kept their graph (at the step)."""
+        held, self._held = self._held, {}
+        for tapped in held:
+            total, tapped.summed = tapped.summed, None
+            if total is not None:
+                self._hand_on(tapped.block, tapped.layer_input, total, tapped.task)
+
+    def drop_without_gradient(self) -> None:
+        """At the step, before the fold: drop the pending statistics of blocks that recorded but
+        whose gradient was discarded since (``module.zero_grad()`` after the backward)."""
+        for block in [block for block in self._fed if not block.has_gradient()]:
+            self._drop_pending(block)
+
+    def forget(self) -> None:
+        """The pending statistics were folded or dropped: forget the held pairs and what was recorded."""
+        self._held.clear()
+        self._fed.clear()
+        self.recorded = 0
+
+    def _drop_pending(self, block: KroneckerBlock) -> None:
+        """Forget ``block``'s pending statistics (after the worker's work on them, in order)."""
+        self._fed.pop(block, None)
+        if self._worker is None or self._in_line():
+            if self._worker is not None:
+                self._worker.wait()
+            block.clear_pending()
+        else:
+            self._worker.submit(block.clear_pending)
+
+    def _hand_on(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor, task: int | None) -> None:
+        """Hand the pair to ``accumulate`` (or the worker), as recorded in graph task ``task`` (None:
+        the running one)."""
         self.recorded += 1
+        self._fed[block] = current_graph_task() if task is None else task
         if self._worker is None or self._in_line():
             if self._worker is not None:
                 self._worker.wait()  # its earlier work (e.g. a fold) comes first
-            self._accumulate(block, layer_input, grad_output)
+            if task is None:
+                self._accumulate(block, layer_input, grad_output)
+            else:
+                with in_graph_task(task):
+                    self._accumulate(block, layer_input, grad_output)
             return
         tensors = _tensors_of(layer_input, grad_output)
         versions = [t._version for t in tensors]
-        self._worker.submit(
-            self._accumulate_later, block, layer_input, grad_output, torch._C._current_graph_task_id(), versions
-        )
+        task = torch._C._current_graph_task_id() if task is None else task
+        self._worker.submit(self._accumulate_later, block, layer_input, grad_output, task, versions)
 
     def _accumulate_later(
         self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor, task: int, versions: list[int]

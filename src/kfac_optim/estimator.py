@@ -213,7 +213,7 @@ class KroneckerEstimator:
             clear_pending(self.blocks)
         elif self.capture.recorded:  # after the worker's work on them (in order)
             self._statistics.submit(clear_pending, self.blocks)
-        self.capture.recorded = 0
+        self.capture.forget()
 
     def settle_statistics(self) -> None:
         """With ``async_statistics``: wait until the worker has run everything submitted, so that
@@ -280,6 +280,8 @@ class KroneckerEstimator:
         that ran out of inputs under ``Join`` runs it too (:meth:`shadow_step`).
         """
         step, damping = self.steps, self.damping_at(self.steps)
+        self.capture.flush()  # pairs held for a backward that kept its graph (capture.py)
+        self.capture.drop_without_gradient()
         if self.sharding.decompositions_missing:  # a loaded checkpoint lacks some: from its factors
             self._decomposition_step(damping, only_missing=True)
         folding = self.folding_blocks(step)
@@ -320,7 +322,7 @@ class KroneckerEstimator:
                 if self._last_fold is not None:
                     self._statistics.wait(self._last_fold)
                 self._last_fold = self._statistics.submit(fold_statistics, *fold)
-            self.capture.recorded = 0
+            self.capture.forget()
         self.sharding.factors_folded()
 
     def _report_statistics_worker(self) -> None:

@@ -203,6 +203,11 @@ class KroneckerBlock(ABC):
         """The parameters this block preconditions: ``weight`` and, when included, ``bias``."""
         return [self.weight] if self.bias is None else [self.weight, self.bias]
 
+    def has_gradient(self) -> bool:
+        """Whether a parameter of this block (or the module's own weight) holds a ``.grad``: the
+        gradient that pending statistics belong to (``module.zero_grad()`` discards it)."""
+        return self.module_weight.grad is not None or any(p.grad is not None for p in self.parameters())
+
     @property
     def A(self) -> Factor:  # noqa: N802 (the paper's name)
         return self.factors["A"]

@@ -1,7 +1,9 @@
 """What every capture hook shares: the backward pass being recorded, and the inert placeholder.
 
 Owns: which autograd graph task (one backward pass) an output-gradient belongs to, also when it is
-recorded later on another thread (:func:`in_graph_task`); :class:`InertHook`, what a copied or
+recorded later on another thread (:func:`in_graph_task`); whether the running backward pass writes
+a parameter's ``.grad`` (:func:`gradient_node`, :func:`writes_gradient`) and keeps its graph for
+another (:func:`keeps_graph`); :class:`InertHook`, what a copied or
 pickled model gets in place of a capture hook, and :class:`CopiedAsInert`, the base of hook
 objects that turn into one.
 Must not know: blocks, factors, the capture itself (``kfac_optim.capture`` and the blocks that
@@ -38,6 +40,29 @@ def in_graph_task(task: int) -> Iterator[None]:
         yield
     finally:
         _replayed_task.id = None
+
+
+def gradient_node(param: torch.Tensor) -> torch.autograd.graph.Node:
+    """The ``AccumulateGrad`` node that writes ``param.grad`` (``param``: a leaf that requires grad).
+    Fetching it costs tens of µs: callers keep it, which also keeps it the node of later graphs."""
+    return torch.autograd.graph._get_grad_fn_or_grad_acc(param)
+
+
+def writes_gradient(node: torch.autograd.graph.Node) -> bool:
+    """Whether the backward pass running on this thread executes ``node`` (a :func:`gradient_node`),
+    i.e. writes its parameter's ``.grad``: True for ``loss.backward()``, False for
+    ``torch.autograd.grad`` (over parameters or inputs) and for passes that do not reach it. A pure
+    graph-task lookup (no tensor is read); call it only inside a backward pass."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a leaf captured by torch.autograd.grad: its .grad is not written
+        return False
+
+
+def keeps_graph() -> bool:
+    """Whether the backward pass running on this thread keeps its graph (``retain_graph`` or
+    ``create_graph``), i.e. whether a later backward of the same forward may follow."""
+    return torch._C._autograd._get_current_graph_task_keep_graph()
 
 
 class InertHook:
