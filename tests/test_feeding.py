@@ -11,7 +11,7 @@ side passes (``torch.autograd.grad`` over parameters or inputs) and passes throu
 modules never record, and several backwards of one forward add up like their summed loss.
 
 Every test fails on the code of this commit (the comment above each says how); the whole file is
-marked ``xfail(strict=True)`` until the fix lands, so a test that starts to pass shows up.
+marked ``xfail(strict=True)`` (``XFAIL``, per test) until its fix lands, so a test that starts to pass shows up.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from kfac_optim import KFAC
 from kfac_optim.layers import ModuleReport
 
-pytestmark = pytest.mark.xfail(strict=True, reason="issue 22: fixed in the next round")
+XFAIL = pytest.mark.xfail(strict=True, reason="issue 22: fixed in the next round")
 
 OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": None, "factor_decay": 0.9, "inv_update_steps": 1}
 STEPS = 3
@@ -97,6 +97,7 @@ def run_classifier(extra_pass: Callable[[nn.Module, Tensor, Tensor, Tensor], Non
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.079" (every G factor is fed by both backwards).
+@XFAIL
 def test_monitoring_grad_pass_before_backward_does_not_change_the_factors() -> None:
     def gradient_norm(model: nn.Module, x: Tensor, y: Tensor, loss: Tensor) -> None:
         grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
@@ -109,6 +110,7 @@ def test_monitoring_grad_pass_before_backward_does_not_change_the_factors() -> N
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.078" (the input-gradient pass feeds G and counts N).
+@XFAIL
 def test_adversarial_input_gradient_pass_in_train_mode_does_not_change_the_factors() -> None:
     def run(attack_in_eval_mode: bool) -> tuple[dict[str, Tensor], nn.Module]:
         model = mlp()
@@ -145,6 +147,7 @@ def gan_batch(step: int, n: int = 6) -> tuple[Tensor, Tensor]:
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.074" of D (the generator's pass through frozen D records).
+@XFAIL
 def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors() -> None:
     """CycleGAN's ``set_requires_grad(D, False)`` around the generator's loss; both optimizers
     zeroed at the top of the iteration, both stepped at the end. The reference runs the
@@ -176,6 +179,7 @@ def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.038" of D (the generator's backward through D stays pending).
+@XFAIL
 def test_module_level_zero_grad_gives_the_same_factors_as_the_optimizers() -> None:
     """The DCGAN example's loop: ``netD.zero_grad()`` / ``netG.zero_grad()`` instead of the
     optimizers'. The generator's backward runs through D (not frozen) after D's step."""
@@ -220,6 +224,7 @@ class TwoHeads(nn.Module):
 
 
 # Today: "head_a.G: Tensor-likes are not close! ... 5.0e-04" (trunk.G: 0.13; each backward counted as a new micro-batch).
+@XFAIL
 def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
     def run(separately: bool) -> tuple[dict[str, Tensor], nn.Module]:
         model = TwoHeads()
@@ -247,6 +252,7 @@ def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
 
 
 # Today: "the unfrozen backbone did not move" (no block, not in any param group).
+@XFAIL
 def test_backbone_unfrozen_after_construction_trains_and_is_preconditioned() -> None:
     model = mlp(sizes=(4, 8, 8, 3))  # "0", "2": backbone; "4": head
     backbone = model[:3]
@@ -273,6 +279,7 @@ def test_backbone_unfrozen_after_construction_trains_and_is_preconditioned() -> 
 
 
 # Today: "ValueError: params must all be parameters of model".
+@XFAIL
 def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None:
     """A learnable loss temperature in ``params``: it follows SGD bit for bit (the reference:
     K-FAC on the model alone and ``torch.optim.SGD`` on the temperature)."""
@@ -307,6 +314,7 @@ def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None
 
 
 # Today: "bias: Tensor-likes are not equal! ... 0.138" against SGD (K-FAC takes the complex layer).
+@XFAIL
 def test_complex_linear_takes_the_sgd_path_with_a_true_reason() -> None:
     def run(make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(4)
@@ -343,6 +351,7 @@ def parametrized(kind: str) -> nn.Sequential:
 
 
 # Today: AssertionError showing describe(): "SGD: no K-FAC block registered for ParametrizedLinear" (prune: "... for Linear").
+@XFAIL
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "prune"])
 def test_parametrized_linear_is_preconditioned_or_takes_the_sgd_path_with_a_true_reason(kind: str) -> None:
     """Either choice of issue 22 is accepted here; the fix should aim for preconditioning
@@ -416,7 +425,10 @@ def test_position_embedding_statistics_do_not_depend_on_the_batch_size() -> None
                     sums[key] = sums.get(key, 0.0) + factor.trace().item() / 8
         return sums
 
-    probe = KFAC(TinyLM(), **OPTIONS)
+    probe_model = TinyLM()
+    probe = KFAC(probe_model, **OPTIONS)
+    lm_loss(probe_model, *lm_batch(0, 8)).backward()  # whether an input has a batch dimension shows in a forward
+    probe.step()
     row = report(probe, "position")
     if row.status != "kfac":
         assert "batch" in row.detail.lower(), probe.describe()
@@ -451,6 +463,7 @@ def compile_run(compiled: bool, steps: int = 12) -> tuple[dict[str, Tensor], KFA
 
 
 # Today: "assert 0 == 12" (the compiled step never advances the step counter). Takes 13-19 s on this box today.
+@XFAIL
 def test_compiled_train_step_equals_eager_bit_for_bit() -> None:
     torch._dynamo.reset()
     start = time.perf_counter()
@@ -464,6 +477,7 @@ def test_compiled_train_step_equals_eager_bit_for_bit() -> None:
 
 
 # Today: "AssertionError: (4, 1, [])": 4 graphs with K-FAC, 1 without (fullgraph=True: "HOP: Non-nullified side effect").
+@XFAIL
 def test_fullgraph_compiled_model_with_kfac_armed_records_like_eager() -> None:
     torch._dynamo.reset()
     x, y = batch(0)
@@ -504,20 +518,28 @@ def train_lm(model: nn.Module, optimizer: KFAC, rank: int = 0, world: int = 1) -
     return {name: p.detach().clone() for name, p in inner.named_parameters()}
 
 
-# Controls measured with this harness on the code of this commit (2 ranks vs one process, largest
+# Controls measured with this harness on the code before the fix (2 ranks vs one process, largest
 # parameter difference after 10 steps): no positions, untied head 1.0e-6; no positions, tied head
 # 1.6e-2; positions, untied head 1.2e-2. Each cause alone breaks the 1e-5 bound.
 def scenario_tied_lm(rank: int, world: int, directory: Path) -> dict[str, Any]:
+    """The same training under DDP and under FSDP2 (``fully_shard`` on the root; one spawn for both)."""
+    from torch.distributed.fsdp import fully_shard
+
     model = DDP(TinyLM(tied=True))
-    return {"params": train_lm(model, KFAC(model, **DDP_OPTIONS), rank, world)}
+    ddp = train_lm(model, KFAC(model, **DDP_OPTIONS), rank, world)
+    sharded = fully_shard(TinyLM(tied=True))
+    fsdp = train_lm(sharded, KFAC(sharded, **DDP_OPTIONS), rank, world)
+    return {"ddp": ddp, "fsdp": {name: p.full_tensor() for name, p in fsdp.items()}}
 
 
-# Today: "mlp.bias: Tensor-likes are not close! ... Greatest absolute difference: 0.0166" (positions, tied head).
+# Before the fix: "mlp.bias: Tensor-likes are not close! ... Greatest absolute difference: 0.0166" (positions, tied head).
 def test_tied_lm_with_learned_positions_on_two_ddp_ranks_equals_one_process(tmp_path: Path) -> None:
+    """DDP and FSDP2, 2 ranks each: the parameters after 10 steps equal one process's on the whole batch."""
     from tests.distributed_helpers import spawn
 
     model = TinyLM(tied=True)
     expected = train_lm(model, KFAC(model, **DDP_OPTIONS))
     ranks = spawn(scenario_tied_lm, 2, tmp_path, deadline_s=90)
     for result in ranks:
-        assert_factors_equal(result["params"], expected, rtol=0, atol=1e-5)
+        assert_factors_equal(result["ddp"], expected, rtol=0, atol=1e-5)
+        assert_factors_equal(result["fsdp"], expected, rtol=0, atol=1e-5)
