@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -440,6 +441,56 @@ def test_position_embedding_statistics_do_not_depend_on_the_batch_size() -> None
         f"position's G changes {1 / ratios['position.G']:.1f}x between B=8 and B=128 "
         f"(token's: {1 / ratios['token.G']:.1f}x)"
     )
+
+
+class LabelConditioned(nn.Module):
+    """``head(tanh(x + label(y)))``: a class-label embedding called with 1-D indices ``(N,)``, one per sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.label = nn.Embedding(3, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, labels: Tensor) -> Tensor:
+        return self.head(torch.tanh(x + self.label(labels)))
+
+
+def test_one_dimensional_indices_of_one_per_sample_are_a_batch_and_stay_kfac() -> None:
+    """Labels ``(N,)`` are a batched use (N = the other layers' batch): preconditioned, no warning.
+    Positions ``(T,)`` with a batch N != T: the SGD path, one warning, the reason in describe()."""
+    model = LabelConditioned()
+    optimizer = KFAC(model, **OPTIONS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for step in range(2):
+            optimizer.zero_grad()
+            x, y = batch(step, features=4)
+            model(x, y).square().mean().backward()
+            optimizer.step()
+    assert report(optimizer, "label").status == "kfac"
+    assert bool(factors(optimizer)["label.G"].trace() > 0)
+
+    lm = TinyLM()
+    optimizer = KFAC(lm, **OPTIONS)
+    with pytest.warns(RuntimeWarning, match="'position' takes the SGD path: its indices have no batch dimension") as caught:
+        for seed in range(2):
+            optimizer.zero_grad()
+            lm_loss(lm, *lm_batch(seed, 8)).backward()
+            optimizer.step()
+    assert sum("no batch dimension" in str(w.message) for w in caught) == 1
+    assert report(optimizer, "position").block is None and "no batch dimension" in optimizer.describe()
+    assert bool(factors(optimizer)["position.G"].abs().sum() == 0)  # never recorded
+    assert bool(factors(optimizer)["token.G"].trace() > 0)
+
+
+def test_positions_with_a_batch_as_long_as_the_sequence_are_ambiguous_and_warn() -> None:
+    lm = TinyLM()
+    optimizer = KFAC(lm, **OPTIONS)
+    with pytest.warns(RuntimeWarning, match="'position' was called with 1-D indices of length 5, the batch size"):
+        lm_loss(lm, *lm_batch(0, 5)).backward()
+        optimizer.step()
+    assert report(optimizer, "position").status == "kfac"
 
 
 # --- torch.compile ------------------------------------------------------------------------------
