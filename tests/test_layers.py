@@ -958,6 +958,41 @@ def test_tied_factors_are_the_nearest_kronecker_product_of_each_uses_running_ave
     torch.testing.assert_close(torch.outer(block.A.running, block.G.running.reshape(-1)), nearest, rtol=1e-9, atol=1e-12)
 
 
+def test_a_tied_block_resumes_from_a_checkpoint_with_both_uses_running_averages() -> None:
+    """The checkpoint holds each use's running factors ("uses"): 2 steps, save, load into a fresh
+    optimizer, 2 more steps equal 4 steps in one go; a checkpoint without them is refused by name."""
+    V, D, N, R = 7, 3, 4, 5
+    batches = [(torch.randint(0, V, (N, R)), torch.randn(N, R, V)) for _ in range(4)]
+
+    def train(model: TiedModel, optimizer: KFAC, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for tokens, target in steps:
+            optimizer.zero_grad()
+            (0.5 * ((model(tokens)[2] - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
+            optimizer.step()
+
+    def build(model: TiedModel) -> KFAC:
+        return KFAC(model, lr=0.1, momentum=0.9, damping=0.1, factor_decay=0.5, inv_update_steps=1, **DTYPES)
+
+    torch.manual_seed(0)
+    straight = TiedModel(V, D)
+    train(straight, build(straight), batches)
+    torch.manual_seed(0)
+    first = TiedModel(V, D)
+    optimizer = build(first)
+    train(first, optimizer, batches[:2])
+    state, weights = optimizer.state_dict(), first.state_dict()
+    assert set(state["kfac"]["blocks"]["embedding"]["uses"]) == {"embedding_A", "embedding_G", "head_A", "head_G"}
+    resumed = TiedModel(V, D)
+    resumed.load_state_dict(weights)
+    optimizer = build(resumed)
+    optimizer.load_state_dict(state)
+    train(resumed, optimizer, batches[2:])
+    torch.testing.assert_close(resumed.embedding.weight, straight.embedding.weight, rtol=0, atol=1e-12)
+    del state["kfac"]["blocks"]["embedding"]["uses"]
+    with pytest.raises(ValueError, match="layer 'embedding': expected 'uses'"):
+        build(TiedModel(V, D)).load_state_dict(state)
+
+
 def test_reduce_across_calls_with_the_sampled_fisher_records_only_the_sampled_backward() -> None:
     """fisher="sampled": the per-sample sums come from sample_fisher's backward (one row per sample),
     at targets drawn with the same generator; the training backward adds nothing."""
