@@ -914,6 +914,79 @@ def test_tied_block_equals_the_untied_embedding_when_the_head_records_nothing() 
     torch.testing.assert_close(factors[0][1], factors[1][1], rtol=1e-12, atol=1e-15)
 
 
+def tied_use_statistics(model: TiedModel, tokens: torch.Tensor, target: torch.Tensor) -> list[torch.Tensor]:
+    """``[x1, Y1, x2, Y2]`` of one batch from per-sample gradients (expand): the embedding's
+    ``counts/(N·R)`` and ``(1/N) Σ ĝ ĝᵀ``, the head's ``(1/N) Σ ĝ²`` and ``(1/(N·R)) Σ a aᵀ``."""
+    (N, R), (V, D) = tokens.shape, model.embedding.weight.shape
+    embedded, hidden, logits = model(tokens)
+    g_emb, g_head = torch.zeros(N, R, D), torch.zeros(N, R, V)
+    for n in range(N):
+        grads = torch.autograd.grad(0.5 * ((logits[n] - target[n]) ** 2).sum(), [embedded, logits], retain_graph=True)
+        g_emb[n], g_head[n] = grads[0][n], grads[1][n]
+    a = hidden.detach().reshape(-1, D)
+    g_emb, g_head = g_emb.reshape(-1, D), g_head.reshape(-1, V)
+    counts = torch.bincount(tokens.reshape(-1), minlength=V).double()
+    return [counts / (N * R), g_emb.T @ g_emb / N, g_head.square().sum(0) / N, a.T @ a / (N * R)]
+
+
+def test_tied_factors_are_the_nearest_kronecker_product_of_each_uses_running_average() -> None:
+    """Two factor steps (lr 0: one set of weights): each use's four factors are running-averaged on
+    their own, and A ⊗ G is the best rank-1 approximation of the sum of the averages (what 2 ranks
+    averaging the use factors also give; combining each batch first and averaging the combinations
+    is not the same)."""
+    V, D, N, R, decay = 7, 3, 4, 5, 0.5
+    model = TiedModel(V, D)
+    batches = [(torch.randint(0, V, (N, R)), torch.randn(N, R, V)) for _ in range(2)]
+    first, second = (tied_use_statistics(model, *b) for b in batches)
+    x1, y1, x2, y2 = (decay * old + (1 - decay) * new for old, new in zip(first, second, strict=True))
+    rearranged = torch.outer(x1, y1.reshape(-1)) + torch.outer(x2, y2.reshape(-1))
+    U, S, Vh = torch.linalg.svd(rearranged, full_matrices=False)
+    nearest = S[0] * torch.outer(U[:, 0], Vh[0])
+
+    optimizer = KFAC(model, lr=0.0, kl_clip=None, damping=0.1, factor_decay=decay, **DTYPES)
+    for tokens, target in batches:
+        optimizer.zero_grad()
+        (0.5 * ((model(tokens)[2] - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
+        optimizer.step()
+    (block,) = optimizer.blocks
+    torch.testing.assert_close(torch.outer(block.A.running, block.G.running.reshape(-1)), nearest, rtol=1e-9, atol=1e-12)
+
+
+def test_a_tied_block_resumes_from_a_checkpoint_with_both_uses_running_averages() -> None:
+    """The checkpoint holds each use's running factors ("uses"): 2 steps, save, load into a fresh
+    optimizer, 2 more steps equal 4 steps in one go; a checkpoint without them is refused by name."""
+    V, D, N, R = 7, 3, 4, 5
+    batches = [(torch.randint(0, V, (N, R)), torch.randn(N, R, V)) for _ in range(4)]
+
+    def train(model: TiedModel, optimizer: KFAC, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for tokens, target in steps:
+            optimizer.zero_grad()
+            (0.5 * ((model(tokens)[2] - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
+            optimizer.step()
+
+    def build(model: TiedModel) -> KFAC:
+        return KFAC(model, lr=0.1, momentum=0.9, damping=0.1, factor_decay=0.5, inv_update_steps=1, **DTYPES)
+
+    torch.manual_seed(0)
+    straight = TiedModel(V, D)
+    train(straight, build(straight), batches)
+    torch.manual_seed(0)
+    first = TiedModel(V, D)
+    optimizer = build(first)
+    train(first, optimizer, batches[:2])
+    state, weights = optimizer.state_dict(), first.state_dict()
+    assert set(state["kfac"]["blocks"]["embedding"]["uses"]) == {"embedding_A", "embedding_G", "head_A", "head_G"}
+    resumed = TiedModel(V, D)
+    resumed.load_state_dict(weights)
+    optimizer = build(resumed)
+    optimizer.load_state_dict(state)
+    train(resumed, optimizer, batches[2:])
+    torch.testing.assert_close(resumed.embedding.weight, straight.embedding.weight, rtol=0, atol=1e-12)
+    del state["kfac"]["blocks"]["embedding"]["uses"]
+    with pytest.raises(ValueError, match="layer 'embedding': expected 'uses'"):
+        build(TiedModel(V, D)).load_state_dict(state)
+
+
 def test_reduce_across_calls_with_the_sampled_fisher_records_only_the_sampled_backward() -> None:
     """fisher="sampled": the per-sample sums come from sample_fisher's backward (one row per sample),
     at targets drawn with the same generator; the training backward adds nothing."""

@@ -19,6 +19,7 @@ One step of the optimizer reaches it in this order (docs/design.md §4)::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -27,8 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from kfac_optim import batch_free, layers, linalg
 from kfac_optim import fisher as fisher_lib
-from kfac_optim import layers, linalg
 from kfac_optim.background import BackgroundDecompositions, Job, Result
 from kfac_optim.capture import StatisticsCapture
 from kfac_optim.config import KFACOptions, RuntimeConfig, check_damping, check_interval
@@ -311,6 +312,7 @@ class KroneckerEstimator:
             self.settle_statistics()  # the one-time checks below read the pending statistics
         if not self._checked_capture:
             self._warn_about_silent_blocks()
+            self._leave_batch_free_blocks_to_sgd()
         if self._stagger is not None and not self._stagger.ready:
             self._assign_stagger_phases()
         with record_function("kfac.fold"):
@@ -368,6 +370,17 @@ class KroneckerEstimator:
                 "not reach the loss); they take the SGD path until they do",
                 RuntimeWarning,
             )
+
+    def _leave_batch_free_blocks_to_sgd(self) -> None:
+        """At the first factor step with statistics: layers whose input has no batch dimension take
+        the SGD path (``batch_free``), and their rows of :attr:`reports` say why."""
+        left = batch_free.leave_batch_free_blocks_to_sgd(self.blocks)
+        if left:
+            self.reports = [
+                dataclasses.replace(r, block=None, status="unsupported", detail=batch_free.REASON)
+                if r.block in left else r
+                for r in self.reports
+            ]
 
     def _check_something_was_recorded(self) -> None:
         """Warn once when every backward of a factor step ran with ``create_graph=True`` (not recorded)."""

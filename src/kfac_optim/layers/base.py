@@ -250,6 +250,16 @@ class KroneckerBlock(ABC):
         self.G.fold(output_gram_scale(self.pending_samples, loss_reduction, grad_scale), decay)
         self.pending_samples = 0
 
+    def reduced_factors(self) -> list[Factor]:
+        """The factors whose running averages the ranks average in the lazy factor reduction
+        (``distributed/sharding.py``): ``A``, ``G``; a block whose ``A``, ``G`` are derived from other
+        factors (a tied weight, ``layers.embedding``) names those and recomputes ``A``, ``G`` in
+        :meth:`factors_reduced`."""
+        return [self.A, self.G]
+
+    def factors_reduced(self) -> None:
+        """Called after the reduction replaced :meth:`reduced_factors` by the ranks' average."""
+
     def shifts(self, method: Method, damping: float) -> dict[FactorName, float]:
         """Per-factor damping shifts of ``method`` (e.g. none for eigen, ``π√λ`` / ``√λ/π`` for inverse)."""
         a_shift, g_shift = method.shifts(self.A, self.G, damping)

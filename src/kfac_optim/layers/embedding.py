@@ -19,10 +19,20 @@ embedding; docs/design.md §3): the block also captures the head. Each use of ``
 head's ``(ĝ, a)``. So the Fisher of ``W`` is approximated by the sum of two Kronecker products,
 ``diag(A_emb) ⊗ G_emb + diag(G_head) ⊗ A_head`` (the head's ``G: (V, V)`` kept to its diagonal,
 ``Σ ĝ²/N``, never a ``V x V`` matrix; ``A_head = (1/(N·R)) Σ a aᵀ``, or per sample with
-``reduce``), and each fold replaces that sum by the Kronecker product nearest to it in Frobenius
-norm (``linalg.nearest_kronecker_sum``): ``A (V,)`` diagonal, ``G (D, D)`` dense, as for an
-untied embedding, which it equals exactly when the head records nothing. The two uses cannot be
-summed per sample (their sides are swapped), so ``reduce`` applies within the head's call only.
+``reduce``). Each of the four use factors keeps its own running average (:class:`TiedHead`), and
+the block's ``A (V,)`` diagonal and ``G (D, D)`` dense, the ones decomposed, are the Kronecker
+product nearest in Frobenius norm to the sum of the two uses' running averages
+(``linalg.nearest_kronecker_sum``), recomputed after every fold and after the ranks average the
+use factors (:meth:`EmbeddingBlock.reduced_factors`): the combination is not linear, so it is
+taken after the average, and 2 DDP/FSDP ranks give one process's factors. It equals an untied
+embedding exactly when the head records nothing. The two uses cannot be summed per sample (their
+sides are swapped), so ``reduce`` applies within the head's call only.
+
+Indices without a batch dimension (``position(torch.arange(T))`` broadcast over the batch):
+autograd sums the output-gradient over the batch before the hook sees it, so the per-sample
+statistics cannot be formed; see :mod:`kfac_optim.batch_free`, which finds such blocks and turns
+them to the SGD path (:meth:`EmbeddingBlock.leave_to_sgd`). :attr:`EmbeddingBlock.unbatched`
+counts the calls and rows with 1-D indices since the last fold, for that check.
 """
 
 from __future__ import annotations
@@ -39,34 +49,48 @@ from kfac_optim.layers.factor import DiagonalFactor, Factor, FactorName, output_
 
 
 class TiedHead:
-    """Pending statistics of a Linear head sharing an embedding's weight ``(V, D)``: ``inputs``,
-    ``Σ a aᵀ: (D, D)``; ``grad_squares``, ``Σ ĝ²: (V,)`` (the diagonal of ``Σ ĝ ĝᵀ``); over ``rows`` rows."""
+    """A Linear head sharing an embedding's weight ``(V, D)`` and the statistics of both uses, each
+    a factor with its own pending sum and running average: the embedding's ``embedding_A: (V,)``
+    (token counts) and ``embedding_G: (D, D)``; the head's ``head_A: (D, D)`` (``Σ a aᵀ``) and
+    ``head_G: (V,)`` (``Σ ĝ²``, the diagonal of ``Σ ĝ ĝᵀ``)."""
 
     def __init__(self, name: str, module: nn.Linear, dtype: torch.dtype) -> None:
         self.name = name
         self.module = module
         vocabulary, dim = module.weight.shape
-        self.inputs = torch.zeros(dim, dim, dtype=dtype, device=module.weight.device)
-        self.grad_squares = torch.zeros(vocabulary, dtype=dtype, device=module.weight.device)
-        self.rows = 0
+        device = module.weight.device
+        self.embedding_A = DiagonalFactor(vocabulary, dtype, device)
+        self.embedding_G = Factor(dim, dtype, device)
+        self.head_A = Factor(dim, dtype, device)
+        self.head_G = DiagonalFactor(vocabulary, dtype, device)
+
+    def factors(self) -> dict[str, Factor]:
+        """The four use factors by name, in the order the ranks average them."""
+        return {"embedding_A": self.embedding_A, "embedding_G": self.embedding_G,
+                "head_A": self.head_A, "head_G": self.head_G}
 
     def add(self, inputs: Tensor, grad_output: Tensor, reduce: bool) -> None:
-        """Add one call's rows: every position (expand), or per sample the mean input and the
+        """Add one head call's rows: every position (expand), or per sample the mean input and the
         summed output-gradient over its positions (``reduce``, inputs ``(N, *, D)`` with positions)."""
-        a, g = inputs.to(self.inputs.dtype), grad_output.to(self.inputs.dtype)
+        a, g = inputs.to(self.head_A.pending.dtype), grad_output.to(self.head_A.pending.dtype)
         if reduce and a.dim() > 2:
             a = a.reshape(a.shape[0], -1, a.shape[-1]).mean(1)
             g = g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)
         a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
-        linalg.add_gram_(self.inputs, a)
-        self.grad_squares += g.square().sum(0)
-        self.rows += a.shape[0]
+        self.head_A.add_gram(a)
+        self.head_G.add_counts(g.square().sum(0), a.shape[0])
+
+    def fold(self, g_scale: float | Tensor, decay: float) -> None:
+        """Fold each use's pending statistics that has any into its running average: ``A``s over
+        their rows, ``G``s times ``g_scale`` (``output_gram_scale`` of the block's samples)."""
+        for factor, scale in ((self.embedding_A, None), (self.embedding_G, g_scale),
+                              (self.head_A, None), (self.head_G, g_scale)):
+            if factor.pending_rows:
+                factor.fold(1.0 / factor.pending_rows if scale is None else scale, decay)
 
     def clear(self) -> None:
-        if self.rows:
-            self.inputs.zero_()
-            self.grad_squares.zero_()
-            self.rows = 0
+        for factor in self.factors().values():
+            factor.clear_pending()
 
 
 class EmbeddingBlock(KroneckerBlock):
@@ -82,6 +106,17 @@ class EmbeddingBlock(KroneckerBlock):
 
     supports_weight_sharing = True  # "reduce": for a tied head's leading dims only; the embedding's own uses expand
     head: TiedHead | None = None
+    sgd_reason: str | None = None  # set by leave_to_sgd: the block records nothing and takes the SGD path
+
+    def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
+        super().__init__(name, module, include_bias, factor_dtype)
+        self.unbatched = [0, 0]  # calls with 1-D indices since the last fold, and their rows
+
+    def leave_to_sgd(self, reason: str) -> None:
+        """Record nothing from now on (the block's weight takes the SGD path: its factors are
+        never initialized, so it never has a decomposition), for ``reason`` (in :meth:`describe`)."""
+        self.sgd_reason = reason
+        self.clear_pending()
 
     def tie(self, name: str, module: nn.Module) -> bool:
         """Take the uses of a plain ``nn.Linear(D, V)`` head sharing this weight (see the module docstring)."""
@@ -101,10 +136,12 @@ class EmbeddingBlock(KroneckerBlock):
 
     def describe(self) -> str:
         text = super().describe()
+        if self.sgd_reason is not None:
+            return f"{text}; takes the SGD path: {self.sgd_reason}"
         if self.head is None:
             return text
         return (f"{text}; weight tied with Linear '{self.head.name}': A, G the Kronecker product nearest "
-                "to the sum of both uses' (head: diagonal G, dense A)")
+                "to the sum of both uses' running averages (head: diagonal G, dense A)")
 
     def make_factors(self, dtype: torch.dtype, device: torch.device) -> dict[FactorName, Factor]:
         vocabulary, dim = self.weight.shape
@@ -118,17 +155,28 @@ class EmbeddingBlock(KroneckerBlock):
             rows[:, padding] = 0
         return rows
 
+    def statistics(self) -> tuple[DiagonalFactor, Factor]:
+        """The factors the embedding's own uses add to: ``A``, ``G``, or with a tied head its use factors."""
+        if self.head is None:
+            return self.A, self.G  # type: ignore[return-value]
+        return self.head.embedding_A, self.head.embedding_G
+
     def add_input_gram(self, inputs: Tensor, dtype: torch.dtype) -> None:
         tokens = inputs.reshape(-1)
         counts = torch.bincount(tokens, minlength=self.weight.shape[0]).to(dtype)
         if self.module.padding_idx is not None:
             counts[self.module.padding_idx] = 0
-        self.A.add_counts(counts, tokens.numel())
+        self.statistics()[0].add_counts(counts, tokens.numel())
 
     def output_grad_rows(self, grad_output: Tensor) -> Tensor:
         return grad_output.reshape(-1, grad_output.shape[-1])
 
+    def add_output_gram(self, grad_output: Tensor, dtype: torch.dtype) -> None:
+        self.statistics()[1].add_gram(self.output_grad_rows(grad_output).to(dtype))
+
     def accumulate(self, inputs: Tensor | tuple[TiedHead, Tensor], grad_output: Tensor) -> None:
+        if self.sgd_reason is not None:
+            return
         if isinstance(inputs, tuple):  # the tied head's call
             _, x = inputs
             with torch.autocast(x.device.type, enabled=False):
@@ -138,6 +186,9 @@ class EmbeddingBlock(KroneckerBlock):
         padding = self.module.padding_idx
         if padding is not None:  # zero ĝ at padding positions (a multiply, no host sync)
             grad_output = grad_output * (inputs != padding).unsqueeze(-1).to(grad_output.dtype)
+        if inputs.dim() == 1:
+            self.unbatched[0] += 1
+            self.unbatched[1] += inputs.shape[0]
         super().accumulate(inputs, grad_output)
 
     def sample_count(self, inputs: Tensor) -> int:
@@ -145,30 +196,67 @@ class EmbeddingBlock(KroneckerBlock):
 
     def clear_pending(self) -> None:
         super().clear_pending()
+        self.unbatched = [0, 0]
         if self.head is not None:
             self.head.clear()
 
     def fold(self, decay: float, loss_reduction: str, grad_scale: float | Tensor = 1.0) -> None:
-        """As :meth:`KroneckerBlock.fold`; with a tied head, the batch's factors are the nearest
-        Kronecker product to both uses' (see the module docstring)."""
+        """As :meth:`KroneckerBlock.fold`; with a tied head, each use's statistics fold into its own
+        running average, and ``A``, ``G`` become their nearest Kronecker product (see the module docstring)."""
         head = self.head
         if head is None or self.pending_samples == 0:
             super().fold(decay, loss_reduction, grad_scale)
+            self.unbatched = [0, 0]
             return
-        g_scale = output_gram_scale(self.pending_samples, loss_reduction, grad_scale)
-        a, g = self.A, self.G
-        v, d = linalg.nearest_kronecker_sum(
-            a.pending / max(a.pending_rows, 1), g.pending * g_scale,
-            head.grad_squares * g_scale, head.inputs / max(head.rows, 1),
-        )
-        a.pending.copy_(v)
-        g.pending.copy_(d)
-        a.pending_rows += head.rows  # rows bound the factors' ranks (see Factor.rank_bound)
-        g.pending_rows += head.rows
-        head.clear()
-        a.fold(1.0, decay)
-        g.fold(1.0, decay)
+        head.fold(output_gram_scale(self.pending_samples, loss_reduction, grad_scale), decay)
         self.pending_samples = 0
+        self.unbatched = [0, 0]
+        self.factors_reduced()
+
+    def reduced_factors(self) -> list[Factor]:
+        """With a tied head, the four use factors (``A``, ``G`` derive from them); else ``A``, ``G``."""
+        return super().reduced_factors() if self.head is None else list(self.head.factors().values())
+
+    def factors_reduced(self) -> None:
+        """With a tied head: ``A``, ``G`` ← the Kronecker product nearest to the uses' running sum."""
+        head = self.head
+        if head is None:
+            return
+        x, y = linalg.nearest_kronecker_sum(
+            head.embedding_A.running, head.embedding_G.running, head.head_G.running, head.head_A.running
+        )
+        for factor, value, uses in ((self.A, x, (head.embedding_A, head.head_G)), (self.G, y, (head.embedding_G, head.head_A))):
+            bounds = [use.rank_bound for use in uses]
+            factor.set_running(value, uses[0].initialized | uses[1].initialized,
+                               None if None in bounds else sum(bounds))  # type: ignore[arg-type]
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.head is not None:
+            state["uses"] = {name: factor.state_dict() for name, factor in self.head.factors().items()}
+        return state
+
+    def validate_state(self, state: Any) -> None:
+        super().validate_state(state)
+        if self.head is None:
+            return
+        where = f"K-FAC checkpoint, layer '{self.name}'"
+        uses = state.get("uses")
+        if not isinstance(uses, dict):
+            raise ValueError(f"{where}: expected 'uses', the running factors of both uses of the tied weight")
+        for name, factor in self.head.factors().items():
+            if name not in uses:
+                raise ValueError(f"{where}, use factor {name}: missing")
+            try:
+                factor.validate_state(uses[name])
+            except ValueError as error:
+                raise ValueError(f"{where}, use factor {name}: {error}") from None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.head is not None:
+            for name, factor in self.head.factors().items():
+                factor.load_state_dict(state["uses"][name])
+        super().load_state_dict(state)
 
     def joint_gradient(self, weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
         return weight_grad.T

@@ -299,6 +299,16 @@ class Factor:
             self.rows_synced += rows
         self.rows_since_sync = 0
 
+    def set_running(self, value: Tensor, initialized: Tensor, rank_bound: int | None) -> None:
+        """Become ``value`` (shaped as ``running``), a factor derived from others (e.g. a tied
+        weight's nearest Kronecker product), with their ``initialized`` and ``rank_bound``; counts
+        as a new version of the factor."""
+        self.running = value
+        self.support = None
+        self.initialized = initialized
+        self.version += 1
+        self.rows_synced, self.rows_since_sync = rank_bound, 0
+
     def adopt(self, decomposition: linalg.Eigen | Tensor | None, shift: float, version: int | None = None) -> None:
         """Hold ``decomposition`` of the running factor at ``version`` (default: the current one),
         computed elsewhere with ``shift`` (None: hold none)."""

@@ -1,0 +1,78 @@
+"""Layers whose input has no batch dimension: found at the first factor step and left to SGD.
+
+Owns: deciding, from the pending statistics of one factor step, which embedding blocks were called
+with indices that carry no batch dimension, turning them to the SGD path, and saying so (a one-time
+warning per block, and the reason in ``KFAC.describe()``; docs/design.md §3 "What N is").
+Must not know: factor math, schedules, ranks (every rank decides from its own shapes; with equal
+per-rank batch shapes they decide alike).
+
+The pattern is a learned position embedding ``h = token(x) + position(torch.arange(T))``: the
+position block's input is ``(T,)`` and its output ``(T, D)``, broadcast over the batch of N samples.
+Autograd sums the output-gradient over the batch before the block's hook sees it, so the hook gets
+``s_t = Σ_b g_bt`` and the per-sample rows ``g_bt`` are gone. No ``G`` built from ``s`` is a
+per-sample Fisher: ``E[s sᵀ] = μμᵀ + (F − μμᵀ)/N`` (μ the mean per-sample gradient) mixes both terms
+with weights that depend on N, so its statistics depend on the batch size and the world size.
+Measured on the tiny GPT of tests/test_feeding.py (trace of ``G``, mean of 8 batches, B=8 over
+B=128): the per-sample reference (the token embedding's ``G``, which has the same rows ``∂ℓ/∂h``)
+1.00; counting the T positions as samples (the old behaviour) 1.67; weight sharing over the known
+batch size, ``G = N Σ_t s_t s_tᵀ``, 0.10 (and 22x the reference at B=128). So such a layer takes
+the SGD path. The price, measured on the tiny GPT of benchmarks/transformer_diagnosis.py (B=16,
+T=64, width 64, 2 blocks, 150 steps, lr 0.1 and 0.3, seeds 0 and 1): the held-out loss with the
+position embedding preconditioned the old way was lower in 3 of 4 runs, by 0.008 and 0.019 on
+average per lr, less than the spread between seeds (0.05-0.08).
+
+The test tells a batch-free index tensor from a batch of token ids (``nn.Embedding(classes, D)``
+called with labels ``(N,)`` is an ordinary batched use) by the batch of the same forward: a block
+called with 1-D indices of length ``L`` per call is batch-free when the other blocks recorded a
+different number of samples per call, N ≠ L. When N = L it is taken as batched; if another
+block's inputs also have L positions per sample (positions from ``arange(T)`` with a batch of
+exactly T), the case is ambiguous and a warning says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kfac_optim.diagnostics import warn_user
+from kfac_optim.layers.base import KroneckerBlock
+from kfac_optim.layers.embedding import EmbeddingBlock
+
+logger = logging.getLogger(__name__)
+
+REASON = (
+    "its indices have no batch dimension (1-D, e.g. positions from torch.arange(T) broadcast over the batch): "
+    "autograd sums its output-gradient over the batch before K-FAC sees it, so no per-sample statistics exist "
+    "(docs/design.md §3, 'What N is')"
+)
+
+
+def leave_batch_free_blocks_to_sgd(blocks: Sequence[KroneckerBlock]) -> list[str]:
+    """Turn the batch-free embedding blocks among ``blocks`` to the SGD path (see the module
+    docstring), from their pending statistics, and return their names. Call it once, with the
+    pending statistics of a factor step settled."""
+    candidates = [b for b in blocks if isinstance(b, EmbeddingBlock) and b.unbatched[0] and b.sgd_reason is None]
+    batched = [b for b in blocks if b.pending_samples and b not in candidates]
+    left: list[str] = []
+    for block in candidates:
+        calls, rows = block.unbatched
+        length = rows / calls
+        if not batched:
+            warn_user(f"K-FAC layer '{block.name}' was called with 1-D indices and no other layer recorded a batch "
+                      "to compare with: it is taken as a batch of token ids", RuntimeWarning)
+            continue
+        batch = max(b.pending_samples for b in batched) / calls
+        if batch != length:
+            block.leave_to_sgd(REASON)
+            left.append(block.name)
+            warn_user(f"K-FAC layer '{block.name}' takes the SGD path: {REASON}; its {length:g} indices per call "
+                      f"differ from the batch of {batch:g} samples the other layers saw", RuntimeWarning)
+        elif length > 1 and any(b.A.pending_rows == length * b.pending_samples for b in batched):
+            warn_user(f"K-FAC layer '{block.name}' was called with 1-D indices of length {length:g}, the batch size, "
+                      f"and other layers see {length:g} positions per sample: it is taken as a batch of token ids; "
+                      f"if they are positions broadcast over the batch, its statistics depend on the batch size "
+                      "(docs/design.md §3, 'What N is'): use a batch size other than the sequence length, or "
+                      "skip_layers", RuntimeWarning)
+    if left:
+        logger.info("batch-free layers left to SGD: %s", left)
+    return left
