@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from kfac_optim import KFAC
 from kfac_optim.layers import ModuleReport
 
-pytestmark = pytest.mark.xfail(strict=True, reason="issue 22: fixed in the next round")
+ISSUE_22_OPEN = pytest.mark.xfail(strict=True, reason="issue 22: fixed in the next round")
 
 OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": None, "factor_decay": 0.9, "inv_update_steps": 1}
 STEPS = 3
@@ -97,6 +97,7 @@ def run_classifier(extra_pass: Callable[[nn.Module, Tensor, Tensor, Tensor], Non
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.079" (every G factor is fed by both backwards).
+@ISSUE_22_OPEN
 def test_monitoring_grad_pass_before_backward_does_not_change_the_factors() -> None:
     def gradient_norm(model: nn.Module, x: Tensor, y: Tensor, loss: Tensor) -> None:
         grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
@@ -109,6 +110,7 @@ def test_monitoring_grad_pass_before_backward_does_not_change_the_factors() -> N
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.078" (the input-gradient pass feeds G and counts N).
+@ISSUE_22_OPEN
 def test_adversarial_input_gradient_pass_in_train_mode_does_not_change_the_factors() -> None:
     def run(attack_in_eval_mode: bool) -> tuple[dict[str, Tensor], nn.Module]:
         model = mlp()
@@ -145,6 +147,7 @@ def gan_batch(step: int, n: int = 6) -> tuple[Tensor, Tensor]:
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.074" of D (the generator's pass through frozen D records).
+@ISSUE_22_OPEN
 def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors() -> None:
     """CycleGAN's ``set_requires_grad(D, False)`` around the generator's loss; both optimizers
     zeroed at the top of the iteration, both stepped at the end. The reference runs the
@@ -176,6 +179,7 @@ def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.038" of D (the generator's backward through D stays pending).
+@ISSUE_22_OPEN
 def test_module_level_zero_grad_gives_the_same_factors_as_the_optimizers() -> None:
     """The DCGAN example's loop: ``netD.zero_grad()`` / ``netG.zero_grad()`` instead of the
     optimizers'. The generator's backward runs through D (not frozen) after D's step."""
@@ -220,6 +224,7 @@ class TwoHeads(nn.Module):
 
 
 # Today: "head_a.G: Tensor-likes are not close! ... 5.0e-04" (trunk.G: 0.13; each backward counted as a new micro-batch).
+@ISSUE_22_OPEN
 def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
     def run(separately: bool) -> tuple[dict[str, Tensor], nn.Module]:
         model = TwoHeads()
@@ -247,6 +252,7 @@ def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
 
 
 # Today: "the unfrozen backbone did not move" (no block, not in any param group).
+@ISSUE_22_OPEN
 def test_backbone_unfrozen_after_construction_trains_and_is_preconditioned() -> None:
     model = mlp(sizes=(4, 8, 8, 3))  # "0", "2": backbone; "4": head
     backbone = model[:3]
@@ -273,6 +279,7 @@ def test_backbone_unfrozen_after_construction_trains_and_is_preconditioned() -> 
 
 
 # Today: "ValueError: params must all be parameters of model".
+@ISSUE_22_OPEN
 def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None:
     """A learnable loss temperature in ``params``: it follows SGD bit for bit (the reference:
     K-FAC on the model alone and ``torch.optim.SGD`` on the temperature)."""
@@ -307,6 +314,7 @@ def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None
 
 
 # Today: "bias: Tensor-likes are not equal! ... 0.138" against SGD (K-FAC takes the complex layer).
+@ISSUE_22_OPEN
 def test_complex_linear_takes_the_sgd_path_with_a_true_reason() -> None:
     def run(make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(4)
@@ -343,6 +351,7 @@ def parametrized(kind: str) -> nn.Sequential:
 
 
 # Today: AssertionError showing describe(): "SGD: no K-FAC block registered for ParametrizedLinear" (prune: "... for Linear").
+@ISSUE_22_OPEN
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "prune"])
 def test_parametrized_linear_is_preconditioned_or_takes_the_sgd_path_with_a_true_reason(kind: str) -> None:
     """Either choice of issue 22 is accepted here; the fix should aim for preconditioning
@@ -399,6 +408,7 @@ def lm_loss(model: nn.Module, tokens: Tensor, targets: Tensor) -> Tensor:
 
 
 # Today: "position's G changes 1.7x between B=8 and B=128 (token's: 1.0x)" (T positions counted as samples).
+@ISSUE_22_OPEN
 def test_position_embedding_statistics_do_not_depend_on_the_batch_size() -> None:
     """The trace of a layer's G (a per-sample Fisher) has the same expectation at any batch size;
     averaged over 8 batches each, B=8 and B=128 agree within 10% for the token embedding. The
@@ -433,37 +443,59 @@ def test_position_embedding_statistics_do_not_depend_on_the_batch_size() -> None
 # --- torch.compile ------------------------------------------------------------------------------
 
 
-def compile_run(compiled: bool, steps: int = 12) -> tuple[dict[str, Tensor], KFAC]:
+def compile_run(backend: str | None, step_compiled: bool = True, steps: int = 12) -> tuple[dict[str, Tensor], KFAC]:
+    """12 steps of a tiny MLP with ``inv_update_steps=5``: the train step compiled with ``backend``
+    (None: eager), ``optimizer.step()`` inside the compiled function or (``step_compiled=False``)
+    called after it."""
     model = mlp()
     optimizer = KFAC(model, **{**OPTIONS, "inv_update_steps": 5})
 
-    def train_step(x: Tensor, y: Tensor) -> Tensor:
+    def forward_backward(x: Tensor, y: Tensor) -> Tensor:
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
+        return loss
+
+    def train_step(x: Tensor, y: Tensor) -> Tensor:
+        loss = forward_backward(x, y)
         optimizer.step()
         return loss
 
-    run_step = torch.compile(train_step, backend="eager") if compiled else train_step
+    compiled = torch.compile(train_step if step_compiled else forward_backward, backend=backend)
     for step in range(steps):
-        run_step(*batch(step))
-    return dict(model.named_parameters()), optimizer
+        if backend is None:
+            train_step(*batch(step))
+        else:
+            compiled(*batch(step))
+            if not step_compiled:
+                optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, optimizer
 
 
-# Today: "assert 0 == 12" (the compiled step never advances the step counter). Takes 13-19 s on this box today.
-def test_compiled_train_step_equals_eager_bit_for_bit() -> None:
+# Before the fix: "assert 0 == 12" (the compiled step never advanced the step counter: Dynamo drops
+# attribute writes on Optimizer subclasses). Now KFAC.step is a compile boundary (torch.compiler.disable).
+# Inductor's kernels round the model's own gradients differently from eager (SGD's would differ alike),
+# so under inductor the bit-for-bit reference is the same compiled model with the step called eagerly.
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_train_step_equals_eager_bit_for_bit(backend: str) -> None:
     torch._dynamo.reset()
     start = time.perf_counter()
-    actual, compiled_optimizer = compile_run(compiled=True)
+    actual, compiled_optimizer = compile_run(backend)
     seconds = time.perf_counter() - start
-    expected, eager_optimizer = compile_run(compiled=False)
-    assert compiled_optimizer.state_dict()["kfac"]["steps"] == eager_optimizer.state_dict()["kfac"]["steps"] == 12
+    if backend == "eager":
+        expected, reference = compile_run(None)
+    else:
+        torch._dynamo.reset()
+        expected, reference = compile_run(backend, step_compiled=False)
+        eager_params, _ = compile_run(None)
+        assert_factors_equal(actual, eager_params, rtol=1e-4, atol=1e-5)
+    assert compiled_optimizer.state_dict()["kfac"]["steps"] == reference.state_dict()["kfac"]["steps"] == 12
     assert_factors_equal(actual, expected)
-    assert_factors_equal(factors(compiled_optimizer), factors(eager_optimizer))
-    assert seconds < 30, f"the compiled run took {seconds:.1f} s"
+    assert_factors_equal(factors(compiled_optimizer), factors(reference))
+    assert seconds < 120, f"the compiled run took {seconds:.1f} s"
 
 
-# Today: "AssertionError: (4, 1, [])": 4 graphs with K-FAC, 1 without (fullgraph=True: "HOP: Non-nullified side effect").
+@ISSUE_22_OPEN
 def test_fullgraph_compiled_model_with_kfac_armed_records_like_eager() -> None:
     torch._dynamo.reset()
     x, y = batch(0)
@@ -513,6 +545,7 @@ def scenario_tied_lm(rank: int, world: int, directory: Path) -> dict[str, Any]:
 
 
 # Today: "mlp.bias: Tensor-likes are not close! ... Greatest absolute difference: 0.0166" (positions, tied head).
+@ISSUE_22_OPEN
 def test_tied_lm_with_learned_positions_on_two_ddp_ranks_equals_one_process(tmp_path: Path) -> None:
     from tests.distributed_helpers import spawn
 

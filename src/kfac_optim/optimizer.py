@@ -234,12 +234,14 @@ class KFAC(Optimizer, Joinable):
         """Forget statistics captured since the last step (e.g. of a step that will not happen)."""
         self.estimator.discard_pending_statistics()
 
+    @torch.compiler.disable
     def sample_fisher(self, outputs: Tensor, likelihood: fisher_lib.Likelihood,
                       generator: torch.Generator | None = None) -> None:
         """Capture this batch's statistics at targets sampled from the model (``fisher="sampled"``),
         between the forward pass and ``loss.backward()``; see ``KroneckerEstimator.sample_fisher``."""
         self.estimator.sample_fisher(outputs, likelihood, generator)
 
+    @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``Optimizer.zero_grad``; also drops statistics of backward passes no step consumed."""
         self.estimator.discard_pending_statistics()
@@ -247,10 +249,17 @@ class KFAC(Optimizer, Joinable):
 
     # -- the step ----------------------------------------------------------------------------
 
+    @torch.compiler.disable
     @torch.no_grad()
     @record_function("kfac.step")
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one K-FAC step (see the module docstring for the order of work)."""
+        """Perform one K-FAC step (see the module docstring for the order of work).
+
+        A ``torch.compile`` boundary (as are :meth:`zero_grad` and :meth:`sample_fisher`): a compiled
+        train step runs the model compiled and this step eagerly, so its Python state (the step
+        counter, the schedules, the capture's arming) advances exactly as without compile, which
+        Dynamo's tracing of optimizers would drop (docs/api.md "torch.compile").
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
