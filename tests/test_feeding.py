@@ -279,7 +279,6 @@ def test_backbone_unfrozen_after_construction_trains_and_is_preconditioned() -> 
 
 
 # Today: "ValueError: params must all be parameters of model".
-@ISSUE_22_OPEN
 def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None:
     """A learnable loss temperature in ``params``: it follows SGD bit for bit (the reference:
     K-FAC on the model alone and ``torch.optim.SGD`` on the temperature)."""
@@ -314,7 +313,6 @@ def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None
 
 
 # Today: "bias: Tensor-likes are not equal! ... 0.138" against SGD (K-FAC takes the complex layer).
-@ISSUE_22_OPEN
 def test_complex_linear_takes_the_sgd_path_with_a_true_reason() -> None:
     def run(make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(4)
@@ -351,21 +349,23 @@ def parametrized(kind: str) -> nn.Sequential:
 
 
 # Today: AssertionError showing describe(): "SGD: no K-FAC block registered for ParametrizedLinear" (prune: "... for Linear").
-@ISSUE_22_OPEN
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "prune"])
 def test_parametrized_linear_is_preconditioned_or_takes_the_sgd_path_with_a_true_reason(kind: str) -> None:
     """Either choice of issue 22 is accepted here; the fix should aim for preconditioning
     (then this test gains a dense reference). On the SGD path the reason names the
     parametrization and the layer's parameters follow ``torch.optim.SGD`` bit for bit."""
+    def groups(net: nn.Module) -> list[dict[str, Any]]:  # layer 0 (K-FAC's) frozen by lr 0, as in the complex test
+        return [{"params": net[0].parameters(), "lr": 0.0}, {"params": net[2].parameters()}]
+
     model = parametrized(kind)
-    optimizer = KFAC(model, **OPTIONS)
+    optimizer = KFAC(model, params=groups(model), **OPTIONS)
     rows = [row for row in optimizer.module_reports if row.name == "2" or row.name.startswith("2.")]
     if any(row.status == "kfac" for row in rows):
         pytest.fail("preconditioned parametrized Linear: add the dense reference for it here")
     word = "prun" if kind == "prune" else "parametriz"
     assert rows and all(row.status != "unregistered" and word in row.detail.lower() for row in rows), optimizer.describe()
     reference = parametrized(kind)
-    sgd = torch.optim.SGD(reference.parameters(), lr=OPTIONS["lr"], momentum=OPTIONS["momentum"])
+    sgd = torch.optim.SGD(groups(reference), lr=OPTIONS["lr"], momentum=OPTIONS["momentum"])
     for step in range(STEPS):
         x, y = batch(step)
         for net, opt in ((model, optimizer), (reference, sgd)):

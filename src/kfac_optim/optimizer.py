@@ -73,8 +73,8 @@ class KFAC(Optimizer, Joinable):
         model: the model being trained (plain or wrapped in DistributedDataParallel); hooks are
             registered on its supported layers.
         lr, momentum, dampening, weight_decay, nesterov, maximize, foreach: as torch.optim.SGD.
-        params: param groups (all parameters must belong to ``model``); default: every trainable
-            parameter of ``model`` in one group.
+        params: param groups; default: every trainable parameter of ``model`` in one group.
+            Parameters outside ``model`` (a loss's temperature) take the SGD path (:meth:`describe`).
         damping: λ, a float > 0 or a callable ``step -> float``.
         kl_clip: bound on the KL-divergence estimate of the update (None disables clipping).
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable).
@@ -140,9 +140,7 @@ class KFAC(Optimizer, Joinable):
                         nesterov=nesterov, maximize=maximize, foreach=foreach)
         super().__init__(params, defaults)
         Joinable.__init__(self)
-        trainable = {p for group in self.param_groups for p in group["params"]}
-        if not trainable <= set(self.model.parameters()):
-            raise ValueError("params must all be parameters of model")
+        trainable = {p for group in self.param_groups for p in group["params"]}  # the model's and any outside it
         self._precision = MixedPrecision(self, runtime.grad_scaler,
                                          statistics_loss_scaled=curvature.fisher == "empirical")
         self.estimator = KroneckerEstimator(self.model, trainable, self._options, runtime, self._precision)
