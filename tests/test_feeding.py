@@ -252,7 +252,6 @@ def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
 
 
 # Today: "the unfrozen backbone did not move" (no block, not in any param group).
-@ISSUE_22_OPEN
 def test_backbone_unfrozen_after_construction_trains_and_is_preconditioned() -> None:
     model = mlp(sizes=(4, 8, 8, 3))  # "0", "2": backbone; "4": head
     backbone = model[:3]
@@ -276,6 +275,36 @@ def test_backbone_unfrozen_after_construction_trains_and_is_preconditioned() -> 
         assert report(optimizer, name).status == "kfac", optimizer.describe()
         factor = optimizer.kfac_state_dict()["blocks"][name]["factors"]["G"]["running"]
         assert factor.abs().sum() > 0, f"{name}'s G is still empty after 3 steps unfrozen"
+
+
+def test_unfrozen_layer_starts_with_empty_factors_and_takes_the_dense_kfac_step() -> None:
+    """While frozen the layer's block exists but is empty and describe() says it is frozen; the step
+    after unfreezing is ``ΔW = −lr (G ⊗ A + λI)⁻¹ vec[∇W | ∇b]`` from that step's own factors
+    (a dense Kronecker product built here; momentum 0, no KL clip, decompositions every step)."""
+    model = mlp(sizes=(4, 8, 3))
+    model[0].requires_grad_(False)
+    options = {**OPTIONS, "momentum": 0.0}
+    optimizer = KFAC(model, **options)
+    x, y = batch(0)
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    assert "frozen now" in optimizer.describe().splitlines()[1], optimizer.describe()
+    assert not optimizer.kfac_state_dict()["blocks"]["0"]["factors"]["G"]["initialized"]
+    model[0].requires_grad_(True)
+    before = torch.cat([model[0].weight.detach(), model[0].bias.detach()[:, None]], dim=1)
+    x, y = batch(1)
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    grad = torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], dim=1).double()
+    optimizer.step()
+    after = torch.cat([model[0].weight.detach(), model[0].bias.detach()[:, None]], dim=1)
+    block = optimizer.kfac_state_dict()["blocks"]["0"]["factors"]
+    a, g = block["A"]["running"].double(), block["G"]["running"].double()
+    assert block["G"]["initialized"] and "frozen now" not in optimizer.describe()
+    dense = torch.kron(g, a) + options["damping"] * torch.eye(a.shape[0] * g.shape[0], dtype=torch.float64)
+    expected = before.double() - options["lr"] * torch.linalg.solve(dense, grad.flatten()).reshape(grad.shape)
+    torch.testing.assert_close(after.double(), expected, rtol=1e-5, atol=1e-6)
 
 
 # Today: "ValueError: params must all be parameters of model".

@@ -73,7 +73,10 @@ class KFAC(Optimizer, Joinable):
         model: the model being trained (plain or wrapped in DistributedDataParallel); hooks are
             registered on its supported layers.
         lr, momentum, dampening, weight_decay, nesterov, maximize, foreach: as torch.optim.SGD.
-        params: param groups; default: every trainable parameter of ``model`` in one group.
+        params: param groups; default: every parameter of ``model`` in one group, frozen ones
+            (``requires_grad=False``) included, as ``SGD(model.parameters())``: their layers get blocks
+            at once, record nothing while frozen, and train (preconditioned) once unfrozen. A
+            list given here means only these parameters (``describe()`` lists the frozen layers).
             Parameters outside ``model`` (a loss's temperature) take the SGD path (:meth:`describe`).
         damping: λ, a float > 0 or a callable ``step -> float``.
         kl_clip: bound on the KL-divergence estimate of the update (None disables clipping).
@@ -134,8 +137,8 @@ class KFAC(Optimizer, Joinable):
         self._options = KFACOptions(damping, kl_clip, factor_update_steps, inv_update_steps, method,
                                     curvature, asynchronous)
         self.model = unwrap_model(model)
-        if params is None:
-            params = [p for p in self.model.parameters() if p.requires_grad]
+        if params is None:  # frozen ones too, as SGD(model.parameters()): a layer unfrozen later then trains
+            params = list(self.model.parameters())
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach)
         super().__init__(params, defaults)
