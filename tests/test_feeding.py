@@ -524,6 +524,33 @@ def test_compiled_train_step_equals_eager_bit_for_bit(backend: str) -> None:
     assert seconds < 120, f"the compiled run took {seconds:.1f} s"
 
 
+def test_compiled_train_step_adds_no_graph_for_the_kfac_step() -> None:
+    """``step()`` and ``zero_grad()`` are compile boundaries: the train step compiles to as many graphs
+    as the same step without an optimizer (the capture's hooks removed: their graphs are the
+    fullgraph test's subject)."""
+    x, y = batch(0)
+
+    def graphs(with_kfac: bool) -> int:
+        torch._dynamo.reset()
+        model = mlp()
+        optimizer = KFAC(model, **OPTIONS) if with_kfac else None
+        if optimizer is not None:
+            optimizer.remove_hooks()
+
+        def train_step(x: Tensor, y: Tensor) -> Tensor:
+            if optimizer is not None:
+                optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+            return loss
+
+        return torch._dynamo.explain(train_step)(x, y).graph_count
+
+    assert graphs(with_kfac=True) == graphs(with_kfac=False)
+
+
 @ISSUE_22_OPEN
 def test_fullgraph_compiled_model_with_kfac_armed_records_like_eager() -> None:
     torch._dynamo.reset()
