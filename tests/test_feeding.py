@@ -98,7 +98,6 @@ def run_classifier(extra_pass: Callable[[nn.Module, Tensor, Tensor, Tensor], Non
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.079" (every G factor is fed by both backwards).
-@OPEN
 def test_monitoring_grad_pass_before_backward_does_not_change_the_factors() -> None:
     def gradient_norm(model: nn.Module, x: Tensor, y: Tensor, loss: Tensor) -> None:
         grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
@@ -111,7 +110,6 @@ def test_monitoring_grad_pass_before_backward_does_not_change_the_factors() -> N
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.078" (the input-gradient pass feeds G and counts N).
-@OPEN
 def test_adversarial_input_gradient_pass_in_train_mode_does_not_change_the_factors() -> None:
     def run(attack_in_eval_mode: bool) -> tuple[dict[str, Tensor], nn.Module]:
         model = mlp()
@@ -164,7 +162,6 @@ def gan_batch(step: int, n: int = 6) -> tuple[Tensor, Tensor]:
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.074" of D (the generator's pass through frozen D records).
-@OPEN
 def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors() -> None:
     """CycleGAN's ``set_requires_grad(D, False)`` around the generator's loss; both optimizers
     zeroed at the top of the iteration, both stepped at the end. The reference runs the
@@ -196,7 +193,6 @@ def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.038" of D (the generator's backward through D stays pending).
-@OPEN
 def test_module_level_zero_grad_gives_the_same_factors_as_the_optimizers() -> None:
     """The DCGAN example's loop: ``netD.zero_grad()`` / ``netG.zero_grad()`` instead of the
     optimizers'. The generator's backward runs through D (not frozen) after D's step."""
@@ -241,7 +237,6 @@ class TwoHeads(nn.Module):
 
 
 # Today: "head_a.G: Tensor-likes are not close! ... 5.0e-04" (trunk.G: 0.13; each backward counted as a new micro-batch).
-@OPEN
 def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
     def run(separately: bool) -> tuple[dict[str, Tensor], nn.Module]:
         model = TwoHeads()
@@ -269,7 +264,6 @@ def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
 
 
 # Today: "the unfrozen backbone did not move" (no block, not in any param group).
-@OPEN
 def test_backbone_unfrozen_after_construction_trains_and_is_preconditioned() -> None:
     model = mlp(sizes=(4, 8, 8, 3))  # "0", "2": backbone; "4": head
     backbone = model[:3]
@@ -295,8 +289,39 @@ def test_backbone_unfrozen_after_construction_trains_and_is_preconditioned() -> 
         assert factor.abs().sum() > 0, f"{name}'s G is still empty after 3 steps unfrozen"
 
 
+def test_unfrozen_layer_starts_with_empty_factors_and_takes_the_dense_kfac_step() -> None:
+    """While frozen the layer's block exists but is empty and describe() says it is frozen; the step
+    after unfreezing is ``ΔW = −lr (G ⊗ A + λI)⁻¹ vec[∇W | ∇b]`` from that step's own factors
+    (a dense Kronecker product built here; momentum 0, no KL clip, decompositions every step)."""
+    model = mlp(sizes=(4, 8, 3))
+    model[0].requires_grad_(False)
+    options = {**OPTIONS, "momentum": 0.0}
+    optimizer = KFAC(model, **options)
+    x, y = batch(0)
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*produced no statistics")  # frozen: silent by design
+        optimizer.step()
+    assert "frozen now" in optimizer.describe().splitlines()[1], optimizer.describe()
+    assert not optimizer.kfac_state_dict()["blocks"]["0"]["factors"]["G"]["initialized"]
+    model[0].requires_grad_(True)
+    before = torch.cat([model[0].weight.detach(), model[0].bias.detach()[:, None]], dim=1)
+    x, y = batch(1)
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    grad = torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], dim=1).double()
+    optimizer.step()
+    after = torch.cat([model[0].weight.detach(), model[0].bias.detach()[:, None]], dim=1)
+    block = optimizer.kfac_state_dict()["blocks"]["0"]["factors"]
+    a, g = block["A"]["running"].double(), block["G"]["running"].double()
+    assert block["G"]["initialized"] and "frozen now" not in optimizer.describe()
+    dense = torch.kron(g, a) + options["damping"] * torch.eye(a.shape[0] * g.shape[0], dtype=torch.float64)
+    expected = before.double() - options["lr"] * torch.linalg.solve(dense, grad.flatten()).reshape(grad.shape)
+    torch.testing.assert_close(after.double(), expected, rtol=1e-5, atol=1e-6)
+
+
 # Today: "ValueError: params must all be parameters of model".
-@OPEN
 def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None:
     """A learnable loss temperature in ``params``: it follows SGD bit for bit (the reference:
     K-FAC on the model alone and ``torch.optim.SGD`` on the temperature)."""
@@ -331,7 +356,6 @@ def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None
 
 
 # Today: "bias: Tensor-likes are not equal! ... 0.138" against SGD (K-FAC takes the complex layer).
-@OPEN
 def test_complex_linear_takes_the_sgd_path_with_a_true_reason() -> None:
     def run(make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(4)
@@ -368,21 +392,23 @@ def parametrized(kind: str) -> nn.Sequential:
 
 
 # Today: AssertionError showing describe(): "SGD: no K-FAC block registered for ParametrizedLinear" (prune: "... for Linear").
-@OPEN
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "prune"])
 def test_parametrized_linear_is_preconditioned_or_takes_the_sgd_path_with_a_true_reason(kind: str) -> None:
     """Either choice of issue 22 is accepted here; the fix should aim for preconditioning
     (then this test gains a dense reference). On the SGD path the reason names the
     parametrization and the layer's parameters follow ``torch.optim.SGD`` bit for bit."""
+    def groups(net: nn.Module) -> list[dict[str, Any]]:  # layer 0 (K-FAC's) frozen by lr 0, as in the complex test
+        return [{"params": net[0].parameters(), "lr": 0.0}, {"params": net[2].parameters()}]
+
     model = parametrized(kind)
-    optimizer = KFAC(model, **OPTIONS)
+    optimizer = KFAC(model, params=groups(model), **OPTIONS)
     rows = [row for row in optimizer.module_reports if row.name == "2" or row.name.startswith("2.")]
     if any(row.status == "kfac" for row in rows):
         pytest.fail("preconditioned parametrized Linear: add the dense reference for it here")
     word = "prun" if kind == "prune" else "parametriz"
     assert rows and all(row.status != "unregistered" and word in row.detail.lower() for row in rows), optimizer.describe()
     reference = parametrized(kind)
-    sgd = torch.optim.SGD(reference.parameters(), lr=OPTIONS["lr"], momentum=OPTIONS["momentum"])
+    sgd = torch.optim.SGD(groups(reference), lr=OPTIONS["lr"], momentum=OPTIONS["momentum"])
     for step in range(STEPS):
         x, y = batch(step)
         for net, opt in ((model, optimizer), (reference, sgd)):
@@ -425,7 +451,6 @@ def lm_loss(model: nn.Module, tokens: Tensor, targets: Tensor) -> Tensor:
 
 
 # Today: "position's G changes 1.7x between B=8 and B=128 (token's: 1.0x)" (T positions counted as samples).
-@OPEN
 def test_position_embedding_statistics_do_not_depend_on_the_batch_size() -> None:
     """The trace of a layer's G (a per-sample Fisher) has the same expectation at any batch size;
     averaged over 8 batches each, B=8 and B=128 agree within 10% for the token embedding. The
@@ -513,35 +538,83 @@ def test_positions_with_a_batch_as_long_as_the_sequence_are_ambiguous_and_warn()
 # --- torch.compile ------------------------------------------------------------------------------
 
 
-def compile_run(compiled: bool, steps: int = 12) -> tuple[dict[str, Tensor], KFAC]:
+def compile_run(backend: str | None, step_compiled: bool = True, steps: int = 12) -> tuple[dict[str, Tensor], KFAC]:
+    """12 steps of a tiny MLP with ``inv_update_steps=5``: the train step compiled with ``backend``
+    (None: eager), ``optimizer.step()`` inside the compiled function or (``step_compiled=False``)
+    called after it."""
     model = mlp()
     optimizer = KFAC(model, **{**OPTIONS, "inv_update_steps": 5})
 
-    def train_step(x: Tensor, y: Tensor) -> Tensor:
+    def forward_backward(x: Tensor, y: Tensor) -> Tensor:
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
+        return loss
+
+    def train_step(x: Tensor, y: Tensor) -> Tensor:
+        loss = forward_backward(x, y)
         optimizer.step()
         return loss
 
-    run_step = torch.compile(train_step, backend="eager") if compiled else train_step
+    compiled = torch.compile(train_step if step_compiled else forward_backward, backend=backend)
     for step in range(steps):
-        run_step(*batch(step))
-    return dict(model.named_parameters()), optimizer
+        if backend is None:
+            train_step(*batch(step))
+        else:
+            compiled(*batch(step))
+            if not step_compiled:
+                optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, optimizer
 
 
-# Today: "assert 0 == 12" (the compiled step never advances the step counter). Takes 13-19 s on this box today.
-@OPEN
-def test_compiled_train_step_equals_eager_bit_for_bit() -> None:
+# Before the fix: "assert 0 == 12" (the compiled step never advanced the step counter: Dynamo drops
+# attribute writes on Optimizer subclasses). Now KFAC.step is a compile boundary (torch.compiler.disable).
+# Inductor's kernels round the model's own gradients differently from eager (SGD's would differ alike),
+# so under inductor the bit-for-bit reference is the same compiled model with the step called eagerly.
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_train_step_equals_eager_bit_for_bit(backend: str) -> None:
     torch._dynamo.reset()
     start = time.perf_counter()
-    actual, compiled_optimizer = compile_run(compiled=True)
+    actual, compiled_optimizer = compile_run(backend)
     seconds = time.perf_counter() - start
-    expected, eager_optimizer = compile_run(compiled=False)
-    assert compiled_optimizer.state_dict()["kfac"]["steps"] == eager_optimizer.state_dict()["kfac"]["steps"] == 12
+    if backend == "eager":
+        expected, reference = compile_run(None)
+    else:
+        torch._dynamo.reset()
+        expected, reference = compile_run(backend, step_compiled=False)
+        eager_params, _ = compile_run(None)
+        assert_factors_equal(actual, eager_params, rtol=1e-4, atol=1e-5)
+    assert compiled_optimizer.state_dict()["kfac"]["steps"] == reference.state_dict()["kfac"]["steps"] == 12
     assert_factors_equal(actual, expected)
-    assert_factors_equal(factors(compiled_optimizer), factors(eager_optimizer))
-    assert seconds < 30, f"the compiled run took {seconds:.1f} s"
+    assert_factors_equal(factors(compiled_optimizer), factors(reference))
+    assert seconds < 120, f"the compiled run took {seconds:.1f} s"
+
+
+def test_compiled_train_step_adds_no_graph_for_the_kfac_step() -> None:
+    """``step()`` and ``zero_grad()`` are compile boundaries: the train step compiles to as many graphs
+    as the same step without an optimizer (the capture's hooks removed: their graphs are the
+    fullgraph test's subject)."""
+    x, y = batch(0)
+
+    def graphs(with_kfac: bool) -> int:
+        torch._dynamo.reset()
+        model = mlp()
+        optimizer = KFAC(model, **OPTIONS) if with_kfac else None
+        if optimizer is not None:
+            optimizer.remove_hooks()
+
+        def train_step(x: Tensor, y: Tensor) -> Tensor:
+            if optimizer is not None:
+                optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+            return loss
+
+        return torch._dynamo.explain(train_step)(x, y).graph_count
+
+    assert graphs(with_kfac=True) == graphs(with_kfac=False)
 
 
 # Today: "AssertionError: (4, 1, [])": 4 graphs with K-FAC, 1 without (fullgraph=True: "HOP: Non-nullified side effect").

@@ -86,14 +86,19 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 def block_dims(model: nn.Module, skip_layers: SkipLayers = ()) -> dict[str, tuple[int, int]]:
     """``{module name: (dim_A, dim_G)}`` of the blocks ``KFAC(model, ...)`` builds with these ``skip_layers``.
 
-    The same discovery as the optimizer's (trainable parameters, ``skip_layers``, grouped convs
+    The same discovery as the optimizer's default (every parameter, frozen ones included; ``skip_layers``, grouped convs
     preconditioned too). It builds the blocks, so their factors are allocated on the model's device:
     build the model under ``torch.device("meta")`` to get the sizes without allocating anything.
     """
     model = unwrap_model(model)
-    trainable = {p for p in model.parameters() if p.requires_grad}
-    blocks = discover_blocks(model, trainable, skip_layers, torch.float32)
+    blocks = discover_blocks(model, set(model.parameters()), skip_layers, torch.float32)
     return {block.name: (block.A.dim, block.G.dim) for block in blocks}
+
+
+FROZEN_NOTE = (" (frozen now, requires_grad=False: records nothing; once unfrozen, preconditioned from the first "
+               "decomposition step after its gradient appears, its factors starting empty as a new layer's, "
+               "under its param group's settings)")
+"""What :meth:`KroneckerEstimator.describe` adds to the row of a block whose parameters are all frozen now."""
 
 
 class KroneckerEstimator:
@@ -358,9 +363,11 @@ class KroneckerEstimator:
 
     def _warn_about_silent_blocks(self) -> None:
         """At the first factor step with any statistics: warn once about blocks whose hooks never
-        fired (e.g. a layer called functionally, or whose output never reached the loss)."""
-        silent = [block.name for block in self.blocks if block.pending_samples == 0]
-        if len(silent) == len(self.blocks):
+        fired (e.g. a layer called functionally, or whose output never reached the loss). Frozen
+        blocks (every parameter ``requires_grad=False``) record nothing by design and are left out."""
+        active = [block for block in self.blocks if any(p.requires_grad for p in block.parameters())]
+        silent = [block.name for block in active if block.pending_samples == 0]
+        if len(silent) == len(active):
             return  # no statistics at all (eval mode, a skipped backward): ask again next time
         self._checked_capture = True
         if silent:
@@ -605,9 +612,10 @@ class KroneckerEstimator:
         covered = sum(n for key, n in trainable_matrices.items() if key in preconditioned)
         total = sum(trainable_matrices.values())
         share = covered / total if total else 1.0
+        frozen = {block.name for block in self.blocks if not any(p.requires_grad for p in block.parameters())}
         lines = [
             f"KFAC ({self.method.name}): {len(self.blocks)} blocks precondition {covered}/{total} "
             f"weight-matrix elements ({share:.1%})",
-            *(f"  {report}" for report in self.reports),
+            *(f"  {report}{FROZEN_NOTE if report.block in frozen else ''}" for report in self.reports),
         ]
         return "\n".join(lines)

@@ -73,8 +73,11 @@ class KFAC(Optimizer, Joinable):
         model: the model being trained (plain or wrapped in DistributedDataParallel); hooks are
             registered on its supported layers.
         lr, momentum, dampening, weight_decay, nesterov, maximize, foreach: as torch.optim.SGD.
-        params: param groups (all parameters must belong to ``model``); default: every trainable
-            parameter of ``model`` in one group.
+        params: param groups; default: every parameter of ``model`` in one group, frozen ones
+            (``requires_grad=False``) included, as ``SGD(model.parameters())``: their layers get blocks
+            at once, record nothing while frozen, and train (preconditioned) once unfrozen. A
+            list given here means only these parameters (``describe()`` lists the frozen layers).
+            Parameters outside ``model`` (a loss's temperature) take the SGD path (:meth:`describe`).
         damping: λ, a float > 0 or a callable ``step -> float``.
         kl_clip: bound on the KL-divergence estimate of the update (None disables clipping).
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable).
@@ -134,15 +137,13 @@ class KFAC(Optimizer, Joinable):
         self._options = KFACOptions(damping, kl_clip, factor_update_steps, inv_update_steps, method,
                                     curvature, asynchronous)
         self.model = unwrap_model(model)
-        if params is None:
-            params = [p for p in self.model.parameters() if p.requires_grad]
+        if params is None:  # frozen ones too, as SGD(model.parameters()): a layer unfrozen later then trains
+            params = list(self.model.parameters())
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach)
         super().__init__(params, defaults)
         Joinable.__init__(self)
-        trainable = {p for group in self.param_groups for p in group["params"]}
-        if not trainable <= set(self.model.parameters()):
-            raise ValueError("params must all be parameters of model")
+        trainable = {p for group in self.param_groups for p in group["params"]}  # the model's and any outside it
         self._precision = MixedPrecision(self, runtime.grad_scaler,
                                          statistics_loss_scaled=curvature.fisher == "empirical")
         self.estimator = KroneckerEstimator(self.model, trainable, self._options, runtime, self._precision)
@@ -234,12 +235,14 @@ class KFAC(Optimizer, Joinable):
         """Forget statistics captured since the last step (e.g. of a step that will not happen)."""
         self.estimator.discard_pending_statistics()
 
+    @torch.compiler.disable
     def sample_fisher(self, outputs: Tensor, likelihood: fisher_lib.Likelihood,
                       generator: torch.Generator | None = None) -> None:
         """Capture this batch's statistics at targets sampled from the model (``fisher="sampled"``),
         between the forward pass and ``loss.backward()``; see ``KroneckerEstimator.sample_fisher``."""
         self.estimator.sample_fisher(outputs, likelihood, generator)
 
+    @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``Optimizer.zero_grad``; also drops statistics of backward passes no step consumed."""
         self.estimator.discard_pending_statistics()
@@ -247,10 +250,17 @@ class KFAC(Optimizer, Joinable):
 
     # -- the step ----------------------------------------------------------------------------
 
+    @torch.compiler.disable
     @torch.no_grad()
     @record_function("kfac.step")
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one K-FAC step (see the module docstring for the order of work)."""
+        """Perform one K-FAC step (see the module docstring for the order of work).
+
+        A ``torch.compile`` boundary (as are :meth:`zero_grad` and :meth:`sample_fisher`): a compiled
+        train step runs the model compiled and this step eagerly, so its Python state (the step
+        counter, the schedules, the capture's arming) advances exactly as without compile, which
+        Dynamo's tracing of optimizers would drop (docs/api.md "torch.compile").
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():

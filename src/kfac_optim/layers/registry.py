@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.layers.base import KroneckerBlock, WeightSharing
+from kfac_optim.layers.declined import declined_reason, originals_reason
 
 SkipLayers = Sequence[str | type[nn.Module]]
 BlockOverrides = Mapping[type[nn.Module], type[KroneckerBlock]]
@@ -94,7 +95,9 @@ class ModuleReport:
 
     ``block``: the name of the block that preconditions them (None: they take the SGD path);
     ``status``: "kfac", or why not: "skipped" (``skip_layers``), "unsupported" (a registered block
-    that declines this instance), "unregistered" (no block for the type);
+    that declines this instance, or a complex, parametrized or pruned layer: ``layers.declined``),
+    "parametrization" (the originals of a parametrized weight), "unregistered" (no block for the
+    type), "outside" (the row :data:`OUTSIDE_THE_MODEL` of ``params`` that are not the model's);
     ``detail``: the block's kind and factor shapes, or the reason in words.
     """
 
@@ -109,6 +112,22 @@ class ModuleReport:
         params = ", ".join(f"{p} {'x'.join(map(str, shape)) or 'scalar'}" for p, shape in self.params)
         where = f"K-FAC [{self.block or '<root>'}]" if self.block is not None else "SGD"
         return f"{self.name or '<root>'} ({self.kind}; {params}): {where}: {self.detail}"
+
+
+OUTSIDE_THE_MODEL = "(outside the model)"
+"""The report name of the trainable parameters that are not the model's (e.g. a loss's temperature)."""
+
+
+def _outside_report(model: nn.Module, trainable: set[Tensor]) -> ModuleReport | None:
+    """One row for the ``trainable`` parameters that are not ``model``'s (None: there are none)."""
+    own = set(model.parameters())
+    outside = sorted((p for p in trainable if p not in own), key=lambda p: tuple(p.shape))  # a set: by shape
+    if not outside:
+        return None
+    params = tuple((f"[{i}]", tuple(p.shape)) for i, p in enumerate(outside))
+    return ModuleReport(OUTSIDE_THE_MODEL, "Parameter", params, None, "outside",
+                        "parameters in params that are not the model's (e.g. a loss's temperature or task "
+                        "weights): no layer's statistics describe them; they take the SGD path")
 
 
 def user_visible_name(name: str) -> str:
@@ -167,7 +186,7 @@ def discover(
         if _is_skipped(name, module, skip_layers):
             decisions[name] = (None, "skipped", "skipped by skip_layers")
             continue
-        reason = kind.unsupported_reason(module)
+        reason = declined_reason(module) or kind.unsupported_reason(module)
         if reason is not None:
             decisions[name] = (None, "unsupported", f"{kind.__name__}: {reason}")
             continue
@@ -202,6 +221,8 @@ def discover(
             if name in untied_names:
                 detail = (f"preconditioned in block {block!r} with that block's module's statistics only (this "
                           f"module's uses of the weight are left out): {owners[0].describe()}")
+        elif not status and originals_reason(module) is not None:
+            status, detail = "parametrization", originals_reason(module)
         elif not status:
             status, detail = "unregistered", f"no K-FAC block registered for {type(module).__name__}"
         leftover = [p_name for p_name, p in own if p not in owner_of]
@@ -209,6 +230,9 @@ def discover(
             detail += f"; {', '.join(leftover)} take the SGD path"
         params = tuple((p_name, tuple(p.shape)) for p_name, p in own)
         reports.append(ModuleReport(name, type(module).__name__, params, block, status, detail))
+    outside = _outside_report(model, trainable)
+    if outside is not None:
+        reports.append(outside)
     if untied:
         warn_user(
             "tied weights: " + "; ".join(untied) + ": the block cannot take the second module's uses into its "
