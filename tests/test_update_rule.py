@@ -21,13 +21,13 @@ def _net(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
 
 
-def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _labelled_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(32, 5, generator=generator, dtype=torch.float64), torch.randint(0, 3, (32,), generator=generator)
 
 
 def _backward(net: nn.Module, seed: int = 0) -> None:
-    x, y = _batch(seed)
+    x, y = _labelled_batch(seed)
     F.cross_entropy(net(x), y).backward()
 
 
@@ -43,7 +43,7 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _kfac_direction_and_gradient(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """K-FAC's unclipped direction V (lr 1, no clip) and ∇ at ``_net()`` on ``_batch()``, flattened."""
+    """K-FAC's unclipped direction V (lr 1, no clip) and ∇ at ``_net()`` on ``_labelled_batch()``, flattened."""
     net = _net()
     optimizer = KFAC(net, lr=1.0, kl_clip=None, curvature=DOUBLE, inv_update_steps=1)
     before = _params(net)
