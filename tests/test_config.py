@@ -17,7 +17,7 @@ from kfac_optim.config import DEPRECATED_KEYWORDS, KFACOptions
 from kfac_optim.layers.linear import LinearBlock
 
 
-def _model() -> nn.Module:
+def _config_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
 
@@ -36,7 +36,7 @@ def test_the_constructor_has_at_most_18_named_parameters() -> None:
         (lambda: AsyncConfig(decompositions=False, delay=2), "delay", "decompositions"),
         (lambda: CurvatureConfig(fisher="sampled", loss_reduction="mean"), "loss_reduction", "fisher"),
         (lambda: KFACOptions(curvature=CurvatureConfig(stagger=True)), "stagger", "factor_update_steps"),
-        (lambda: KFAC(_model(), curvature=CurvatureConfig(stagger=True), factor_update_steps=1), "stagger",
+        (lambda: KFAC(_config_model(), curvature=CurvatureConfig(stagger=True), factor_update_steps=1), "stagger",
          "factor_update_steps"),
         (lambda: KFAC(_model(), update=UpdateConfig(grafting="sgd")), "grafting", "kl_clip"),
         (lambda: KFAC(_model(), momentum=0.9, nesterov=True, kl_clip=None, update=UpdateConfig(grafting="adam")),
@@ -54,18 +54,18 @@ def test_a_contradictory_combination_is_a_value_error_naming_both(make, first: s
 
 def test_the_old_spelling_of_a_contradiction_is_refused_too() -> None:
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="async_delay.*async_decompositions"):
-        KFAC(_model(), async_delay=2)
+        KFAC(_config_model(), async_delay=2)
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="loss_reduction.*fisher"):
-        KFAC(_model(), fisher="sampled", loss_reduction="sum")
+        KFAC(_config_model(), fisher="sampled", loss_reduction="sum")
 
 
 def test_an_inverse_interval_off_the_factor_interval_warns() -> None:
     with pytest.warns(UserWarning, match="inv_update_steps=3 is not a multiple of factor_update_steps=2"):
-        KFAC(_model(), factor_update_steps=2, inv_update_steps=3)
+        KFAC(_config_model(), factor_update_steps=2, inv_update_steps=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        KFAC(_model(), factor_update_steps=2, inv_update_steps=4)
-        KFAC(_model(), factor_update_steps=lambda step: 2, inv_update_steps=3)  # a schedule: not checked
+        KFAC(_config_model(), factor_update_steps=2, inv_update_steps=4)
+        KFAC(_config_model(), factor_update_steps=lambda step: 2, inv_update_steps=3)  # a schedule: not checked
 
 
 @pytest.mark.parametrize("config", [CurvatureConfig, AsyncConfig, RuntimeConfig, KFACOptions])
@@ -85,21 +85,21 @@ def test_configs_are_frozen(config: type) -> None:
 )
 def test_a_config_of_the_wrong_type_is_a_type_error_naming_it(kwargs: dict, argument: str) -> None:
     with pytest.raises(TypeError, match=argument):
-        KFAC(_model(), **kwargs)
+        KFAC(_config_model(), **kwargs)
 
 
 def test_an_unknown_keyword_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'fischer'"):
-        KFAC(_model(), fischer="sampled")
+        KFAC(_config_model(), fischer="sampled")
 
 
 def test_an_old_keyword_next_to_its_config_is_a_type_error() -> None:
     with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="fisher= is part of curvature="):
-        KFAC(_model(), fisher="sampled", curvature=CurvatureConfig())
+        KFAC(_config_model(), fisher="sampled", curvature=CurvatureConfig())
 
 
-def _trained(**settings) -> list[torch.Tensor]:
-    model = _model()
+def _trained_config_run(**settings) -> list[torch.Tensor]:
+    model = _config_model()
     optimizer = KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=2, inv_update_steps=2, **settings)
     generator = torch.Generator().manual_seed(0)
     for _ in range(4):
@@ -125,13 +125,13 @@ OLD_AND_NEW = [
 @pytest.mark.parametrize(("old", "new"), OLD_AND_NEW, ids=["curvature", "async and runtime"])
 def test_the_old_flat_keywords_warn_naming_the_new_spelling_and_train_the_same(old: dict, new: dict) -> None:
     with pytest.warns(DeprecationWarning) as caught:
-        by_old = _trained(**old)
+        by_old = _trained_config_run(**old)
     (message,) = {str(w.message) for w in caught if w.category is DeprecationWarning}
     for keyword in old:
         assert f"{keyword}= -> {DEPRECATED_KEYWORDS[keyword]}" in message
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        by_new = _trained(**new)
+        by_new = _trained_config_run(**new)
     assert all(torch.equal(a, b) for a, b in zip(by_old, by_new, strict=True))
 
 
@@ -149,7 +149,7 @@ def test_every_deprecated_keyword_names_a_field_that_exists() -> None:
 
 def test_options_is_read_only_and_holds_the_configs() -> None:
     curvature = CurvatureConfig(fisher="sampled")
-    optimizer = KFAC(_model(), damping=0.2, curvature=curvature, asynchronous=AsyncConfig())
+    optimizer = KFAC(_config_model(), damping=0.2, curvature=curvature, asynchronous=AsyncConfig())
     assert optimizer.options.damping == 0.2
     assert optimizer.options.curvature is curvature and optimizer.options.asynchronous == AsyncConfig()
     with pytest.raises(AttributeError):

@@ -101,7 +101,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return [_cycle_in(graph, component) for component in components(graph)]
 
 
-def report(graph: dict[str, set[str]]) -> str:
+def cycle_report(graph: dict[str, set[str]]) -> str:
     """One line per cycle, with every module of its strongly connected component."""
     lines = []
     for component in components(graph):
@@ -155,11 +155,11 @@ def test_the_walk_sees_every_kind_of_import(tmp_path: Path) -> None:
 def test_the_package_has_no_import_cycle() -> None:
     graph = import_graph()
     assert len(graph) > 20, sorted(graph)  # the walk found the package
-    assert not components(graph), "import cycles:\n" + report(graph)
+    assert not components(graph), "import cycles:\n" + cycle_report(graph)
 
 
 if __name__ == "__main__":
     graph = import_graph()
     if components(graph):
-        print(report(graph))
+        print(cycle_report(graph))
         sys.exit(1)
