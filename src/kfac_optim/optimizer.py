@@ -80,7 +80,8 @@ class KFAC(Optimizer, Joinable):
         params: param groups (all parameters must belong to ``model``); default: every trainable
             parameter of ``model`` in one group.
         damping: λ, a float > 0 or a callable ``step -> float``.
-        kl_clip: bound on the KL-divergence estimate of the update (None disables clipping).
+        kl_clip: bound on the KL-divergence estimate of the update at each group's base lr (the
+            step follows an lr schedule; ``UpdateConfig.trust_region``); None disables clipping.
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable).
         inv_update_steps: refresh decompositions every this many steps (int ≥ 1 or callable).
         method: "eigen" (exact damping of ``G ⊗ A``) or "inverse" (π-factored damping), or a
