@@ -519,7 +519,7 @@ def plot_train(result: dict[str, Any], rows: list[dict[str, Any]], path: Path) -
         curve = torch.tensor([x["train"][:n] for x in runs]).mean(0)
         smooth = torch.nn.functional.avg_pool1d(curve[None, None], 10, 1).flatten()
         cpu = torch.tensor([x["cpu"][:n] for x in runs]).mean(0)[9:]
-        style = {"baseline": "-", "cause": ":", "fix": "--"}[r["group"]]
+        style = {"baseline": "-", "cause": ":", "fix": "--", "library": "-."}[r["group"]]
         for ax, xs in zip(axes, (torch.arange(9, n), cpu)):
             ax.plot(xs, smooth, style, label=f"{r['variant']} lr={r['lr']:g}")
     axes[0].set_xlabel("step")

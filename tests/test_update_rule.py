@@ -4,6 +4,7 @@ weight decay and grafting, each against a reference written out in the test."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -53,9 +54,26 @@ def _kfac_direction_and_gradient(seed: int = 0) -> tuple[torch.Tensor, torch.Ten
     return _flat(before) - _flat(_params(net)), grad
 
 
-SCHEDULES: dict[str, Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]] = {
+class _WarmupByHand:
+    """A warmup written in the training loop, as nanoGPT does: ``group["lr"] = peak·(t+1)/6`` before step t."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer, self.t, self.peak = optimizer, 0, [float(g["lr"]) for g in optimizer.param_groups]
+        self.step()
+
+    def step(self) -> None:
+        self.t += 1
+        for group, peak in zip(self.optimizer.param_groups, self.peak, strict=True):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(peak * self.t / 6)
+            else:
+                group["lr"] = peak * self.t / 6
+
+
+SCHEDULES: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     "warmup": lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.125, total_iters=6),
     "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=6, eta_min=0.0),
+    "warmup by hand": _WarmupByHand,
 }
 
 
@@ -130,7 +148,7 @@ def test_at_a_constant_lr_the_base_lr_trust_region_is_the_old_rule_bit_for_bit()
 
 
 def test_the_base_lr_is_saved_with_the_param_groups_and_restored() -> None:
-    """Without a scheduler the base lr is the group's lr at its first step; a resumed optimizer keeps it."""
+    """The base lr is the group's lr when built; a resumed optimizer keeps the saved one."""
     net = _net()
     optimizer = KFAC(net, lr=0.4, kl_clip=1e-4, curvature=DOUBLE)
     _backward(net)
@@ -143,11 +161,23 @@ def test_the_base_lr_is_saved_with_the_param_groups_and_restored() -> None:
     assert resumed.trust_region_lr(resumed.param_groups[0]) == 0.4
 
 
-def test_a_schedulers_initial_lr_is_the_base_lr_per_group() -> None:
+def test_the_base_lr_is_each_groups_lr_when_built_whatever_a_scheduler_does() -> None:
     net = _net()
     optimizer = KFAC(net, lr=0.4, params=[{"params": net[0].parameters(), "lr": 0.2}, {"params": net[2].parameters()}])
     torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.02, 0.04])
     assert [optimizer.trust_region_lr(group) for group in optimizer.param_groups] == [0.2, 0.4]
+
+
+def test_a_state_dict_of_an_earlier_release_takes_the_schedulers_initial_lr() -> None:
+    net = _net()
+    optimizer = KFAC(net, lr=0.4)
+    torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
+    state = optimizer.state_dict()
+    del state["param_groups"][0]["kfac_base_lr"]
+    resumed = KFAC(_net(), lr=0.1)
+    resumed.load_state_dict(state)
+    assert resumed.trust_region_lr(resumed.param_groups[0]) == 0.4
 
 
 # -- decoupled weight decay ---------------------------------------------------------------------

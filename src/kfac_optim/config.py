@@ -204,10 +204,10 @@ class UpdateConfig:
     """How the preconditioned directions become the step (docs/design.md §4.1); every rank must share it.
 
     ``trust_region``: the lr at which the KL bound ``kl_clip`` holds. "base_lr" (the default): ν is
-    computed at each param group's base lr (its ``"kfac_base_lr"``, else its ``"initial_lr"``, which
-    ``torch.optim.lr_scheduler`` sets, else its lr at its first step, saved as ``"kfac_base_lr"``),
-    so while the clip binds the applied step ``lr_t·ν·V`` scales with the scheduled lr: the bound at
-    ``lr_t`` is ``kl_clip·(lr_t / base_lr)²``. "scheduled_lr": ν at the scheduled lr (the rule of
+    computed at each param group's base lr (its ``"kfac_base_lr"``: its lr when the optimizer was
+    built or the group added, see ``KFAC.trust_region_lr``), so while the clip binds the applied
+    step ``lr_t·ν·V`` scales with the scheduled lr: the bound at ``lr_t`` is
+    ``kl_clip·(lr_t / base_lr)²``. "scheduled_lr": ν at the scheduled lr (the rule of
     earlier releases; the step does not follow a schedule while the clip binds).
     ``decoupled_weight_decay``: the group's ``weight_decay`` as ``p ← p·(1 − lr·weight_decay)``,
     outside the direction, momentum and clip (as ``torch.optim.AdamW``); False: SGD's coupled decay.

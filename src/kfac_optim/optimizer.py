@@ -63,6 +63,11 @@ __all__ = ["KFAC", "LARGE_FACTOR_DIM", "block_dims", "discover_blocks"]
 logger = logging.getLogger(__name__)
 
 
+def _copy_lr(lr: float | Tensor) -> float | Tensor:
+    """``lr``, a tensor cloned (schedulers fill a tensor lr in place)."""
+    return lr.clone() if isinstance(lr, Tensor) else lr
+
+
 class KFAC(Optimizer, Joinable):
     """K-FAC natural-gradient descent with SGD's update rule, as one optimizer.
 
@@ -337,19 +342,26 @@ class KFAC(Optimizer, Joinable):
         nu = (self._options.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
         torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``Optimizer.add_param_group``; the group's lr now is also saved as its base lr,
+        ``"kfac_base_lr"`` (a clone of a tensor lr), unless the group names one (docs/design.md §4.1)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group.setdefault("kfac_base_lr", _copy_lr(group["lr"]))
+
     def trust_region_lr(self, group: dict[str, Any]) -> float | Tensor:
         """The lr at which the KL bound ``kl_clip`` holds for ``group`` (``UpdateConfig.trust_region``).
 
-        "base_lr": the group's ``"kfac_base_lr"`` if it has one (set it to choose), else its
-        ``"initial_lr"`` (set by ``torch.optim.lr_scheduler``), else its lr now, saved as
-        ``"kfac_base_lr"`` (so ``state_dict()`` carries it). "scheduled_lr": the group's lr.
+        "base_lr": the group's ``"kfac_base_lr"``: its lr when it was added to the optimizer (set
+        it to choose; ``state_dict()`` carries it); a group loaded from a state dict of an earlier
+        release gets its ``"initial_lr"`` (set by ``torch.optim.lr_scheduler``), else its lr now.
+        "scheduled_lr": the group's lr.
         """
         if self._options.update.trust_region == "scheduled_lr":
             return group["lr"]
-        if "kfac_base_lr" not in group and "initial_lr" not in group:
-            lr = group["lr"]
-            group["kfac_base_lr"] = lr.clone() if isinstance(lr, Tensor) else lr
-        return group["kfac_base_lr"] if "kfac_base_lr" in group else group["initial_lr"]
+        if "kfac_base_lr" not in group:
+            group["kfac_base_lr"] = _copy_lr(group.get("initial_lr", group["lr"]))
+        return group["kfac_base_lr"]
 
     @record_function("kfac.sgd")
     def _sgd_update(self, directions: dict[Tensor, Tensor]) -> None:
