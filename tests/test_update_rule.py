@@ -294,3 +294,9 @@ def test_adam_grafting_has_adams_step_norm_per_tensor_and_is_adamw_where_kfac_is
             if seed == 0:  # the averaged direction is (1 − β1)·V after one step
                 assert _cosine(step, direction[i]) == pytest.approx(1.0, abs=1e-9)
                 assert _cosine(step, adam) < 0.999
+
+
+def test_adam_grafting_refuses_a_sparse_embedding_by_name() -> None:
+    net = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match="sparse"), pytest.raises(ValueError, match="grafting='adam'.*module '0'"):
+        KFAC(net, lr=0.01, kl_clip=None, update=UpdateConfig(grafting="adam"))

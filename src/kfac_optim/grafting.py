@@ -53,10 +53,15 @@ class Grafting:
         ``preconditioned``: K-FAC's ``V`` by parameter (the parameters it preconditions). Under "sgd"
         the parameters without ``V`` are left out (SGD's path uses their gradient, ``s = ∇p``).
         """
+        params = [p for p in params if p.grad is not None]
+        sparse = next((p for p in params if p.grad.is_sparse), None)
+        if self.kind == "adam" and sparse is not None:  # checked before any state changes
+            raise RuntimeError(
+                f"UpdateConfig.grafting='adam' needs dense gradients; a parameter of shape {tuple(sparse.shape)} has a "
+                "sparse one (nn.Embedding(sparse=True)): use a dense embedding"
+            )
         grafted: dict[Tensor, Tensor] = {}
         for p in params:
-            if p.grad is None:
-                continue
             direction = preconditioned.get(p)
             if self.kind == "sgd":
                 if direction is not None:

@@ -175,6 +175,11 @@ class KFAC(Optimizer, Joinable):
                 "UpdateConfig.grafting='adam' carries its own momentum (Adam's first moment): set momentum=0 "
                 "(and nesterov=False) in every param group"
             )
+        trainable = {p for group in self.param_groups for p in group["params"]}
+        sparse = [name for name, module in self.model.named_modules()
+                  if getattr(module, "sparse", False) is True and any(p in trainable for p in module.parameters(False))]
+        if update.grafting == "adam" and sparse:
+            raise ValueError(f"UpdateConfig.grafting='adam' needs dense gradients: module {sparse[0]!r} has sparse=True")
         if self.estimator.sharding.row_sharded is not None:
             raise NotImplementedError("UpdateConfig.grafting is not supported with FSDP2-sharded parameters")
         return Grafting(update)
