@@ -157,6 +157,8 @@ class KFAC(Optimizer, Joinable):
         trainable = {p for group in self.param_groups for p in group["params"]}
         if not trainable <= set(self.model.parameters()):
             raise ValueError("params must all be parameters of model")
+        if self._options.update.grafting == "adam":
+            self._check_adam_grafting(trainable)
         self._precision = MixedPrecision(self, runtime.grad_scaler,
                                          statistics_loss_scaled=curvature.fisher == "empirical")
         self.estimator = KroneckerEstimator(self.model, trainable, self._options, runtime, self._precision)
@@ -165,24 +167,26 @@ class KFAC(Optimizer, Joinable):
         self._grafting = self._make_grafting()
         logger.info("%s", self.describe())
 
-    def _make_grafting(self) -> Grafting | None:
-        """``UpdateConfig.grafting``'s graft, after checking it against the groups and the strategy."""
-        update = self._options.update
-        if update.grafting is None:
-            return None
-        if update.grafting == "adam" and any(group["momentum"] != 0 for group in self.param_groups):
+    def _check_adam_grafting(self, trainable: set[Tensor]) -> None:
+        """``UpdateConfig(grafting="adam")`` against the groups (no SGD momentum) and the model (no
+        sparse gradients), before any hook is registered."""
+        if any(group["momentum"] != 0 for group in self.param_groups):
             raise ValueError(
                 "UpdateConfig.grafting='adam' carries its own momentum (Adam's first moment): set momentum=0 "
                 "(and nesterov=False) in every param group"
             )
-        trainable = {p for group in self.param_groups for p in group["params"]}
         sparse = [name for name, module in self.model.named_modules()
                   if getattr(module, "sparse", False) is True and any(p in trainable for p in module.parameters(False))]
-        if update.grafting == "adam" and sparse:
+        if sparse:
             raise ValueError(f"UpdateConfig.grafting='adam' needs dense gradients: module {sparse[0]!r} has sparse=True")
+
+    def _make_grafting(self) -> Grafting | None:
+        """``UpdateConfig.grafting``'s graft (None without), refused under FSDP2 row sharding."""
+        if self._options.update.grafting is None:
+            return None
         if self.estimator.sharding.row_sharded is not None:
             raise NotImplementedError("UpdateConfig.grafting is not supported with FSDP2-sharded parameters")
-        return Grafting(update)
+        return Grafting(self._options.update)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """``Optimizer.__setstate__`` with SGD's defaults for options older state dicts lack."""
