@@ -231,6 +231,42 @@ class KFACRunner(Runner):
         return kbuf * (reference.norm() / kbuf.norm().clamp(min=1e-30))
 
 
+class LibraryKFACRunner(Runner):
+    """``kfac_optim.KFAC`` itself (no direction oracle) with an ``UpdateConfig``; the schedule sets each
+    group's lr to ``base·factor`` before its step, as a torch LR scheduler would. ``decay``: decoupled
+    weight decay on parameters with 2+ dims (matrices), none on the rest (AdamW's recipe)."""
+
+    def __init__(self, model: GPT, lr: float, damping: float, update: kfac_optim.UpdateConfig, decay: float = 0.0) -> None:
+        matrices = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        graft_adam = update.grafting == "adam"
+        self.model, self.stats = model, {}
+        self.opt = kfac_optim.KFAC(
+            model, lr=lr, momentum=0.0 if graft_adam else 0.9, damping=damping, inv_update_steps=10,
+            kl_clip=None if update.grafting else 1e-3, update=update,
+            params=[{"params": matrices, "weight_decay": decay}, {"params": rest, "weight_decay": 0.0}],
+        )
+        self.base = lr
+
+    def step(self, x, y, factor):
+        loss = cross_entropy(self.model(x), y)
+        loss.backward()
+        for group in self.opt.param_groups:
+            group["lr"] = self.base * factor
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+
+def _library(damping: float = 0.1, per_token: float = 0.0, decay: float = 0.0, **update: Any):
+    """A LibraryKFACRunner factory; damping = damping · T**per_token (T the context)."""
+
+    def build(model: GPT, lr: float, args) -> Runner:
+        return LibraryKFACRunner(model, lr, damping * args.context**per_token, kfac_optim.UpdateConfig(**update), decay)
+
+    return build
+
+
 def adam_direction(state: dict[str, torch.Tensor], g: torch.Tensor, t: int, betas=(0.9, 0.95), eps=1e-8) -> torch.Tensor:
     """Adam's bias-corrected m̂ / (√v̂ + ε) for gradient ``g`` at step index ``t`` (moments kept in ``state``)."""
     m = state.setdefault("m", torch.zeros_like(g)).mul_(betas[0]).add_(g, alpha=1 - betas[0])
@@ -357,6 +393,17 @@ VARIANTS = [
     Variant("graft-adam-damp/T²", "fix", "(2)+(b) λ = 0.1/T² (1.6e-3 per token), Adam-grafted", ADAM_LRS,
             _kfac("graft_adam", per_token=-2)),
     Variant("graft-sgd-damp/T", "fix", "(2)+(b) λ = 0.1/T, SGD-momentum-grafted", SGD_LRS, _kfac("graft_sgd", per_token=-1)),
+    Variant("lib-kfac-scheduled", "library", "KFAC, UpdateConfig(trust_region='scheduled_lr'): the earlier rule",
+            KFAC_LRS, _library(trust_region="scheduled_lr")),
+    Variant("lib-kfac", "library", "KFAC defaults: the trust region at the base lr", KFAC_LRS, _library()),
+    Variant("lib-kfac-wd", "library", "KFAC defaults + decoupled weight decay 0.1 on matrices", KFAC_LRS,
+            _library(decay=0.1, decoupled_weight_decay=True)),
+    Variant("lib-graft-adam", "library", "KFAC, UpdateConfig(grafting='adam', betas 0.9/0.95)", ADAM_LRS,
+            _library(grafting="adam", adam_betas=(0.9, 0.95))),
+    Variant("lib-graft-adam-damp/T", "library", "KFAC, Adam-grafted, λ = 0.1/T", ADAM_LRS,
+            _library(per_token=-1, grafting="adam", adam_betas=(0.9, 0.95))),
+    Variant("lib-graft-sgd", "library", "KFAC, UpdateConfig(grafting='sgd'), momentum 0.9", SGD_LRS,
+            _library(grafting="sgd")),
     Variant("ekfac-adam", "fix", "(a) Adam in K-FAC's eigenbasis (standalone, SOAP-like), hidden Linears", ADAM_LRS,
             lambda m, lr, a: EKFACAdamRunner(m, lr)),
 ]
@@ -472,7 +519,7 @@ def plot_train(result: dict[str, Any], rows: list[dict[str, Any]], path: Path) -
         curve = torch.tensor([x["train"][:n] for x in runs]).mean(0)
         smooth = torch.nn.functional.avg_pool1d(curve[None, None], 10, 1).flatten()
         cpu = torch.tensor([x["cpu"][:n] for x in runs]).mean(0)[9:]
-        style = {"baseline": "-", "cause": ":", "fix": "--"}[r["group"]]
+        style = {"baseline": "-", "cause": ":", "fix": "--", "library": "-."}[r["group"]]
         for ax, xs in zip(axes, (torch.arange(9, n), cpu)):
             ax.plot(xs, smooth, style, label=f"{r['variant']} lr={r['lr']:g}")
     axes[0].set_xlabel("step")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, RuntimeConfig
+from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, RuntimeConfig, UpdateConfig
 from kfac_optim.config import DEPRECATED_KEYWORDS, KFACOptions
 from kfac_optim.layers.linear import LinearBlock
 
@@ -22,9 +22,12 @@ def _config_model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
 
 
-def test_the_constructor_has_at_most_18_parameters() -> None:
-    parameters = [p for p in inspect.signature(KFAC.__init__).parameters if p != "self"]
+def test_the_constructor_has_at_most_18_named_parameters() -> None:
+    """Named parameters only: ``**deprecated`` is the shim for the flat keywords of earlier releases."""
+    signature = inspect.signature(KFAC.__init__).parameters.values()
+    parameters = [p.name for p in signature if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
     assert len(parameters) <= 18, parameters
+    assert [p.name for p in signature if p.kind is inspect.Parameter.VAR_KEYWORD] == ["deprecated"]
 
 
 @pytest.mark.parametrize(
@@ -35,9 +38,14 @@ def test_the_constructor_has_at_most_18_parameters() -> None:
         (lambda: KFACOptions(curvature=CurvatureConfig(stagger=True)), "stagger", "factor_update_steps"),
         (lambda: KFAC(_config_model(), curvature=CurvatureConfig(stagger=True), factor_update_steps=1), "stagger",
          "factor_update_steps"),
+        (lambda: KFAC(_config_model(), update=UpdateConfig(grafting="sgd")), "grafting", "kl_clip"),
+        (lambda: KFAC(_config_model(), momentum=0.9, nesterov=True, kl_clip=None, update=UpdateConfig(grafting="adam")),
+         "grafting", "momentum"),
+        (lambda: UpdateConfig(adam_betas=(0.9, 0.95)), "adam_betas", "grafting"),
     ],
     ids=["async delay without async decompositions", "loss_reduction under the sampled Fisher",
-         "stagger at interval 1 (options)", "stagger at interval 1 (KFAC)"],
+         "stagger at interval 1 (options)", "stagger at interval 1 (KFAC)", "grafting with the KL clip",
+         "adam grafting with SGD momentum (nesterov)", "adam betas without adam grafting"],
 )
 def test_a_contradictory_combination_is_a_value_error_naming_both(make, first: str, second: str) -> None:
     with pytest.raises(ValueError, match=rf"(?s)({first}.*{second}|{second}.*{first})"):

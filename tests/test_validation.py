@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_optim import KFAC
+from kfac_optim import KFAC, UpdateConfig
 
 
 # -- the validation table: KFAC(**kwargs) with one bad argument ---------------------------------
@@ -27,6 +28,16 @@ def small_mlp() -> nn.Module:
 def bad(kwargs: dict[str, Any], error: type[Exception], match: str, id: str | None = None) -> Any:  # noqa: A002
     """One table row, its test id the keywords (or ``id``)."""
     return pytest.param(kwargs, error, match, id=id or ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))
+
+
+class Later:
+    """A row's config built inside the test (its constructor is what raises): ``Later(Config, **fields)``."""
+
+    def __init__(self, make: Callable[..., Any], **fields: Any) -> None:
+        self.make, self.fields = make, fields
+
+    def __repr__(self) -> str:
+        return f"{self.make.__name__}({', '.join(f'{k}={v!r}' for k, v in self.fields.items())})"
 
 
 BASE: dict[str, Any] = {"lr": 0.1}
@@ -76,13 +87,21 @@ VALIDATION_TABLE = [
     bad({"grad_scaler": object()}, TypeError, "grad_scaler"),
     bad({"async_statistics": 1}, TypeError, "async_statistics.* must be a bool"),
     bad({"stagger_factor_updates": 1}, TypeError, "stagger_factor_updates"),
+    # the update rule
+    bad({"update": {"grafting": "adam"}}, TypeError, "update", id="update=dict"),
+    bad({"update": Later(UpdateConfig, trust_region="peak")}, ValueError, "trust_region"),
+    bad({"update": Later(UpdateConfig, grafting="lamb")}, ValueError, "grafting"),
+    bad({"update": Later(UpdateConfig, decoupled_weight_decay=1)}, TypeError, "decoupled_weight_decay"),
+    bad({"update": Later(UpdateConfig, grafting="adam", adam_betas=(0.9, 1.0))}, ValueError, "adam_betas"),
+    bad({"update": Later(UpdateConfig, grafting="adam", adam_eps=0.0)}, ValueError, "adam_eps"),
 ]
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), VALIDATION_TABLE)
 def test_bad_argument_raises_an_error_naming_it(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
-        KFAC(**{"model": small_mlp(), **BASE, **kwargs})
+        built = {name: value.make(**value.fields) if isinstance(value, Later) else value for name, value in kwargs.items()}
+        KFAC(**{"model": small_mlp(), **BASE, **built})
 
 
 def test_schedule_returning_a_bad_value_is_named_when_used() -> None:

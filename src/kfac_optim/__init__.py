@@ -1,7 +1,7 @@
 """kfac_optim: K-FAC natural-gradient descent for PyTorch as one ``torch.optim.Optimizer``."""
 
 from kfac_optim import schedules
-from kfac_optim.config import AsyncConfig, CurvatureConfig, RuntimeConfig
+from kfac_optim.config import AsyncConfig, CurvatureConfig, RuntimeConfig, UpdateConfig
 from kfac_optim.layers import KroneckerBlock, discover_blocks, register_block
 from kfac_optim.methods import DampedInverse, Eigen, Method
 from kfac_optim.optimizer import KFAC
@@ -17,6 +17,7 @@ __all__ = [
     "Method",
     "MilestoneSchedule",
     "RuntimeConfig",
+    "UpdateConfig",
     "__version__",
     "discover_blocks",
     "register_block",

@@ -17,6 +17,8 @@ Must not know: how the settings are used (the estimator, the optimizer, the dist
 
 ``KFACOptions`` = the five everyday K-FAC arguments + ``CurvatureConfig`` + ``AsyncConfig``: what
 ``distributed/consistency.py`` compares across ranks (:meth:`KFACOptions.rank_settings`).
+- :class:`UpdateConfig`: how the preconditioned directions become the step (trust region,
+  decoupled weight decay, grafting); part of ``KFACOptions``, every rank must share it.
 """
 
 from __future__ import annotations
@@ -198,6 +200,47 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class UpdateConfig:
+    """How the preconditioned directions become the step (docs/design.md §4.1); every rank must share it.
+
+    ``trust_region``: the lr at which the KL bound ``kl_clip`` holds. "base_lr" (the default): ν is
+    computed at each param group's base lr (its ``"kfac_base_lr"``: its lr when the optimizer was
+    built or the group added, see ``KFAC.trust_region_lr``), so while the clip binds the applied
+    step ``lr_t·ν·V`` scales with the scheduled lr: the bound at ``lr_t`` is
+    ``kl_clip·(lr_t / base_lr)²``. "scheduled_lr": ν at the scheduled lr (the rule of
+    earlier releases; the step does not follow a schedule while the clip binds).
+    ``decoupled_weight_decay``: the group's ``weight_decay`` as ``p ← p·(1 − lr·weight_decay)``,
+    outside the direction, momentum and clip (as ``torch.optim.AdamW``); False: SGD's coupled decay.
+    ``grafting``: "sgd" or "adam": per parameter tensor, K-FAC's direction with the norm of that
+    optimizer's step (``kfac_optim.grafting``); replaces the KL clip (``kl_clip`` must be None).
+    ``adam_betas``, ``adam_eps``: Adam's, for ``grafting="adam"``.
+    """
+
+    trust_region: Literal["base_lr", "scheduled_lr"] = "base_lr"
+    decoupled_weight_decay: bool = False
+    grafting: Literal["sgd", "adam"] | None = None
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.trust_region not in ("base_lr", "scheduled_lr"):
+            raise ValueError(f"UpdateConfig.trust_region must be 'base_lr' or 'scheduled_lr', got {self.trust_region!r}")
+        _check_bool("UpdateConfig", "decoupled_weight_decay", "decoupled_weight_decay", self.decoupled_weight_decay)
+        if self.grafting not in (None, "sgd", "adam"):
+            raise ValueError(f"UpdateConfig.grafting must be 'sgd', 'adam' or None, got {self.grafting!r}")
+        if not (isinstance(self.adam_betas, tuple) and len(self.adam_betas) == 2
+                and all(isinstance(b, numbers.Real) and 0 <= b < 1 for b in self.adam_betas)):
+            raise ValueError(f"UpdateConfig.adam_betas must be a pair of numbers in [0, 1), got {self.adam_betas!r}")
+        check_hyperparameter("UpdateConfig.adam_eps", self.adam_eps)
+        if self.adam_eps <= 0:
+            raise ValueError(f"UpdateConfig.adam_eps must be > 0, got {self.adam_eps}")
+        if self.grafting != "adam" and (self.adam_betas, self.adam_eps) != (UpdateConfig.adam_betas, UpdateConfig.adam_eps):
+            raise ValueError(
+                f"UpdateConfig.adam_betas/adam_eps are Adam's, used only with grafting='adam' (grafting={self.grafting!r})"
+            )
+
+
+@dataclass(frozen=True)
 class KFACOptions:
     """The K-FAC settings every rank must share (the SGD ones live in ``param_groups``), validated.
 
@@ -205,8 +248,8 @@ class KFACOptions:
     callable ``step -> float``. ``kl_clip``: the trust-region size ν is computed from (None: no
     clipping). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh
     decompositions every this many steps (int >= 1 or callable ``step -> int``). ``method``:
-    "eigen", "inverse" or a ``kfac_optim.Method``. ``curvature``, ``asynchronous``: see
-    :class:`CurvatureConfig` and :class:`AsyncConfig` (None: decompositions in line).
+    "eigen", "inverse" or a ``kfac_optim.Method``. ``curvature``, ``asynchronous``, ``update``: see
+    :class:`CurvatureConfig`, :class:`AsyncConfig` (None: decompositions in line) and :class:`UpdateConfig`.
     """
 
     damping: FloatSchedule = 0.1
@@ -216,6 +259,7 @@ class KFACOptions:
     method: Literal["eigen", "inverse"] | Method = "eigen"
     curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
     asynchronous: AsyncConfig | None = None
+    update: UpdateConfig = field(default_factory=UpdateConfig)
 
     def __post_init__(self) -> None:
         if not callable(self.damping):
@@ -230,6 +274,13 @@ class KFACOptions:
             raise TypeError(f"curvature must be a CurvatureConfig, got {type(self.curvature).__name__}")
         if self.asynchronous is not None and not isinstance(self.asynchronous, AsyncConfig):
             raise TypeError(f"asynchronous must be an AsyncConfig or None, got {type(self.asynchronous).__name__}")
+        if not isinstance(self.update, UpdateConfig):
+            raise TypeError(f"update must be an UpdateConfig, got {type(self.update).__name__}")
+        if self.update.grafting is not None and self.kl_clip is not None:
+            raise ValueError(
+                f"UpdateConfig.grafting={self.update.grafting!r} sets the step length itself and replaces the KL clip: "
+                f"pass kl_clip=None (got kl_clip={self.kl_clip})"
+            )
         if self.asynchronous is not None and not self.asynchronous.decompositions:
             object.__setattr__(self, "asynchronous", None)  # AsyncConfig(decompositions=False): in line
         if self.curvature.stagger and self.factor_update_steps == 1:
@@ -261,6 +312,7 @@ class KFACOptions:
                if f.name not in _COMPARED_AS_LAYERS},
             "async_decompositions": asynchronous.decompositions,
             "async_delay": asynchronous.delay,
+            **{f"update.{f.name}": getattr(self.update, f.name) for f in fields(self.update)},
         }
 
 

@@ -17,8 +17,10 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
     if k % inv_update_steps(k) == 0:     refresh eig(A), eig(G)   (or the π-damped inverses;
                                          AsyncConfig: adopt the worker's last round, start one)
     V   = (G ⊗ A + λI)⁻¹ ∇W                               (per layer)
-    ν   = min(1, sqrt(kl_clip / |Σ_layers lr² ⟨V, ∇W⟩|))
+    ν   = min(1, sqrt(kl_clip / |Σ_layers lr₀² ⟨V, ∇W⟩|))    (lr₀: the group's base lr, §4.1)
     d   = ν·V  for K-FAC parameters,  ∇p  for every other parameter
+          (UpdateConfig.grafting: no ν; d = M·‖s‖/‖M‖ per tensor, see kfac_optim.grafting)
+    UpdateConfig.decoupled_weight_decay:  p ← p·(1 − lr·weight_decay), and SGD's decay is 0
     then exactly torch.optim.SGD on d: weight decay, momentum/dampening/nesterov, p ← p − lr·d
 """
 
@@ -44,12 +46,14 @@ from kfac_optim.config import (
     IntSchedule,
     KFACOptions,
     RuntimeConfig,
+    UpdateConfig,
     check_hyperparameter,
     from_deprecated_keywords,
 )
 from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.estimator import LARGE_FACTOR_DIM, KroneckerEstimator, block_dims, unwrap_model
+from kfac_optim.grafting import Grafting
 from kfac_optim.layers import ModuleReport, discover_blocks
 from kfac_optim.methods import Method
 from kfac_optim.precision import MixedPrecision
@@ -57,6 +61,11 @@ from kfac_optim.precision import MixedPrecision
 __all__ = ["KFAC", "LARGE_FACTOR_DIM", "block_dims", "discover_blocks"]
 
 logger = logging.getLogger(__name__)
+
+
+def _copy_lr(lr: float | Tensor) -> float | Tensor:
+    """``lr``, a tensor cloned (schedulers fill a tensor lr in place)."""
+    return lr.clone() if isinstance(lr, Tensor) else lr
 
 
 class KFAC(Optimizer, Joinable):
@@ -79,7 +88,8 @@ class KFAC(Optimizer, Joinable):
             list given here means only these parameters (``describe()`` lists the frozen layers).
             Parameters outside ``model`` (a loss's temperature) take the SGD path (:meth:`describe`).
         damping: λ, a float > 0 or a callable ``step -> float``.
-        kl_clip: bound on the KL-divergence estimate of the update (None disables clipping).
+        kl_clip: bound on the KL-divergence estimate of the update at each group's base lr (the
+            step follows an lr schedule; ``UpdateConfig.trust_region``); None disables clipping.
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable).
         inv_update_steps: refresh decompositions every this many steps (int ≥ 1 or callable).
         method: "eigen" (exact damping of ``G ⊗ A``) or "inverse" (π-factored damping), or a
@@ -90,6 +100,8 @@ class KFAC(Optimizer, Joinable):
             worker (None: in line).
         runtime: :class:`~kfac_optim.config.RuntimeConfig`: process group, distributed strategy,
             GradScaler, the statistics thread.
+        update: :class:`~kfac_optim.config.UpdateConfig`: how directions become the step: the
+            trust region's base lr, decoupled weight decay, grafting.
         **deprecated: the flat keywords of earlier releases (``fisher=``, ``async_delay=``, ...),
             accepted with a ``DeprecationWarning`` naming their new spelling (docs/api.md).
 
@@ -122,6 +134,7 @@ class KFAC(Optimizer, Joinable):
         curvature: CurvatureConfig | None = None,
         asynchronous: AsyncConfig | None = None,
         runtime: RuntimeConfig | None = None,
+        update: UpdateConfig | None = None,
         **deprecated: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -130,12 +143,13 @@ class KFAC(Optimizer, Joinable):
             check_hyperparameter(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov requires momentum > 0 and dampening = 0")
-        for name, value, kind in (("curvature", curvature, CurvatureConfig), ("runtime", runtime, RuntimeConfig)):
+        for name, value, kind in (("curvature", curvature, CurvatureConfig), ("runtime", runtime, RuntimeConfig),
+                                  ("update", update, UpdateConfig)):
             if value is not None and not isinstance(value, kind):
                 raise TypeError(f"{name} must be a {kind.__name__} or None, got {type(value).__name__}")
         curvature, asynchronous, runtime = from_deprecated_keywords(deprecated, curvature, asynchronous, runtime)
         self._options = KFACOptions(damping, kl_clip, factor_update_steps, inv_update_steps, method,
-                                    curvature, asynchronous)
+                                    curvature, asynchronous, update or UpdateConfig())
         self.model = unwrap_model(model)
         if params is None:  # frozen ones too, as SGD(model.parameters()): a layer unfrozen later then trains
             params = list(self.model.parameters())
@@ -144,12 +158,36 @@ class KFAC(Optimizer, Joinable):
         super().__init__(params, defaults)
         Joinable.__init__(self)
         trainable = {p for group in self.param_groups for p in group["params"]}  # the model's and any outside it
+        if self._options.update.grafting == "adam":
+            self._check_adam_grafting(trainable)
         self._precision = MixedPrecision(self, runtime.grad_scaler,
                                          statistics_loss_scaled=curvature.fisher == "empirical")
         self.estimator = KroneckerEstimator(self.model, trainable, self._options, runtime, self._precision)
         self._join = JoinSupport(self.estimator.sharding, self.estimator.shadow_step, self, model)
         self._checkpointing = checkpoint.Checkpointing(self, self.estimator)
+        self._grafting = self._make_grafting()
         logger.info("%s", self.describe())
+
+    def _check_adam_grafting(self, trainable: set[Tensor]) -> None:
+        """``UpdateConfig(grafting="adam")`` against the groups (no SGD momentum) and the model (no
+        sparse gradients), before any hook is registered."""
+        if any(group["momentum"] != 0 for group in self.param_groups):
+            raise ValueError(
+                "UpdateConfig.grafting='adam' carries its own momentum (Adam's first moment): set momentum=0 "
+                "(and nesterov=False) in every param group"
+            )
+        sparse = [name for name, module in self.model.named_modules()
+                  if getattr(module, "sparse", False) is True and any(p in trainable for p in module.parameters(False))]
+        if sparse:
+            raise ValueError(f"UpdateConfig.grafting='adam' needs dense gradients: module {sparse[0]!r} has sparse=True")
+
+    def _make_grafting(self) -> Grafting | None:
+        """``UpdateConfig.grafting``'s graft (None without), refused under FSDP2 row sharding."""
+        if self._options.update.grafting is None:
+            return None
+        if self.estimator.sharding.row_sharded is not None:
+            raise NotImplementedError("UpdateConfig.grafting is not supported with FSDP2-sharded parameters")
+        return Grafting(self._options.update)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """``Optimizer.__setstate__`` with SGD's defaults for options older state dicts lack."""
@@ -278,6 +316,9 @@ class KFAC(Optimizer, Joinable):
 
         estimator.update_curvature(statistics_scale)   # fold on factor steps, decompose on decomposition steps
         directions = estimator.precondition()           # V = (G ⊗ A + λI)⁻¹ ∇W, by parameter
+        if self._grafting is not None:                  # M·‖s‖/‖M‖ (kl_clip is None)
+            params = (p for group in self.param_groups for p in group["params"])
+            directions = self._grafting.directions(params, self.state, directions)
         if self._options.kl_clip is not None and directions:
             self._clip_to_trust_region(directions)      # ν·V
         self._sgd_update(directions)                    # SGD on ν·V, or on ∇p for the other parameters
@@ -286,7 +327,10 @@ class KFAC(Optimizer, Joinable):
 
     @record_function("kfac.kl_clip")
     def _clip_to_trust_region(self, directions: dict[Tensor, Tensor]) -> None:
-        """Scale every direction by ``ν = min(1, sqrt(kl_clip / |Σ lr² ⟨d, ∇p⟩|))`` in place.
+        """Scale every direction by ``ν = min(1, sqrt(kl_clip / |Σ lr₀² ⟨d, ∇p⟩|))`` in place.
+
+        ``lr₀`` is the parameter's group's :meth:`trust_region_lr`, so the bound on the applied step
+        ``lr·ν·d`` at the scheduled ``lr`` is ``kl_clip·(lr/lr₀)²`` (docs/design.md §4.1).
 
         The sum runs over the layers whose term is finite: a layer with a non-finite gradient has a
         non-finite direction (its preconditioner mixes all its entries) and is left out, so one bad
@@ -294,7 +338,7 @@ class KFAC(Optimizer, Joinable):
         device and reported by the estimator at the next decomposition step (no host sync here).
         FSDP2-sharded parameters contribute their rows' terms, summed over the shards.
         """
-        lr_of = {p: group["lr"] for group in self.param_groups for p in group["params"]}
+        lr_of = {p: self.trust_region_lr(group) for group in self.param_groups for p in group["params"]}
         estimator = self.estimator
         zero = estimator.nonfinite_directions.new_zeros((), dtype=next(iter(directions.values())).dtype)
 
@@ -317,9 +361,32 @@ class KFAC(Optimizer, Joinable):
         nu = (self._options.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
         torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``Optimizer.add_param_group``; the group's lr now is also saved as its base lr,
+        ``"kfac_base_lr"`` (a clone of a tensor lr), unless the group names one (docs/design.md §4.1)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group.setdefault("kfac_base_lr", _copy_lr(group["lr"]))
+
+    def trust_region_lr(self, group: dict[str, Any]) -> float | Tensor:
+        """The lr at which the KL bound ``kl_clip`` holds for ``group`` (``UpdateConfig.trust_region``).
+
+        "base_lr": the group's ``"kfac_base_lr"``: its lr when it was added to the optimizer (set
+        it to choose; ``state_dict()`` carries it); a group loaded from a state dict of an earlier
+        release gets its ``"initial_lr"`` (set by ``torch.optim.lr_scheduler``), else its lr now.
+        "scheduled_lr": the group's lr.
+        """
+        if self._options.update.trust_region == "scheduled_lr":
+            return group["lr"]
+        if "kfac_base_lr" not in group:
+            group["kfac_base_lr"] = _copy_lr(group.get("initial_lr", group["lr"]))
+        return group["kfac_base_lr"]
+
     @record_function("kfac.sgd")
     def _sgd_update(self, directions: dict[Tensor, Tensor]) -> None:
-        """``torch.optim.SGD``'s update, per group, on the (possibly preconditioned) directions."""
+        """``torch.optim.SGD``'s update, per group, on the (possibly preconditioned) directions;
+        with ``UpdateConfig.decoupled_weight_decay`` the group's decay first as ``p ← p·(1 − lr·wd)``."""
+        decoupled = self._options.update.decoupled_weight_decay
         for group in self.param_groups:
             params: list[Tensor] = []
             grads: list[Tensor] = []
@@ -333,11 +400,15 @@ class KFAC(Optimizer, Joinable):
                 has_sparse_grad |= p.grad.is_sparse
                 if group["momentum"] != 0:
                     momentum_buffers.append(self.state[p].get("momentum_buffer"))
+            weight_decay = group["weight_decay"]
+            if decoupled and weight_decay != 0 and params:
+                torch._foreach_mul_(params, 1 - group["lr"] * weight_decay)
+                weight_decay = 0.0
             sgd(
                 params,
                 grads,
                 momentum_buffers,
-                weight_decay=group["weight_decay"],
+                weight_decay=weight_decay,
                 momentum=group["momentum"],
                 lr=group["lr"],
                 dampening=group["dampening"],

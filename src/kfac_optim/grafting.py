@@ -1,0 +1,98 @@
+"""Grafting (Agarwal et al. 2020, "Disentangling adaptive gradient methods from learning rates";
+Distributed Shampoo's default): K-FAC's direction with the step length of a simple optimizer.
+
+Owns: the per-parameter-tensor graft of ``UpdateConfig(grafting=...)`` and the graft optimizer's
+state (Adam's moments, in the optimizer's ``state[p]`` so ``state_dict()`` carries them).
+Must not know: the curvature, the blocks, SGD's update (``KFAC._sgd_update`` applies the result).
+
+For every parameter ``p`` with a gradient ``∇p`` (docs/design.md §4.1)::
+
+    "sgd":   s = ∇p                                        M = V
+    "adam":  m ← β1·m + (1−β1)·∇p,  v ← β2·v + (1−β2)·∇p²   M ← β1·M + (1−β1)·V
+             s = (m / (1−β1ᵗ)) / (sqrt(v / (1−β2ᵗ)) + ε)
+    d = M · ‖s‖ / ‖M‖   for K-FAC parameters (V their preconditioned direction),
+    d = s               for every other parameter,
+
+and SGD's update then runs on ``d`` (under "adam" with momentum 0: Adam's ``m`` and the average
+``M`` are the momentum). Norms are per tensor, computed on the device (no host sync).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kfac_optim.config import UpdateConfig
+
+__all__ = ["Grafting"]
+
+logger = logging.getLogger(__name__)
+
+_TINY = 1e-30
+"""Floor of ``‖M‖``: a zero direction stays zero instead of becoming nan."""
+
+
+class Grafting:
+    """``d = M·‖s‖/‖M‖`` per parameter tensor (see the module docstring); ``config.grafting`` is set."""
+
+    def __init__(self, config: UpdateConfig) -> None:
+        if config.grafting is None:
+            raise ValueError("Grafting needs UpdateConfig.grafting set ('sgd' or 'adam')")
+        self.kind = config.grafting
+        self.betas = config.adam_betas
+        self.eps = config.adam_eps
+
+    def directions(self, params: Iterable[Tensor], state: dict[Tensor, dict[str, Any]],
+                   preconditioned: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """The grafted direction ``d`` of every parameter in ``params`` with a gradient, by parameter.
+
+        ``preconditioned``: K-FAC's ``V`` by parameter (the parameters it preconditions). Under "sgd"
+        the parameters without ``V`` are left out (SGD's path uses their gradient, ``s = ∇p``).
+        """
+        params = [p for p in params if p.grad is not None]
+        sparse = next((p for p in params if p.grad.is_sparse), None)
+        if self.kind == "adam" and sparse is not None:  # checked before any state changes
+            raise RuntimeError(
+                f"UpdateConfig.grafting='adam' needs dense gradients; a parameter of shape {tuple(sparse.shape)} has a "
+                "sparse one (nn.Embedding(sparse=True)): use a dense embedding"
+            )
+        grafted: dict[Tensor, Tensor] = {}
+        for p in params:
+            direction = preconditioned.get(p)
+            if self.kind == "sgd":
+                if direction is not None:
+                    grafted[p] = direction.mul_(_norm_ratio(p.grad, direction))
+                continue
+            step = self._adam_step(p.grad, state[p])
+            if direction is None:
+                grafted[p] = step
+                continue
+            average = state[p].get("graft_direction_avg")
+            if average is None:
+                average = state[p]["graft_direction_avg"] = torch.zeros_like(direction)
+            average.lerp_(direction, 1 - self.betas[0])
+            grafted[p] = average * _norm_ratio(step, average)
+        return grafted
+
+    def _adam_step(self, grad: Tensor, state: dict[str, Any]) -> Tensor:
+        """Adam's bias-corrected ``m̂ / (sqrt(v̂) + ε)``, its moments and step count kept in ``state``."""
+        beta1, beta2 = self.betas
+        if "step" not in state:  # "step": the key load_state_dict leaves in its dtype (at least float32)
+            state["step"] = torch.zeros((), dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
+            state["graft_exp_avg"] = torch.zeros_like(grad)
+            state["graft_exp_avg_sq"] = torch.zeros_like(grad)
+        count = state["step"].add_(1)
+        mean = state["graft_exp_avg"].lerp_(grad, 1 - beta1)
+        square = state["graft_exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        scale1 = 1 - torch.pow(beta1, count)
+        scale2 = 1 - torch.pow(beta2, count)
+        return (mean / scale1) / ((square / scale2).sqrt_().add_(self.eps))
+
+
+def _norm_ratio(reference: Tensor, direction: Tensor) -> Tensor:
+    """``‖reference‖ / ‖direction‖`` as a 0-dim tensor on the device (``‖direction‖`` floored)."""
+    return torch.linalg.vector_norm(reference).to(direction.dtype) / torch.linalg.vector_norm(direction).clamp(min=_TINY)
