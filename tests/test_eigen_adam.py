@@ -59,7 +59,7 @@ def make_optimizer(model: nn.Module, **kwargs: Any) -> KFAC:
     return KFAC(model, **{**options, **kwargs})
 
 
-def train_step(model: nn.Module, optimizer: KFAC, step: int) -> None:
+def eigen_adam_step(model: nn.Module, optimizer: KFAC, step: int) -> None:
     x, y = token_batch(step)
     optimizer.zero_grad()
     F.cross_entropy(model(x), y).backward()
@@ -119,18 +119,18 @@ def test_checkpoint_resume_continues_bit_identically() -> None:
     model = make_net()
     optimizer = make_optimizer(model)
     for step in range(5):  # step 4 folded and decomposed: the resumed run rebuilds the same bases
-        train_step(model, optimizer, step)
+        eigen_adam_step(model, optimizer, step)
     saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
     assert all("method_state" in state for state in saved_optimizer["kfac"]["blocks"].values())
     for step in range(5, 9):
-        train_step(model, optimizer, step)
+        eigen_adam_step(model, optimizer, step)
 
     resumed = make_net(seed=1)
     resumed.load_state_dict(saved_model)
     resumed_optimizer = make_optimizer(resumed)
     resumed_optimizer.load_state_dict(saved_optimizer)
     for step in range(5, 9):
-        train_step(resumed, resumed_optimizer, step)
+        eigen_adam_step(resumed, resumed_optimizer, step)
     for (name, p), q in zip(model.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q), name
     for block, other in zip(optimizer.blocks, resumed_optimizer.blocks, strict=True):
@@ -142,7 +142,7 @@ def test_a_non_finite_gradient_leaves_that_layers_second_moments_untouched() -> 
     model = make_net()
     optimizer = make_optimizer(model, kl_clip=1e-3)
     for step in range(3):
-        train_step(model, optimizer, step)
+        eigen_adam_step(model, optimizer, step)
     held = {block.name: {k: t.clone() for k, t in block.method_state.items()} for block in optimizer.blocks}
     x, y = token_batch(3)
     optimizer.zero_grad()
@@ -155,7 +155,7 @@ def test_a_non_finite_gradient_leaves_that_layers_second_moments_untouched() -> 
     assert by_name["embed"].method_state["t"].item() == 4  # the other layers went on
     assert not torch.equal(by_name["embed"].method_state["v"], held["embed"]["v"])
     with pytest.warns(RuntimeWarning, match="'hidden'.*non-finite gradient"):
-        train_step(model, optimizer, 4)  # the next decomposition step reports it
+        eigen_adam_step(model, optimizer, 4)  # the next decomposition step reports it
     assert torch.isfinite(by_name["hidden"].method_state["v"]).all()
 
 
@@ -207,7 +207,7 @@ def test_two_ranks_equal_one_process_and_other_fractions_are_refused(tmp_path: P
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for step in range(STEPS):
-            train_step(model, optimizer, step)
+            eigen_adam_step(model, optimizer, step)
     for result in ranks:
         for name, p in model.named_parameters():
             torch.testing.assert_close(result["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
