@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed_helpers import spawn
+from helpers import seeded_batch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed_helpers import spawn
-from helpers import seeded_batch
 from kfac_optim import KFAC, EigenAdam, RuntimeConfig
 
 LR, BETA2, EPS = 0.01, 0.9, 1e-4
@@ -54,8 +54,8 @@ def token_batch(step: int, size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_optimizer(model: nn.Module, **kwargs: Any) -> KFAC:
-    options: dict[str, Any] = dict(lr=LR, method=EigenAdam(beta2=BETA2, eps=EPS), kl_clip=None,
-                                   factor_update_steps=1, inv_update_steps=2)
+    options: dict[str, Any] = {"lr": LR, "method": EigenAdam(beta2=BETA2, eps=EPS), "kl_clip": None,
+                               "factor_update_steps": 1, "inv_update_steps": 2}
     return KFAC(model, **{**options, **kwargs})
 
 
@@ -75,7 +75,7 @@ def basis(factor: Any) -> torch.Tensor:
     orthonormal eigenbasis of its running average."""
     if factor.diagonal:
         return torch.eye(factor.dim, dtype=torch.float64)
-    q, d = factor.decomposition.Q.double(), factor.decomposition.d.double()
+    q = factor.decomposition.Q.double()
     assert q.shape == (factor.dim, factor.dim)  # full, never thin
     torch.testing.assert_close(q.T @ q, torch.eye(factor.dim, dtype=torch.float64), rtol=0, atol=1e-5)
     return q
@@ -109,7 +109,8 @@ def test_directions_equal_adam_in_the_factors_eigenbases_computed_densely() -> N
             expected = u_g @ (rotated / (corrected.sqrt() + EPS)) @ u_a.T
             deltas = [(before[p] - p.detach().double()) / LR for p in block.parameters()]
             applied = block.joint_gradient(deltas[0], deltas[1] if len(deltas) > 1 else None)  # its layout
-            torch.testing.assert_close(applied, expected, rtol=1e-3, atol=1e-3, msg=lambda m: f"{block.name} step {step}: {m}")
+            where = f"{block.name} step {step}"
+            torch.testing.assert_close(applied, expected, rtol=1e-3, atol=1e-3, msg=lambda m, where=where: f"{where}: {m}")
             torch.testing.assert_close(block.method_state["v"].double(), v[block.name], rtol=1e-4, atol=1e-10)
             assert block.method_state["t"].item() == step + 1
     assert bases_changed > 0  # the second moments were carried across refreshed bases, not reset

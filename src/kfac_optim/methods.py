@@ -301,7 +301,7 @@ class EigenAdam(Eigen):
 
     def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
         rotated = rotate(grad, a, g)
-        if "v" not in state or state["v"].shape != rotated.shape or state["v"].dtype != rotated.dtype:
+        if "v" not in state:  # the block's first preconditioned step
             state["v"] = torch.zeros_like(rotated)
             state["t"] = torch.zeros((), dtype=rotated.dtype, device=rotated.device)
         v, t = state["v"], state["t"]
