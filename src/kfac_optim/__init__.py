@@ -3,7 +3,7 @@
 from kfac_optim import schedules
 from kfac_optim.config import AsyncConfig, CurvatureConfig, RuntimeConfig, UpdateConfig
 from kfac_optim.layers import KroneckerBlock, discover_blocks, register_block
-from kfac_optim.methods import DampedInverse, Eigen, Method
+from kfac_optim.methods import DampedInverse, Eigen, EigenAdam, Method
 from kfac_optim.optimizer import KFAC
 from kfac_optim.schedules import MilestoneSchedule
 
@@ -13,6 +13,7 @@ __all__ = [
     "CurvatureConfig",
     "DampedInverse",
     "Eigen",
+    "EigenAdam",
     "KroneckerBlock",
     "Method",
     "MilestoneSchedule",

@@ -248,7 +248,7 @@ class KFACOptions:
     callable ``step -> float``. ``kl_clip``: the trust-region size ν is computed from (None: no
     clipping). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh
     decompositions every this many steps (int >= 1 or callable ``step -> int``). ``method``:
-    "eigen", "inverse" or a ``kfac_optim.Method``. ``curvature``, ``asynchronous``, ``update``: see
+    "eigen", "inverse", "eigen_adam" or a ``kfac_optim.Method``. ``curvature``, ``asynchronous``, ``update``: see
     :class:`CurvatureConfig`, :class:`AsyncConfig` (None: decompositions in line) and :class:`UpdateConfig`.
     """
 
@@ -256,7 +256,7 @@ class KFACOptions:
     kl_clip: float | None = 1e-3
     factor_update_steps: IntSchedule = 1
     inv_update_steps: IntSchedule = 10
-    method: Literal["eigen", "inverse"] | Method = "eigen"
+    method: Literal["eigen", "inverse", "eigen_adam"] | Method = "eigen"
     curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
     asynchronous: AsyncConfig | None = None
     update: UpdateConfig = field(default_factory=UpdateConfig)

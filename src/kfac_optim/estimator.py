@@ -127,6 +127,7 @@ class KroneckerEstimator:
         # First (before any hook exists): with several ranks it checks they all built K-FAC alike.
         self.sharding = Sharding(self.blocks, runtime.grad_worker_fraction, runtime.process_group,
                                  runtime.bucket_bytes, settings=options.rank_settings())
+        self._check_method_state_is_local(runtime)
         self._precision = precision
         self._statistics = StatisticsWorker() if runtime.async_statistics else None
         self.capture = StatisticsCapture(
@@ -150,6 +151,18 @@ class KroneckerEstimator:
         self.nonfinite_directions = torch.zeros(len(self.parameters()), dtype=torch.int64, device=device)
         self._reported_nonfinite = [0] * len(self.blocks)
         self.arm()
+
+    def _check_method_state_is_local(self, runtime: RuntimeConfig) -> None:
+        """A stateful method (``EigenAdam``) keeps each block's state where the block is
+        preconditioned: on every rank only when every rank preconditions every layer."""
+        if not self.method.stateful:
+            return
+        if (self.sharding.active and self.sharding.plan.broadcasts_gradients) or self.sharding.row_sharded is not None:
+            raise ValueError(
+                f"method={self.method!r} keeps per-layer state on the ranks that precondition a layer, so it needs "
+                f"every rank to precondition every layer: grad_worker_fraction=1 and no FSDP2-sharded layers "
+                f"(got grad_worker_fraction={runtime.grad_worker_fraction!r})"
+            )
 
     def _warn_about_discovery(self) -> None:
         """The one-time notes about the layers found: none, declined ones, sequence-first, costly factors."""

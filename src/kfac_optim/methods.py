@@ -12,13 +12,19 @@ Must not know: modules, hooks, ranks, schedules; a factor is read through :class
 Factor kinds (see ``layers.factor``): **dense** ``(n, n)``, or ``(k, n, n)`` for ``k`` independent
 blocks (grouped convolutions), and **diagonal** ``(n,)``. A joint gradient is ``(out, in)`` (or
 ``(k, out, in)``) with ``G`` on the left and ``A`` on the right.
+
+Method state: a method may keep per-block tensors across steps (:attr:`Method.stateful`, e.g.
+:class:`EigenAdam`'s second moments). They live in the dict the block hands to
+:meth:`Method.precondition` (``KroneckerBlock.method_state``), saved with the block's state.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -56,6 +62,9 @@ class Method(ABC):
     """A way to apply ``(G ⊗ A + λI)⁻¹`` (exactly or approximately) from per-factor decompositions."""
 
     name: str
+    stateful: ClassVar[bool] = False
+    """Whether :meth:`precondition` keeps per-block state across steps in its ``state`` argument
+    (it must then see every step's gradient of its blocks on the rank that holds the state)."""
 
     @abstractmethod
     def decompose(
@@ -74,8 +83,9 @@ class Method(ABC):
         return None, None
 
     @abstractmethod
-    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float) -> Tensor:
-        """The preconditioned joint gradient from the factors' decompositions (in their dtype)."""
+    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
+        """The preconditioned joint gradient from the factors' decompositions (in their dtype).
+        ``state``: the block's method state, updated in place by a :attr:`stateful` method (else unused)."""
 
     @abstractmethod
     def tensors(self, factor: FactorView) -> list[Tensor]:
@@ -148,7 +158,7 @@ class Eigen(Method):
     def keyed_shift(self, shift: float) -> float:
         return 0.0
 
-    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float) -> Tensor:
+    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
         ea, eg = a.decomposition, g.decomposition
         if not (a.diagonal or g.diagonal or a.groups > 1):
             return linalg.eigen_precondition(grad, ea, eg, damping)
@@ -209,7 +219,7 @@ class DampedInverse(Method):
         root = damping**0.5
         return pi * root, root / pi
 
-    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float) -> Tensor:
+    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
         ia, ig = a.decomposition, g.decomposition
         if not (a.diagonal or g.diagonal or a.groups > 1):
             return linalg.inverse_precondition(grad, ia, ig)
@@ -237,12 +247,78 @@ class DampedInverse(Method):
         return dim if diagonal else count * dim * dim
 
 
-METHODS: dict[str, type[Method]] = {"eigen": Eigen, "inverse": DampedInverse}
+def rotate(grad: Tensor, a: FactorView, g: FactorView) -> Tensor:
+    """``R = U_Gᵀ ∇ U_A``: the joint gradient in the factors' eigenbases (a diagonal factor's is ``I``)."""
+    rotated = grad if g.diagonal else g.decomposition.Q.mT @ grad
+    return rotated if a.diagonal else rotated @ a.decomposition.Q
+
+
+def unrotate(rotated: Tensor, a: FactorView, g: FactorView) -> Tensor:
+    """``U_G R U_Aᵀ``, the inverse of :func:`rotate` (the bases are full and orthonormal)."""
+    back = rotated if a.diagonal else rotated @ a.decomposition.Q.mT
+    return back if g.diagonal else g.decomposition.Q @ back
+
+
+@dataclass(frozen=True, repr=True)
+class EigenAdam(Eigen):
+    """Adam's second moment in K-FAC's eigenbasis: the eigenvalue-corrected K-FAC of George et al.
+    (NeurIPS 2018) in the Adam form that SOAP uses in Shampoo's basis (Vyas et al. 2024).
+
+    With ``U_A``, ``U_G`` the eigenvectors of the running factors (refreshed on decomposition steps,
+    as :class:`Eigen`'s; full bases, never thin) and the joint gradient ``∇ (out, in [+1])``::
+
+        R = U_Gᵀ ∇ U_A                                       (rotated gradient)
+        v ← β₂ v + (1 − β₂) R²,   t ← t + 1                  (per block, elementwise)
+        V = U_G [R / (sqrt(v / (1 − β₂ᵗ)) + ε)] U_Aᵀ
+
+    The factors' eigenvalues and the damping ``λ`` do not enter: ``v`` replaces ``d_G d_Aᵀ + λ``
+    (the per-entry second moment George et al. estimate from per-sample gradients is here the
+    running mean of the mini-batch gradient's, as in SOAP); ``ε`` is the only regularizer. The
+    first moment is SGD's momentum, applied after the KL clip on ``V``.
+    A diagonal factor (an embedding's ``A``) has the identity as its basis, so its side is not
+    rotated. When the bases are refreshed ``v`` is kept as is, not re-projected (SOAP's choice:
+    the running factors and so the bases move slowly, and nothing else need be held).
+    A step whose rotated gradient has a non-finite entry leaves ``v`` and ``t`` unchanged (its
+    direction is non-finite, and the KL clip leaves that layer out and reports it).
+    State per block: ``v`` (shaped as the joint gradient, in the decomposition dtype) and ``t``.
+    """
+
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+    name: ClassVar[str] = "eigen_adam"
+    stateful: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.beta2 < 1.0:
+            raise ValueError(f"EigenAdam beta2 must be in [0, 1), got {self.beta2}")
+        if not 0.0 < self.eps < math.inf:
+            raise ValueError(f"EigenAdam eps must be a finite number > 0, got {self.eps}")
+
+    def rank_thresholds(self, a: FactorView, g: FactorView, damping: float) -> tuple[float | None, float | None]:
+        """None, None: full bases (every rotated entry has its own second moment)."""
+        return None, None
+
+    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
+        rotated = rotate(grad, a, g)
+        if "v" not in state:  # the block's first preconditioned step
+            state["v"] = torch.zeros_like(rotated)
+            state["t"] = torch.zeros((), dtype=rotated.dtype, device=rotated.device)
+        v, t = state["v"], state["t"]
+        finite = torch.isfinite(rotated).all()  # on the device: no host sync
+        t.add_(finite.to(t.dtype))
+        v.copy_(torch.where(finite, v * self.beta2 + rotated.square() * (1.0 - self.beta2), v))
+        corrected = v / (1.0 - torch.pow(self.beta2, t))
+        return unrotate(rotated / corrected.sqrt().add_(self.eps), a, g)
+
+
+METHODS: dict[str, type[Method]] = {"eigen": Eigen, "inverse": DampedInverse, "eigen_adam": EigenAdam}
 """The methods the optimizer's ``method`` argument names."""
 
 
 def method_named(name: str | Method) -> Method:
-    """The :class:`Method` for ``"eigen"`` or ``"inverse"`` (a :class:`Method` is returned as is)."""
+    """The :class:`Method` for ``"eigen"``, ``"inverse"`` or ``"eigen_adam"`` (its defaults; a
+    :class:`Method` is returned as is)."""
     if isinstance(name, Method):
         return name
     if name not in METHODS:

@@ -130,7 +130,7 @@ class KFAC(Optimizer, Joinable):
         kl_clip: float | None = KFACOptions.kl_clip,
         factor_update_steps: IntSchedule = KFACOptions.factor_update_steps,
         inv_update_steps: IntSchedule = KFACOptions.inv_update_steps,
-        method: Literal["eigen", "inverse"] | Method = KFACOptions.method,
+        method: Literal["eigen", "inverse", "eigen_adam"] | Method = KFACOptions.method,
         curvature: CurvatureConfig | None = None,
         asynchronous: AsyncConfig | None = None,
         runtime: RuntimeConfig | None = None,

@@ -85,6 +85,8 @@ class KroneckerBlock(ABC):
         self.pending_samples = 0
         self._counted_task: int | None = None
         self.failures = 0
+        self.method_state: dict[str, Tensor] = {}
+        """Per-block state of a stateful ``Method`` (e.g. ``EigenAdam``'s second moments); saved with the block."""
 
     # -- the registry's questions --------------------------------------------------------------
 
@@ -296,7 +298,7 @@ class KroneckerBlock(ABC):
         if self.A.decomposition is None or self.G.decomposition is None:
             return None
         dtype = method.tensors(self.A)[-1].dtype
-        return method.precondition(grad.to(dtype), self.A, self.G, damping)
+        return method.precondition(grad.to(dtype), self.A, self.G, damping, self.method_state)
 
     def split(self, direction: Tensor) -> list[tuple[nn.Parameter, Tensor]]:
         """Cut a joint direction (see :meth:`direction_shape`) into per-parameter directions."""
@@ -307,7 +309,11 @@ class KroneckerBlock(ABC):
         return pieces
 
     def state_dict(self) -> dict[str, Any]:
-        return {"factors": {name: factor.state_dict() for name, factor in self.factors.items()}, "failures": self.failures}
+        state: dict[str, Any] = {"factors": {name: factor.state_dict() for name, factor in self.factors.items()},
+                                 "failures": self.failures}
+        if self.method_state:  # a stateful method's tensors (absent otherwise, as in older checkpoints)
+            state["method_state"] = {key: value.clone() for key, value in self.method_state.items()}
+        return state
 
     def validate_state(self, state: Any) -> None:
         """Raise ``ValueError`` naming the layer, factor and field if ``state`` (a :meth:`state_dict`)
@@ -322,9 +328,14 @@ class KroneckerBlock(ABC):
                 factor.validate_state(state["factors"][name])
             except ValueError as error:
                 raise ValueError(f"{where}, factor {name}: {error}") from None
+        method_state = state.get("method_state", {})
+        if not isinstance(method_state, dict) or not all(isinstance(v, Tensor) for v in method_state.values()):
+            raise ValueError(f"{where}: 'method_state' must be a dict of tensors")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, factor in self.factors.items():
             factor.load_state_dict(state["factors"][name])
         self.failures = int(state["failures"])
+        device = self.weight.device
+        self.method_state = {key: value.to(device, copy=True) for key, value in state.get("method_state", {}).items()}
         self.clear_pending()
