@@ -34,11 +34,12 @@ from torch import Tensor, nn
 
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES
+from kfac_optim.intervals import AutoIntervals, auto_of, check_interval
 from kfac_optim.layers import KroneckerBlock
 from kfac_optim.layers.registry import SkipLayers, check_block_overrides
 from kfac_optim.methods import Method, method_named
 
-IntSchedule = int | Callable[[int], int]
+IntSchedule = int | Callable[[int], int] | Literal["auto"] | AutoIntervals
 FloatSchedule = float | Callable[[int], float]
 
 
@@ -46,12 +47,6 @@ FloatSchedule = float | Callable[[int], float]
 def check_damping(value: float) -> float:
     if not 0 < value < math.inf:
         raise ValueError(f"damping must be a finite number > 0, got {value}")
-    return value
-
-
-def check_interval(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
 
 
@@ -204,15 +199,17 @@ class KFACOptions:
     ``damping``: λ, in Fisher units of a per-sample loss (docs/design.md §3), a float > 0 or a
     callable ``step -> float``. ``kl_clip``: the trust-region size ν is computed from (None: no
     clipping). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh
-    decompositions every this many steps (int >= 1 or callable ``step -> int``). ``method``:
+    decompositions every this many steps (int >= 1 or callable ``step -> int``), or ``"auto"`` /
+    an ``AutoIntervals`` (the default): chosen from the cost measured on the first steps
+    (``kfac_optim.intervals``). ``method``:
     "eigen", "inverse" or a ``kfac_optim.Method``. ``curvature``, ``asynchronous``: see
     :class:`CurvatureConfig` and :class:`AsyncConfig` (None: decompositions in line).
     """
 
     damping: FloatSchedule = 0.1
     kl_clip: float | None = 1e-3
-    factor_update_steps: IntSchedule = 1
-    inv_update_steps: IntSchedule = 10
+    factor_update_steps: IntSchedule = "auto"
+    inv_update_steps: IntSchedule = "auto"
     method: Literal["eigen", "inverse"] | Method = "eigen"
     curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
     asynchronous: AsyncConfig | None = None
@@ -222,8 +219,9 @@ class KFACOptions:
             check_damping(self.damping)
         if self.kl_clip is not None and not 0 < self.kl_clip < math.inf:
             raise ValueError(f"kl_clip must be a finite number > 0 or None, got {self.kl_clip}")
+        auto = auto_of(self.factor_update_steps, self.inv_update_steps)  # ValueError naming them
         for name in ("factor_update_steps", "inv_update_steps"):
-            if not callable(getattr(self, name)):
+            if not callable(getattr(self, name)) and not isinstance(getattr(self, name), (str, AutoIntervals)):
                 check_interval(name, getattr(self, name))
         method_named(self.method)  # ValueError naming method
         if not isinstance(self.curvature, CurvatureConfig):
@@ -232,6 +230,11 @@ class KFACOptions:
             raise TypeError(f"asynchronous must be an AsyncConfig or None, got {type(self.asynchronous).__name__}")
         if self.asynchronous is not None and not self.asynchronous.decompositions:
             object.__setattr__(self, "asynchronous", None)  # AsyncConfig(decompositions=False): in line
+        if self.curvature.stagger and auto is not None and isinstance(self.factor_update_steps, (str, AutoIntervals)):
+            raise ValueError(
+                "CurvatureConfig.stagger (stagger_factor_updates) needs an explicit factor_update_steps > 1 (not "
+                f"{self.factor_update_steps!r}): its phases are assigned per interval"
+            )
         if self.curvature.stagger and self.factor_update_steps == 1:
             raise ValueError(
                 "CurvatureConfig.stagger (stagger_factor_updates) needs factor_update_steps > 1: at an interval "
