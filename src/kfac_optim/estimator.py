@@ -234,7 +234,9 @@ class KroneckerEstimator:
 
         Call it on every (micro-)batch between the forward pass and ``loss.backward()``, with the
         model's ``outputs`` and the ``likelihood`` its training loss assumes: "cross_entropy"
-        (logits ``(N, C)``) or "mse" (see ``kfac_optim.fisher``). On a step that updates factors
+        (logits ``(N, C)``, or ``(N, T, C)`` / ``(N, ..., C)`` for sequences: each sample's loss is the mean
+        over its positions, in the units of the empirical Fisher of a mean-over-tokens loss) or "mse"
+        (see ``kfac_optim.fisher``). On a step that updates factors
         it back-propagates the loss at sampled targets with ``torch.autograd.grad`` with respect to
         the K-FAC layers' outputs of this forward (one more backward pass, down to the first
         K-FAC layer and without weight gradients, however the parameters reach the graph, e.g.
