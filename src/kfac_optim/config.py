@@ -293,6 +293,13 @@ DEPRECATED_KEYWORDS: dict[str, str] = {
     **{old: f"runtime=RuntimeConfig({new}=...)" for old, new in _RUNTIME_KEYWORDS.items()},
 }
 """The flat keywords of earlier releases and their new spelling (accepted with a ``DeprecationWarning``)."""
+FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
+    **{old: ("curvature", new) for old, new in _CURVATURE_KEYWORDS.items()},
+    **{old: ("asynchronous", new) for old, new in _ASYNC_KEYWORDS.items()},
+    **{old: ("runtime", new) for old, new in _RUNTIME_KEYWORDS.items()},
+}
+"""The same keywords as ``{old: (the KFAC argument of their config, its field)}``, for code that
+translates flat settings (e.g. a training config file) into configs."""
 
 
 def from_deprecated_keywords(
