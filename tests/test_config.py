@@ -33,7 +33,7 @@ def test_the_constructor_has_at_most_18_parameters() -> None:
         (lambda: AsyncConfig(decompositions=False, delay=2), "delay", "decompositions"),
         (lambda: CurvatureConfig(fisher="sampled", loss_reduction="mean"), "loss_reduction", "fisher"),
         (lambda: KFACOptions(curvature=CurvatureConfig(stagger=True)), "stagger", "factor_update_steps"),
-        (lambda: KFAC(_model(), curvature=CurvatureConfig(stagger=True), factor_update_steps=1), "stagger",
+        (lambda: KFAC(_model(), curvature=CurvatureConfig(stagger=True), factor_update_steps=1, inv_update_steps=10), "stagger",
          "factor_update_steps"),
     ],
     ids=["async delay without async decompositions", "loss_reduction under the sampled Fisher",
@@ -46,9 +46,9 @@ def test_a_contradictory_combination_is_a_value_error_naming_both(make, first: s
 
 def test_the_old_spelling_of_a_contradiction_is_refused_too() -> None:
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="async_delay.*async_decompositions"):
-        KFAC(_model(), async_delay=2)
+        KFAC(_model(), async_delay=2, factor_update_steps=1, inv_update_steps=10)
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="loss_reduction.*fisher"):
-        KFAC(_model(), fisher="sampled", loss_reduction="sum")
+        KFAC(_model(), fisher="sampled", loss_reduction="sum", factor_update_steps=1, inv_update_steps=10)
 
 
 def test_an_inverse_interval_off_the_factor_interval_warns() -> None:
@@ -77,17 +77,17 @@ def test_configs_are_frozen(config: type) -> None:
 )
 def test_a_config_of_the_wrong_type_is_a_type_error_naming_it(kwargs: dict, argument: str) -> None:
     with pytest.raises(TypeError, match=argument):
-        KFAC(_model(), **kwargs)
+        KFAC(_model(), **{"factor_update_steps": 1, "inv_update_steps": 10, **kwargs})
 
 
 def test_an_unknown_keyword_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'fischer'"):
-        KFAC(_model(), fischer="sampled")
+        KFAC(_model(), fischer="sampled", factor_update_steps=1, inv_update_steps=10)
 
 
 def test_an_old_keyword_next_to_its_config_is_a_type_error() -> None:
     with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="fisher= is part of curvature="):
-        KFAC(_model(), fisher="sampled", curvature=CurvatureConfig())
+        KFAC(_model(), fisher="sampled", curvature=CurvatureConfig(), factor_update_steps=1, inv_update_steps=10)
 
 
 def _trained(**settings) -> list[torch.Tensor]:
@@ -141,7 +141,7 @@ def test_every_deprecated_keyword_names_a_field_that_exists() -> None:
 
 def test_options_is_read_only_and_holds_the_configs() -> None:
     curvature = CurvatureConfig(fisher="sampled")
-    optimizer = KFAC(_model(), damping=0.2, curvature=curvature, asynchronous=AsyncConfig())
+    optimizer = KFAC(_model(), damping=0.2, curvature=curvature, asynchronous=AsyncConfig(), factor_update_steps=1, inv_update_steps=10)
     assert optimizer.options.damping == 0.2
     assert optimizer.options.curvature is curvature and optimizer.options.asynchronous == AsyncConfig()
     with pytest.raises(AttributeError):
