@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_optim import KFAC
+from kfac_optim import KFAC, CurvatureConfig
+from kfac_optim.intervals import AutoIntervals
 
 
 # -- the validation table: KFAC(**kwargs) with one bad argument ---------------------------------
@@ -60,6 +61,12 @@ VALIDATION_TABLE = [
     bad({"inv_update_steps": 0}, ValueError, "inv_update_steps"),
     bad({"inv_update_steps": 2.5}, ValueError, "inv_update_steps"),
     bad({"method": "cholesky"}, ValueError, "method"),
+    bad({"factor_update_steps": "fast"}, ValueError, "factor_update_steps.*'auto'"),
+    bad({"inv_update_steps": "automatic"}, ValueError, "inv_update_steps.*'auto'"),
+    bad({"factor_update_steps": AutoIntervals(overhead=1.0), "inv_update_steps": AutoIntervals()}, ValueError,
+        "factor_update_steps=.*inv_update_steps=.*same AutoIntervals", id="two different AutoIntervals"),
+    bad({"curvature": CurvatureConfig(stagger=True)}, ValueError, "stagger.*explicit factor_update_steps",
+        id="stagger with auto intervals"),
     # the advanced ones
     bad({"factor_decay": 1.0}, ValueError, "factor_decay"),
     bad({"factor_decay": -0.1}, ValueError, "factor_decay"),

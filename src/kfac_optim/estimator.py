@@ -504,7 +504,7 @@ class KroneckerEstimator:
             self.background.close()
             self.adopt_at = None
         self.steps = int(steps)
-        self.intervals.load_state_dict(intervals)
+        self.intervals.load_state_dict(intervals, self.steps)
         for block in self.blocks:
             if block.name in saved:
                 block.load_state_dict(saved[block.name])

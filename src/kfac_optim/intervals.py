@@ -124,9 +124,9 @@ def auto_of(factor: Any, inverse: Any) -> AutoIntervals | None:
     """
     autos = [AutoIntervals() if value == "auto" else value for value in (factor, inverse)
              if isinstance(value, (str, AutoIntervals))]
-    for value in (factor, inverse):
+    for name, value in (("factor_update_steps", factor), ("inv_update_steps", inverse)):
         if isinstance(value, str) and value != "auto":
-            raise ValueError(f"intervals must be an int >= 1, a callable, 'auto' or an AutoIntervals, got {value!r}")
+            raise ValueError(f"{name} must be an int >= 1, a callable, 'auto' or an AutoIntervals, got {value!r}")
     if len(autos) == 2 and autos[0] != autos[1]:
         raise ValueError(
             f"factor_update_steps={factor!r} and inv_update_steps={inverse!r}: give the same AutoIntervals to both, "
@@ -150,7 +150,7 @@ class IntervalSchedule:
         self._device = device
         self.chosen: tuple[int, int] | None = None  # (I_f, I_d) once decided
         self.costs: StepCosts | None = None
-        self._start: int | None = None  # the calibration's first step c
+        self._start = 0  # the calibration's first step c
         self._ends: dict[int, float] = {}  # perf_counter at the end of calibration steps
         self._decomposition: float | None = None
 
@@ -159,7 +159,7 @@ class IntervalSchedule:
         return self.auto is not None and self.chosen is None
 
     def _offset(self, step: int) -> int:
-        return step - (step if self._start is None else self._start)
+        return step - self._start
 
     def factor_interval(self, step: int) -> int:
         """The explicit factor interval at ``step`` (``CurvatureConfig.stagger`` needs one)."""
@@ -185,12 +185,8 @@ class IntervalSchedule:
     # -- calibration (the estimator's calls) -------------------------------------------------
 
     def begin_step(self, step: int, average_over_ranks: Callable[[list[float]], list[float]]) -> None:
-        """At the start of a step's curvature work: start the calibration, or decide after it."""
-        if not self.calibrating:
-            return
-        if self._start is None:
-            self._start = step
-        if step - self._start == CALIBRATION_STEPS:
+        """At the start of a step's curvature work: decide when the calibration's steps are done."""
+        if self.calibrating and step - self._start == CALIBRATION_STEPS:
             self._decide(average_over_ranks)
 
     @contextmanager
@@ -263,10 +259,10 @@ class IntervalSchedule:
             return None
         return {"factor": self.chosen[0], "inverse": self.chosen[1], "costs": asdict(self.costs)}
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restore :meth:`state_dict` (checked by :func:`check_state`); None: calibrate afresh
-        from the next step. Explicit intervals are kept as given."""
-        self._start, self._decomposition = None, None
+    def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
+        """Restore :meth:`state_dict` (checked by :func:`check_state`) at ``step``; None: calibrate
+        afresh from ``step``. Explicit intervals are kept as given."""
+        self._start, self._decomposition = step, None
         self._ends.clear()
         if self.auto is None:
             return
