@@ -22,7 +22,7 @@ from kfac_optim.intervals import AutoIntervals, StepCosts
 COSTS = StepCosts(step=0.1, factor=0.05, decomposition=3.5)  # ResNet-18-like: seconds
 
 
-def mlp() -> nn.Module:
+def intervals_mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 4))
 
@@ -52,7 +52,7 @@ def test_the_cost_model_keeps_the_amortized_curvature_work_within_the_budget() -
 
 
 def test_calibration_then_injected_costs_give_the_same_intervals_every_run(caplog: pytest.LogCaptureFixture) -> None:
-    model = mlp()
+    model = intervals_mlp()
     optimizer = KFAC(model, lr=0.1, factor_update_steps=AutoIntervals(costs=COSTS), inv_update_steps=AutoIntervals(costs=COSTS))
     assert [optimizer.is_factor_step(k) for k in range(3)] == [True, True, False]
     assert [optimizer.is_inverse_step(k) for k in range(3)] == [True, False, False]
@@ -67,7 +67,7 @@ def test_calibration_then_injected_costs_give_the_same_intervals_every_run(caplo
 
 
 def test_an_explicit_interval_is_kept_and_the_other_chosen() -> None:
-    model = mlp()
+    model = intervals_mlp()
     optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=AutoIntervals(costs=COSTS))
     train(optimizer, model, 4)
     assert optimizer.estimator.intervals.chosen == (1, 140)
@@ -75,7 +75,7 @@ def test_an_explicit_interval_is_kept_and_the_other_chosen() -> None:
 
 
 def test_measured_intervals_are_decided_once_and_bounded() -> None:
-    model = mlp()
+    model = intervals_mlp()
     optimizer = KFAC(model, lr=0.1)  # the default: "auto", measured here
     train(optimizer, model, 3)
     assert optimizer.estimator.intervals.chosen is None  # decided at the start of step 3
@@ -90,7 +90,7 @@ def test_measured_intervals_are_decided_once_and_bounded() -> None:
 
 def test_a_resumed_run_keeps_the_chosen_intervals_and_continues_bit_identically() -> None:
     def build(costs: StepCosts) -> tuple[nn.Module, KFAC]:
-        model = mlp()
+        model = intervals_mlp()
         return model, KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=AutoIntervals(costs=costs),
                            inv_update_steps=AutoIntervals(costs=costs))
 
@@ -113,7 +113,7 @@ def test_a_resumed_run_keeps_the_chosen_intervals_and_continues_bit_identically(
 
 
 def test_a_checkpoint_with_bad_intervals_is_refused_naming_the_field() -> None:
-    model = mlp()
+    model = intervals_mlp()
     optimizer = KFAC(model, lr=0.1, factor_update_steps=AutoIntervals(costs=COSTS), inv_update_steps=AutoIntervals(costs=COSTS))
     train(optimizer, model, 4)
     state = optimizer.state_dict()

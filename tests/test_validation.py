@@ -65,7 +65,8 @@ VALIDATION_TABLE = [
     bad({"inv_update_steps": "automatic"}, ValueError, "inv_update_steps.*'auto'"),
     bad({"factor_update_steps": AutoIntervals(overhead=1.0), "inv_update_steps": AutoIntervals()}, ValueError,
         "factor_update_steps=.*inv_update_steps=.*same AutoIntervals", id="two different AutoIntervals"),
-    bad({"curvature": CurvatureConfig(stagger=True)}, ValueError, "stagger.*explicit factor_update_steps",
+    bad({"curvature": CurvatureConfig(stagger=True), "factor_update_steps": "auto"}, ValueError,
+        "stagger.*explicit factor_update_steps",
         id="stagger with auto intervals"),
     # the advanced ones
     bad({"factor_decay": 1.0}, ValueError, "factor_decay"),
