@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 from benchmarks.plan_report import model_plan_report
 from benchmarks.step_time import add_workload_arguments, build_model, workload_shape
-from kfac_optim import KFAC
+from kfac_optim import KFAC, RuntimeConfig
 
 PHASES = ("decompose", "precondition", "factor all-reduce", "share decompositions", "share gradients")
 COMPUTE = ("decompose", "precondition")
@@ -119,7 +119,7 @@ def run_rank(rank: int, world: int, config: dict[str, Any], directory: str) -> N
         optimizer = KFAC(
             net, lr=0.01, momentum=0.9, damping=config["damping"], method=config["method"],
             factor_update_steps=1, inv_update_steps=1,
-            grad_worker_fraction=config["fraction"] if world > 1 else 1.0,
+            runtime=RuntimeConfig(grad_worker_fraction=config["fraction"] if world > 1 else 1.0),
         )
         meter = PhaseMeter(optimizer)
         shard = config["batch_size"] // world

@@ -171,8 +171,10 @@ class KFACRunner(Runner):
 
     def __init__(self, model: GPT, lr: float, rule: str, kl_clip: float, sampled: bool, **kfac: Any) -> None:
         self.model, self.lr, self.rule, self.kl, self.sampled = model, lr, rule, kl_clip, sampled
-        self.opt = kfac_optim.KFAC(model, lr=1.0, momentum=0.0, kl_clip=None,
-                                   fisher="sampled" if sampled else "empirical", **kfac)
+        sharing = kfac.pop("weight_sharing", "expand")
+        self.opt = kfac_optim.KFAC(model, lr=1.0, momentum=0.0, kl_clip=None, factor_update_steps=1, **kfac,
+                                   curvature=kfac_optim.CurvatureConfig(
+                                       fisher="sampled" if sampled else "empirical", weight_sharing=sharing))
         self.params = [p for p in model.parameters() if p.requires_grad]
         kfac_ids = {id(p) for b in self.opt.blocks for p in b.module.parameters(recurse=False)}
         self.is_kfac = [id(p) in kfac_ids for p in self.params]
@@ -576,8 +578,9 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def kfac_direction(model: GPT, x, y, damping: float, sampled: bool, sharing: str) -> tuple[dict, list]:
     """One K-FAC step's direction V per hidden Linear ([W | b] flattened) from this batch's own factors; and the blocks."""
     model = copy.deepcopy(model)
-    opt = kfac_optim.KFAC(model, lr=1.0, momentum=0.0, kl_clip=None, damping=damping, factor_decay=0.0,
-                          inv_update_steps=1, fisher="sampled" if sampled else "empirical", weight_sharing=sharing)
+    opt = kfac_optim.KFAC(model, lr=1.0, momentum=0.0, kl_clip=None, damping=damping, factor_update_steps=1,
+                          inv_update_steps=1, curvature=kfac_optim.CurvatureConfig(
+                              factor_decay=0.0, fisher="sampled" if sampled else "empirical", weight_sharing=sharing))
     logits = model(x)
     if sampled:
         opt.sample_fisher(logits.reshape(-1, logits.shape[-1]), "cross_entropy", generator=torch.Generator().manual_seed(7))
@@ -765,7 +768,8 @@ def main() -> None:
             torch.manual_seed(0)
             model = GPT(data[2], args.context, args.width, args.layers, args.heads)
             if own:
-                opt = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, damping=0.1, kl_clip=1e-3, inv_update_steps=10)
+                opt = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, damping=0.1, kl_clip=1e-3, factor_update_steps=1,
+                                      inv_update_steps=10)
                 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: schedule(t, args.steps))
 
                 def step(x, y, factor):

@@ -42,7 +42,7 @@ def teacher_batch(step: int) -> tuple[Tensor, Tensor]:
 
 def apex_setup(amp: ModuleType, opt_level: str) -> tuple[nn.Module, KFAC]:
     model = make_apex_mlp()
-    return amp.initialize(model, KFAC(model, **OPTIONS), opt_level=opt_level, verbosity=0)
+    return amp.initialize(model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), opt_level=opt_level, verbosity=0)
 
 
 def end_apex(amp: ModuleType) -> None:
@@ -58,7 +58,7 @@ def end_apex(amp: ModuleType) -> None:
 
 def fp32_control(steps: list[int]) -> tuple[nn.Module, KFAC]:
     model = make_apex_mlp()
-    optimizer = KFAC(model, **OPTIONS)
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     for step in steps:
         x, y = teacher_batch(step)
         optimizer.zero_grad()
@@ -231,13 +231,13 @@ def test_sampled_fisher_statistics_are_left_unscaled_under_apex(fake_apex: Modul
             optimizer.step()
 
     model = make_apex_mlp()
-    model, optimizer = fake_apex.initialize(model, KFAC(model, fisher="sampled", **OPTIONS), opt_level=opt_level,
+    model, optimizer = fake_apex.initialize(model, KFAC(model, fisher="sampled", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), opt_level=opt_level,
                                             verbosity=0)
     fake_apex._amp_state.loss_scalers[0]._loss_scale = 2.0**12
     train(model, optimizer, under_apex=True)
     end_apex(fake_apex)
     control_model = make_apex_mlp()
-    control = KFAC(control_model, fisher="sampled", **OPTIONS)
+    control = KFAC(control_model, fisher="sampled", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     train(control_model, control, under_apex=False)
     torch.testing.assert_close(running_factors(optimizer), running_factors(control), rtol=3e-2, atol=1e-3)
     torch.testing.assert_close(owned_params(optimizer), owned_params(control), rtol=2e-2, atol=2e-3)

@@ -44,7 +44,7 @@ def checkpoint_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def fresh(**settings) -> tuple[CheckpointNet, KFAC]:
     torch.manual_seed(0)
     model = CheckpointNet()
-    return model, KFAC(model, **{**SETTINGS, **settings})
+    return model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **{**SETTINGS, **settings}})
 
 
 def checkpoint_run(model: nn.Module, optimizer: KFAC, steps: range) -> None:

@@ -211,7 +211,7 @@ def test_under_apex_the_statistics_are_computed_in_line_with_one_warning(fake_ap
     def run(async_statistics: bool) -> list[Tensor]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-        optimizer = KFAC(model, lr=0.05, inv_update_steps=2, async_statistics=async_statistics)
+        optimizer = KFAC(model, lr=0.05, inv_update_steps=2, async_statistics=async_statistics, factor_update_steps=1)
         model, optimizer = fake_apex.initialize(model, optimizer, opt_level="O2", verbosity=0)
         generator = torch.Generator().manual_seed(3)
         for _ in range(4):

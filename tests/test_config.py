@@ -36,7 +36,7 @@ def test_the_constructor_has_at_most_18_named_parameters() -> None:
         (lambda: AsyncConfig(decompositions=False, delay=2), "delay", "decompositions"),
         (lambda: CurvatureConfig(fisher="sampled", loss_reduction="mean"), "loss_reduction", "fisher"),
         (lambda: KFACOptions(curvature=CurvatureConfig(stagger=True)), "stagger", "factor_update_steps"),
-        (lambda: KFAC(_config_model(), curvature=CurvatureConfig(stagger=True), factor_update_steps=1), "stagger",
+        (lambda: KFAC(_config_model(), curvature=CurvatureConfig(stagger=True), factor_update_steps=1, inv_update_steps=10), "stagger",
          "factor_update_steps"),
         (lambda: KFAC(_config_model(), update=UpdateConfig(grafting="sgd")), "grafting", "kl_clip"),
         (lambda: KFAC(_config_model(), momentum=0.9, nesterov=True, kl_clip=None, update=UpdateConfig(grafting="adam")),
@@ -54,9 +54,9 @@ def test_a_contradictory_combination_is_a_value_error_naming_both(make, first: s
 
 def test_the_old_spelling_of_a_contradiction_is_refused_too() -> None:
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="async_delay.*async_decompositions"):
-        KFAC(_config_model(), async_delay=2)
+        KFAC(_config_model(), async_delay=2, factor_update_steps=1, inv_update_steps=10)
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="loss_reduction.*fisher"):
-        KFAC(_config_model(), fisher="sampled", loss_reduction="sum")
+        KFAC(_config_model(), fisher="sampled", loss_reduction="sum", factor_update_steps=1, inv_update_steps=10)
 
 
 def test_an_inverse_interval_off_the_factor_interval_warns() -> None:
@@ -85,17 +85,17 @@ def test_configs_are_frozen(config: type) -> None:
 )
 def test_a_config_of_the_wrong_type_is_a_type_error_naming_it(kwargs: dict, argument: str) -> None:
     with pytest.raises(TypeError, match=argument):
-        KFAC(_config_model(), **kwargs)
+        KFAC(_config_model(), **{"factor_update_steps": 1, "inv_update_steps": 10, **kwargs})
 
 
 def test_an_unknown_keyword_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'fischer'"):
-        KFAC(_config_model(), fischer="sampled")
+        KFAC(_config_model(), fischer="sampled", factor_update_steps=1, inv_update_steps=10)
 
 
 def test_an_old_keyword_next_to_its_config_is_a_type_error() -> None:
     with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="fisher= is part of curvature="):
-        KFAC(_config_model(), fisher="sampled", curvature=CurvatureConfig())
+        KFAC(_config_model(), fisher="sampled", curvature=CurvatureConfig(), factor_update_steps=1, inv_update_steps=10)
 
 
 def _trained_config_run(**settings) -> list[torch.Tensor]:
@@ -149,7 +149,7 @@ def test_every_deprecated_keyword_names_a_field_that_exists() -> None:
 
 def test_options_is_read_only_and_holds_the_configs() -> None:
     curvature = CurvatureConfig(fisher="sampled")
-    optimizer = KFAC(_config_model(), damping=0.2, curvature=curvature, asynchronous=AsyncConfig())
+    optimizer = KFAC(_config_model(), damping=0.2, curvature=curvature, asynchronous=AsyncConfig(), factor_update_steps=1, inv_update_steps=10)
     assert optimizer.options.damping == 0.2
     assert optimizer.options.curvature is curvature and optimizer.options.asynchronous == AsyncConfig()
     with pytest.raises(AttributeError):

@@ -65,14 +65,14 @@ def test_a_factor_of_few_rows_is_decomposed_through_its_range() -> None:
 
 def test_factors_count_the_rows_that_bound_their_rank() -> None:
     conv = nn.Conv2d(3, 4, 3)
-    optimizer = KFAC(conv, lr=0.1, inv_update_steps=100)
+    optimizer = KFAC(conv, lr=0.1, inv_update_steps=100, factor_update_steps=1)
     for _ in range(3):
         conv(torch.randn(5, 3, 6, 6)).square().mean().backward()
         optimizer.step()
     block = optimizer.blocks[0]
     assert block.A.rank_bound == block.G.rank_bound == 3 * 5 * 4 * 4  # 3 batches of 5 samples, 4x4 positions
     assert torch.linalg.matrix_rank(block.A.running.double()) <= block.A.rank_bound
-    restored = KFAC(nn.Conv2d(3, 4, 3), lr=0.1)
+    restored = KFAC(nn.Conv2d(3, 4, 3), lr=0.1, factor_update_steps=1, inv_update_steps=10)
     restored.load_state_dict(optimizer.state_dict())
     assert restored.blocks[0].A.rank_bound == 240
 
@@ -115,7 +115,7 @@ def test_conv_over_maps_smaller_than_its_kernel_decomposes_in_float32(caplog: py
     # The issue's minimal case: A is 4609 x 4609 (zero-padding taps: 4096 zero columns), rank ~33.
     # torch.linalg.eigh fails to converge on it in float32 (and takes ~70 s to say so).
     conv = nn.Conv2d(512, 512, 3, padding=1)
-    optimizer = KFAC(conv, lr=0.1)
+    optimizer = KFAC(conv, lr=0.1, factor_update_steps=1, inv_update_steps=10)
     x = torch.relu(torch.randn(32, 512, 1, 1))
     caplog.set_level(logging.DEBUG, logger="kfac_optim.linalg")
     with warnings.catch_warnings():
@@ -141,7 +141,7 @@ def test_resnet18_layer4_first_step_decomposes_every_factor_in_float32(caplog: p
         for name, module in model.named_modules()
         if isinstance(module, (nn.Conv2d, nn.Linear)) and not name.startswith("layer4.")
     ]
-    optimizer = KFAC(model, lr=0.1, momentum=0.9, skip_layers=others)
+    optimizer = KFAC(model, lr=0.1, momentum=0.9, skip_layers=others, factor_update_steps=1, inv_update_steps=10)
     assert [b.name for b in optimizer.blocks] == [
         "layer4.0.conv1", "layer4.0.conv2", "layer4.0.downsample.0", "layer4.1.conv1", "layer4.1.conv2",
     ]
@@ -163,7 +163,7 @@ def test_a_layer_without_a_decomposition_says_so_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, inv_update_steps=1, factor_update_steps=1)
     real_eigh = torch.linalg.eigh
 
     def failing_eigh(matrix: torch.Tensor, *args, **kwargs):
@@ -195,7 +195,7 @@ def test_async_round_is_adopted_at_the_next_decomposition_step() -> None:
     # inv_update_steps=3: step 0 decomposes in line; step 3 snapshots the factors and hands them
     # to the worker; step 6 adopts exactly their decompositions (layers use step 0's until then).
     net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3))
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=3, async_decompositions=True)
+    optimizer = KFAC(net, lr=0.1, inv_update_steps=3, async_decompositions=True, factor_update_steps=1)
     block = optimizer.blocks[0]
     snapshots = {}
     for step in range(7):
@@ -216,7 +216,7 @@ def test_async_round_is_adopted_at_the_next_decomposition_step() -> None:
 
 def test_async_delay_adopts_the_round_that_many_steps_later() -> None:
     net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3))
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=4, async_decompositions=True, async_delay=1)
+    optimizer = KFAC(net, lr=0.1, inv_update_steps=4, async_decompositions=True, async_delay=1, factor_update_steps=1)
     block = optimizer.blocks[0]
     for step in range(6):
         F.cross_entropy(net(torch.randn(16, 20)), torch.randint(0, 3, (16,))).backward()
@@ -227,4 +227,4 @@ def test_async_delay_adopts_the_round_that_many_steps_later() -> None:
             assert block.A.decomposed_key == (1, 0.0)  # step 0's, while step 4's round is in flight
     assert block.A.decomposed_key == (submitted, 0.0)  # adopted at step 5
     with pytest.raises(ValueError, match="async_delay"):
-        KFAC(net, async_decompositions=True, async_delay=0)
+        KFAC(net, async_decompositions=True, async_delay=0, factor_update_steps=1, inv_update_steps=10)

@@ -161,7 +161,7 @@ def ddp_run(
     rank: int, world: int, fraction: float | str, steps: range = range(STEPS), **kwargs: Any
 ) -> tuple[DDP, KFAC]:
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, grad_worker_fraction=fraction, **{**OPTIONS, **kwargs})
+    optimizer = KFAC(model, grad_worker_fraction=fraction, **{"factor_update_steps": 1, "inv_update_steps": 10, **{**OPTIONS, **kwargs}})
     ddp_train(model, optimizer, steps, rank, world)
     return model, optimizer
 
@@ -178,17 +178,17 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
         results[f"memory {fraction}"] = optimizer.memory_usage()
 
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **OPTIONS)
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), rank, world, after_step=optimizer.synchronize_factors)
     results["factors eager"] = saved_factors(optimizer.state_dict())
 
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **OPTIONS)
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), rank, world, micro_batches=2)
     results["params no_sync"] = parameters(model)
 
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **OPTIONS)  # comm-opt: every rank receives the decompositions it does not own
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})  # comm-opt: every rank receives the decompositions it does not own
     storage: list[dict[str, int]] = []
 
     def record_received_storage() -> None:
@@ -220,7 +220,7 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
 
     model = DDP(make_ddp_net(extra_layers=True), find_unused_parameters=True)
     model.module.use_branch = rank == 0
-    optimizer = KFAC(model, grad_worker_fraction="mem-opt", **OPTIONS)
+    optimizer = KFAC(model, grad_worker_fraction="mem-opt", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), rank, world)
     results["params unused"] = parameters(model)
     results["factors unused"] = saved_factors(optimizer.state_dict())
@@ -236,7 +236,7 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
 
     for fraction, method in MODERN_RUNS:
         model = DDP(make_ddp_net(modern=True))
-        optimizer = KFAC(model, grad_worker_fraction=fraction, method=method, **OPTIONS)
+        optimizer = KFAC(model, grad_worker_fraction=fraction, method=method, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
         ddp_train(model, optimizer, range(STEPS), rank, world)
         results[f"modern params {fraction} {method}"] = parameters(model)
         results[f"modern factors {fraction} {method}"] = saved_factors(optimizer.state_dict())
@@ -266,7 +266,7 @@ def async_resumed(rank: int, world: int) -> dict[str, Any]:
             inner = make_ddp_net()
             inner.load_state_dict(saved["model"])
             model = DDP(inner)
-            optimizer = KFAC(model, async_decompositions=True, async_delay=delay, **OPTIONS)
+            optimizer = KFAC(model, async_decompositions=True, async_delay=delay, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
             optimizer.load_state_dict(saved["optimizer"])
             ddp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
             results[f"params async {delay} resumed from {source}"] = parameters(model)
@@ -278,7 +278,7 @@ def async_delay_with_a_rank_that_decomposes_nothing(rank: int, world: int) -> di
     (and share) at the async_delay step."""
     torch.manual_seed(0)
     model = DDP(nn.Linear(16, 3))
-    optimizer = KFAC(model, grad_worker_fraction="mem-opt", async_decompositions=True, async_delay=1, **OPTIONS)
+    optimizer = KFAC(model, grad_worker_fraction="mem-opt", async_decompositions=True, async_delay=1, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     for step in range(4):  # decomposition steps 0 (in line) and 2 (a round, adopted at 3)
         x, y = ddp_shard(step, rank, world)
         optimizer.zero_grad()
@@ -292,7 +292,7 @@ def resume(rank: int, world: int, checkpoint: Path, fraction: float | str) -> di
     inner = make_ddp_net()
     inner.load_state_dict(saved["model"])
     model = DDP(inner) if world > 1 else inner
-    optimizer = KFAC(model, grad_worker_fraction=fraction, **OPTIONS)
+    optimizer = KFAC(model, grad_worker_fraction=fraction, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     optimizer.load_state_dict(saved["optimizer"])
     ddp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
     return parameters(model)
@@ -323,7 +323,7 @@ def ddp_scenario_four_ranks(rank: int, world: int, directory: Path) -> dict[str,
 
 def single_process(steps: int = STEPS, **kwargs: Any) -> tuple[DdpNet, KFAC]:
     model = make_ddp_net()
-    optimizer = KFAC(model, **{**OPTIONS, **kwargs})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **{**OPTIONS, **kwargs}})
     ddp_train(model, optimizer, range(steps))
     return model, optimizer
 
@@ -413,7 +413,7 @@ def test_global_factors_equal_one_process_factors(ddp_two_ranks) -> None:
 @pytest.mark.parametrize(("fraction", "method"), MODERN_RUNS)
 def test_two_ranks_equal_one_process_with_embedding_attention_grouped_and_nd_conv_blocks(ddp_two_ranks, fraction, method) -> None:
     model = make_ddp_net(modern=True)
-    optimizer = KFAC(model, method=method, **OPTIONS)
+    optimizer = KFAC(model, method=method, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     assert len(optimizer.blocks) == 7
     ddp_train(model, optimizer, range(STEPS))
     for results in ddp_two_ranks:
@@ -436,12 +436,12 @@ def test_no_sync_accumulation_equals_one_large_batch(ddp_two_ranks, ddp_referenc
 def test_async_decompositions_under_ddp_equal_one_process_with_the_shards_as_micro_batches(ddp_two_ranks) -> None:
     """Each rank adopts the worker's round at the same step; owners broadcast what they adopted."""
     model = make_ddp_net()
-    optimizer = KFAC(model, async_decompositions=True, **OPTIONS)
+    optimizer = KFAC(model, async_decompositions=True, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), micro_batches=2)
     for results in ddp_two_ranks:
         assert_same(results["params async"], parameters(model))
     synchronous = make_ddp_net()
-    ddp_train(synchronous, KFAC(synchronous, **OPTIONS), range(STEPS), micro_batches=2)
+    ddp_train(synchronous, KFAC(synchronous, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), range(STEPS), micro_batches=2)
     # Stale by one refresh from step 4 on (rounds: step 0 in line, submitted at 2, adopted at 4).
     assert not torch.allclose(parameters(model)["fc1.weight"], parameters(synchronous)["fc1.weight"], rtol=1e-4)
 
@@ -489,7 +489,7 @@ def test_staggered_factor_updates_under_ddp_equal_one_process(ddp_two_ranks) -> 
 def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_batches(ddp_two_ranks) -> None:
     """Each rank draws targets for its shard; one process drawing the same per shard agrees."""
     model = make_ddp_net()
-    optimizer = KFAC(model, fisher="sampled", **OPTIONS)
+    optimizer = KFAC(model, fisher="sampled", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), micro_batches=2)
     factors = saved_factors(optimizer.state_dict())
     for results in ddp_two_ranks:

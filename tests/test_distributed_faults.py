@@ -100,7 +100,7 @@ def mismatched_settings(rank: int) -> dict[str, str]:
     results = {}
     for case, per_rank in MISMATCHES.items():
         factory, kwargs = per_rank[rank]
-        results[case] = outcome(lambda: KFAC(factory(), lr=0.1, **kwargs))  # noqa: B023 (called at once)
+        results[case] = outcome(lambda: KFAC(factory(), lr=0.1, **{"factor_update_steps": 1, "inv_update_steps": 10, **kwargs}))  # noqa: B023 (called at once)
     return results
 
 
@@ -124,7 +124,7 @@ def state(model: nn.Module, optimizer: KFAC) -> dict[str, Any]:
 def uneven_inputs(rank: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **OPTIONS)
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     with Join([model, optimizer]):
         ddp_train(model, optimizer, range(JOIN_BATCHES[rank]), rank, WORLD)
     results["joined"] = state(model, optimizer)
@@ -132,10 +132,10 @@ def uneven_inputs(rank: int) -> dict[str, Any]:
     results["after"] = state(model, optimizer)
 
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, grad_worker_fraction="mem-opt", **OPTIONS)
+    optimizer = KFAC(model, grad_worker_fraction="mem-opt", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     results["refused mem-opt"] = outcome(lambda: Join([model, optimizer]))
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **OPTIONS)
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
 
     def optimizer_first() -> None:
         with Join([optimizer, model]):
@@ -143,7 +143,7 @@ def uneven_inputs(rank: int) -> dict[str, Any]:
 
     results["refused optimizer first"] = outcome(optimizer_first)
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **OPTIONS)
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
 
     def model_only() -> None:
         with Join([model]):
@@ -158,7 +158,7 @@ def state_dict_on_rank_zero(rank: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S))  # broken at the end
     model = DDP(make_ddp_net(), process_group=group)
-    optimizer = KFAC(model, process_group=group, **OPTIONS)
+    optimizer = KFAC(model, process_group=group, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(3), rank, WORLD)  # step 2 decomposed: the factors are global
     if rank == 0:
         results["right after a decomposition step"] = saved_factor_copies(optimizer)
@@ -180,7 +180,7 @@ def dead_peer(rank: int, directory: Path, results: dict[str, Any]) -> dict[str, 
     from K-FAC's collective within the timeout."""
     group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S))
     model = DDP(make_ddp_net(), process_group=group)
-    optimizer = KFAC(model, process_group=group, **OPTIONS)
+    optimizer = KFAC(model, process_group=group, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(4), rank, WORLD)
     if rank == 1:  # dies as step 4, a decomposition step, begins
         torch.save(results, results_file(directory, every_fault, rank))

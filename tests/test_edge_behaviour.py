@@ -35,7 +35,7 @@ def test_describe_counts_the_weight_matrices_kfac_preconditions_and_no_other_par
     """Conv weight (2, 1, 3, 3) = 18 and Linear weight (3, 32) = 96 preconditioned; the skipped
     Linear's (2, 3) = 6 is not; biases and the LayerNorm's 1-dim parameters are no matrices."""
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(32, 3), nn.LayerNorm(3), nn.Linear(3, 2))
-    optimizer = KFAC(model, lr=0.1, skip_layers=["4"])
+    optimizer = KFAC(model, lr=0.1, skip_layers=["4"], factor_update_steps=1, inv_update_steps=10)
     first_line = optimizer.describe().splitlines()[0]
     assert "precondition 114/120 weight-matrix elements (95.0%)" in first_line, first_line
 
@@ -44,7 +44,7 @@ def test_describe_reports_full_coverage_for_a_model_without_weight_matrices() ->
     model = nn.Sequential(nn.LayerNorm(4))  # parameters of 1 dim only: nothing to cover, nothing missed
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # whether K-FAC takes the LayerNorm or not is not the point here
-        optimizer = KFAC(model, lr=0.1)
+        optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10)
     assert "0/0 weight-matrix elements (100.0%)" in optimizer.describe().splitlines()[0]
 
 
@@ -202,7 +202,7 @@ def test_the_large_factor_note_starts_at_dim_4096_exactly(caplog: pytest.LogCapt
     with torch.device("meta"):  # only the sizes matter: nothing is allocated
         model = nn.Sequential(nn.Linear(4095, 4095), nn.Linear(4095, 4096, bias=False), nn.Linear(4094, 2))
     with caplog.at_level(logging.WARNING):
-        KFAC(model, lr=0.1)
+        KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10)
     (record,) = [r for r in caplog.records if "seconds" in r.getMessage()]
     named = set(re.findall(r"\b\d+\.[AG] \(\d+\)", record.getMessage()))
     assert named == {"0.A (4096)", "1.G (4096)"}, record.getMessage()

@@ -85,7 +85,7 @@ def run_classifier(extra_pass: Callable[[nn.Module, Tensor, Tensor, Tensor], Non
     """``STEPS`` plain K-FAC steps; ``extra_pass(model, x, y, loss)`` runs after the forward,
     before ``loss.backward()``."""
     model = mlp()
-    optimizer = KFAC(model, **OPTIONS)
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     for step in range(STEPS):
         x, y = batch(step)
         optimizer.zero_grad()
@@ -113,7 +113,7 @@ def test_monitoring_grad_pass_before_backward_does_not_change_the_factors() -> N
 def test_adversarial_input_gradient_pass_in_train_mode_does_not_change_the_factors() -> None:
     def run(attack_in_eval_mode: bool) -> tuple[dict[str, Tensor], nn.Module]:
         model = mlp()
-        optimizer = KFAC(model, **OPTIONS)
+        optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
         for step in range(STEPS):
             x, y = batch(step)
             optimizer.zero_grad()
@@ -170,7 +170,7 @@ def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors
 
     def run(generator_pass_in_eval_mode: bool) -> tuple[dict[str, Tensor], nn.Module]:
         net_g, net_d = gan()
-        opt_g, opt_d = KFAC(net_g, **OPTIONS), KFAC(net_d, **OPTIONS)
+        opt_g, opt_d = KFAC(net_g, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), KFAC(net_d, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
         for step in range(STEPS):
             real, noise = gan_batch(step)
             opt_g.zero_grad()
@@ -199,7 +199,7 @@ def test_module_level_zero_grad_gives_the_same_factors_as_the_optimizers() -> No
 
     def run(zero: Callable[[nn.Module, KFAC], None]) -> tuple[dict[str, Tensor], nn.Module]:
         net_g, net_d = gan()
-        opt_g, opt_d = KFAC(net_g, **OPTIONS), KFAC(net_d, **OPTIONS)
+        opt_g, opt_d = KFAC(net_g, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), KFAC(net_d, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
         for step in range(STEPS):
             real, noise = gan_batch(step)
             zero(net_d, opt_d)
@@ -240,7 +240,7 @@ class TwoHeads(nn.Module):
 def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
     def run(separately: bool) -> tuple[dict[str, Tensor], nn.Module]:
         model = TwoHeads()
-        optimizer = KFAC(model, **OPTIONS)
+        optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
         for step in range(STEPS):
             x, y = batch(step)
             optimizer.zero_grad()
@@ -268,7 +268,7 @@ def test_backbone_unfrozen_after_construction_trains_and_is_preconditioned() -> 
     model = mlp(sizes=(4, 8, 8, 3))  # "0", "2": backbone; "4": head
     backbone = model[:3]
     backbone.requires_grad_(False)
-    optimizer = KFAC(model, **OPTIONS)
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     for step in range(2):
         x, y = batch(step)
         optimizer.zero_grad()
@@ -331,10 +331,10 @@ def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None
         temperature = nn.Parameter(torch.tensor(1.5))
         sgd_options = {"lr": OPTIONS["lr"], "momentum": OPTIONS["momentum"]}
         if together:
-            optimizer = KFAC(model, params=[*model.parameters(), temperature], **OPTIONS)
+            optimizer = KFAC(model, params=[*model.parameters(), temperature], **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
             others: list[torch.optim.Optimizer] = []
         else:
-            optimizer = KFAC(model, **OPTIONS)
+            optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
             others = [torch.optim.SGD([temperature], **sgd_options)]
         for step in range(STEPS):
             x, y = batch(step)
@@ -374,7 +374,7 @@ def test_complex_linear_takes_the_sgd_path_with_a_true_reason() -> None:
         [{"params": model[0].parameters(), "lr": 0.0}, {"params": model[2].parameters()}],
         lr=OPTIONS["lr"], momentum=OPTIONS["momentum"]))
     kfac_model, optimizer = run(lambda model: KFAC(
-        model, params=[{"params": model[0].parameters(), "lr": 0.0}, {"params": model[2].parameters()}], **OPTIONS))
+        model, params=[{"params": model[0].parameters(), "lr": 0.0}, {"params": model[2].parameters()}], **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}))
     assert_factors_equal(dict(kfac_model[2].named_parameters()), dict(sgd_model[2].named_parameters()))
     row = report(optimizer, "2")
     assert row.status != "kfac" and "complex" in row.detail.lower(), optimizer.describe()
@@ -401,7 +401,7 @@ def test_parametrized_linear_is_preconditioned_or_takes_the_sgd_path_with_a_true
         return [{"params": net[0].parameters(), "lr": 0.0}, {"params": net[2].parameters()}]
 
     model = parametrized(kind)
-    optimizer = KFAC(model, params=groups(model), **OPTIONS)
+    optimizer = KFAC(model, params=groups(model), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     rows = [row for row in optimizer.module_reports if row.name == "2" or row.name.startswith("2.")]
     if any(row.status == "kfac" for row in rows):
         pytest.fail("preconditioned parametrized Linear: add the dense reference for it here")
@@ -460,7 +460,7 @@ def test_position_embedding_statistics_do_not_depend_on_the_batch_size() -> None
         sums: dict[str, float] = {}
         for seed in range(8):
             model = TinyLM()
-            optimizer = KFAC(model, **OPTIONS)
+            optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
             lm_loss(model, *lm_batch(seed, batch_size)).backward()
             optimizer.step()
             for key, factor in factors(optimizer).items():
@@ -469,7 +469,7 @@ def test_position_embedding_statistics_do_not_depend_on_the_batch_size() -> None
         return sums
 
     probe_model = TinyLM()
-    probe = KFAC(probe_model, **OPTIONS)
+    probe = KFAC(probe_model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     lm_loss(probe_model, *lm_batch(0, 8)).backward()  # whether an input has a batch dimension shows in a forward
     probe.step()
     row = report(probe, "position")
@@ -543,7 +543,7 @@ def compile_run(backend: str | None, step_compiled: bool = True, steps: int = 12
     (None: eager), ``optimizer.step()`` inside the compiled function or (``step_compiled=False``)
     called after it."""
     model = mlp()
-    optimizer = KFAC(model, **{**OPTIONS, "inv_update_steps": 5})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **{**OPTIONS, "inv_update_steps": 5}})
 
     def forward_backward(x: Tensor, y: Tensor) -> Tensor:
         optimizer.zero_grad()
@@ -624,14 +624,14 @@ def test_fullgraph_compiled_model_with_kfac_armed_records_like_eager() -> None:
     x, y = batch(0)
     plain = torch._dynamo.explain(mlp())(x)
     model = mlp()
-    optimizer = KFAC(model, **OPTIONS)
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     hooked = torch._dynamo.explain(model)(x)
     assert hooked.graph_count == plain.graph_count, (hooked.graph_count, plain.graph_count, hooked.break_reasons)
     optimizer.zero_grad()
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     eager = mlp()
-    eager_optimizer = KFAC(eager, **OPTIONS)
+    eager_optimizer = KFAC(eager, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     for step in range(2):
         x, y = batch(step)
         for net, opt in ((compiled, optimizer), (eager, eager_optimizer)):
@@ -667,9 +667,9 @@ def scenario_tied_lm(rank: int, world: int, directory: Path) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     model = DDP(TinyLM(tied=True))
-    ddp = train_lm(model, KFAC(model, **DDP_OPTIONS), rank, world)
+    ddp = train_lm(model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **DDP_OPTIONS}), rank, world)
     sharded = fully_shard(TinyLM(tied=True))
-    fsdp = train_lm(sharded, KFAC(sharded, **DDP_OPTIONS), rank, world)
+    fsdp = train_lm(sharded, KFAC(sharded, **{"factor_update_steps": 1, "inv_update_steps": 10, **DDP_OPTIONS}), rank, world)
     return {"ddp": ddp, "fsdp": {name: p.full_tensor() for name, p in fsdp.items()}}
 
 
@@ -679,7 +679,7 @@ def test_tied_lm_with_learned_positions_on_two_ddp_ranks_equals_one_process(tmp_
     from tests.distributed_helpers import spawn
 
     model = TinyLM(tied=True)
-    expected = train_lm(model, KFAC(model, **DDP_OPTIONS))
+    expected = train_lm(model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **DDP_OPTIONS}))
     ranks = spawn(scenario_tied_lm, 2, tmp_path, deadline_s=90)
     for result in ranks:
         assert_factors_equal(result["ddp"], expected, rtol=0, atol=1e-5)

@@ -36,7 +36,7 @@ def make(dtype: torch.dtype = torch.float64, **options) -> tuple[TwoLayer, KFAC]
     torch.manual_seed(0)
     model = TwoLayer().to(dtype)
     defaults = dict(lr=0.1, fisher="sampled", factor_decay=0.0, factor_dtype=dtype, inv_dtype=dtype, inv_update_steps=1)
-    return model, KFAC(model, **{**defaults, **options})
+    return model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **{**defaults, **options}})
 
 
 def fisher_batch(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,8 +166,8 @@ def test_loss_scaling_does_not_change_sampled_factors() -> None:
 def test_sampled_fisher_errors_name_the_argument() -> None:
     model = TwoLayer()
     with pytest.raises(ValueError, match="fisher"):
-        KFAC(model, fisher="true")
-    empirical = KFAC(model)
+        KFAC(model, fisher="true", factor_update_steps=1, inv_update_steps=10)
+    empirical = KFAC(model, factor_update_steps=1, inv_update_steps=10)
     with pytest.raises(RuntimeError, match="fisher='sampled'"):
         empirical.sample_fisher(model(torch.randn(2, D_IN)), "cross_entropy")
     empirical.remove_hooks()
@@ -209,3 +209,73 @@ def test_sample_fisher_in_eval_mode_does_nothing() -> None:
     model.eval()
     optimizer.sample_fisher(model(fisher_batch()[0]), "mse")
     assert [block.pending_samples for block in optimizer.blocks] == [0, 0]
+
+
+# -- sequences: (B, T, V) logits ------------------------------------------------------------------
+
+B, T = 3, 4
+
+
+def sequence_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs ``(B, T, D_IN)`` and token targets ``(B, T)`` (float64)."""
+    generator = torch.Generator().manual_seed(5)
+    return (torch.randn(B, T, D_IN, generator=generator, dtype=torch.float64),
+            torch.randint(0, D_OUT, (B, T), generator=generator))
+
+
+def test_sampled_sequence_factors_match_the_per_sample_reference() -> None:
+    """``(B, T, V)`` logits: G is ``(1/B) Σ_b Σ_t ĝ_bt ĝ_btᵀ`` with ``ĝ_bt`` the gradient, at sample b's
+    layer output at position t, of sample b's own loss, the mean over its T tokens at the drawn targets."""
+    model, optimizer = make()
+    x, y = sequence_batch()
+    out = model(x)
+    assert out.shape == (B, T, D_OUT)
+    optimizer.sample_fisher(out, "cross_entropy", generator=torch.Generator().manual_seed(7))
+    F.cross_entropy(out.reshape(-1, D_OUT), y.reshape(-1)).backward()
+    optimizer.step()
+
+    reference = TwoLayer().double()
+    reference.load_state_dict(make()[0].state_dict())
+    out = reference(x)
+    generator = torch.Generator().manual_seed(7)  # one draw per token, row-major
+    with torch.no_grad():
+        targets = torch.stack([
+            torch.stack([torch.multinomial(torch.softmax(out[b, t], dim=0), 1, generator=generator)[0]
+                         for t in range(T)])
+            for b in range(B)
+        ])
+    layer_outputs = {"fc1": reference.pre_activation, "fc2": out}
+    layer_inputs = {"fc1": x, "fc2": reference.hidden.detach()}
+    for block in optimizer.blocks:
+        expected_g = torch.zeros_like(block.G.running)
+        for b in range(B):
+            loss_b = sum(-torch.log_softmax(out[b, t], dim=0)[targets[b, t]] for t in range(T)) / T
+            (grad,) = torch.autograd.grad(loss_b, layer_outputs[block.name], retain_graph=True)
+            expected_g += grad[b].T @ grad[b]  # (T, out): sample b's rows
+        expected_g /= B
+        a = torch.cat([layer_inputs[block.name].reshape(B * T, -1), torch.ones(B * T, 1, dtype=torch.float64)], 1)
+        torch.testing.assert_close(block.G.running, expected_g, rtol=1e-10, atol=1e-12, msg=block.name)
+        torch.testing.assert_close(block.A.running, a.T @ a / (B * T), rtol=1e-10, atol=1e-12, msg=block.name)
+
+
+def test_sampled_sequence_fisher_has_the_empirical_fisher_units() -> None:
+    """At the same targets, sample_fisher on ``(B, T, V)`` gives the G of the empirical Fisher of the
+    mean-over-tokens loss (not T² times it, as flattening the logits by hand would)."""
+    x, _ = sequence_batch()
+    model, sampled = make()
+    out = model(x)
+    sampled.sample_fisher(out, "cross_entropy", generator=torch.Generator().manual_seed(11))
+    drawn = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        targets = torch.multinomial(torch.softmax(out.reshape(-1, D_OUT), 1), 1, generator=drawn).reshape(B, T)
+    F.cross_entropy(out.reshape(-1, D_OUT), targets.reshape(-1)).backward()
+    sampled.step()
+
+    torch.manual_seed(0)
+    model = TwoLayer().double()
+    empirical = KFAC(model, lr=0.1, factor_decay=0.0, factor_dtype=torch.float64, inv_dtype=torch.float64, factor_update_steps=1, inv_update_steps=10)
+    F.cross_entropy(model(x).reshape(-1, D_OUT), targets.reshape(-1)).backward()
+    empirical.step()
+    for s, e in zip(sampled.blocks, empirical.blocks, strict=True):
+        torch.testing.assert_close(s.G.running, e.G.running, rtol=1e-10, atol=1e-14, msg=s.name)
+        torch.testing.assert_close(s.A.running, e.A.running, rtol=1e-10, atol=1e-14, msg=s.name)

@@ -119,7 +119,7 @@ def test_step_marks_its_phases_with_profiler_ranges() -> None:
 
 def test_read_only_properties_follow_the_schedule() -> None:
     model, x, y = _model_and_batch()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=2)
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=2, inv_update_steps=10)
     seen = []
     for _ in range(3):
         seen.append((optimizer.steps, optimizer.capturing))
@@ -137,6 +137,6 @@ def test_a_factor_that_takes_seconds_to_decompose_is_noted_once(caplog: pytest.L
     with torch.device("meta"):  # only the sizes matter: nothing is allocated
         model = nn.Sequential(nn.Linear(4095, 8), nn.Linear(8, 4096, bias=False))
     with caplog.at_level("WARNING", logger="kfac_optim.optimizer"):
-        KFAC(model, lr=0.1)
+        KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10)
     (record,) = [r for r in caplog.records if "seconds" in r.getMessage()]
     assert "0.A (4096)" in record.getMessage() and "1.G (4096)" in record.getMessage()

@@ -64,7 +64,7 @@ def test_each_layer_captures_and_folds_only_on_its_phase_once_per_interval(inter
 def test_a_callable_interval_gets_phases_against_the_interval_in_force() -> None:
     model = stagger_mlp()
     schedule = lambda step: 2 if step < 6 else 3  # noqa: E731
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=schedule, stagger_factor_updates=True)
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=schedule, stagger_factor_updates=True, inv_update_steps=10)
     for step in range(12):
         x, y = stagger_batch(step)
         optimizer.zero_grad()
@@ -129,7 +129,7 @@ def test_attention_projections_share_one_phase_and_are_captured_together() -> No
             return self.head(self.attention(h, h, h, need_weights=False)[0].mean(1))
 
     model = Net()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=2, stagger_factor_updates=True)
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=2, stagger_factor_updates=True, inv_update_steps=10)
     names = [block.name for block in optimizer.blocks]
     attention_blocks = [i for i, name in enumerate(names) if name.startswith("attention")]
     assert len(attention_blocks) >= 2
@@ -150,7 +150,7 @@ def test_attention_projections_share_one_phase_and_are_captured_together() -> No
 
 def test_sampled_fisher_records_only_the_layers_of_the_phase() -> None:
     model = stagger_mlp()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=3, fisher="sampled", stagger_factor_updates=True)
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=3, fisher="sampled", stagger_factor_updates=True, inv_update_steps=10)
     phases = expected_phases(3)
     for step in range(7):
         x, y = stagger_batch(step)

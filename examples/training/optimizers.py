@@ -16,7 +16,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from kfac_optim import KFAC, MilestoneSchedule
+from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, MilestoneSchedule, RuntimeConfig
+from kfac_optim.config import FLAT_KEYWORDS
 
 from examples.training.config import OptimConfig, ScheduleConfig, SetupError
 
@@ -24,7 +25,9 @@ _SCHEDULE_KEYS = frozenset({"initial", "epochs", "gamma"})
 
 
 def kfac_kwargs(options: dict[str, Any], steps_per_epoch: int) -> dict[str, Any]:
-    """Config values -> KFAC keyword arguments: schedules to callables, dtype names to dtypes."""
+    """Config values -> KFAC keyword arguments: schedules to callables, dtype names to dtypes, and the
+    settings of KFAC's configs (``fisher``, ``skip_layers``, ``async_statistics``, ...: the flat keys of
+    ``kfac_optim.config.FLAT_KEYWORDS``) into ``curvature=``/``asynchronous=``/``runtime=``."""
     kwargs: dict[str, Any] = {}
     for key, value in options.items():
         if value is None:
@@ -40,6 +43,13 @@ def kfac_kwargs(options: dict[str, Any], steps_per_epoch: int) -> dict[str, Any]
         elif key == "skip_layers":
             value = tuple(value)
         kwargs[key] = value
+    grouped: dict[str, dict[str, Any]] = {}
+    for key in [key for key in kwargs if key in FLAT_KEYWORDS]:
+        argument, field = FLAT_KEYWORDS[key]
+        grouped.setdefault(argument, {})[field] = kwargs.pop(key)
+    configs = {"curvature": CurvatureConfig, "asynchronous": AsyncConfig, "runtime": RuntimeConfig}
+    for argument, fields in grouped.items():
+        kwargs[argument] = configs[argument](**fields)
     return kwargs
 
 

@@ -36,11 +36,12 @@ from torch import Tensor, nn
 
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES
+from kfac_optim.intervals import AutoIntervals, auto_of, check_interval
 from kfac_optim.layers import KroneckerBlock
 from kfac_optim.layers.registry import SkipLayers, check_block_overrides
 from kfac_optim.methods import Method, method_named
 
-IntSchedule = int | Callable[[int], int]
+IntSchedule = int | Callable[[int], int] | Literal["auto"] | AutoIntervals
 FloatSchedule = float | Callable[[int], float]
 
 
@@ -48,12 +49,6 @@ FloatSchedule = float | Callable[[int], float]
 def check_damping(value: float) -> float:
     if not 0 < value < math.inf:
         raise ValueError(f"damping must be a finite number > 0, got {value}")
-    return value
-
-
-def check_interval(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
 
 
@@ -247,15 +242,17 @@ class KFACOptions:
     ``damping``: λ, in Fisher units of a per-sample loss (docs/design.md §3), a float > 0 or a
     callable ``step -> float``. ``kl_clip``: the trust-region size ν is computed from (None: no
     clipping). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh
-    decompositions every this many steps (int >= 1 or callable ``step -> int``). ``method``:
+    decompositions every this many steps (int >= 1 or callable ``step -> int``), or ``"auto"`` /
+    an ``AutoIntervals`` (the default): chosen from the cost measured on the first steps
+    (``kfac_optim.intervals``). ``method``:
     "eigen", "inverse", "eigen_adam" or a ``kfac_optim.Method``. ``curvature``, ``asynchronous``, ``update``: see
     :class:`CurvatureConfig`, :class:`AsyncConfig` (None: decompositions in line) and :class:`UpdateConfig`.
     """
 
     damping: FloatSchedule = 0.1
     kl_clip: float | None = 1e-3
-    factor_update_steps: IntSchedule = 1
-    inv_update_steps: IntSchedule = 10
+    factor_update_steps: IntSchedule = "auto"
+    inv_update_steps: IntSchedule = "auto"
     method: Literal["eigen", "inverse", "eigen_adam"] | Method = "eigen"
     curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
     asynchronous: AsyncConfig | None = None
@@ -266,8 +263,9 @@ class KFACOptions:
             check_damping(self.damping)
         if self.kl_clip is not None and not 0 < self.kl_clip < math.inf:
             raise ValueError(f"kl_clip must be a finite number > 0 or None, got {self.kl_clip}")
+        auto = auto_of(self.factor_update_steps, self.inv_update_steps)  # ValueError naming them
         for name in ("factor_update_steps", "inv_update_steps"):
-            if not callable(getattr(self, name)):
+            if not callable(getattr(self, name)) and not isinstance(getattr(self, name), (str, AutoIntervals)):
                 check_interval(name, getattr(self, name))
         method_named(self.method)  # ValueError naming method
         if not isinstance(self.curvature, CurvatureConfig):
@@ -283,6 +281,11 @@ class KFACOptions:
             )
         if self.asynchronous is not None and not self.asynchronous.decompositions:
             object.__setattr__(self, "asynchronous", None)  # AsyncConfig(decompositions=False): in line
+        if self.curvature.stagger and auto is not None and isinstance(self.factor_update_steps, (str, AutoIntervals)):
+            raise ValueError(
+                "CurvatureConfig.stagger (stagger_factor_updates) needs an explicit factor_update_steps > 1 (not "
+                f"{self.factor_update_steps!r}): its phases are assigned per interval"
+            )
         if self.curvature.stagger and self.factor_update_steps == 1:
             raise ValueError(
                 "CurvatureConfig.stagger (stagger_factor_updates) needs factor_update_steps > 1: at an interval "
@@ -342,6 +345,13 @@ DEPRECATED_KEYWORDS: dict[str, str] = {
     **{old: f"runtime=RuntimeConfig({new}=...)" for old, new in _RUNTIME_KEYWORDS.items()},
 }
 """The flat keywords of earlier releases and their new spelling (accepted with a ``DeprecationWarning``)."""
+FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
+    **{old: ("curvature", new) for old, new in _CURVATURE_KEYWORDS.items()},
+    **{old: ("asynchronous", new) for old, new in _ASYNC_KEYWORDS.items()},
+    **{old: ("runtime", new) for old, new in _RUNTIME_KEYWORDS.items()},
+}
+"""The same keywords as ``{old: (the KFAC argument of their config, its field)}``, for code that
+translates flat settings (e.g. a training config file) into configs."""
 
 
 def from_deprecated_keywords(

@@ -32,8 +32,9 @@ from kfac_optim import batch_free, layers, linalg
 from kfac_optim import fisher as fisher_lib
 from kfac_optim.background import BackgroundDecompositions, Job, Result
 from kfac_optim.capture import StatisticsCapture
-from kfac_optim.config import KFACOptions, RuntimeConfig, check_damping, check_interval
+from kfac_optim.config import KFACOptions, RuntimeConfig, check_damping
 from kfac_optim.diagnostics import warn_user
+from kfac_optim.intervals import IntervalSchedule
 from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.sharding import Sharding
 from kfac_optim.layers import KroneckerBlock, discover, discover_blocks
@@ -142,12 +143,13 @@ class KroneckerEstimator:
         self.adopt_at: int | None = None  # the step at which the round in flight is adopted
         self._stagger = FactorStagger(self.blocks) if curvature.stagger else None
         self.steps = 0
+        device = self.blocks[0].weight.device if self.blocks else torch.device("cpu")
+        self.intervals = IntervalSchedule(options.factor_update_steps, options.inv_update_steps, device)
         self._reported_overwritten: set[str] = set()
         self._warned = {"apex in line": False, "nothing sampled": False, "graph backward": False}
         self._checked_capture = False
         # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (counted by the
         # optimizer's KL clip, left out of ν), on the device; and per block, how many were reported.
-        device = self.blocks[0].weight.device if self.blocks else torch.device("cpu")
         self.nonfinite_directions = torch.zeros(len(self.parameters()), dtype=torch.int64, device=device)
         self._reported_nonfinite = [0] * len(self.blocks)
         self.arm()
@@ -200,27 +202,25 @@ class KroneckerEstimator:
 
     def folding_blocks(self, step: int) -> list[KroneckerBlock]:
         """The blocks that capture for and fold at ``step``: all on factor steps, or their phase's."""
-        interval = check_interval("factor_update_steps", resolve(self.options.factor_update_steps, step))
         if self._stagger is not None and self._stagger.ready:
-            return self._stagger.blocks_at(step, interval)
-        return self.blocks if step % interval == 0 else []
+            return self._stagger.blocks_at(step, self.intervals.factor_interval(step))
+        return self.blocks if self.intervals.is_factor_step(step) else []
 
     def is_inverse_step(self, step: int) -> bool:
-        interval = check_interval("inv_update_steps", resolve(self.options.inv_update_steps, step))
-        return step % interval == 0
+        return self.intervals.is_inverse_step(step)
 
     def arm(self) -> None:
         """Let the hooks capture for the coming step when it is a factor step (for its layers)."""
         step = self.steps
         if self._stagger is not None and self._stagger.ready:
-            interval = check_interval("factor_update_steps", resolve(self.options.factor_update_steps, step))
-            only = self._stagger.modules_at(step, interval)
+            only = self._stagger.modules_at(step, self.intervals.factor_interval(step))
             self.capture.arm(bool(only), only)
         else:
             self.capture.arm(bool(self.folding_blocks(step)))
 
     def advance(self) -> None:
         """Count a step and arm the hooks for the next one."""
+        self.intervals.step_ended(self.steps)
         self.steps += 1
         self.arm()
 
@@ -253,7 +253,9 @@ class KroneckerEstimator:
 
         Call it on every (micro-)batch between the forward pass and ``loss.backward()``, with the
         model's ``outputs`` and the ``likelihood`` its training loss assumes: "cross_entropy"
-        (logits ``(N, C)``) or "mse" (see ``kfac_optim.fisher``). On a step that updates factors
+        (logits ``(N, C)``, or ``(N, T, C)`` / ``(N, ..., C)`` for sequences: each sample's loss is the mean
+        over its positions, in the units of the empirical Fisher of a mean-over-tokens loss) or "mse"
+        (see ``kfac_optim.fisher``). On a step that updates factors
         it back-propagates the loss at sampled targets with ``torch.autograd.grad`` with respect to
         the K-FAC layers' outputs of this forward (one more backward pass, down to the first
         K-FAC layer and without weight gradients, however the parameters reach the graph, e.g.
@@ -301,6 +303,7 @@ class KroneckerEstimator:
         step, damping = self.steps, self.damping_at(self.steps)
         self.capture.flush()  # pairs held for a backward that kept its graph (capture.py)
         self.capture.drop_without_gradient()
+        self.intervals.begin_step(step, self._average_costs)  # "auto": decide after the calibration steps
         if self.sharding.decompositions_missing:  # a loaded checkpoint lacks some: from its factors
             self._decomposition_step(damping, only_missing=True)
         folding = self.folding_blocks(step)
@@ -309,12 +312,17 @@ class KroneckerEstimator:
         else:
             self.discard_pending_statistics()  # a no-op when nothing was captured
         if self.is_inverse_step(step):
-            self._decomposition_step(damping)
+            with self.intervals.timing_decomposition(step):
+                self._decomposition_step(damping)
         elif self.adopt_at == step:  # AsyncConfig.delay: adopt the round in flight, the same step on every rank
             self._adopt_background_round()
             self.sharding.share_decompositions(self.method, self.options.curvature.inv_dtype)
         if self._statistics is not None:  # after any wait for the worker above
             self._report_statistics_worker()
+
+    def _average_costs(self, costs: list[float]) -> list[float]:
+        """The calibration's costs summed over ranks (one all-reduce, at the same step on every rank)."""
+        return self.sharding.sum_over_ranks(costs, "the automatic intervals' cost all-reduce")
 
     def shadow_step(self) -> None:
         """A joined rank's part in one step of the others (``distributed/join.py``): count it, fold
@@ -518,8 +526,9 @@ class KroneckerEstimator:
                 self._reported_nonfinite[index] = count
 
     def restore(self, steps: int, saved: dict[str, dict], results: list[tuple[Job, Result]],
-                adopt_at: int | None, round_saved: bool) -> None:
-        """Load validated blocks (``checkpoint.py``) and the results of a saved round in flight.
+                adopt_at: int | None, round_saved: bool, intervals: dict | None = None) -> None:
+        """Load validated blocks (``checkpoint.py``), the chosen automatic intervals (None: none
+        chosen, calibrate from the next step) and the results of a saved round in flight.
 
         With ``AsyncConfig`` the round is held and adopted at its saved step (``adopt_at``), as in
         the run that saved it (the results of the factors this rank decomposes). Without, it is
@@ -530,6 +539,7 @@ class KroneckerEstimator:
             self.background.close()
             self.adopt_at = None
         self.steps = int(steps)
+        self.intervals.load_state_dict(intervals, self.steps)
         for block in self.blocks:
             if block.name in saved:
                 block.load_state_dict(saved[block.name])
@@ -630,5 +640,6 @@ class KroneckerEstimator:
             f"KFAC ({self.method.name}): {len(self.blocks)} blocks precondition {covered}/{total} "
             f"weight-matrix elements ({share:.1%})",
             *(f"  {report}{FROZEN_NOTE if report.block in frozen else ''}" for report in self.reports),
+            self.intervals.describe(),
         ]
         return "\n".join(lines)

@@ -12,12 +12,22 @@ samples, the per-sample loss ``ℓ`` and its output-gradient ``ĝ = ∂ℓ/∂f`
 
 - ``"cross_entropy"``: ``f``: logits ``(N, C)``, ``y ~ Categorical(softmax(f))``,
   ``ℓ = -log softmax(f)_y`` (``F.cross_entropy`` per sample), ``E[ĝ ĝᵀ] = diag(p) - p pᵀ``;
+  sequences: logits ``(N, T, C)``, or ``(N, d1, ..., C)`` with ``T = d1·...`` positions (classes
+  last, as a language model's ``(B, T, V)``), one draw ``y_t`` per position and the sample's loss
+  the **mean over its positions**, ``ℓ = (1/T) Σ_t -log softmax(f_t)_{y_t}``, so ``ĝ_t = δ_t / T``
+  with ``E[δ_t δ_tᵀ] = diag(p_t) - p_t p_tᵀ`` (see below);
 - ``"mse"``: ``f``: predictions ``(N, ...)`` of D elements per sample, ``y = f + sqrt(D/2)·ε``
   with ``ε ~ N(0, I)``, ``ℓ = (1/D) Σ (f - y)²`` (``F.mse_loss`` per sample, the negative
   log-likelihood of that Gaussian up to a constant), ``E[ĝ ĝᵀ] = (2/D)·I``.
 
 So the statistics are in the units of a mean-reduced ``F.cross_entropy`` / ``F.mse_loss`` training
-loss, as the empirical ones are, and damping keeps its meaning. The loss returned is the **sum**
+loss, as the empirical ones are, and damping keeps its meaning. For sequences that is the
+empirical Fisher of ``F.cross_entropy(logits.reshape(-1, C), y.reshape(-1))``, the mean over all
+``N·T`` tokens, whose blocks count the N sequences as samples (docs/design.md §3 "What N is"):
+its rows are ``ĝ_t = N·∂L/∂f_t = δ_t / T`` too, so ``G = (1/T)·E_token[δδᵀ]`` on both paths (the
+per-token Fisher over T: damping λ acts as ``λ·T`` on the per-token Fisher, see
+docs/transformer_diagnosis.md "Units"). Flattening ``(N, T, C)`` to ``(N·T, C)`` by hand instead
+would sum the T tokens of a sample and give a G T² times the empirical one. The loss returned is the **sum**
 of the per-sample losses: its output-gradients are the ``ĝ`` themselves, of order one, which
 keeps them representable in float16 without a loss scale.
 """
@@ -53,16 +63,18 @@ def _at_least_float32(tensor: Tensor) -> Tensor:
 def sample_targets(outputs: Tensor, likelihood: Likelihood, generator: torch.Generator | None = None) -> Tensor:
     """Targets drawn from the predictive distribution that ``outputs`` parameterize (no grad).
 
-    ``"cross_entropy"``: class indices ``(N,)`` (int64) for logits ``(N, C)``; ``"mse"``: a tensor
-    shaped like ``outputs``, in float32 or wider.
+    ``"cross_entropy"``: class indices ``(N, ...)`` (int64) for logits ``(N, ..., C)`` (one per
+    position, drawn in row-major order); ``"mse"``: a tensor shaped like ``outputs``, in float32 or wider.
     """
     if check_likelihood(likelihood) == "cross_entropy":
-        if outputs.dim() != 2:
+        if outputs.dim() < 2 or outputs.shape[0] == 0 or outputs.shape[-1] < 2:
             raise ValueError(
-                f"likelihood 'cross_entropy' takes logits of shape (N, C), got outputs of shape {tuple(outputs.shape)}"
+                "likelihood 'cross_entropy' takes logits of shape (N, C) or (N, T, C) / (N, ..., C), classes last, "
+                f"with C >= 2 classes, got outputs of shape {tuple(outputs.shape)}"
             )
-        probabilities = torch.softmax(_at_least_float32(outputs), dim=1)
-        return torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
+        classes = outputs.shape[-1]
+        probabilities = torch.softmax(_at_least_float32(outputs).reshape(-1, classes), dim=1)
+        return torch.multinomial(probabilities, 1, generator=generator).reshape(outputs.shape[:-1])
     if outputs.dim() < 1 or outputs.shape[0] == 0:
         raise ValueError(f"likelihood 'mse' takes outputs of shape (N, ...), got {tuple(outputs.shape)}")
     mean = _at_least_float32(outputs)
@@ -72,9 +84,14 @@ def sample_targets(outputs: Tensor, likelihood: Likelihood, generator: torch.Gen
 
 
 def sampled_loss(outputs: Tensor, likelihood: Likelihood, generator: torch.Generator | None = None) -> Tensor:
-    """The sum over samples of the per-sample loss at sampled targets (module docstring), in float32 or wider."""
+    """The sum over samples of the per-sample loss at sampled targets (module docstring), in float32 or wider.
+
+    ``"cross_entropy"`` on ``(N, ..., C)``: the sum over the N samples of each one's mean over its
+    ``T = outputs[0].numel() / C`` positions."""
     outputs = _at_least_float32(outputs)
     targets = sample_targets(outputs, likelihood, generator)
     if likelihood == "cross_entropy":
-        return F.cross_entropy(outputs, targets, reduction="sum")
+        classes = outputs.shape[-1]
+        positions = outputs[0].numel() // classes
+        return F.cross_entropy(outputs.reshape(-1, classes), targets.reshape(-1), reduction="sum") / positions
     return F.mse_loss(outputs, targets, reduction="sum") / outputs[0].numel()

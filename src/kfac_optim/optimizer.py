@@ -90,8 +90,10 @@ class KFAC(Optimizer, Joinable):
         damping: λ, a float > 0 or a callable ``step -> float``.
         kl_clip: bound on the KL-divergence estimate of the update at each group's base lr (the
             step follows an lr schedule; ``UpdateConfig.trust_region``); None disables clipping.
-        factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable).
-        inv_update_steps: refresh decompositions every this many steps (int ≥ 1 or callable).
+        factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable), or
+            "auto" (default) / a ``kfac_optim.intervals.AutoIntervals``: chosen from the cost
+            measured on the first steps (docs/api.md "Automatic intervals").
+        inv_update_steps: refresh decompositions every this many steps (int ≥ 1, callable, "auto").
         method: "eigen" (exact damping of ``G ⊗ A``) or "inverse" (π-factored damping), or a
             ``kfac_optim.Method`` instance.
         curvature: :class:`~kfac_optim.config.CurvatureConfig`: the Fisher's kind, loss reduction,

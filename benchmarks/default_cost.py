@@ -1,0 +1,82 @@
+"""What the drop-in swap costs: ``KFAC(model)`` with nothing else against ``torch.optim.SGD``.
+
+Usage: ``python -m benchmarks.default_cost [--model resnet18|gpt] [--steps 200] [--threads 1]``.
+
+Two copies of the model (same seed) train on the same batches, one with ``torch.optim.SGD(params,
+lr)`` and one with ``KFAC(model, lr)`` (the library's defaults: automatic intervals, docs/api.md
+"Automatic intervals"). Their steps are **interleaved** (SGD's step i, then K-FAC's step i), so a
+load swing on a shared machine hits both alike; each step is ``zero_grad`` + forward + backward +
+``step()`` wall-clock. Prints both means over all steps (K-FAC's calibration and first
+decompositions included), their ratio, and the intervals K-FAC chose. Models: ``resnet18`` (32 px,
+batch 64, torchvision) and ``gpt`` (the peer benchmark's character GPT, ``benchmarks/peers/tasks.py``:
+2 layers, width 64, context 64, tied head; batch 32 of random bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from benchmarks.peers.tasks import CharGPT
+from benchmarks.step_time import build_model
+from kfac_optim import KFAC
+
+
+def workload(name: str, steps: int) -> tuple[Callable[[], nn.Module], list[tuple[Tensor, Tensor]],
+                                              Callable[[Tensor, Tensor], Tensor]]:
+    """``(build the model, batches, loss(outputs, targets))``."""
+    generator = torch.Generator().manual_seed(1)
+    if name == "resnet18":
+        batches = [(torch.randn(64, 3, 32, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator))
+                   for _ in range(steps)]
+        return lambda: build_model("resnet18", 32), batches, F.cross_entropy
+    tokens = [torch.randint(0, 256, (32, 65), generator=generator) for _ in range(steps)]
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    return CharGPT, batches, lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("resnet18", "gpt"), default="resnet18")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    build, batches, loss_of = workload(args.model, args.steps)
+    models, optimizers = {}, {}
+    for name in ("sgd", "kfac"):
+        torch.manual_seed(0)
+        models[name] = build().train()
+    optimizers["sgd"] = torch.optim.SGD(models["sgd"].parameters(), lr=args.lr)
+    optimizers["kfac"] = KFAC(models["kfac"], lr=args.lr)
+    times: dict[str, list[float]] = {"sgd": [], "kfac": []}
+    load_before = os.getloadavg()[0]
+    for x, y in batches:
+        for name in ("sgd", "kfac"):
+            start = time.perf_counter()
+            optimizers[name].zero_grad(set_to_none=True)
+            loss_of(models[name](x), y).backward()
+            optimizers[name].step()
+            times[name].append(time.perf_counter() - start)
+    sgd, kfac = statistics.fmean(times["sgd"]), statistics.fmean(times["kfac"])
+    result = {"sgd_mean_s": sgd, "kfac_mean_s": kfac, "ratio": kfac / sgd,
+              "sgd_median_s": statistics.median(times["sgd"]), "kfac_median_s": statistics.median(times["kfac"])}
+    print(f"{args.model}, {args.steps} interleaved steps, {args.threads} thread(s), torch {torch.__version__}, "  # noqa: T201
+          f"load {load_before:.2f} -> {os.getloadavg()[0]:.2f}")
+    print(f"SGD mean {sgd * 1e3:.1f} ms (median {result['sgd_median_s'] * 1e3:.1f}); KFAC(model) mean "  # noqa: T201
+          f"{kfac * 1e3:.1f} ms (median {result['kfac_median_s'] * 1e3:.1f}; first {times['kfac'][0]:.2f} s); "
+          f"ratio {kfac / sgd:.2f}x")
+    print(optimizers["kfac"].estimator.intervals.describe())  # noqa: T201
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Automatic intervals (``kfac_optim.intervals``): the calibration's schedule, the cost model,
+one decision per run (logged, in describe()), and checkpoints that keep it.
+
+Costs are injected (``AutoIntervals(costs=StepCosts(...))``) wherever the intervals decide what
+is compared, so the tests do not depend on this machine's timing; one test measures for real and
+checks only what timing cannot change.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac_optim import KFAC
+from kfac_optim.intervals import AutoIntervals, StepCosts
+
+COSTS = StepCosts(step=0.1, factor=0.05, decomposition=3.5)  # ResNet-18-like: seconds
+
+
+def intervals_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 4))
+
+
+def train(optimizer: KFAC, model: nn.Module, steps: int, first: int = 0) -> None:
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 6, generator=generator), torch.randint(0, 4, (16,), generator=generator))
+               for _ in range(first + steps)]
+    for x, y in batches[first:]:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+def test_the_cost_model_keeps_the_amortized_curvature_work_within_the_budget() -> None:
+    auto = AutoIntervals(overhead=0.5)
+    factor, inverse = auto.choose(COSTS, None, None)
+    # share = 0.5 · 0.1 / 2 = 0.025 s: factor ceil(0.05 / 0.025) = 2, inverse ceil(3.5 / 0.025) = 140
+    assert (factor, inverse) == (2, 140)
+    assert COSTS.factor / factor + COSTS.decomposition / inverse <= 0.5 * COSTS.step + 1e-12
+    # cheap curvature: K-FAC's customary intervals are the floor; an expensive one meets the caps
+    assert auto.choose(StepCosts(1.0, 0.0, 0.001), None, None) == (1, 10)
+    assert auto.choose(StepCosts(0.01, 10.0, 1000.0), None, None) == (50, 500)
+    # the inverse interval is a multiple of the factor one; an explicit one is kept
+    assert auto.choose(StepCosts(0.1, 0.07, 0.3), None, None) == (3, 12)
+    assert auto.choose(COSTS, 5, None) == (5, 140)
+
+
+def test_calibration_then_injected_costs_give_the_same_intervals_every_run(caplog: pytest.LogCaptureFixture) -> None:
+    model = intervals_mlp()
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=AutoIntervals(costs=COSTS), inv_update_steps=AutoIntervals(costs=COSTS))
+    assert [optimizer.is_factor_step(k) for k in range(3)] == [True, True, False]
+    assert [optimizer.is_inverse_step(k) for k in range(3)] == [True, False, False]
+    assert "factor_update_steps=auto (measuring)" in optimizer.describe()
+    with caplog.at_level(logging.INFO, logger="kfac_optim.intervals"):
+        train(optimizer, model, 4)
+    assert "factor_update_steps=2 (auto), inv_update_steps=140 (auto)" in caplog.text
+    assert optimizer.describe().splitlines()[-1].startswith(
+        "intervals: factor_update_steps=2 (auto), inv_update_steps=140 (auto)")
+    assert [k for k in range(3, 300) if optimizer.is_factor_step(k)][:3] == [4, 6, 8]
+    assert [k for k in range(3, 300) if optimizer.is_inverse_step(k)] == [140, 280]
+
+
+def test_an_explicit_interval_is_kept_and_the_other_chosen() -> None:
+    model = intervals_mlp()
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=AutoIntervals(costs=COSTS))
+    train(optimizer, model, 4)
+    assert optimizer.estimator.intervals.chosen == (1, 140)
+    assert all(optimizer.is_factor_step(k) for k in range(10))
+
+
+def test_measured_intervals_are_decided_once_and_bounded() -> None:
+    model = intervals_mlp()
+    optimizer = KFAC(model, lr=0.1)  # the default: "auto", measured here
+    train(optimizer, model, 3)
+    assert optimizer.estimator.intervals.chosen is None  # decided at the start of step 3
+    train(optimizer, model, 2, first=3)
+    factor, inverse = optimizer.estimator.intervals.chosen
+    assert 1 <= factor <= 50 and 10 <= inverse <= 500 and inverse % factor == 0
+    costs = optimizer.estimator.intervals.costs
+    assert costs.step > 0 and costs.factor >= 0 and costs.decomposition > 0
+    train(optimizer, model, 3, first=5)
+    assert optimizer.estimator.intervals.chosen == (factor, inverse)  # never re-decided
+
+
+def test_a_resumed_run_keeps_the_chosen_intervals_and_continues_bit_identically() -> None:
+    def build(costs: StepCosts) -> tuple[nn.Module, KFAC]:
+        model = intervals_mlp()
+        return model, KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=AutoIntervals(costs=costs),
+                           inv_update_steps=AutoIntervals(costs=costs))
+
+    cheap = StepCosts(step=0.1, factor=0.02, decomposition=0.1)  # (1, 10)
+    reference_model, reference = build(cheap)
+    train(reference, reference_model, 25)
+
+    model, optimizer = build(cheap)
+    train(optimizer, model, 12)
+    state, weights = optimizer.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    assert state["kfac"]["intervals"]["factor"] == 1 and state["kfac"]["intervals"]["inverse"] == 10
+
+    resumed_model, resumed = build(COSTS)  # would choose (2, 140) if it calibrated again
+    resumed_model.load_state_dict(weights)
+    resumed.load_state_dict(state)
+    assert resumed.estimator.intervals.chosen == (1, 10)
+    train(resumed, resumed_model, 13, first=12)
+    for name, param in reference_model.state_dict().items():
+        assert torch.equal(resumed_model.state_dict()[name], param), name
+
+
+def test_a_checkpoint_with_bad_intervals_is_refused_naming_the_field() -> None:
+    model = intervals_mlp()
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=AutoIntervals(costs=COSTS), inv_update_steps=AutoIntervals(costs=COSTS))
+    train(optimizer, model, 4)
+    state = optimizer.state_dict()
+    state["kfac"]["intervals"]["inverse"] = 0
+    with pytest.raises(ValueError, match="intervals.*inverse"):
+        optimizer.load_state_dict(state)
+    assert optimizer.estimator.intervals.chosen == (2, 140)  # left as it was
+
+
+def test_auto_intervals_check_their_fields() -> None:
+    with pytest.raises(ValueError, match="overhead"):
+        AutoIntervals(overhead=0)
+    with pytest.raises(ValueError, match="max_inverse"):
+        AutoIntervals(max_inverse=5)
+    with pytest.raises(ValueError, match="StepCosts.step"):
+        StepCosts(step=0.0, factor=0.0, decomposition=0.0)
+    with pytest.raises(ValueError, match="StepCosts.factor"):
+        StepCosts(step=1.0, factor=math.nan, decomposition=0.0)
