@@ -172,7 +172,7 @@ def test_bad_eigen_adam_settings_name_the_setting(kwargs: dict[str, float], matc
 
 
 def test_describe_and_repr_name_the_method_and_its_settings() -> None:
-    optimizer = KFAC(make_net(), lr=LR, method="eigen_adam")
+    optimizer = KFAC(make_net(), lr=LR, method="eigen_adam", factor_update_steps=1, inv_update_steps=10)
     assert optimizer.describe().startswith("KFAC (eigen_adam)")
     assert repr(optimizer.method) == "EigenAdam(beta2=0.95, eps=1e-08)"
 

@@ -296,7 +296,7 @@ def test_unfrozen_layer_starts_with_empty_factors_and_takes_the_dense_kfac_step(
     model = mlp(sizes=(4, 8, 3))
     model[0].requires_grad_(False)
     options = {**OPTIONS, "momentum": 0.0}
-    optimizer = KFAC(model, **options)
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **options})
     x, y = batch(0)
     optimizer.zero_grad()
     F.cross_entropy(model(x), y).backward()
@@ -502,7 +502,7 @@ def test_one_dimensional_indices_of_one_per_sample_are_a_batch_and_stay_kfac() -
     """Labels ``(N,)`` are a batched use (N = the other layers' batch): preconditioned, no warning.
     Positions ``(T,)`` with a batch N != T: the SGD path, one warning, the reason in describe()."""
     model = LabelConditioned()
-    optimizer = KFAC(model, **OPTIONS)
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         for step in range(2):
@@ -514,7 +514,7 @@ def test_one_dimensional_indices_of_one_per_sample_are_a_batch_and_stay_kfac() -
     assert bool(factors(optimizer)["label.G"].trace() > 0)
 
     lm = TinyLM()
-    optimizer = KFAC(lm, **OPTIONS)
+    optimizer = KFAC(lm, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     with pytest.warns(RuntimeWarning, match="'position' takes the SGD path: its indices have no batch dimension") as caught:
         for seed in range(2):
             optimizer.zero_grad()
@@ -528,7 +528,7 @@ def test_one_dimensional_indices_of_one_per_sample_are_a_batch_and_stay_kfac() -
 
 def test_positions_with_a_batch_as_long_as_the_sequence_are_ambiguous_and_warn() -> None:
     lm = TinyLM()
-    optimizer = KFAC(lm, **OPTIONS)
+    optimizer = KFAC(lm, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     with pytest.warns(RuntimeWarning, match="'position' was called with 1-D indices of length 5, the batch size"):
         lm_loss(lm, *lm_batch(0, 5)).backward()
         optimizer.step()
@@ -599,7 +599,7 @@ def test_compiled_train_step_adds_no_graph_for_the_kfac_step() -> None:
     def graphs(with_kfac: bool) -> int:
         torch._dynamo.reset()
         model = mlp()
-        optimizer = KFAC(model, **OPTIONS) if with_kfac else None
+        optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}) if with_kfac else None
         if optimizer is not None:
             optimizer.remove_hooks()
 

@@ -943,7 +943,7 @@ def test_tied_factors_are_the_nearest_kronecker_product_of_each_uses_running_ave
     U, S, Vh = torch.linalg.svd(rearranged, full_matrices=False)
     nearest = S[0] * torch.outer(U[:, 0], Vh[0])
 
-    optimizer = KFAC(model, lr=0.0, kl_clip=None, damping=0.1, factor_decay=decay, **DTYPES)
+    optimizer = KFAC(model, lr=0.0, kl_clip=None, damping=0.1, factor_decay=decay, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
     for tokens, target in batches:
         optimizer.zero_grad()
         (0.5 * ((model(tokens)[2] - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
@@ -965,7 +965,7 @@ def test_a_tied_block_resumes_from_a_checkpoint_with_both_uses_running_averages(
             optimizer.step()
 
     def build(model: TiedModel) -> KFAC:
-        return KFAC(model, lr=0.1, momentum=0.9, damping=0.1, factor_decay=0.5, inv_update_steps=1, **DTYPES)
+        return KFAC(model, lr=0.1, momentum=0.9, damping=0.1, factor_decay=0.5, inv_update_steps=1, **{"factor_update_steps": 1, **DTYPES})
 
     torch.manual_seed(0)
     straight = TiedModel(V, D)

@@ -46,7 +46,7 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _kfac_direction_and_gradient(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """K-FAC's unclipped direction V (lr 1, no clip) and ∇ at ``_net()`` on ``_labelled_batch()``, flattened."""
     net = _net()
-    optimizer = KFAC(net, lr=1.0, kl_clip=None, curvature=DOUBLE, inv_update_steps=1)
+    optimizer = KFAC(net, lr=1.0, kl_clip=None, curvature=DOUBLE, inv_update_steps=1, factor_update_steps=1)
     before = _params(net)
     _backward(net, seed)
     grad = _flat([p.grad.clone() for p in net.parameters()])
@@ -92,7 +92,7 @@ def test_while_the_kl_bound_binds_the_step_scales_with_the_scheduled_lr(schedule
     net = _net()
     start = [p.detach().clone() for p in net.parameters()]
     lr = torch.tensor(base_lr) if tensor_lr else base_lr
-    optimizer = KFAC(net, lr=lr, kl_clip=kl_clip, curvature=DOUBLE, inv_update_steps=1)
+    optimizer = KFAC(net, lr=lr, kl_clip=kl_clip, curvature=DOUBLE, inv_update_steps=1, factor_update_steps=1)
     scheduler = SCHEDULES[schedule](optimizer)
     lengths, lrs = [], []
     for _ in range(6):
@@ -117,7 +117,7 @@ def test_the_scheduled_lr_trust_region_keeps_the_step_fixed_while_binding() -> N
     net = _net()
     start = _params(net)
     optimizer = KFAC(net, lr=0.5, kl_clip=1e-4, curvature=DOUBLE, inv_update_steps=1,
-                     update=UpdateConfig(trust_region="scheduled_lr"))
+                     update=UpdateConfig(trust_region="scheduled_lr"), factor_update_steps=1)
     lengths = []
     for lr in (0.5, 0.25):
         optimizer.param_groups[0]["lr"] = lr
@@ -137,7 +137,7 @@ def test_at_a_constant_lr_the_base_lr_trust_region_is_the_old_rule_bit_for_bit()
         net = _net()
         optimizer = KFAC(net, lr=0.3, momentum=0.9, kl_clip=1e-3, inv_update_steps=2,
                          params=[{"params": net[0].parameters(), "lr": 0.1}, {"params": net[2].parameters()}],
-                         update=UpdateConfig(trust_region=trust_region))
+                         update=UpdateConfig(trust_region=trust_region), factor_update_steps=1)
         for seed in range(4):
             optimizer.zero_grad()
             _backward(net, seed)
@@ -150,12 +150,12 @@ def test_at_a_constant_lr_the_base_lr_trust_region_is_the_old_rule_bit_for_bit()
 def test_the_base_lr_is_saved_with_the_param_groups_and_restored() -> None:
     """The base lr is the group's lr when built; a resumed optimizer keeps the saved one."""
     net = _net()
-    optimizer = KFAC(net, lr=0.4, kl_clip=1e-4, curvature=DOUBLE)
+    optimizer = KFAC(net, lr=0.4, kl_clip=1e-4, curvature=DOUBLE, factor_update_steps=1, inv_update_steps=10)
     _backward(net)
     optimizer.step()
     optimizer.param_groups[0]["lr"] = 0.1
     state = optimizer.state_dict()
-    resumed = KFAC(_net(), lr=0.1, kl_clip=1e-4, curvature=DOUBLE)
+    resumed = KFAC(_net(), lr=0.1, kl_clip=1e-4, curvature=DOUBLE, factor_update_steps=1, inv_update_steps=10)
     resumed.load_state_dict(state)
     assert resumed.param_groups[0]["kfac_base_lr"] == 0.4
     assert resumed.trust_region_lr(resumed.param_groups[0]) == 0.4
@@ -163,7 +163,7 @@ def test_the_base_lr_is_saved_with_the_param_groups_and_restored() -> None:
 
 def test_the_base_lr_is_each_groups_lr_when_built_whatever_a_scheduler_does() -> None:
     net = _net()
-    optimizer = KFAC(net, lr=0.4, params=[{"params": net[0].parameters(), "lr": 0.2}, {"params": net[2].parameters()}])
+    optimizer = KFAC(net, lr=0.4, params=[{"params": net[0].parameters(), "lr": 0.2}, {"params": net[2].parameters()}], factor_update_steps=1, inv_update_steps=10)
     torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
     assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.02, 0.04])
     assert [optimizer.trust_region_lr(group) for group in optimizer.param_groups] == [0.2, 0.4]
@@ -171,11 +171,11 @@ def test_the_base_lr_is_each_groups_lr_when_built_whatever_a_scheduler_does() ->
 
 def test_a_state_dict_of_an_earlier_release_takes_the_schedulers_initial_lr() -> None:
     net = _net()
-    optimizer = KFAC(net, lr=0.4)
+    optimizer = KFAC(net, lr=0.4, factor_update_steps=1, inv_update_steps=10)
     torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
     state = optimizer.state_dict()
     del state["param_groups"][0]["kfac_base_lr"]
-    resumed = KFAC(_net(), lr=0.1)
+    resumed = KFAC(_net(), lr=0.1, factor_update_steps=1, inv_update_steps=10)
     resumed.load_state_dict(state)
     assert resumed.trust_region_lr(resumed.param_groups[0]) == 0.4
 
@@ -188,7 +188,7 @@ def test_decoupled_decay_where_kfac_is_off_is_sgd_with_the_decay_written_out() -
     lr, wd, momentum = 0.1, 0.05, 0.9
     net = _net()
     optimizer = KFAC(net, lr=lr, momentum=momentum, weight_decay=wd, curvature=CurvatureConfig(skip_layers=("0",)),
-                     update=UpdateConfig(decoupled_weight_decay=True))
+                     update=UpdateConfig(decoupled_weight_decay=True), factor_update_steps=1, inv_update_steps=10)
     reference = [p.detach().clone() for p in net[0].parameters()]
     buffers: list[torch.Tensor | None] = [None, None]
     for seed in range(3):
@@ -209,7 +209,7 @@ def test_decoupled_decay_enters_neither_the_direction_nor_the_clip() -> None:
     for decay in (0.0, wd):
         net = _net()
         optimizer = KFAC(net, lr=lr, momentum=0.9, weight_decay=decay, kl_clip=1e-5, curvature=DOUBLE,
-                         update=UpdateConfig(decoupled_weight_decay=True))
+                         update=UpdateConfig(decoupled_weight_decay=True), factor_update_steps=1, inv_update_steps=10)
         before = _params(net)
         _backward(net)
         optimizer.step()
@@ -231,14 +231,14 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_sgd_grafting_has_kfacs_direction_and_the_gradients_norm_per_tensor() -> None:
     lr = 0.3
     twin = _net()
-    unclipped = KFAC(twin, lr=1.0, kl_clip=None, curvature=DOUBLE)
+    unclipped = KFAC(twin, lr=1.0, kl_clip=None, curvature=DOUBLE, factor_update_steps=1, inv_update_steps=10)
     twin_before = _params(twin)
     _backward(twin)
     unclipped.step()
     directions = [b - p.detach() for b, p in zip(twin_before, twin.parameters(), strict=True)]
 
     net = _net()
-    optimizer = KFAC(net, lr=lr, kl_clip=None, curvature=DOUBLE, update=UpdateConfig(grafting="sgd"))
+    optimizer = KFAC(net, lr=lr, kl_clip=None, curvature=DOUBLE, update=UpdateConfig(grafting="sgd"), factor_update_steps=1, inv_update_steps=10)
     before = _params(net)
     _backward(net)
     grads = [p.grad.clone() for p in net.parameters()]
@@ -264,11 +264,11 @@ def test_adam_grafting_has_adams_step_norm_per_tensor_and_is_adamw_where_kfac_is
     lr, wd, betas, eps = 0.01, 0.1, (0.9, 0.95), 1e-8
     update = UpdateConfig(grafting="adam", decoupled_weight_decay=True, adam_betas=betas, adam_eps=eps)
     net = _net()
-    optimizer = KFAC(net, lr=lr, weight_decay=wd, kl_clip=None, curvature=SKIP_2, update=update)
+    optimizer = KFAC(net, lr=lr, weight_decay=wd, kl_clip=None, curvature=SKIP_2, update=update, factor_update_steps=1, inv_update_steps=10)
     twin = _net()  # layer "2" under torch.optim.AdamW, fed the same gradients
     adamw = torch.optim.AdamW(twin[2].parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
     v_twin = _net()
-    first_direction = KFAC(v_twin, lr=1.0, kl_clip=None, curvature=SKIP_2)
+    first_direction = KFAC(v_twin, lr=1.0, kl_clip=None, curvature=SKIP_2, factor_update_steps=1, inv_update_steps=10)
     v_before = _params(v_twin[0])
     _backward(v_twin)
     first_direction.step()
@@ -299,4 +299,4 @@ def test_adam_grafting_has_adams_step_norm_per_tensor_and_is_adamw_where_kfac_is
 def test_adam_grafting_refuses_a_sparse_embedding_by_name() -> None:
     net = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
     with pytest.raises(ValueError, match="grafting='adam'.*module '0'"):  # before the layers are discovered
-        KFAC(net, lr=0.01, kl_clip=None, update=UpdateConfig(grafting="adam"))
+        KFAC(net, lr=0.01, kl_clip=None, update=UpdateConfig(grafting="adam"), factor_update_steps=1, inv_update_steps=10)
