@@ -31,6 +31,18 @@ def _backward(net: nn.Module, seed: int = 0) -> None:
     x, y = _labelled_batch(seed)
     F.cross_entropy(net(x), y).backward()
 
+def _step_length_from(optimizer: KFAC, net: nn.Module, start: list[torch.Tensor]) -> float:
+    """One step's length ``‖p_after − start‖`` from the parameters ``start``, which are then restored."""
+    optimizer.zero_grad()
+    _backward(net)
+    optimizer.step()
+    length = float((_flat(start) - _flat(_params(net))).norm())
+    with torch.no_grad():
+        for p, p0 in zip(net.parameters(), start, strict=True):
+            p.copy_(p0)
+    return length
+
+
 
 def _params(net: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in net.parameters()]
@@ -97,13 +109,7 @@ def test_while_the_kl_bound_binds_the_step_scales_with_the_scheduled_lr(schedule
     lengths, lrs = [], []
     for _ in range(6):
         lrs.append(float(optimizer.param_groups[0]["lr"]))
-        optimizer.zero_grad()
-        _backward(net)
-        optimizer.step()
-        lengths.append(float((_flat(start) - _flat(_params(net))).norm()))
-        with torch.no_grad():
-            for p, p0 in zip(net.parameters(), start, strict=True):
-                p.copy_(p0)
+        lengths.append(_step_length_from(optimizer, net, start))
         scheduler.step()
     assert max(lrs) / min(lrs) > 2  # the schedule moved the lr
     for lr_t, length in zip(lrs, lengths, strict=True):
@@ -121,13 +127,7 @@ def test_the_scheduled_lr_trust_region_keeps_the_step_fixed_while_binding() -> N
     lengths = []
     for lr in (0.5, 0.25):
         optimizer.param_groups[0]["lr"] = lr
-        optimizer.zero_grad()
-        _backward(net)
-        optimizer.step()
-        lengths.append(float((_flat(start) - _flat(_params(net))).norm()))
-        with torch.no_grad():
-            for p, p0 in zip(net.parameters(), start, strict=True):
-                p.copy_(p0)
+        lengths.append(_step_length_from(optimizer, net, start))
     assert lengths[1] == pytest.approx(lengths[0], rel=1e-6)
 
 
