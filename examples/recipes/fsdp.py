@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     middle = (args.steps // 2) // INV_UPDATE_STEPS * INV_UPDATE_STEPS + 1  # steps up to a decomposition step
     with process_group(ranks):
         model = sharded_toy_model(device)
-        optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1,
-                                        inv_update_steps=INV_UPDATE_STEPS)
+        optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=INV_UPDATE_STEPS)
         train(model, optimizer, batches, range(middle), ranks)
         path = tempfile.mkdtemp() if rank == 0 else None
         shared = [path]
@@ -83,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         straight = [p.detach().full_tensor() for p in model.parameters()]
 
         model = sharded_toy_model(device)  # a fresh run resumes from the checkpoint
-        optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1,
-                                        inv_update_steps=INV_UPDATE_STEPS)
+        optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=INV_UPDATE_STEPS)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd, "kfac": optimizer.kfac_state()}
         dcp.load(state, checkpoint_id=path)
