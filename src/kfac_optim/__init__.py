@@ -1,6 +1,7 @@
 """kfac_optim: K-FAC natural-gradient descent for PyTorch as one ``torch.optim.Optimizer``."""
 
 from kfac_optim import schedules
+from kfac_optim.damping import AdaptiveDamping
 from kfac_optim.config import AsyncConfig, CurvatureConfig, RuntimeConfig, UpdateConfig
 from kfac_optim.layers import KroneckerBlock, discover_blocks, register_block
 from kfac_optim.methods import DampedInverse, Eigen, EigenAdam, Method
@@ -9,6 +10,7 @@ from kfac_optim.schedules import MilestoneSchedule
 
 __all__ = [
     "KFAC",
+    "AdaptiveDamping",
     "AsyncConfig",
     "CurvatureConfig",
     "DampedInverse",

@@ -55,6 +55,7 @@ from torch.optim import Optimizer
 
 from kfac_optim.background import Job, Result
 from kfac_optim.diagnostics import warn_user
+from kfac_optim.damping import check_state as check_damping_state
 from kfac_optim.intervals import check_state as check_intervals
 
 if TYPE_CHECKING:
@@ -65,13 +66,15 @@ _NOT_SAVED = ("decomposition", "decomposed_key")
 
 def kfac_state_dict(estimator: KroneckerEstimator) -> dict[str, Any]:
     """The ``"kfac"`` entry: ``{"steps", "blocks": {name: block state}, "round": round_state(...),
-    "intervals": the automatic intervals once chosen (``IntervalSchedule.state_dict``; None: not chosen)}``.
+    "intervals": the automatic intervals once chosen (``IntervalSchedule.state_dict``; None: not chosen),
+    "damping": ``AdaptiveDamping``'s λ and last ρ (``DampingRule.state_dict``; None: a constant or scheduled λ)}``.
     The caller makes the factors global first (``estimator.synchronize_factors``)."""
     return {
         "steps": estimator.steps,
         "blocks": {block.name: block.state_dict() for block in estimator.blocks},
         "round": round_state(estimator),
         "intervals": estimator.intervals.state_dict(),
+        "damping": estimator.damping.state_dict(),
     }
 
 
@@ -108,7 +111,7 @@ def restore_checked(estimator: KroneckerEstimator, kfac_state: dict[str, Any], s
     saved_round = kfac_state.get("round")
     estimator.restore(kfac_state["steps"], saved, _saved_round(estimator, saved_round),
                       None if saved_round is None else saved_round["adopt_at"], saved_round is not None,
-                      kfac_state.get("intervals"))
+                      kfac_state.get("intervals"), kfac_state.get("damping"))
 
 
 def check(estimator: KroneckerEstimator, kfac_state: Any) -> dict[str, Any]:
@@ -128,6 +131,7 @@ def check(estimator: KroneckerEstimator, kfac_state: Any) -> dict[str, Any]:
             block.validate_state(saved[block.name])
     _check_round(estimator, kfac_state.get("round"), steps)
     check_intervals(kfac_state.get("intervals"))
+    check_damping_state(kfac_state.get("damping"))
     missing = [block.name for block in estimator.blocks if block.name not in saved]
     unknown = sorted(set(saved) - {block.name for block in estimator.blocks})
     if missing or unknown:

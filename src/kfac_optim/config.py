@@ -34,22 +34,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from kfac_optim.damping import AdaptiveDamping, check_damping
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES
 from kfac_optim.intervals import AutoIntervals, auto_of, check_interval
 from kfac_optim.layers import KroneckerBlock
 from kfac_optim.layers.registry import SkipLayers, check_block_overrides
-from kfac_optim.methods import Method, method_named
+from kfac_optim.methods import EigenAdam, Method, method_named
 
 IntSchedule = int | Callable[[int], int] | Literal["auto"] | AutoIntervals
 FloatSchedule = float | Callable[[int], float]
+Damping = FloatSchedule | AdaptiveDamping
 
-
-
-def check_damping(value: float) -> float:
-    if not 0 < value < math.inf:
-        raise ValueError(f"damping must be a finite number > 0, got {value}")
-    return value
 
 
 def check_hyperparameter(name: str, value: float | Tensor, minimum: float = 0.0) -> None:
@@ -239,8 +235,8 @@ class UpdateConfig:
 class KFACOptions:
     """The K-FAC settings every rank must share (the SGD ones live in ``param_groups``), validated.
 
-    ``damping``: λ, in Fisher units of a per-sample loss (docs/design.md §3), a float > 0 or a
-    callable ``step -> float``. ``kl_clip``: the trust-region size ν is computed from (None: no
+    ``damping``: λ, in Fisher units of a per-sample loss (docs/design.md §3), a float > 0, a
+    callable ``step -> float`` or an ``AdaptiveDamping`` (Levenberg–Marquardt, ``kfac_optim.damping``). ``kl_clip``: the trust-region size ν is computed from (None: no
     clipping). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh
     decompositions every this many steps (int >= 1 or callable ``step -> int``), or ``"auto"`` /
     an ``AutoIntervals`` (the default): chosen from the cost measured on the first steps
@@ -249,7 +245,7 @@ class KFACOptions:
     :class:`CurvatureConfig`, :class:`AsyncConfig` (None: decompositions in line) and :class:`UpdateConfig`.
     """
 
-    damping: FloatSchedule = 0.1
+    damping: Damping = 0.1
     kl_clip: float | None = 1e-3
     factor_update_steps: IntSchedule = "auto"
     inv_update_steps: IntSchedule = "auto"
@@ -259,7 +255,9 @@ class KFACOptions:
     update: UpdateConfig = field(default_factory=UpdateConfig)
 
     def __post_init__(self) -> None:
-        if not callable(self.damping):
+        if isinstance(self.damping, AdaptiveDamping):
+            self._check_adaptive_damping()
+        elif not callable(self.damping):
             check_damping(self.damping)
         if self.kl_clip is not None and not 0 < self.kl_clip < math.inf:
             raise ValueError(f"kl_clip must be a finite number > 0 or None, got {self.kl_clip}")
@@ -296,6 +294,19 @@ class KFACOptions:
             warn_user(  # KAISA warns too: valid, but some decompositions see no new factors
                 f"inv_update_steps={inverse} is not a multiple of factor_update_steps={factor}: some decomposition "
                 "steps decompose the factors of an earlier one again",
+            )
+
+    def _check_adaptive_damping(self) -> None:
+        """``AdaptiveDamping`` needs a method that uses λ and the Fisher of a mean loss (its model's units)."""
+        if isinstance(method_named(self.method), EigenAdam):
+            raise ValueError(
+                f"damping={self.damping!r} adapts λ, which method='eigen_adam' does not use: choose method='eigen' "
+                "or 'inverse', or a constant damping"
+            )
+        if self.curvature.loss_reduction == "sum":
+            raise ValueError(
+                f"damping={self.damping!r} compares the loss change with a model in the units of a mean-reduced loss: "
+                "CurvatureConfig(loss_reduction='sum') is not supported with it"
             )
 
     def rank_settings(self) -> dict[str, object]:

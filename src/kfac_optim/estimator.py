@@ -32,7 +32,8 @@ from kfac_optim import batch_free, layers, linalg
 from kfac_optim import fisher as fisher_lib
 from kfac_optim.background import BackgroundDecompositions, Job, Result
 from kfac_optim.capture import StatisticsCapture
-from kfac_optim.config import KFACOptions, RuntimeConfig, check_damping
+from kfac_optim.config import KFACOptions, RuntimeConfig
+from kfac_optim.damping import DampingRule, damping_rule
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.intervals import IntervalSchedule
 from kfac_optim.distributed import fsdp
@@ -42,7 +43,6 @@ from kfac_optim.layers.attention import sequence_first_note
 from kfac_optim.layers.registry import SkipLayers
 from kfac_optim.methods import Method, method_named
 from kfac_optim.precision import MixedPrecision
-from kfac_optim.schedules import resolve
 from kfac_optim.stagger import FactorStagger
 from kfac_optim.statistics_worker import StatisticsWorker
 
@@ -145,6 +145,8 @@ class KroneckerEstimator:
         self.steps = 0
         device = self.blocks[0].weight.device if self.blocks else torch.device("cpu")
         self.intervals = IntervalSchedule(options.factor_update_steps, options.inv_update_steps, device)
+        self.damping: DampingRule = damping_rule(options.damping,
+                                                 distributed=self.sharding.active or self.sharding.row_sharded is not None)
         self._reported_overwritten: set[str] = set()
         self._warned = {"apex in line": False, "nothing sampled": False, "graph backward": False}
         self._checked_capture = False
@@ -198,7 +200,7 @@ class KroneckerEstimator:
     # -- schedules ---------------------------------------------------------------------------
 
     def damping_at(self, step: int) -> float:
-        return check_damping(resolve(self.options.damping, step))
+        return self.damping.at(step)
 
     def folding_blocks(self, step: int) -> list[KroneckerBlock]:
         """The blocks that capture for and fold at ``step``: all on factor steps, or their phase's."""
@@ -526,9 +528,11 @@ class KroneckerEstimator:
                 self._reported_nonfinite[index] = count
 
     def restore(self, steps: int, saved: dict[str, dict], results: list[tuple[Job, Result]],
-                adopt_at: int | None, round_saved: bool, intervals: dict | None = None) -> None:
+                adopt_at: int | None, round_saved: bool, intervals: dict | None = None,
+                damping: dict | None = None) -> None:
         """Load validated blocks (``checkpoint.py``), the chosen automatic intervals (None: none
-        chosen, calibrate from the next step) and the results of a saved round in flight.
+        chosen, calibrate from the next step), ``AdaptiveDamping``'s state (None: none saved) and
+        the results of a saved round in flight.
 
         With ``AsyncConfig`` the round is held and adopted at its saved step (``adopt_at``), as in
         the run that saved it (the results of the factors this rank decomposes). Without, it is
@@ -540,6 +544,7 @@ class KroneckerEstimator:
             self.adopt_at = None
         self.steps = int(steps)
         self.intervals.load_state_dict(intervals, self.steps)
+        self.damping.load_state_dict(damping)
         for block in self.blocks:
             if block.name in saved:
                 block.load_state_dict(saved[block.name])

@@ -42,7 +42,7 @@ from kfac_optim import fisher as fisher_lib
 from kfac_optim.config import (
     AsyncConfig,
     CurvatureConfig,
-    FloatSchedule,
+    Damping,
     IntSchedule,
     KFACOptions,
     RuntimeConfig,
@@ -87,7 +87,10 @@ class KFAC(Optimizer, Joinable):
             at once, record nothing while frozen, and train (preconditioned) once unfrozen. A
             list given here means only these parameters (``describe()`` lists the frozen layers).
             Parameters outside ``model`` (a loss's temperature) take the SGD path (:meth:`describe`).
-        damping: λ, a float > 0 or a callable ``step -> float``.
+        damping: λ, a float > 0, a callable ``step -> float``, or a
+            ``kfac_optim.AdaptiveDamping``: λ adapted every few steps by Levenberg–Marquardt from
+            the reduction ratio of the quadratic model; it needs ``step(closure)`` (docs/api.md
+            "Adaptive damping").
         kl_clip: bound on the KL-divergence estimate of the update at each group's base lr (the
             step follows an lr schedule; ``UpdateConfig.trust_region``); None disables clipping.
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable), or
@@ -128,7 +131,7 @@ class KFAC(Optimizer, Joinable):
         params: ParamsT | None = None,
         maximize: bool = False,
         foreach: bool | None = None,
-        damping: FloatSchedule = KFACOptions.damping,
+        damping: Damping = KFACOptions.damping,
         kl_clip: float | None = KFACOptions.kl_clip,
         factor_update_steps: IntSchedule = KFACOptions.factor_update_steps,
         inv_update_steps: IntSchedule = KFACOptions.inv_update_steps,
@@ -244,7 +247,13 @@ class KFAC(Optimizer, Joinable):
         return self.estimator.sharding.bytes_communicated()
 
     def damping_at(self, step: int) -> float:
+        """λ at ``step`` (under ``AdaptiveDamping``: λ now, whatever the step)."""
         return self.estimator.damping_at(step)
+
+    @property
+    def reduction_ratio(self) -> float | None:
+        """``AdaptiveDamping``'s last reduction ratio ρ (None before the first, or without it)."""
+        return self.estimator.damping.reduction_ratio
 
     def is_factor_step(self, step: int) -> bool:
         """Whether some layer folds its statistics at ``step`` (every layer, unless staggered)."""
@@ -309,7 +318,10 @@ class KFAC(Optimizer, Joinable):
         if self._precision.skip_step():
             estimator.discard_pending_statistics()
             return loss
-        statistics_scale = self._precision.unscale(p for group in self.param_groups for p in group["params"])
+        params = [p for group in self.param_groups for p in group["params"]]
+        maximize = any(group["maximize"] for group in self.param_groups)
+        measurement = estimator.damping.begin(estimator.steps, closure, loss, params, maximize)  # AdaptiveDamping
+        statistics_scale = self._precision.unscale(params)
         if statistics_scale is None:  # captured under a loss scale nobody told us
             estimator.discard_pending_statistics()
             statistics_scale = 1.0
@@ -324,6 +336,9 @@ class KFAC(Optimizer, Joinable):
         if self._options.kl_clip is not None and directions:
             self._clip_to_trust_region(directions)      # ν·V
         self._sgd_update(directions)                    # SGD on ν·V, or on ∇p for the other parameters
+        if measurement is not None:                     # AdaptiveDamping's step: ρ, then λ
+            estimator.settle_statistics()
+            measurement.finish(estimator.blocks)
         estimator.advance()
         return loss
 
