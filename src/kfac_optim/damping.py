@@ -206,10 +206,10 @@ class LevenbergMarquardt(DampingRule):
         """λ from ρ: shrink above 3/4, grow below 1/4 or when ρ is not finite, within the bounds."""
         config = self.config
         self.rho = rho
-        if rho > SHRINK_ABOVE:
-            self.damping = max(self.damping * config.factor, config.minimum)
-        elif not rho >= GROW_BELOW:  # NaN too: a model change of 0, or a non-finite loss
+        if not math.isfinite(rho) or rho < GROW_BELOW:  # not finite: a model change of 0, or a non-finite loss
             self.damping = min(self.damping / config.factor, config.maximum)
+        elif rho > SHRINK_ABOVE:
+            self.damping = max(self.damping * config.factor, config.minimum)
         logger.debug("AdaptiveDamping: rho %.4g, damping %.4g", rho, self.damping)
 
     def state_dict(self) -> dict[str, float | None]:
