@@ -84,7 +84,7 @@ def summarize_task(task: Task, results: dict[str, dict[str, Any]]) -> dict[str, 
     """The numbers of one task's table (see the module docstring)."""
     hib = task.higher_is_better
     finals = {name: median_final(r["seeds"], hib) for name, r in results.items()}
-    peers = {name: v for name, v in finals.items() if name != KFAC} or finals
+    peers = {name: v for name, v in finals.items() if not name.startswith(KFAC)} or finals  # K-FAC and its variants
     peer, goal = best_of(peers, hib)
     adamw_goal = finals.get("adamw")
     equal_time = min(r["history"][-1]["time_s"] for res in results.values() for r in res["seeds"])

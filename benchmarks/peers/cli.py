@@ -26,8 +26,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                      epilog="Method: " + PACKAGE_DOC.split("\n\n", 2)[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS), help="tasks (default: all)")
-    parser.add_argument("--optimizers", nargs="+", choices=optimizers.OPTIMIZERS, default=list(optimizers.OPTIMIZERS),
-                        help="optimizers (default: all; soap is skipped with a note without heavyball)")
+    parser.add_argument("--optimizers", nargs="+", choices=optimizers.CHOICES, default=list(optimizers.OPTIMIZERS),
+                        help=f"optimizers (default: {' '.join(optimizers.OPTIMIZERS)}; soap is skipped with a note "
+                        f"without heavyball; K-FAC variants on request: {' '.join(optimizers.KFAC_VARIANTS)})")
     parser.add_argument("--grid-points", type=int, default=None, help="learning rates per optimizer (default 4; --quick: 1)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds of the best lr (default 3; --quick: 1)")
     parser.add_argument("--budget-scale", type=float, default=None,
@@ -129,5 +130,7 @@ def settings(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
             "evals": args.evals, "jobs": args.jobs, "optimizers": names,
             "grids": {n: optimizers.lr_grid(n, args.grid_points) for n in names},
             "kfac_settings": optimizers.KFAC_SETTINGS,
+            "kfac_variants": {n: {k: repr(v) for k, v in optimizers.KFAC_VARIANTS[n].items()}
+                              for n in names if n in optimizers.KFAC_VARIANTS},
             "budgets_s": {t: TASKS[t].budget_s * args.budget_scale for t in args.tasks},
             "batch_sizes": {t: TASKS[t].batch_size for t in args.tasks}}

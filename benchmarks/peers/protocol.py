@@ -62,13 +62,17 @@ def train(spec: RunSpec) -> Run:
         spent, step, diverged = 0.0, 0, False
         every = spec.budget_s / spec.evals
         next_eval = every
+        closure_step = optimizers.needs_closure(spec.optimizer)
         while spent < spec.budget_s:
             x, y = next(batches)
             start = time.process_time()
-            optimizer.zero_grad(set_to_none=True)
-            loss = task.loss(model, x, y)
-            loss.backward()
-            optimizer.step()
+            if closure_step:
+                loss = optimizer.step(_closure(task, model, optimizer, x, y))
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                loss = task.loss(model, x, y)
+                loss.backward()
+                optimizer.step()
             spent += time.process_time() - start
             step += 1
             value = loss.item()
@@ -81,6 +85,18 @@ def train(spec: RunSpec) -> Run:
     messages = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
     return {**asdict(spec), "history": history, "diverged": diverged, "steps": step,
             "step_s": spent / max(step, 1), "warnings": messages}
+
+
+def _closure(task: Any, model: torch.nn.Module, optimizer: Any, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The step's zero_grad, forward and backward as a closure; backward only with grad enabled
+    (``AdaptiveDamping`` calls it once more under ``torch.no_grad()``)."""
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = task.loss(model, x, y)
+        if torch.is_grad_enabled():
+            loss.backward()
+        return loss
+    return closure
 
 
 def final(run: Run, split: str) -> float:
