@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+from abc import ABC, abstractmethod
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -98,11 +99,12 @@ class AdaptiveDamping:
 Closure = Callable[[], Any]
 
 
-class DampingRule:
-    """λ at each step, and what the optimizer does for it around the update (nothing, here)."""
+class DampingRule(ABC):
+    """λ at each step, and what the optimizer does for it around the update (by default nothing)."""
 
+    @abstractmethod
     def at(self, step: int) -> float:
-        raise NotImplementedError
+        """λ at ``step``."""
 
     def begin(self, step: int, closure: Closure | None, loss: Any, params: Sequence[Tensor],
               maximize: bool) -> Measurement | None:
@@ -186,7 +188,7 @@ class LevenbergMarquardt(DampingRule):
     def finish(self, measurement: Measurement, blocks: Iterable[KroneckerBlock]) -> None:
         """After the update: ρ from the applied change and one more closure call, then λ."""
         changes = {p: p.detach() - before for p, before in zip(measurement.params, measurement.before, strict=True)}
-        linear = sum(torch.vdot(p.grad.reshape(-1), d.to(p.grad.dtype).reshape(-1)) for p, d in changes.items())
+        linear = sum(torch.vdot(_dense(p.grad).reshape(-1), d.to(p.grad.dtype).reshape(-1)) for p, d in changes.items())
         quadratic = sum(kronecker_quadratic(block, changes) for block in blocks)
         model_change = linear + 0.5 * quadratic  # a tensor on the parameters' device (0 without any change)
         with torch.no_grad():
@@ -273,3 +275,8 @@ def kronecker_quadratic(block: KroneckerBlock, changes: dict[Tensor, Tensor]) ->
     right = joint * block.A.running if block.A.diagonal else joint @ block.A.running
     left = block.G.running.unsqueeze(-1) * right if block.G.diagonal else block.G.running @ right
     return torch.vdot(joint.reshape(-1), left.reshape(-1))
+
+
+def _dense(grad: Tensor) -> Tensor:
+    """``grad``, a sparse one (``nn.Embedding(sparse=True)``) made dense."""
+    return grad.to_dense() if grad.is_sparse else grad
