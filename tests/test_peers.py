@@ -62,3 +62,15 @@ def test_muon_gets_the_hidden_matrices_and_adamw_the_embeddings_tied_head_norms_
     expected = {id(getattr(block, layer).weight) for block in model.blocks for layer in ("qkv", "proj", "fc", "out")}
     assert hidden == expected
     assert id(model.head.weight) == id(model.token.weight) not in hidden
+
+
+def test_kfac_variants_run_on_request_only_and_the_adaptive_one_steps_with_a_closure(tmp_path: Path) -> None:
+    assert set(optimizers.KFAC_VARIANTS).isdisjoint(cli.parse([]).optimizers)
+    assert optimizers.needs_closure("kfac_eigen_lm") and not optimizers.needs_closure("kfac_eigen")
+    assert not any(optimizers.needs_closure(name) for name in optimizers.OPTIMIZERS)
+    assert cli.main(["--quick", "--tasks", "mlp", "--optimizers", "kfac_eigen_lm", "--jobs", "1",
+                     "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "mlp.json").read_text())
+    run = saved["runs"]["kfac_eigen_lm"]["seeds"][0]
+    assert run["steps"] > 5 and not run["diverged"] and run["warnings"] == []
+    assert "AdaptiveDamping(initial=0.1, every=5" in saved["settings"]["kfac_variants"]["kfac_eigen_lm"]["damping"]
