@@ -23,24 +23,24 @@ from kfac_optim.damping import LevenbergMarquardt
 BATCH = 16
 
 
-def lm_mlp() -> nn.Sequential:
+def reduction_ratio_mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
 
 
-def lm_batch() -> tuple[torch.Tensor, torch.Tensor]:
+def reduction_ratio_batch() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, 3, generator=generator, dtype=torch.float64)
     return x, torch.randn(BATCH, 2, generator=generator, dtype=torch.float64)
 
 
-def lm_optimizer(model: nn.Module, lr: float, damping: AdaptiveDamping | float, **kwargs: object) -> KFAC:
+def reduction_ratio_optimizer(model: nn.Module, lr: float, damping: AdaptiveDamping | float, **kwargs: object) -> KFAC:
     return KFAC(model, lr=lr, damping=damping, kl_clip=None, factor_update_steps=1, inv_update_steps=1,
                 curvature=CurvatureConfig(factor_decay=0.0, factor_dtype=torch.float64, inv_dtype=torch.float64),
                 **kwargs)
 
 
-def lm_closure(model: nn.Module, optimizer: KFAC, x: torch.Tensor, y: torch.Tensor):
+def reduction_ratio_closure(model: nn.Module, optimizer: KFAC, x: torch.Tensor, y: torch.Tensor):
     def closure() -> torch.Tensor:
         optimizer.zero_grad()
         loss = F.mse_loss(model(x), y)
@@ -77,11 +77,11 @@ def dense_fisher_and_gradient(model: nn.Sequential, x: torch.Tensor, y: torch.Te
 
 def test_rho_and_the_damping_trajectory_match_the_dense_reference() -> None:
     """Every step: the step uses λ_k, ρ is the dense model's, and λ follows the rule on the adaptation steps."""
-    model, (x, y) = lm_mlp(), lm_batch()
+    model, (x, y) = reduction_ratio_mlp(), reduction_ratio_batch()
     config = AdaptiveDamping(initial=0.01, every=2, omega=0.5)
     lr = 1.0
-    optimizer = lm_optimizer(model, lr, config)
-    closure = lm_closure(model, optimizer, x, y)
+    optimizer = reduction_ratio_optimizer(model, lr, config)
+    closure = reduction_ratio_closure(model, optimizer, x, y)
     damping, kinds = config.initial, set()
     for step in range(8):
         assert optimizer.damping_at(step) == pytest.approx(damping, rel=1e-12)
@@ -120,31 +120,31 @@ def test_the_rule_shrinks_above_three_quarters_and_grows_below_one_quarter() -> 
 @pytest.mark.parametrize("lr, shrinks", [(1e-3, True), (1.0, False)])
 def test_a_small_step_shrinks_and_an_overshooting_one_grows_the_damping(lr: float, shrinks: bool) -> None:
     """A tiny step is predicted by the model (ρ ≈ 1 > 3/4); the full step at λ = 1e-3 raises the loss (ρ < 0)."""
-    model, (x, y) = lm_mlp(), lm_batch()
-    optimizer = lm_optimizer(model, lr, AdaptiveDamping(initial=1e-3, every=1))
-    optimizer.step(lm_closure(model, optimizer, x, y))
+    model, (x, y) = reduction_ratio_mlp(), reduction_ratio_batch()
+    optimizer = reduction_ratio_optimizer(model, lr, AdaptiveDamping(initial=1e-3, every=1))
+    optimizer.step(reduction_ratio_closure(model, optimizer, x, y))
     rho = optimizer.reduction_ratio
     assert (rho > 0.75) if shrinks else (rho < 0.25)
     assert (optimizer.damping_at(1) < 1e-3) if shrinks else (optimizer.damping_at(1) > 1e-3)
 
 
 def test_state_dict_round_trip_resumes_the_damping_bit_exactly() -> None:
-    model, (x, y) = lm_mlp(), lm_batch()
-    optimizer = lm_optimizer(model, 1.0, AdaptiveDamping(initial=0.05, every=1, omega=0.5))
+    model, (x, y) = reduction_ratio_mlp(), reduction_ratio_batch()
+    optimizer = reduction_ratio_optimizer(model, 1.0, AdaptiveDamping(initial=0.05, every=1, omega=0.5))
     for _ in range(3):
-        optimizer.step(lm_closure(model, optimizer, x, y))
+        optimizer.step(reduction_ratio_closure(model, optimizer, x, y))
     saved_model, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
     assert saved["kfac"]["damping"] == {"damping": optimizer.damping_at(3), "rho": optimizer.reduction_ratio}
     assert saved["kfac"]["damping"]["damping"] != 0.05
 
-    resumed = lm_mlp()
+    resumed = reduction_ratio_mlp()
     resumed.load_state_dict(saved_model)
-    again = lm_optimizer(resumed, 1.0, AdaptiveDamping(initial=0.05, every=1, omega=0.5))
+    again = reduction_ratio_optimizer(resumed, 1.0, AdaptiveDamping(initial=0.05, every=1, omega=0.5))
     again.load_state_dict(saved)
     assert (again.damping_at(3), again.reduction_ratio) == (optimizer.damping_at(3), optimizer.reduction_ratio)
     for _ in range(3):
-        optimizer.step(lm_closure(model, optimizer, x, y))
-        again.step(lm_closure(resumed, again, x, y))
+        optimizer.step(reduction_ratio_closure(model, optimizer, x, y))
+        again.step(reduction_ratio_closure(resumed, again, x, y))
     assert again.damping_at(6) == optimizer.damping_at(6)
     assert again.reduction_ratio == optimizer.reduction_ratio
     for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
@@ -152,9 +152,9 @@ def test_state_dict_round_trip_resumes_the_damping_bit_exactly() -> None:
 
 
 def test_a_bad_damping_state_in_a_checkpoint_is_refused_and_changes_nothing() -> None:
-    model, (x, y) = lm_mlp(), lm_batch()
-    optimizer = lm_optimizer(model, 1.0, AdaptiveDamping(initial=0.05, every=1))
-    optimizer.step(lm_closure(model, optimizer, x, y))
+    model, (x, y) = reduction_ratio_mlp(), reduction_ratio_batch()
+    optimizer = reduction_ratio_optimizer(model, 1.0, AdaptiveDamping(initial=0.05, every=1))
+    optimizer.step(reduction_ratio_closure(model, optimizer, x, y))
     state = optimizer.state_dict()
     state["kfac"]["damping"] = {"damping": -1.0, "rho": 0.5}
     before = optimizer.damping_at(1)
@@ -167,10 +167,10 @@ def test_damping_that_cannot_move_gives_the_constant_damping_run_bit_for_bit() -
     """The measurement (snapshot, the closure's extra forward) leaves the update as it was."""
     runs = []
     for damping in (0.1, AdaptiveDamping(initial=0.1, every=1, minimum=0.1, maximum=0.1)):
-        model, (x, y) = lm_mlp(), lm_batch()
-        optimizer = lm_optimizer(model, 0.5, damping, momentum=0.9, weight_decay=1e-3)
+        model, (x, y) = reduction_ratio_mlp(), reduction_ratio_batch()
+        optimizer = reduction_ratio_optimizer(model, 0.5, damping, momentum=0.9, weight_decay=1e-3)
         for _ in range(4):
-            optimizer.step(lm_closure(model, optimizer, x, y))
+            optimizer.step(reduction_ratio_closure(model, optimizer, x, y))
         runs.append([p.detach().clone() for p in model.parameters()])
     assert optimizer.reduction_ratio is not None
     for a, b in zip(*runs, strict=True):
@@ -178,16 +178,16 @@ def test_damping_that_cannot_move_gives_the_constant_damping_run_bit_for_bit() -
 
 
 def test_constant_damping_has_no_reduction_ratio_and_saves_no_damping_state() -> None:
-    model, (x, y) = lm_mlp(), lm_batch()
-    optimizer = lm_optimizer(model, 0.5, 0.1)
-    optimizer.step(lm_closure(model, optimizer, x, y))
+    model, (x, y) = reduction_ratio_mlp(), reduction_ratio_batch()
+    optimizer = reduction_ratio_optimizer(model, 0.5, 0.1)
+    optimizer.step(reduction_ratio_closure(model, optimizer, x, y))
     assert optimizer.reduction_ratio is None
     assert optimizer.state_dict()["kfac"]["damping"] is None
 
 
 def test_without_a_closure_it_raises_naming_the_closure_before_any_change() -> None:
-    model, (x, y) = lm_mlp(), lm_batch()
-    optimizer = lm_optimizer(model, 1.0, AdaptiveDamping())
+    model, (x, y) = reduction_ratio_mlp(), reduction_ratio_batch()
+    optimizer = reduction_ratio_optimizer(model, 1.0, AdaptiveDamping())
     F.mse_loss(model(x), y).backward()
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=r"optimizer\.step\(closure\)"):
@@ -197,8 +197,8 @@ def test_without_a_closure_it_raises_naming_the_closure_before_any_change() -> N
 
 
 def test_a_closure_that_always_calls_backward_gets_a_message_saying_how_to_guard_it() -> None:
-    model, (x, y) = lm_mlp(), lm_batch()
-    optimizer = lm_optimizer(model, 1.0, AdaptiveDamping(every=1))
+    model, (x, y) = reduction_ratio_mlp(), reduction_ratio_batch()
+    optimizer = reduction_ratio_optimizer(model, 1.0, AdaptiveDamping(every=1))
 
     def unguarded() -> torch.Tensor:
         optimizer.zero_grad()
@@ -216,14 +216,14 @@ def test_a_closure_that_always_calls_backward_gets_a_message_saying_how_to_guard
 ])
 def test_settings_it_cannot_serve_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        KFAC(lm_mlp(), damping=AdaptiveDamping(), **kwargs)
+        KFAC(reduction_ratio_mlp(), damping=AdaptiveDamping(), **kwargs)
 
 
 def test_maximize_is_refused_at_the_first_step() -> None:
-    model, (x, y) = lm_mlp(), lm_batch()
+    model, (x, y) = reduction_ratio_mlp(), reduction_ratio_batch()
     optimizer = KFAC(model, damping=AdaptiveDamping(), maximize=True)
     with pytest.raises(ValueError, match="maximize"):
-        optimizer.step(lm_closure(model, optimizer, x, y))
+        optimizer.step(reduction_ratio_closure(model, optimizer, x, y))
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -1,8 +1,8 @@
 """kfac_optim: K-FAC natural-gradient descent for PyTorch as one ``torch.optim.Optimizer``."""
 
 from kfac_optim import schedules
-from kfac_optim.damping import AdaptiveDamping
 from kfac_optim.config import AsyncConfig, CurvatureConfig, RuntimeConfig, UpdateConfig
+from kfac_optim.damping import AdaptiveDamping
 from kfac_optim.layers import KroneckerBlock, discover_blocks, register_block
 from kfac_optim.methods import DampedInverse, Eigen, EigenAdam, Method
 from kfac_optim.optimizer import KFAC

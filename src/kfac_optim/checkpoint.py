@@ -54,8 +54,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torch.optim import Optimizer
 
 from kfac_optim.background import Job, Result
-from kfac_optim.diagnostics import warn_user
 from kfac_optim.damping import check_state as check_damping_state
+from kfac_optim.diagnostics import warn_user
 from kfac_optim.intervals import check_state as check_intervals
 
 if TYPE_CHECKING:

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import logging
 import math
-from abc import ABC, abstractmethod
 import numbers
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
