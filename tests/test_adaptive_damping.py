@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_optim import KFAC, AdaptiveDamping, CurvatureConfig
-from kfac_optim.damping import LevenbergMarquardt
+from kfac_optim import KFAC, AdaptiveDamping, CurvatureConfig, RuntimeConfig
+from kfac_optim.damping import LevenbergMarquardt, damping_rule
 
 BATCH = 16
 
@@ -234,3 +234,23 @@ def test_maximize_is_refused_at_the_first_step() -> None:
 def test_bad_settings_name_the_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AdaptiveDamping(**kwargs)
+
+
+def test_statistics_on_a_worker_thread_give_the_same_damping_and_parameters() -> None:
+    """The model's curvature reads the factors after the worker's fold (``async_statistics``)."""
+    runs = []
+    for runtime in (None, RuntimeConfig(async_statistics=True)):
+        model, (x, y) = reduction_ratio_mlp(), reduction_ratio_batch()
+        optimizer = reduction_ratio_optimizer(model, 1.0, AdaptiveDamping(initial=0.01, every=1, omega=0.5),
+                                              runtime=runtime)
+        for _ in range(4):
+            optimizer.step(reduction_ratio_closure(model, optimizer, x, y))
+        runs.append((optimizer.damping_at(4), optimizer.reduction_ratio, [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][:2] == runs[1][:2]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2], strict=True))
+
+
+def test_several_ranks_are_refused_until_rho_is_summed_over_them() -> None:
+    with pytest.raises(NotImplementedError, match="several ranks"):
+        damping_rule(AdaptiveDamping(), distributed=True)
+    assert damping_rule(0.1, distributed=True).at(0) == 0.1
