@@ -236,7 +236,8 @@ class KFACOptions:
     """The K-FAC settings every rank must share (the SGD ones live in ``param_groups``), validated.
 
     ``damping``: λ, in Fisher units of a per-sample loss (docs/design.md §3), a float > 0, a
-    callable ``step -> float`` or an ``AdaptiveDamping`` (Levenberg–Marquardt, ``kfac_optim.damping``). ``kl_clip``: the trust-region size ν is computed from (None: no
+    callable ``step -> float`` or an ``AdaptiveDamping`` (Levenberg–Marquardt,
+    ``kfac_optim.damping``). ``kl_clip``: the trust-region size ν is computed from (None: no
     clipping). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh
     decompositions every this many steps (int >= 1 or callable ``step -> int``), or ``"auto"`` /
     an ``AutoIntervals`` (the default): chosen from the cost measured on the first steps
