@@ -302,3 +302,26 @@ def test_async_delay_adopts_the_round_that_many_steps_later() -> None:
     assert block.A.decomposed_key == (submitted, 0.0)  # adopted at step 5
     with pytest.raises(ValueError, match="async_delay"):
         KFAC(net, async_decompositions=True, async_delay=0, factor_update_steps=1, inv_update_steps=10)
+
+
+def test_the_eigenbasis_cap_in_the_optimizer_is_described_logged_and_checkpointed(caplog: pytest.LogCaptureFixture) -> None:
+    from kfac_optim.methods import Eigen
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(40, 12), nn.Tanh(), nn.Linear(12, 3))
+    optimizer = KFAC(net, lr=0.1, method=Eigen(max_rank=8), factor_update_steps=1, inv_update_steps=2)
+    assert "eigenbasis cap max_rank=8" in optimizer.describe() and "0.A (41), 0.G (12)" in optimizer.describe()
+    assert "2.A (13)" in optimizer.describe()  # 12 inputs + bias > 8: capped too; 2.G (3) is not
+    caplog.set_level(logging.INFO, logger="kfac_optim.estimator")
+    for _ in range(3):  # 3 batches of 32 rows: rank 40 + 1 > 8
+        F.cross_entropy(net(torch.randn(32, 40)), torch.randint(0, 3, (32,))).backward()
+        optimizer.step()
+    eig = optimizer.blocks[0].A.decomposition
+    assert eig.Q.shape == (41, 8) and float(eig.complement) > 0
+    assert "'0': A (dim 41) truncated by the eigenbasis cap to its 8 leading eigenpairs" in caplog.text
+    restored_net = nn.Sequential(nn.Linear(40, 12), nn.Tanh(), nn.Linear(12, 3))
+    restored = KFAC(restored_net, lr=0.1, method=Eigen(max_rank=8), factor_update_steps=1, inv_update_steps=2)
+    restored.load_state_dict(optimizer.state_dict())
+    assert torch.equal(restored.blocks[0].A.decomposition.complement, eig.complement)
+    with pytest.raises(ValueError, match="max_rank must be an int >= 1 or None"):
+        Eigen(max_rank=0)
