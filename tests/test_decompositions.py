@@ -148,21 +148,28 @@ def test_the_capped_eigen_solve_is_the_dense_solve_of_the_approximated_factors(c
     assert relative_error(plain, expected) > 1e-3
 
 
-def test_a_cap_above_the_rank_gives_the_exact_thin_solve() -> None:
-    # rank 6 < cap 10 < dim 40: not truncated (σ = 0), the same direction as without a cap.
+def test_a_cap_at_or_above_the_rank_gives_the_exact_thin_solve() -> None:
+    # rank 6 ≤ cap < dim 40: not truncated (σ = 0), the same direction as without a cap.
     A, G = low_rank_gram(40, 6, zero_rows=3), full_rank_factor(12)
     grad = torch.randn(12, 40, dtype=torch.float64)
     damping = 1e-2
     threshold = linalg.rank_threshold(damping, float(G.trace()))
-    for bound in (6, None):  # a known rank bound, or the rank found by the capped eigensolve
-        capped = linalg.symmetric_eigen(A, torch.float64, threshold, rank_bound=bound, max_rank=10)
+    eig_g = linalg.symmetric_eigen(G, torch.float64)
+    assert eig_g is not None
+    for bound in (6, None):  # a known rank bound, or none (the capped eigensolve runs and finds rank 6)
         uncapped = linalg.symmetric_eigen(A, torch.float64, threshold, rank_bound=bound)
-        eig_g = linalg.symmetric_eigen(G, torch.float64)
-        assert capped is not None and uncapped is not None and eig_g is not None
-        assert capped.Q.shape == uncapped.Q.shape == (40, 6) and torch.equal(capped.complement, torch.zeros(1, dtype=torch.float64))
+        assert uncapped is not None and uncapped.Q.shape == (40, 6)
         expected = linalg.eigen_precondition(grad, uncapped, eig_g, damping)
-        assert relative_error(linalg.eigen_precondition(grad, capped, eig_g, damping), expected) < 1e-12
         assert relative_error(expected, kron_solve(G, A, grad, damping)) < 1e-6
+        if bound is not None:  # bit for bit today's: the same decomposition and solve
+            capped = linalg.symmetric_eigen(A, torch.float64, threshold, rank_bound=bound, max_rank=10)
+            assert capped is not None and capped.complement is None
+            assert torch.equal(linalg.eigen_precondition(grad, capped, eig_g, damping), expected)
+        # at the cap exactly: σ = 0 comes along (the layout of a truncated factor), the same solve
+        capped = linalg.symmetric_eigen(A, torch.float64, threshold, rank_bound=bound, max_rank=6)
+        assert capped is not None and capped.Q.shape == (40, 6)
+        assert torch.equal(capped.complement, torch.zeros(1, dtype=torch.float64)) if bound else float(capped.complement) < 1e-12
+        assert relative_error(linalg.eigen_precondition(grad, capped, eig_g, damping), expected) < 1e-10
     # a cap at or above the size changes nothing at all
     assert linalg.symmetric_eigen(A, torch.float64, threshold, max_rank=40).complement is None
 

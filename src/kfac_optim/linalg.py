@@ -26,8 +26,9 @@ class Eigen:
     Full (``r = n``) or thin (``r < n``): a thin one keeps only the leading eigenpairs and the
     complement of ``Q``'s columns counts as eigenvalue 0 (see :func:`symmetric_eigen`), or as the
     isotropic ``σ ≥ 0`` of a factor truncated at a rank cap (its discarded eigenvalues' mean; see
-    :func:`symmetric_eigen`'s ``max_rank``). A factor that may be truncated carries ``complement``
-    whether it was truncated or not (``σ = 0``), so that its layout does not depend on the values.
+    :func:`symmetric_eigen`'s ``max_rank``). Under a cap, ``complement`` is set exactly when ``Q``
+    has ``max_rank`` columns (``σ = 0`` when the factor's rank is exactly ``max_rank``), so a
+    receiver of ``Q`` knows from its shape whether ``σ`` comes with it.
     """
 
     Q: Tensor
@@ -158,17 +159,16 @@ def symmetric_eigen(
     through its range (:func:`_low_rank_eigh`: O(k²·rank) instead of O(k³), and no ``k``-fold
     repeated zero eigenvalue for LAPACK to trip on).
 
-    ``max_rank``: a cap on the eigenbasis of a factor wider than it (``n > max_rank``); the result
-    then always carries a ``complement`` (:class:`Eigen`). With ``drop_below`` (the thin solve),
-    when the factor's rank may exceed the cap (no ``rank_bound`` ≤ ``max_rank``, and more than
-    ``max_rank`` nonzero rows), only the ``max_rank`` leading eigenpairs are computed
-    (:func:`_top_eigh`) and kept (but those at or below the thresholds), and the rest of the
-    spectrum becomes one isotropic eigenvalue ``σ``: the mean of the discarded eigenvalues of the
-    nonzero block, ``(tr F − Σ kept)/(k − r)`` (0 would over-step along real curvature). The zero
-    rows' exact eigenvalues 0 are not averaged in: their gradient columns are 0 too, so ``σ`` does
-    not act on them. Otherwise (rank within the cap) the result is the exact thin one with
-    ``σ = 0``, held thin whatever its rank. Without ``drop_below`` the cap does not apply (full,
-    ``σ = 0``).
+    ``max_rank``: a cap on the eigenbasis of a factor wider than it (``n > max_rank``), applied
+    with ``drop_below`` (the thin solve; without it the result is full, as uncapped). When the
+    factor's rank may exceed the cap (no ``rank_bound`` ≤ ``max_rank``, and more than ``max_rank``
+    nonzero rows), only the ``max_rank`` leading eigenpairs are computed (:func:`_top_eigh`) and
+    kept, and the rest of the spectrum becomes one isotropic eigenvalue ``σ`` (``complement``):
+    the mean of the discarded eigenvalues of the nonzero block, ``(tr F − Σ kept)/(k − max_rank)``
+    (0 would over-step along real curvature). The zero rows' exact eigenvalues 0 are not averaged
+    in: their gradient columns are 0 too, so ``σ`` does not act on them. Otherwise (rank within
+    the cap) the result is the exact thin one, held thin whatever its rank (``σ = 0`` attached
+    when it has exactly ``max_rank`` columns; see :class:`Eigen`).
 
     Tries ``factor``'s own precision first, then float64 if ``eigh`` raises or returns
     non-finite values (details at DEBUG on this module's logger). Returns ``None`` when both
@@ -206,7 +206,7 @@ def symmetric_eigen(
         d, Q = factor.new_zeros(0), factor.new_zeros(0, 0)
     if drop_below is not None:
         floor = RANK_NOISE_EPS * n * torch.finfo(factor.dtype).eps * float(d[-1]) if k else 0.0
-        r = int((d > max(drop_below, floor)).sum())
+        r = len(d) if truncating else int((d > max(drop_below, floor)).sum())
         if r <= THIN_MAX_FRACTION * n or capped:
             thin = Q.new_zeros(n, r)
             thin[active] = Q[:, len(d) - r :]
@@ -214,7 +214,7 @@ def symmetric_eigen(
             complement = None
             if truncating:  # the discarded eigenvalues' mean, over the nonzero block
                 complement = ((torch.trace(block) - kept.sum()) / (k - r)).clamp(min=0).reshape(1).to(dtype)
-            elif capped:
+            elif capped and r == max_rank:
                 complement = kept.new_zeros(1, dtype=dtype)
             return Eigen(Q=thin.to(dtype), d=kept.to(dtype).contiguous(), complement=complement)
     if k < n:  # the zero rows' unit vectors first: eigenvalue 0 sorts first
@@ -223,8 +223,7 @@ def symmetric_eigen(
         full[inactive, torch.arange(n - k, device=Q.device)] = 1
         full[active, n - k :] = Q
         Q, d = full, torch.cat([d.new_zeros(n - k), d])
-    complement = d.new_zeros(1, dtype=dtype) if capped else None
-    return Eigen(Q=Q.to(dtype).contiguous(), d=d.to(dtype), complement=complement)
+    return Eigen(Q=Q.to(dtype).contiguous(), d=d.to(dtype))
 
 
 def damped_inverse(factor: Tensor, shift: float, dtype: torch.dtype) -> Tensor | None:

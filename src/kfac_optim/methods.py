@@ -172,7 +172,8 @@ class Eigen(Method):
 
     def capped(self, factor: FactorView) -> bool:
         """Whether the cap applies to ``factor``'s layout: dense, ungrouped and wider than ``max_rank``
-        (its decomposition then carries an isotropic ``complement``, 0 when not truncated)."""
+        (it then travels with its isotropic ``complement``: ``σ``, or 0 when it has none, which a
+        receiver tells from ``Q``'s columns, see ``linalg.Eigen``)."""
         return self.max_rank is not None and not factor.diagonal and factor.groups == 1 and factor.dim > self.max_rank
 
     def decompose(
@@ -246,7 +247,8 @@ class Eigen(Method):
     def from_tensors(self, factor: FactorView, parts: Sequence[Tensor]) -> Decomposition:
         if factor.diagonal:
             return parts[0]
-        return linalg.Eigen(Q=parts[0], d=parts[1], complement=parts[2] if self.capped(factor) else None)
+        truncated = self.capped(factor) and parts[0].shape[-1] == self.max_rank
+        return linalg.Eigen(Q=parts[0], d=parts[1], complement=parts[2] if truncated else None)
 
     def symmetric(self, factor: FactorView) -> list[bool]:
         return [False] * (1 if factor.diagonal else 3 if self.capped(factor) else 2)
