@@ -144,7 +144,8 @@ class KroneckerEstimator:
         self._stagger = FactorStagger(self.blocks) if curvature.stagger else None
         self.steps = 0
         device = self.blocks[0].weight.device if self.blocks else torch.device("cpu")
-        self.intervals = IntervalSchedule(options.factor_update_steps, options.inv_update_steps, device)
+        self.intervals = IntervalSchedule(options.factor_update_steps, options.inv_update_steps, device,
+                                          remeasure=self.background is None)
         self._reported_overwritten: set[str] = set()
         self._reported_truncations: set[str] = set()
         self._warned = {"apex in line": False, "nothing sampled": False, "graph backward": False}
@@ -574,12 +575,17 @@ class KroneckerEstimator:
 
     # -- preconditioning ---------------------------------------------------------------------
 
-    @record_function("kfac.precondition")
     def precondition(self) -> dict[Tensor, Tensor]:
-        """Per-parameter update directions of the blocks that have a decomposition, at this step's damping.
+        """Per-parameter update directions of the blocks that have a decomposition, at this step's damping
+        (timed on the steps the automatic intervals measure).
 
         Under FSDP2 a direction is a ``DTensor`` laid out as its parameter (this rank's rows).
         """
+        with self.intervals.timing_precondition(self.steps):
+            return self._precondition()
+
+    @record_function("kfac.precondition")
+    def _precondition(self) -> dict[Tensor, Tensor]:
         damping, inv_dtype = self.damping_at(self.steps), self.options.curvature.inv_dtype
         joint: dict[str, Tensor] = {}
         sharded_rows: dict[str, Tensor] = {}
