@@ -136,7 +136,7 @@ def _reuse(held: list[Tensor] | None, wanted: list[tuple[tuple[int, ...], torch.
     return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in wanted]
 
 
-DEFAULT_MAX_RANK = 256
+DEFAULT_MAX_RANK = 128
 """:class:`Eigen`'s default eigenbasis cap (docs/api.md "Eigenbasis cap"; measured in docs/tuning.md)."""
 
 
