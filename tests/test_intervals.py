@@ -158,14 +158,18 @@ class FakeClock:
 
 
 def run_schedule(schedule: IntervalSchedule, clock: FakeClock, steps: range,
-                 decomposition_cost, sums: list[list[float]]) -> None:
-    """Drive ``schedule`` as the estimator does: plain steps of 1 s, factor steps +0.5 s,
-    preconditioning 0.1 s per step, decompositions ``decomposition_cost(step)`` s."""
+                 decomposition_cost, sums: list[list[float]], zero_grad: bool = True) -> None:
+    """Drive ``schedule`` as the optimizer does: 0.3 s loading a batch, then (``zero_grad`` marks
+    the start) plain steps of 1 s, factor steps +0.5 s, preconditioning 0.1 s per step,
+    decompositions ``decomposition_cost(step)`` s."""
     def average(values: list[float]) -> list[float]:
         sums.append(values)
         return values  # one rank
 
     for step in steps:
+        clock.now += 0.3
+        if zero_grad:
+            schedule.step_started(step)
         schedule.begin_step(step, average)
         if schedule.is_factor_step(step):
             clock.now += 0.5
@@ -190,12 +194,19 @@ def test_later_decomposition_rounds_are_measured_again_and_the_inverse_interval_
     run_schedule(schedule, clock, range(4, 14), lambda step: 0.1, sums)
     assert schedule.chosen == (3, 12) and len(sums) == 2  # round 12 measured (still cheap), averaged at 13
     run_schedule(schedule, clock, range(14, 25), lambda step: 10.0, sums)
-    # round 24: 10 s → ceil(10/0.175) = 58 → 60, decided at the start of step 25 (not yet run)
+    # round 24 takes 10 s: the estimate becomes (0.1 + 10)/2 = 5.05 s → ceil(5.05/0.175) = 29 → 30,
+    # decided at the start of step 25 (not yet run)
     assert schedule.chosen == (3, 12)
     run_schedule(schedule, clock, range(25, 26), lambda step: 10.0, sums)
-    assert schedule.chosen == (3, 60) and schedule.costs.decomposition == pytest.approx(10.0)
-    assert [k for k in range(26, 200) if schedule.is_inverse_step(k)] == [60, 120, 180]
+    assert schedule.chosen == (3, 30) and schedule.costs.decomposition == pytest.approx(5.05)
     assert sums[-1] == [pytest.approx(10.0), pytest.approx(0.1), 1.0]  # [decomposition, preconditioning, ranks]
+    run_schedule(schedule, clock, range(26, 32), lambda step: 10.0, sums)  # round 30: (5.05 + 10)/2 → 43 → 45
+    assert schedule.chosen == (3, 45)
+    assert [k for k in range(32, 200) if schedule.is_inverse_step(k)][:2] == [45, 90]
+    # a loop without zero_grad(): the step is measured from the previous step's end (loading included)
+    schedule = IntervalSchedule("auto", "auto", torch.device("cpu"), clock=clock)
+    run_schedule(schedule, clock, range(0, 4), lambda step: 0.1, sums, zero_grad=False)
+    assert schedule.costs.step == pytest.approx(1.2) and schedule.costs.factor == pytest.approx(0.5)
     # not under AsyncConfig (remeasure=False), nor with injected costs or an explicit inverse interval
     for schedule in (IntervalSchedule("auto", "auto", torch.device("cpu"), remeasure=False, clock=clock),
                      IntervalSchedule(AutoIntervals(costs=COSTS), AutoIntervals(costs=COSTS), torch.device("cpu"), clock=clock),

@@ -10,7 +10,9 @@ Must not know: blocks, factors, the optimizer (the estimator calls it at the poi
 **Calibration** (``c`` = the first step the schedule runs undecided: 0, or the step a checkpoint
 saved during calibration resumes at): step ``c`` folds and decomposes, ``c + 1`` folds, ``c + 2``
 does neither; the auto intervals decide at the start of step ``c + 3``. Measured, in seconds of
-wall time between the ends of consecutive ``step()`` calls (forward, backward and the step):
+wall time from a step's start to the end of its ``step()`` call (forward, backward and the step),
+a step's start being the ``optimizer.zero_grad()`` before it, or the previous step's end when the
+loop does not call ``zero_grad`` (so work between the two, e.g. loading the next batch, is left out):
 
 - ``precondition``: K-FAC's preconditioning of step ``c + 2``, timed around it;
 - ``step``: step ``c + 2`` minus its ``precondition``: the SGD-equivalent step (forward,
@@ -26,8 +28,9 @@ rank takes the same intervals.
 the calibration's decompositions and preconditioning are the cheapest of the run. After the
 decision, every synchronous decomposition round (not under ``AsyncConfig``, whose rounds run on
 the worker) is timed again, decompositions and that step's preconditioning, averaged over ranks
-at the start of the next step (one all-reduce, the same step on every rank) and the
-decomposition interval chosen again from them; the factor interval stays. On CUDA the calibration
+at the start of the next step (one all-reduce, the same step on every rank), averaged with the
+previous estimate (half each: the load of a shared machine swings) and the decomposition interval
+chosen again from them; the factor interval stays. On CUDA the calibration
 steps and these rounds synchronize the device to be timed (a decomposition round syncs the host
 anyway); every other step adds no host sync.
 
@@ -179,6 +182,7 @@ class IntervalSchedule:
         self.costs: StepCosts | None = None
         self._start = 0  # the calibration's first step c
         self._ends: dict[int, float] = {}  # clock at the end of calibration steps
+        self._starts: dict[int, float] = {}  # clock at their zero_grad(), when the loop calls it
         self._decomposition: float | None = None
         self._precondition: float | None = None
         self._round: int | None = None  # a decomposition round timed after the decision, to average
@@ -256,6 +260,12 @@ class IntervalSchedule:
             self._synchronize()
             self._precondition = self._clock() - started
 
+    def step_started(self, step: int) -> None:
+        """At ``optimizer.zero_grad()`` before step ``step``: note the time when it is one the calibration measures."""
+        if self.calibrating and self.auto.costs is None and 0 <= self._offset(step) < CALIBRATION_STEPS:
+            self._synchronize()
+            self._starts[self._offset(step)] = self._clock()
+
     def step_ended(self, step: int) -> None:
         """At the end of a step: note the time when it is one the calibration measures."""
         if self.calibrating and self.auto.costs is None and 0 <= self._offset(step) < CALIBRATION_STEPS:
@@ -272,9 +282,11 @@ class IntervalSchedule:
         if decomposition is None:  # an explicit inv_update_steps without a decomposition at step c: unused
             assert self._inverse is not None
             decomposition = 0.0
-        plain = ends[2] - ends[1]
+        # a step's start: its zero_grad(), else the previous step's end (step 0 only has the former)
+        starts = {offset: self._starts.get(offset, ends.get(offset - 1)) for offset in (1, 2)}
+        plain = ends[2] - starts[2]
         precondition = min(self._precondition or 0.0, plain)  # None: no block preconditioned (a joined rank)
-        return StepCosts(step=max(plain - precondition, 1e-9), factor=max(0.0, (ends[1] - ends[0]) - plain),
+        return StepCosts(step=max(plain - precondition, 1e-9), factor=max(0.0, (ends[1] - starts[1]) - plain),
                          decomposition=decomposition, precondition=precondition)
 
     def _decide(self, average_over_ranks: Callable[[list[float]], list[float]]) -> None:
@@ -291,6 +303,7 @@ class IntervalSchedule:
         factor, inverse = self.auto.choose(costs, explicit_factor, explicit_inverse)
         self.chosen, self.costs = (factor, inverse), costs
         self._ends.clear()
+        self._starts.clear()
         self._decomposition = self._precondition = None
         logger.info("K-FAC %s", self.describe())
 
@@ -299,7 +312,8 @@ class IntervalSchedule:
         assert self.auto is not None and self.chosen is not None and self.costs is not None
         decomposition, precondition, ranks = average_over_ranks(
             [self._decomposition or 0.0, self._precondition or 0.0, 1.0])
-        costs = replace(self.costs, decomposition=decomposition / ranks, precondition=precondition / ranks)
+        costs = replace(self.costs, decomposition=(self.costs.decomposition + decomposition / ranks) / 2,
+                        precondition=(self.costs.precondition + precondition / ranks) / 2)
         _, inverse = self.auto.choose(costs, self.chosen[0], None)
         if inverse != self.chosen[1]:
             logger.info("K-FAC inv_update_steps %d -> %d (auto, re-measured at step %d)", self.chosen[1], inverse,
@@ -336,6 +350,7 @@ class IntervalSchedule:
         afresh from ``step``. Explicit intervals are kept as given."""
         self._start, self._decomposition, self._precondition, self._round = step, None, None, None
         self._ends.clear()
+        self._starts.clear()
         if self.auto is None:
             return
         if state is None:
