@@ -6,8 +6,9 @@ Trains torchvision's ResNet-18 (32 px, batch 64) for ``--fold-steps`` steps with
 each, so that its factors are full rank (layer3's 2304-wide ``A`` needs 9 batches of 256 rows),
 then, per cap: decomposes every factor with ``Eigen(max_rank=cap)`` (one round, timed) and times
 each block's preconditioning of the last gradient (the fastest of 3). Prints the forward+backward
-time of one batch (hooks detached: SGD's work), the round and the preconditioning per cap, and the
-blocks that cost more than 5 ms at some cap.
+time of one batch (hooks detached: SGD's work), the round and the preconditioning per cap, the
+cosine between the whole direction (all blocks) at each cap and at the first one (full
+eigenbases by default), the smallest such cosine of one block's direction, and the blocks that cost more than 5 ms at some cap.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     print(f"forward+backward (SGD's work) {min(sgd_work) * 1e3:.0f} ms")  # noqa: T201
     damping = optimizer.damping_at(optimizer.steps)
     results: dict[str, dict[str, float]] = {}
+    references: list[torch.Tensor] = []
     for cap in args.caps:
         method = Eigen(max_rank=None if cap == "none" else int(cap))
         start = time.perf_counter()
@@ -62,19 +64,25 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             for name, factor in block.factors.items():
                 factor.adopt(method.decompose(factor, 0.0, torch.float32, thresholds[name]), 0.0)
         decompositions = time.perf_counter() - start
-        per_block = {}
+        per_block, directions = {}, []
         for block in optimizer.blocks:
             grad = block.grad_matrix()
             samples = []
             for _ in range(3):
                 start = time.perf_counter()
-                block.precondition(grad, method, damping)
+                direction = block.precondition(grad, method, damping)
                 samples.append(time.perf_counter() - start)
             per_block[block.name] = min(samples)
+            directions.append(direction.reshape(-1).double())
+        references = directions if not results else references
+        cosine = float(F.cosine_similarity(torch.cat(directions), torch.cat(references), dim=0))
+        worst = min(float(F.cosine_similarity(d, r, dim=0)) for d, r in zip(directions, references, strict=True))
         results[cap] = {"decompositions_s": decompositions, "precondition_s": sum(per_block.values()),
+                        "cosine_to_first": cosine, "worst_block_cosine_to_first": worst,
                         **{f"precondition_s {name}": t for name, t in per_block.items()}}
         print(f"max_rank={cap}: decompositions {decompositions:.2f} s, preconditioning "  # noqa: T201
-              f"{sum(per_block.values()) * 1e3:.0f} ms", flush=True)
+              f"{sum(per_block.values()) * 1e3:.0f} ms, direction's cosine to max_rank={args.caps[0]}'s {cosine:.4f} "
+              f"(worst block {worst:.4f})", flush=True)
     for block in optimizer.blocks:
         times = [results[cap][f"precondition_s {block.name}"] * 1e3 for cap in args.caps]
         if max(times) > 5:
