@@ -93,6 +93,87 @@ def test_dropped_eigenvalues_change_the_solve_by_at_most_the_documented_toleranc
     assert relative_error(linalg.eigen_precondition(grad, eig_a, eig_g, damping), kron_solve(G, A, grad, damping)) < linalg.RANK_RTOL
 
 
+def full_rank_factor(dim: int, zero_rows: int = 0) -> torch.Tensor:
+    """A float64 PSD factor of full rank on its nonzero block, a decaying spectrum (as K-FAC's)."""
+    basis, _ = torch.linalg.qr(torch.randn(dim - zero_rows, dim - zero_rows, dtype=torch.float64))
+    spectrum = 0.8 ** torch.arange(dim - zero_rows, dtype=torch.float64) + 1e-3
+    factor = torch.zeros(dim, dim, dtype=torch.float64)
+    factor[zero_rows:, zero_rows:] = basis @ torch.diag(spectrum) @ basis.T
+    return factor
+
+
+def capped_approximation(eig: linalg.Eigen) -> torch.Tensor:
+    """``Q diag(d) Qᵀ + σ (I − Q Qᵀ)``, dense."""
+    projector = eig.Q @ eig.Q.T
+    sigma = 0.0 if eig.complement is None else float(eig.complement)
+    return eig.Q @ torch.diag(eig.d) @ eig.Q.T + sigma * (torch.eye(len(eig.Q), dtype=eig.Q.dtype) - projector)
+
+
+@pytest.mark.parametrize("zero_rows", [0, 4])
+def test_a_factor_truncated_at_the_rank_cap_keeps_its_top_eigenpairs_and_the_mean_of_the_rest(zero_rows: int) -> None:
+    A, G = full_rank_factor(40, zero_rows), full_rank_factor(12)
+    damping = 1e-3
+    eig_a = linalg.symmetric_eigen(A, torch.float64, linalg.rank_threshold(damping, float(G.trace())), max_rank=8)
+    assert eig_a is not None and eig_a.Q.shape == (40, 8) and eig_a.complement is not None
+    exact, basis = torch.linalg.eigh(A[zero_rows:, zero_rows:])
+    # the leading eigenpairs (randomized, two power iterations; the spectrum decays by 0.8 per
+    # eigenvalue): eigenvalues to 1e-5, the subspace to 1e-2
+    assert torch.allclose(eig_a.d, exact[-8:], rtol=1e-5)
+    projector = eig_a.Q[zero_rows:] @ eig_a.Q[zero_rows:].T
+    top = basis[:, -8:]
+    assert relative_error(projector @ top, top) < 1e-2
+    assert torch.equal(eig_a.Q[:zero_rows], torch.zeros(zero_rows, 8, dtype=torch.float64))
+    # σ: the mean of the discarded eigenvalues of the nonzero block
+    expected_sigma = (exact.sum() - exact[-8:].sum()) / (40 - zero_rows - 8)
+    assert torch.allclose(eig_a.complement, expected_sigma.reshape(1), rtol=1e-4)
+
+
+@pytest.mark.parametrize("caps", [(8, None), (None, 5), (8, 5)])
+def test_the_capped_eigen_solve_is_the_dense_solve_of_the_approximated_factors(caps: tuple[int | None, int | None]) -> None:
+    A, G = full_rank_factor(40, zero_rows=4), full_rank_factor(12)
+    grad = torch.randn(12, 40, dtype=torch.float64)
+    grad[:, :4] = 0  # the zero rows' gradient columns (as a zero-padded conv's)
+    damping = 1e-2
+    eig_a = linalg.symmetric_eigen(A, torch.float64, linalg.rank_threshold(damping, float(G.trace())), max_rank=caps[0])
+    eig_g = linalg.symmetric_eigen(G, torch.float64, linalg.rank_threshold(damping, float(A.trace())), max_rank=caps[1])
+    assert eig_a is not None and eig_g is not None
+    for eig, cap in zip((eig_a, eig_g), caps):
+        assert (eig.complement is not None) == (cap is not None)
+        assert eig.complement is None or float(eig.complement) > 0
+    # dense reference: (Ĝ ⊗ Â + λI)⁻¹ vec(∇W) with Â, Ĝ formed densely from Q, d and σ
+    expected = kron_solve(capped_approximation(eig_g), capped_approximation(eig_a), grad, damping)
+    assert relative_error(linalg.eigen_precondition(grad, eig_a, eig_g, damping), expected) < 1e-10
+    # and σ matters: with 0 for the complement (a plain thin solve) the direction differs
+    plain = linalg.eigen_precondition(grad, linalg.Eigen(eig_a.Q, eig_a.d), linalg.Eigen(eig_g.Q, eig_g.d), damping)
+    assert relative_error(plain, expected) > 1e-3
+
+
+def test_a_cap_at_or_above_the_rank_gives_the_exact_thin_solve() -> None:
+    # rank 6 ≤ cap < dim 40: not truncated (σ = 0), the same direction as without a cap.
+    A, G = low_rank_gram(40, 6, zero_rows=3), full_rank_factor(12)
+    grad = torch.randn(12, 40, dtype=torch.float64)
+    damping = 1e-2
+    threshold = linalg.rank_threshold(damping, float(G.trace()))
+    eig_g = linalg.symmetric_eigen(G, torch.float64)
+    assert eig_g is not None
+    for bound in (6, None):  # a known rank bound, or none (the capped eigensolve runs and finds rank 6)
+        uncapped = linalg.symmetric_eigen(A, torch.float64, threshold, rank_bound=bound)
+        assert uncapped is not None and uncapped.Q.shape == (40, 6)
+        expected = linalg.eigen_precondition(grad, uncapped, eig_g, damping)
+        assert relative_error(expected, kron_solve(G, A, grad, damping)) < 1e-6
+        if bound is not None:  # bit for bit today's: the same decomposition and solve
+            capped = linalg.symmetric_eigen(A, torch.float64, threshold, rank_bound=bound, max_rank=10)
+            assert capped is not None and capped.complement is None
+            assert torch.equal(linalg.eigen_precondition(grad, capped, eig_g, damping), expected)
+        # at the cap exactly: σ = 0 comes along (the layout of a truncated factor), the same solve
+        capped = linalg.symmetric_eigen(A, torch.float64, threshold, rank_bound=bound, max_rank=6)
+        assert capped is not None and capped.Q.shape == (40, 6)
+        assert torch.equal(capped.complement, torch.zeros(1, dtype=torch.float64)) if bound else float(capped.complement) < 1e-12
+        assert relative_error(linalg.eigen_precondition(grad, capped, eig_g, damping), expected) < 1e-10
+    # a cap at or above the size changes nothing at all
+    assert linalg.symmetric_eigen(A, torch.float64, threshold, max_rank=40).complement is None
+
+
 def test_zero_rows_are_deflated_exactly_in_a_full_decomposition() -> None:
     # Zero rows and columns, full rank elsewhere: full Q with the zero rows' unit vectors.
     A = low_rank_gram(12, 40, zero_rows=3)
@@ -228,3 +309,26 @@ def test_async_delay_adopts_the_round_that_many_steps_later() -> None:
     assert block.A.decomposed_key == (submitted, 0.0)  # adopted at step 5
     with pytest.raises(ValueError, match="async_delay"):
         KFAC(net, async_decompositions=True, async_delay=0, factor_update_steps=1, inv_update_steps=10)
+
+
+def test_the_eigenbasis_cap_in_the_optimizer_is_described_logged_and_checkpointed(caplog: pytest.LogCaptureFixture) -> None:
+    from kfac_optim.methods import Eigen
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(40, 12), nn.Tanh(), nn.Linear(12, 3))
+    optimizer = KFAC(net, lr=0.1, method=Eigen(max_rank=8), factor_update_steps=1, inv_update_steps=2)
+    assert "eigenbasis cap max_rank=8" in optimizer.describe() and "0.A (41), 0.G (12)" in optimizer.describe()
+    assert "2.A (13)" in optimizer.describe()  # 12 inputs + bias > 8: capped too; 2.G (3) is not
+    caplog.set_level(logging.INFO, logger="kfac_optim.estimator")
+    for _ in range(3):  # 3 batches of 32 rows: rank 40 + 1 > 8
+        F.cross_entropy(net(torch.randn(32, 40)), torch.randint(0, 3, (32,))).backward()
+        optimizer.step()
+    eig = optimizer.blocks[0].A.decomposition
+    assert eig.Q.shape == (41, 8) and float(eig.complement) > 0
+    assert "'0': A (dim 41) truncated by the eigenbasis cap to its 8 leading eigenpairs" in caplog.text
+    restored_net = nn.Sequential(nn.Linear(40, 12), nn.Tanh(), nn.Linear(12, 3))
+    restored = KFAC(restored_net, lr=0.1, method=Eigen(max_rank=8), factor_update_steps=1, inv_update_steps=2)
+    restored.load_state_dict(optimizer.state_dict())
+    assert torch.equal(restored.blocks[0].A.decomposition.complement, eig.complement)
+    with pytest.raises(ValueError, match="max_rank must be an int >= 1 or None"):
+        Eigen(max_rank=0)

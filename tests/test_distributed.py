@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kfac_optim import KFAC
 from kfac_optim.distributed.comm import Communicator
+from kfac_optim.methods import Eigen
 from tests.distributed_helpers import assert_same_tensors, spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
@@ -155,6 +156,7 @@ def symmetric_matrices(seed: int) -> list[torch.Tensor]:
 
 
 MODERN_RUNS = [(1.0, "eigen"), ("mem-opt", "inverse")]
+CAPPED = Eigen(max_rank=4)  # fc1's A (33), conv's A (10), fc2's A and G (8 each), head's A (7): truncated at step 0 (12 rows)
 
 
 def ddp_run(
@@ -213,6 +215,10 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
     results["factors async statistics"] = saved_factors(optimizer.state_dict())
     results.update(async_resumed(rank, world))
     results.update(async_delay_with_a_rank_that_decomposes_nothing(rank, world))
+
+    for fraction in (1.0, "mem-opt"):  # truncated decompositions (and their σ) travel to the other rank
+        model, optimizer = ddp_run(rank, world, fraction, method=CAPPED)
+        results[f"params capped {fraction}"] = parameters(model)
 
     model, optimizer = ddp_run(rank, world, "mem-opt", **STAGGER)
     results["params stagger"] = parameters(model)
@@ -423,6 +429,16 @@ def test_two_ranks_equal_one_process_with_embedding_attention_grouped_and_nd_con
     assert_same(first[f"modern params {fraction} {method}"], second[f"modern params {fraction} {method}"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fraction", [1.0, "mem-opt"], ids=["comm-opt", "mem-opt"])
+def test_two_ranks_with_the_eigenbasis_cap_equal_one_process(ddp_two_ranks, fraction) -> None:
+    model, optimizer = single_process(method=CAPPED)
+    truncated = [f"{b.name}.{n}" for b in optimizer.blocks for n, f in b.factors.items()
+                 if f.decomposition.complement is not None and float(f.decomposition.complement) > 0]
+    assert "fc1.A" in truncated, truncated  # the cap binds: the comparison is about truncated factors
+    for results in ddp_two_ranks:
+        assert_same(results[f"params capped {fraction}"], parameters(model))
+
+
 def test_lazy_and_eager_reduction_give_the_same_factors(ddp_two_ranks) -> None:
     for results in ddp_two_ranks:
         assert_same(results["factors 1.0"], results["factors eager"])
@@ -503,6 +519,7 @@ def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_ba
     ("world", "key"),
     [("ddp_two_ranks", "params 1.0"), ("ddp_two_ranks", "params mem-opt"), ("ddp_two_ranks", "params sampled"),
      ("ddp_two_ranks", "params async"), ("ddp_two_ranks", "params async statistics"), ("ddp_two_ranks", "params stagger"),
+     ("ddp_two_ranks", "params capped 1.0"), ("ddp_two_ranks", "params capped mem-opt"),
      ("three_ranks", "params 1.0"), ("three_ranks", f"params {1 / 3}"), ("three_ranks", "params resumed"),
      ("ddp_four_ranks", "params eigen"), ("ddp_four_ranks", "params inverse")],
 )

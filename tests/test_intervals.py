@@ -1,5 +1,6 @@
 """Automatic intervals (``kfac_optim.intervals``): the calibration's schedule, the cost model,
-one decision per run (logged, in describe()), and checkpoints that keep it.
+the decision (logged, in describe()) and its revision at re-measured decomposition rounds, and
+checkpoints that keep it.
 
 Costs are injected (``AutoIntervals(costs=StepCosts(...))``) wherever the intervals decide what
 is compared, so the tests do not depend on this machine's timing; one test measures for real and
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC
-from kfac_optim.intervals import AutoIntervals, StepCosts
+from kfac_optim.intervals import AutoIntervals, IntervalSchedule, StepCosts, check_state
 
 COSTS = StepCosts(step=0.1, factor=0.05, decomposition=3.5)  # ResNet-18-like: seconds
 
@@ -132,3 +134,91 @@ def test_auto_intervals_check_their_fields() -> None:
         StepCosts(step=0.0, factor=0.0, decomposition=0.0)
     with pytest.raises(ValueError, match="StepCosts.factor"):
         StepCosts(step=1.0, factor=math.nan, decomposition=0.0)
+
+
+def test_the_preconditioning_comes_out_of_the_budget_first() -> None:
+    auto = AutoIntervals(overhead=0.5)
+    costs = StepCosts(step=0.1, factor=0.05, decomposition=3.5, precondition=0.02)
+    # share = (0.5 · 0.1 − 0.02) / 2 = 0.015 s: factor ceil(3.33) = 4, inverse ceil(233.3) = 234 → 236
+    factor, inverse = auto.choose(costs, None, None)
+    assert (factor, inverse) == (4, 236)
+    assert costs.precondition + costs.factor / factor + costs.decomposition / inverse <= 0.5 * costs.step + 1e-12
+    # preconditioning alone over the budget: both intervals at their caps, and describe() says why
+    assert auto.choose(StepCosts(0.1, 0.05, 3.5, precondition=0.06), None, None) == (50, 500)
+
+
+class FakeClock:
+    """Seconds that advance only when the test says (the schedule's clock seam)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_schedule(schedule: IntervalSchedule, clock: FakeClock, steps: range,
+                 decomposition_cost, sums: list[list[float]], zero_grad: bool = True) -> None:
+    """Drive ``schedule`` as the optimizer does: 0.3 s loading a batch, then (``zero_grad`` marks
+    the start) plain steps of 1 s, factor steps +0.5 s, preconditioning 0.1 s per step,
+    decompositions ``decomposition_cost(step)`` s."""
+    def average(values: list[float]) -> list[float]:
+        sums.append(values)
+        return values  # one rank
+
+    for step in steps:
+        clock.now += 0.3
+        if zero_grad:
+            schedule.step_started(step)
+        schedule.begin_step(step, average)
+        if schedule.is_factor_step(step):
+            clock.now += 0.5
+        if schedule.is_inverse_step(step):
+            with schedule.timing_decomposition(step):
+                clock.now += decomposition_cost(step)
+        with schedule.timing_precondition(step):
+            clock.now += 0.1
+        clock.now += 0.9
+        schedule.step_ended(step)
+
+
+def test_later_decomposition_rounds_are_measured_again_and_the_inverse_interval_follows() -> None:
+    # Decompositions cost 0.1 s at the calibration (low-rank factors), 10 s from step 20 on (full rank).
+    clock, sums = FakeClock(), []
+    schedule = IntervalSchedule("auto", "auto", torch.device("cpu"), clock=clock)
+    run_schedule(schedule, clock, range(0, 4), lambda step: 0.1, sums)
+    # SGD-equivalent step 0.9 s, preconditioning 0.1 s: share (0.45 − 0.1)/2 = 0.175 s
+    assert asdict(schedule.costs) == pytest.approx(dict(step=0.9, factor=0.5, decomposition=0.1, precondition=0.1))
+    assert schedule.chosen == (3, 12)  # ceil(0.5/0.175) = 3; max(10, ceil(0.1/0.175)) = 10 → 12
+    assert len(sums) == 1  # the calibration's one all-reduce
+    run_schedule(schedule, clock, range(4, 14), lambda step: 0.1, sums)
+    assert schedule.chosen == (3, 12) and len(sums) == 2  # round 12 measured (still cheap), averaged at 13
+    run_schedule(schedule, clock, range(14, 25), lambda step: 10.0, sums)
+    # round 24 takes 10 s: the estimate becomes (0.1 + 10)/2 = 5.05 s → ceil(5.05/0.175) = 29 → 30,
+    # decided at the start of step 25 (not yet run)
+    assert schedule.chosen == (3, 12)
+    run_schedule(schedule, clock, range(25, 26), lambda step: 10.0, sums)
+    assert schedule.chosen == (3, 30) and schedule.costs.decomposition == pytest.approx(5.05)
+    assert sums[-1] == [pytest.approx(10.0), pytest.approx(0.1), 1.0]  # [decomposition, preconditioning, ranks]
+    run_schedule(schedule, clock, range(26, 32), lambda step: 10.0, sums)  # round 30: (5.05 + 10)/2 → 43 → 45
+    assert schedule.chosen == (3, 45)
+    assert [k for k in range(32, 200) if schedule.is_inverse_step(k)][:2] == [45, 90]
+    # a loop without zero_grad(): the step is measured from the previous step's end (loading included)
+    schedule = IntervalSchedule("auto", "auto", torch.device("cpu"), clock=clock)
+    run_schedule(schedule, clock, range(0, 4), lambda step: 0.1, sums, zero_grad=False)
+    assert schedule.costs.step == pytest.approx(1.2) and schedule.costs.factor == pytest.approx(0.5)
+    # not under AsyncConfig (remeasure=False), nor with injected costs or an explicit inverse interval
+    for schedule in (IntervalSchedule("auto", "auto", torch.device("cpu"), remeasure=False, clock=clock),
+                     IntervalSchedule(AutoIntervals(costs=COSTS), AutoIntervals(costs=COSTS), torch.device("cpu"), clock=clock),
+                     IntervalSchedule("auto", 12, torch.device("cpu"), clock=clock)):
+        sums.clear()
+        run_schedule(schedule, clock, range(0, 40), lambda step: 10.0 if step > 10 else 0.1, sums)
+        assert len(sums) == (1 if schedule.auto.costs is None else 0)
+
+
+def test_checkpoints_of_costs_without_preconditioning_still_load() -> None:
+    state = {"factor": 2, "inverse": 140, "costs": {"step": 0.1, "factor": 0.05, "decomposition": 3.5}}
+    check_state(state)
+    schedule = IntervalSchedule("auto", "auto", torch.device("cpu"))
+    schedule.load_state_dict(state, step=50)
+    assert schedule.chosen == (2, 140) and schedule.costs.precondition == 0.0

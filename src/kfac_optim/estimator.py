@@ -144,10 +144,12 @@ class KroneckerEstimator:
         self._stagger = FactorStagger(self.blocks) if curvature.stagger else None
         self.steps = 0
         device = self.blocks[0].weight.device if self.blocks else torch.device("cpu")
-        self.intervals = IntervalSchedule(options.factor_update_steps, options.inv_update_steps, device)
+        self.intervals = IntervalSchedule(options.factor_update_steps, options.inv_update_steps, device,
+                                          remeasure=self.background is None)
         self.damping: DampingRule = damping_rule(options.damping,
                                                  distributed=self.sharding.active or self.sharding.row_sharded is not None)
         self._reported_overwritten: set[str] = set()
+        self._reported_truncations: set[str] = set()
         self._warned = {"apex in line": False, "nothing sampled": False, "graph backward": False}
         self._checked_capture = False
         # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (counted by the
@@ -454,6 +456,23 @@ class KroneckerEstimator:
                 self._report_failure(block, name)
             else:
                 block.factors[name].adopt(result, job.method.keyed_shift(job.shift), job.version)
+                self._report_truncation(block, name)
+
+    def _report_truncation(self, block: KroneckerBlock, name: str) -> None:
+        """Log (INFO, once per factor) the first decomposition of factor ``name`` of ``block`` that
+        the eigenbasis cap truncated (``methods.Eigen``'s ``max_rank``): its rank and ``σ``. One host
+        sync per decomposition of a capped factor until then."""
+        decomposition = block.factors[name].decomposition
+        key = f"{block.name}.{name}"
+        if key in self._reported_truncations or not isinstance(decomposition, linalg.Eigen) \
+                or decomposition.complement is None:
+            return
+        sigma = float(decomposition.complement)
+        if sigma > 0:
+            self._reported_truncations.add(key)
+            logger.info("K-FAC layer '%s': %s (dim %d) truncated by the eigenbasis cap to its %d leading eigenpairs, "
+                        "the other directions at their mean eigenvalue %.3g", block.name, name,
+                        block.factors[name].dim, decomposition.Q.shape[-1], sigma)
 
     def _report_failure(self, block: KroneckerBlock, name: str) -> None:
         """One warning for a failed decomposition of factor ``name`` of ``block``."""
@@ -505,6 +524,8 @@ class KroneckerEstimator:
                 jobs.append(Job((block, name), factor.snapshot(), factor.version, method, shift, inv_dtype, drop_below))
             elif not factor.decompose(method, shift, inv_dtype, drop_below):
                 self._report_failure(block, name)
+            else:
+                self._report_truncation(block, name)
         if self.background is not None:
             self.background.submit(jobs)
             # On every rank, jobs or not: the adopt step shares decompositions (a collective). When
@@ -559,12 +580,17 @@ class KroneckerEstimator:
 
     # -- preconditioning ---------------------------------------------------------------------
 
-    @record_function("kfac.precondition")
     def precondition(self) -> dict[Tensor, Tensor]:
-        """Per-parameter update directions of the blocks that have a decomposition, at this step's damping.
+        """Per-parameter update directions of the blocks that have a decomposition, at this step's damping
+        (timed on the steps the automatic intervals measure).
 
         Under FSDP2 a direction is a ``DTensor`` laid out as its parameter (this rank's rows).
         """
+        with self.intervals.timing_precondition(self.steps):
+            return self._precondition()
+
+    @record_function("kfac.precondition")
+    def _precondition(self) -> dict[Tensor, Tensor]:
         damping, inv_dtype = self.damping_at(self.steps), self.options.curvature.inv_dtype
         joint: dict[str, Tensor] = {}
         sharded_rows: dict[str, Tensor] = {}
@@ -645,6 +671,9 @@ class KroneckerEstimator:
             f"KFAC ({self.method.name}): {len(self.blocks)} blocks precondition {covered}/{total} "
             f"weight-matrix elements ({share:.1%})",
             *(f"  {report}{FROZEN_NOTE if report.block in frozen else ''}" for report in self.reports),
-            self.intervals.describe(),
         ]
+        approximations = self.method.approximations([(block.name, block.A, block.G) for block in self.blocks])
+        if approximations is not None:
+            lines.append(approximations)
+        lines.append(self.intervals.describe())
         return "\n".join(lines)

@@ -2,32 +2,51 @@
 
 Owns: which steps fold statistics (factor steps) and which refresh decompositions (decomposition
 steps); for ``"auto"`` (:class:`AutoIntervals`, the default of ``KFAC``) the calibration that
-times the first steps, the cost model that turns the costs into intervals, and the chosen
-intervals' state (saved in checkpoints, docs/api.md "Automatic intervals").
+times the first steps, the later decomposition rounds' re-measurement, the cost model that turns
+the costs into intervals, and the chosen intervals' state (saved in checkpoints, docs/api.md
+"Automatic intervals").
 Must not know: blocks, factors, the optimizer (the estimator calls it at the points below).
 
 **Calibration** (``c`` = the first step the schedule runs undecided: 0, or the step a checkpoint
 saved during calibration resumes at): step ``c`` folds and decomposes, ``c + 1`` folds, ``c + 2``
 does neither; the auto intervals decide at the start of step ``c + 3``. Measured, in seconds of
-wall time between the ends of consecutive ``step()`` calls (forward, backward and the step):
+wall time from a step's start to the end of its ``step()`` call (forward, backward and the step),
+a step's start being the ``optimizer.zero_grad()`` before it, or the previous step's end when the
+loop does not call ``zero_grad`` (so work between the two, e.g. loading the next batch, is left out):
 
-- ``step``: step ``c + 2``, a plain step (K-FAC's preconditioning included, no curvature work);
+- ``precondition``: K-FAC's preconditioning of step ``c + 2``, timed around it;
+- ``step``: step ``c + 2`` minus its ``precondition``: the SGD-equivalent step (forward,
+  backward, the KL clip and SGD's update: what the curvature work is added to);
 - ``factor``: step ``c + 1`` minus step ``c + 2``: the statistics' capture (hooks) and the fold;
 - ``decomposition``: the decompositions of step ``c``, timed around them.
 
-The three are averaged over ranks (one all-reduce, at step ``c + 3`` on every rank), so every
-rank takes the same intervals. On CUDA the calibration steps synchronize the device to time it;
-every other step adds no host sync.
+The four are averaged over ranks (one all-reduce, at step ``c + 3`` on every rank), so every
+rank takes the same intervals.
 
-**Cost model.** A step then costs ``step + factor / I_f + decomposition / I_d`` on average; with
-the budget ``overhead`` (a fraction of the plain step), each kind of curvature work gets half::
+**Re-measurement.** The factors' rank grows over the first folds (a factor of ``n`` rows has rank
+≤ ``n``; ``linalg.symmetric_eigen`` decomposes a low-rank one in far less than ``eigh``'s time), so
+the calibration's decompositions and preconditioning are the cheapest of the run. After the
+decision, every synchronous decomposition round (not under ``AsyncConfig``, whose rounds run on
+the worker) is timed again, decompositions and that step's preconditioning, averaged over ranks
+at the start of the next step (one all-reduce, the same step on every rank), averaged with the
+previous estimate (half each: the load of a shared machine swings) and the decomposition interval
+chosen again from them; the factor interval stays. On CUDA the calibration
+steps and these rounds synchronize the device to be timed (a decomposition round syncs the host
+anyway); every other step adds no host sync.
 
-    I_f = clamp(ceil(factor / (overhead·step/2)), 1, max_factor)
-    I_d = clamp(ceil(decomposition / (overhead·step/2)), 10, max_inverse), rounded up to a multiple of I_f
+**Cost model.** A step then costs ``step + precondition + factor / I_f + decomposition / I_d`` on
+average. The budget is ``overhead × step`` (a fraction of the SGD-equivalent step); the
+preconditioning, paid every step, comes out of it first, and each kind of curvature work gets half
+of what is left, ``share = (overhead·step − precondition) / 2``::
 
-so the curvature's amortized cost stays ≤ ``overhead × step`` unless a cap binds (the floor of 10
-keeps K-FAC's customary decomposition interval when decompositions are cheap). An explicit
-``factor_update_steps`` or ``inv_update_steps`` (int or callable) is kept as given.
+    I_f = clamp(ceil(factor / share), 1, max_factor)
+    I_d = clamp(ceil(decomposition / share), 10, max_inverse), rounded up to a multiple of I_f
+
+(both at their caps when the preconditioning alone exceeds the budget), so the curvature's cost
+stays ≤ ``overhead × step`` unless a cap binds (the floor of 10 keeps K-FAC's customary
+decomposition interval when decompositions are cheap). The preconditioning's own cost is not set
+by an interval: ``methods.Eigen``'s eigenbasis cap bounds it. An explicit ``factor_update_steps``
+or ``inv_update_steps`` (int or callable) is kept as given.
 """
 
 from __future__ import annotations
@@ -37,7 +56,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -64,14 +83,16 @@ def check_interval(name: str, value: int) -> int:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Measured (or given) seconds: a plain ``step``, a factor step's extra, one decomposition round."""
+    """Measured (or given) seconds: the SGD-equivalent ``step``, a factor step's extra, one
+    decomposition round, and one step's ``precondition`` (0 in checkpoints of earlier releases)."""
 
     step: float
     factor: float
     decomposition: float
+    precondition: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("step", "factor", "decomposition"):
+        for name in ("step", "factor", "decomposition", "precondition"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
                 raise ValueError(f"StepCosts.{name} must be a finite number >= 0, got {value!r}")
@@ -107,11 +128,15 @@ class AutoIntervals:
 
     def choose(self, costs: StepCosts, factor: int | None, inverse: int | None) -> tuple[int, int]:
         """``(I_f, I_d)`` for ``costs``; ``factor`` / ``inverse``: an explicit one to keep (None: choose)."""
-        share = self.overhead * costs.step / 2
+        share = (self.overhead * costs.step - costs.precondition) / 2
+
+        def interval(cost: float, low: int, high: int) -> int:
+            return high if share <= 0 else min(max(low, math.ceil(cost / share)), high)
+
         if factor is None:
-            factor = min(max(1, math.ceil(costs.factor / share)), self.max_factor)
+            factor = interval(costs.factor, 1, self.max_factor)
         if inverse is None:
-            inverse = min(max(MIN_AUTO_INVERSE, math.ceil(costs.decomposition / share)), self.max_inverse)
+            inverse = interval(costs.decomposition, MIN_AUTO_INVERSE, self.max_inverse)
             inverse = math.ceil(inverse / factor) * factor
         return factor, inverse
 
@@ -139,20 +164,28 @@ class IntervalSchedule:
     """The factor and decomposition steps of one optimizer (module docstring).
 
     ``factor``, ``inverse``: the settings (int, callable, ``"auto"`` or :class:`AutoIntervals`);
-    ``device``: where the work runs (CUDA is synchronized on calibration steps to time it).
+    ``device``: where the work runs (CUDA is synchronized on measured steps to time it);
+    ``remeasure``: time the synchronous decomposition rounds after the decision (False when the
+    decompositions run on a background worker); ``clock``: seconds, monotonic.
     """
 
     def __init__(self, factor: Interval | AutoIntervals, inverse: Interval | AutoIntervals,
-                 device: torch.device) -> None:
+                 device: torch.device, remeasure: bool = True,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.auto = auto_of(factor, inverse)
         self._factor = None if _is_auto(factor) else factor
         self._inverse = None if _is_auto(inverse) else inverse
         self._device = device
+        self._remeasure = remeasure
+        self._clock = clock
         self.chosen: tuple[int, int] | None = None  # (I_f, I_d) once decided
         self.costs: StepCosts | None = None
         self._start = 0  # the calibration's first step c
-        self._ends: dict[int, float] = {}  # perf_counter at the end of calibration steps
+        self._ends: dict[int, float] = {}  # clock at the end of calibration steps
+        self._starts: dict[int, float] = {}  # clock at their zero_grad(), when the loop calls it
         self._decomposition: float | None = None
+        self._precondition: float | None = None
+        self._round: int | None = None  # a decomposition round timed after the decision, to average
 
     @property
     def calibrating(self) -> bool:
@@ -185,27 +218,59 @@ class IntervalSchedule:
     # -- calibration (the estimator's calls) -------------------------------------------------
 
     def begin_step(self, step: int, average_over_ranks: Callable[[list[float]], list[float]]) -> None:
-        """At the start of a step's curvature work: decide when the calibration's steps are done."""
+        """At the start of a step's curvature work: decide when the calibration's steps are done, or
+        choose the decomposition interval again after a re-measured round (module docstring)."""
         if self.calibrating and step - self._start == CALIBRATION_STEPS:
             self._decide(average_over_ranks)
+        elif self._round is not None and step > self._round:
+            self._redecide(average_over_ranks)
+
+    def _measuring_round(self) -> bool:
+        """Whether a decomposition step now is one re-measured after the decision."""
+        return (self._remeasure and self.chosen is not None and self.auto is not None and self.auto.costs is None
+                and self._inverse is None)
 
     @contextmanager
     def timing_decomposition(self, step: int) -> Iterator[None]:
-        """Around a decomposition step: time it when it is the calibration's."""
-        timed = self.calibrating and self.auto.costs is None and self._offset(step) == 0
+        """Around a decomposition step: time it when it is the calibration's or a re-measured round."""
+        calibration = self.calibrating and self.auto.costs is None and self._offset(step) == 0
+        timed = calibration or self._measuring_round()
         if timed:
             self._synchronize()
-            started = time.perf_counter()
+            started = self._clock()
         yield
         if timed:
             self._synchronize()
-            self._decomposition = time.perf_counter() - started
+            self._decomposition = self._clock() - started
+            self._precondition = None
+            if not calibration:
+                self._round = step
+
+    @contextmanager
+    def timing_precondition(self, step: int) -> Iterator[None]:
+        """Around a step's preconditioning: time it on the calibration's plain step and on a
+        re-measured decomposition round."""
+        timed = (self.calibrating and self.auto.costs is None and self._offset(step) == CALIBRATION_STEPS - 1) \
+            or self._round == step
+        if timed:
+            self._synchronize()
+            started = self._clock()
+        yield
+        if timed:
+            self._synchronize()
+            self._precondition = self._clock() - started
+
+    def step_started(self, step: int) -> None:
+        """At ``optimizer.zero_grad()`` before step ``step``: note the time when it is one the calibration measures."""
+        if self.calibrating and self.auto.costs is None and 0 <= self._offset(step) < CALIBRATION_STEPS:
+            self._synchronize()
+            self._starts[self._offset(step)] = self._clock()
 
     def step_ended(self, step: int) -> None:
         """At the end of a step: note the time when it is one the calibration measures."""
         if self.calibrating and self.auto.costs is None and 0 <= self._offset(step) < CALIBRATION_STEPS:
             self._synchronize()
-            self._ends[self._offset(step)] = time.perf_counter()
+            self._ends[self._offset(step)] = self._clock()
 
     def _synchronize(self) -> None:
         if self._device.type == "cuda":
@@ -217,9 +282,12 @@ class IntervalSchedule:
         if decomposition is None:  # an explicit inv_update_steps without a decomposition at step c: unused
             assert self._inverse is not None
             decomposition = 0.0
-        plain = ends[2] - ends[1]
-        return StepCosts(step=max(plain, 1e-9), factor=max(0.0, (ends[1] - ends[0]) - plain),
-                         decomposition=decomposition)
+        # a step's start: its zero_grad(), else the previous step's end (step 0 only has the former)
+        starts = {offset: self._starts.get(offset, ends.get(offset - 1)) for offset in (1, 2)}
+        plain = ends[2] - starts[2]
+        precondition = min(self._precondition or 0.0, plain)  # None: no block preconditioned (a joined rank)
+        return StepCosts(step=max(plain - precondition, 1e-9), factor=max(0.0, (ends[1] - starts[1]) - plain),
+                         decomposition=decomposition, precondition=precondition)
 
     def _decide(self, average_over_ranks: Callable[[list[float]], list[float]]) -> None:
         assert self.auto is not None
@@ -227,15 +295,31 @@ class IntervalSchedule:
             costs = self.auto.costs
         else:
             local = self._measured()
-            step, factor, decomposition, ranks = average_over_ranks(
-                [local.step, local.factor, local.decomposition, 1.0])
-            costs = StepCosts(step / ranks, factor / ranks, decomposition / ranks)
+            step, factor, decomposition, precondition, ranks = average_over_ranks(
+                [local.step, local.factor, local.decomposition, local.precondition, 1.0])
+            costs = StepCosts(step / ranks, factor / ranks, decomposition / ranks, precondition / ranks)
         explicit_factor = None if self._factor is None else self.factor_interval(self._start + CALIBRATION_STEPS)
         explicit_inverse = 0 if self._inverse is not None else None
         factor, inverse = self.auto.choose(costs, explicit_factor, explicit_inverse)
         self.chosen, self.costs = (factor, inverse), costs
         self._ends.clear()
+        self._starts.clear()
+        self._decomposition = self._precondition = None
         logger.info("K-FAC %s", self.describe())
+
+    def _redecide(self, average_over_ranks: Callable[[list[float]], list[float]]) -> None:
+        """The decomposition interval from the last re-measured round's costs, averaged over ranks."""
+        assert self.auto is not None and self.chosen is not None and self.costs is not None
+        decomposition, precondition, ranks = average_over_ranks(
+            [self._decomposition or 0.0, self._precondition or 0.0, 1.0])
+        costs = replace(self.costs, decomposition=(self.costs.decomposition + decomposition / ranks) / 2,
+                        precondition=(self.costs.precondition + precondition / ranks) / 2)
+        _, inverse = self.auto.choose(costs, self.chosen[0], None)
+        if inverse != self.chosen[1]:
+            logger.info("K-FAC inv_update_steps %d -> %d (auto, re-measured at step %d)", self.chosen[1], inverse,
+                        self._round)
+        self.chosen, self.costs = (self.chosen[0], inverse), costs
+        self._round = self._decomposition = self._precondition = None
 
     def describe(self) -> str:
         """One line: the intervals in effect and where they came from."""
@@ -249,6 +333,8 @@ class IntervalSchedule:
                f"{text('inv_update_steps', self._inverse, chosen[1])}"
         if self.costs is not None:
             line += f" from {_seconds(self.costs)}, budget {self.auto.overhead:g}× the step"
+            if self.costs.precondition >= self.auto.overhead * self.costs.step:
+                line += " (the preconditioning alone exceeds it: intervals at their caps)"
         return line
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -262,8 +348,9 @@ class IntervalSchedule:
     def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
         """Restore :meth:`state_dict` (checked by :func:`check_state`) at ``step``; None: calibrate
         afresh from ``step``. Explicit intervals are kept as given."""
-        self._start, self._decomposition = step, None
+        self._start, self._decomposition, self._precondition, self._round = step, None, None, None
         self._ends.clear()
+        self._starts.clear()
         if self.auto is None:
             return
         if state is None:
@@ -298,5 +385,5 @@ def _is_auto(value: Any) -> bool:
 
 
 def _seconds(costs: StepCosts) -> str:
-    return (f"step {costs.step * 1e3:.1f} ms, factor work {costs.factor * 1e3:.1f} ms, "
-            f"decompositions {costs.decomposition * 1e3:.1f} ms")
+    return (f"step {costs.step * 1e3:.1f} ms (SGD-equivalent), preconditioning {costs.precondition * 1e3:.1f} ms, "
+            f"factor work {costs.factor * 1e3:.1f} ms, decompositions {costs.decomposition * 1e3:.1f} ms")

@@ -20,14 +20,20 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Eigen:
-    """``F = Q diag(d) Qᵀ`` with eigenvalues clamped at 0, ascending. ``Q: (n, r)``, ``d: (r,)``.
+    """``F = Q diag(d) Qᵀ + σ (I − Q Qᵀ)`` with eigenvalues clamped at 0, ascending. ``Q: (n, r)``,
+    ``d: (r,)``, ``complement``: ``σ`` as a ``(1,)`` tensor, or None for ``σ = 0``.
 
     Full (``r = n``) or thin (``r < n``): a thin one keeps only the leading eigenpairs and the
-    complement of ``Q``'s columns counts as eigenvalue 0 (see :func:`symmetric_eigen`).
+    complement of ``Q``'s columns counts as eigenvalue 0 (see :func:`symmetric_eigen`), or as the
+    isotropic ``σ ≥ 0`` of a factor truncated at a rank cap (its discarded eigenvalues' mean; see
+    :func:`symmetric_eigen`'s ``max_rank``). Under a cap, ``complement`` is set exactly when ``Q``
+    has ``max_rank`` columns (``σ = 0`` when the factor's rank is exactly ``max_rank``), so a
+    receiver of ``Q`` knows from its shape whether ``σ`` comes with it.
     """
 
     Q: Tensor
     d: Tensor
+    complement: Tensor | None = None
 
     @property
     def thin(self) -> bool:
@@ -45,8 +51,12 @@ class Eigen:
 RANK_RTOL = 1e-6
 RANK_NOISE_EPS = 1.0
 THIN_MAX_FRACTION = 0.5
-# Extra random directions when decomposing a factor of known low rank through its range.
+# Extra random directions when decomposing a factor of known low rank through its range, or
+# the leading eigenpairs of a truncated one; and the truncated one's power iterations (Halko,
+# Martinsson & Tropp 2011, §4.5: two sharpen the leading subspace enough for a K-FAC factor's
+# decaying spectrum).
 LOW_RANK_OVERSAMPLE = 8
+POWER_ITERATIONS = 2
 
 
 def rank_threshold(damping: float, other_trace: float) -> float:
@@ -62,7 +72,8 @@ def nbytes(decomposition: Eigen | Tensor | None) -> int:
     if decomposition is None:
         return 0
     if isinstance(decomposition, Eigen):
-        return decomposition.Q.nbytes + decomposition.d.nbytes
+        complement = 0 if decomposition.complement is None else decomposition.complement.nbytes
+        return decomposition.Q.nbytes + decomposition.d.nbytes + complement
     return decomposition.nbytes
 
 
@@ -105,8 +116,29 @@ def _low_rank_eigh(matrix: Tensor, columns: int) -> tuple[Tensor, Tensor] | None
     return d, basis.to(U.dtype) @ U
 
 
+def _top_eigh(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor] | None:
+    """The ``rank`` leading eigenpairs ``d (rank,)``, ``Q (k, rank)`` of a PSD ``matrix (k, k)``,
+    approximately: a randomized range finder with ``LOW_RANK_OVERSAMPLE`` extra directions and
+    ``POWER_ITERATIONS`` power iterations, then Rayleigh–Ritz on the basis (Halko et al. 2011,
+    Algorithms 4.4 and 5.3). O(k²·rank) instead of ``eigh``'s O(k³). Seeded as :func:`_low_rank_eigh`.
+    """
+    columns = min(rank + LOW_RANK_OVERSAMPLE, len(matrix))
+    generator = torch.Generator(device=matrix.device).manual_seed(len(matrix))
+    omega = torch.randn(len(matrix), columns, generator=generator, dtype=matrix.dtype, device=matrix.device)
+    basis, _ = torch.linalg.qr(matrix @ omega)
+    for _ in range(POWER_ITERATIONS):
+        basis, _ = torch.linalg.qr(matrix @ basis)
+    small = basis.T @ matrix @ basis
+    result = _eigh((small + small.T) / 2)
+    if result is None:
+        return None
+    d, U = result
+    return d[-rank:], basis.to(U.dtype) @ U[:, -rank:]
+
+
 def symmetric_eigen(
-    factor: Tensor, dtype: torch.dtype, drop_below: float | None = None, rank_bound: int | None = None
+    factor: Tensor, dtype: torch.dtype, drop_below: float | None = None, rank_bound: int | None = None,
+    max_rank: int | None = None,
 ) -> Eigen | None:
     """Eigendecomposition of a symmetric PSD factor ``(n, n)`` (or a batch ``(k, n, n)``, decomposed
     whole and full: the options below apply to one matrix), returned in ``dtype``.
@@ -127,6 +159,17 @@ def symmetric_eigen(
     through its range (:func:`_low_rank_eigh`: O(k²·rank) instead of O(k³), and no ``k``-fold
     repeated zero eigenvalue for LAPACK to trip on).
 
+    ``max_rank``: a cap on the eigenbasis of a factor wider than it (``n > max_rank``), applied
+    with ``drop_below`` (the thin solve; without it the result is full, as uncapped). When the
+    factor's rank may exceed the cap (no ``rank_bound`` ≤ ``max_rank``, and more than ``max_rank``
+    nonzero rows), only the ``max_rank`` leading eigenpairs are computed (:func:`_top_eigh`) and
+    kept, and the rest of the spectrum becomes one isotropic eigenvalue ``σ`` (``complement``):
+    the mean of the discarded eigenvalues of the nonzero block, ``(tr F − Σ kept)/(k − max_rank)``
+    (0 would over-step along real curvature). The zero rows' exact eigenvalues 0 are not averaged
+    in: their gradient columns are 0 too, so ``σ`` does not act on them. Otherwise (rank within
+    the cap) the result is the exact thin one, held thin whatever its rank (``σ = 0`` attached
+    when it has exactly ``max_rank`` columns; see :class:`Eigen`).
+
     Tries ``factor``'s own precision first, then float64 if ``eigh`` raises or returns
     non-finite values (details at DEBUG on this module's logger). Returns ``None`` when both
     fail (the caller keeps what it holds).
@@ -141,12 +184,17 @@ def symmetric_eigen(
             return None
         return Eigen(Q=batched[1].to(dtype).contiguous(), d=batched[0].clamp(min=0).to(dtype))
     n = len(factor)
+    capped = max_rank is not None and n > max_rank
     active = torch.nonzero(factor.diagonal() > 0).squeeze(1)  # one host sync per factor
     k = len(active)
+    truncating = False
     if k:
         block = factor if k == n else factor[active][:, active]
         columns = None if rank_bound is None else rank_bound + LOW_RANK_OVERSAMPLE
-        if drop_below is not None and columns is not None and columns <= THIN_MAX_FRACTION * k:
+        truncating = capped and drop_below is not None and k > max_rank and (rank_bound is None or rank_bound > max_rank)
+        if truncating:
+            result = _top_eigh(block, max_rank)
+        elif drop_below is not None and columns is not None and columns <= THIN_MAX_FRACTION * k:
             result = _low_rank_eigh(block, columns)
         else:
             result = _eigh(block)
@@ -158,11 +206,17 @@ def symmetric_eigen(
         d, Q = factor.new_zeros(0), factor.new_zeros(0, 0)
     if drop_below is not None:
         floor = RANK_NOISE_EPS * n * torch.finfo(factor.dtype).eps * float(d[-1]) if k else 0.0
-        r = int((d > max(drop_below, floor)).sum())
-        if r <= THIN_MAX_FRACTION * n:
+        r = len(d) if truncating else int((d > max(drop_below, floor)).sum())
+        if r <= THIN_MAX_FRACTION * n or capped:
             thin = Q.new_zeros(n, r)
             thin[active] = Q[:, len(d) - r :]
-            return Eigen(Q=thin.to(dtype), d=d[len(d) - r :].to(dtype).contiguous())
+            kept = d[len(d) - r :]
+            complement = None
+            if truncating:  # the discarded eigenvalues' mean, over the nonzero block
+                complement = ((torch.trace(block) - kept.sum()) / (k - r)).clamp(min=0).reshape(1).to(dtype)
+            elif capped and r == max_rank:
+                complement = kept.new_zeros(1, dtype=dtype)
+            return Eigen(Q=thin.to(dtype), d=kept.to(dtype).contiguous(), complement=complement)
     if k < n:  # the zero rows' unit vectors first: eigenvalue 0 sorts first
         inactive = torch.nonzero(factor.diagonal() <= 0).squeeze(1)
         full = Q.new_zeros(n, n)
@@ -197,7 +251,10 @@ def eigen_precondition(grad: Tensor, eig_a: Eigen, eig_g: Eigen, damping: float)
     Thin (either side): the complement of the kept eigenvectors gets ``1/λ``,
     ``V = ∇W/λ + Q_G [(Q_Gᵀ ∇W Q_A) ⊙ (1/(d_G d_Aᵀ + λ) − 1/λ)] Q_Aᵀ``, exact when the dropped
     eigenvalues are 0, at O(out·in·r) instead of O(out·in·n) per thin side.
+    With an isotropic complement on either side (:attr:`Eigen.complement`): :func:`complement_precondition`.
     """
+    if eig_a.complement is not None or eig_g.complement is not None:
+        return complement_precondition(grad, eig_a, eig_g, damping)
     if not (eig_a.thin or eig_g.thin):
         rotated = eig_g.Q.T @ grad @ eig_a.Q
         rotated /= torch.outer(eig_g.d, eig_a.d).add_(damping)
@@ -207,6 +264,39 @@ def eigen_precondition(grad: Tensor, eig_a: Eigen, eig_g: Eigen, damping: float)
     products = torch.outer(eig_g.d, eig_a.d)
     rotated *= products.div_(products.add(damping).mul_(-damping))
     return torch.linalg.multi_dot([eig_g.Q, rotated, eig_a.Q.T]).add_(grad, alpha=1.0 / damping)
+
+
+def complement_precondition(grad: Tensor, eig_a: Eigen, eig_g: Eigen, damping: float) -> Tensor:
+    """``(Ĝ ⊗ Â + λI)⁻¹ vec(∇W)`` for ``Â = Q_A diag(d_A) Q_Aᵀ + σ_A (I − Q_A Q_Aᵀ)`` and ``Ĝ``
+    likewise (:class:`Eigen`; ``σ = 0`` where ``complement`` is None), at O(out·in·(r_A + r_G)).
+
+    With ``P = I − Q Qᵀ`` per side, ``∇W`` splits into four parts, each an eigenspace pair of
+    ``Ĝ ⊗ Â``: ``Q_G·Q_A`` (weights ``1/(d_G d_Aᵀ + λ)``), ``Q_G·P_A`` (``w_G = 1/(d_G σ_A + λ)``),
+    ``P_G·Q_A`` (``w_A = 1/(σ_G d_A + λ)``) and ``P_G·P_A`` (``c = 1/(σ_G σ_A + λ)``). Expanding the
+    projections, with ``L = Q_Gᵀ ∇W``, ``M = ∇W Q_A`` and ``R = Q_Gᵀ M``::
+
+        V = c ∇W + (Q_G [R ⊙ (1/(d_G d_Aᵀ + λ) − w_G − w_Aᵀ + c)] + M diag(w_A − c)) Q_Aᵀ
+              + Q_G diag(w_G − c) L
+
+    The last term vanishes when ``σ_A`` is 0 by structure (``complement`` None: ``w_G = c``) and
+    is then not computed; with both ``σ`` 0 this is :func:`eigen_precondition`'s thin formula.
+    """
+    zero = eig_a.d.new_zeros(1)
+    sigma_a = zero if eig_a.complement is None else eig_a.complement
+    sigma_g = zero if eig_g.complement is None else eig_g.complement
+    c = (sigma_g * sigma_a).add_(damping).reciprocal_()
+    w_g = (eig_g.d * sigma_a).add_(damping).reciprocal_()
+    w_a = (eig_a.d * sigma_g).add_(damping).reciprocal_()
+    core = torch.outer(eig_g.d, eig_a.d).add_(damping).reciprocal_()
+    core.sub_(w_g.unsqueeze(1)).sub_(w_a.unsqueeze(0)).add_(c)
+    m = grad @ eig_a.Q
+    rotated = (eig_g.Q.T @ m).mul_(core)
+    left = torch.addcmul(eig_g.Q @ rotated, m, w_a.sub(c).unsqueeze(0))
+    direction = torch.addmm(grad * c, left, eig_a.Q.T)
+    if eig_a.complement is not None:
+        l_part = (eig_g.Q.T @ grad).mul_(w_g.sub(c).unsqueeze(1))
+        direction.addmm_(eig_g.Q, l_part)
+    return direction
 
 
 def inverse_precondition(grad: Tensor, a_inverse: Tensor, g_inverse: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
@@ -117,6 +117,11 @@ class Method(ABC):
         """The part of ``shift`` a decomposition depends on (its cache key)."""
         return shift
 
+    def approximations(self, pairs: Sequence[tuple[str, FactorView, FactorView]]) -> str | None:
+        """One line for ``KFAC.describe()`` naming the factors of ``pairs`` (``(layer, A, G)``) that
+        this method approximates beyond K-FAC's Kronecker factorization, and how (None: none)."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -131,26 +136,70 @@ def _reuse(held: list[Tensor] | None, wanted: list[tuple[tuple[int, ...], torch.
     return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in wanted]
 
 
+DEFAULT_MAX_RANK = 128
+""":class:`Eigen`'s default eigenbasis cap (docs/api.md "Eigenbasis cap"; measured in docs/tuning.md)."""
+
+
+def _thin_solve(a: FactorView, g: FactorView) -> bool:
+    """Whether the pair is solved by ``linalg.eigen_precondition`` (two dense ungrouped factors),
+    which takes thin and truncated decompositions."""
+    return not (a.diagonal or g.diagonal or a.groups > 1 or g.groups > 1)
+
+
+@dataclass(frozen=True)
 class Eigen(Method):
     """Exact damping: ``V = Q_G [(Q_Gᵀ ∇ Q_A) / (d_G d_Aᵀ + λ)] Q_Aᵀ`` (no shifts). A diagonal
-    factor is its own eigendecomposition (``Q = I``, ``d`` the diagonal, clamped at 0)."""
+    factor is its own eigendecomposition (``Q = I``, ``d`` the diagonal, clamped at 0).
 
-    name = "eigen"
+    ``max_rank`` (keyword; None: no cap): the eigenbasis cap. A dense factor wider than it, of a
+    pair of dense ungrouped factors, whose rank exceeds it is held as its ``max_rank`` leading
+    eigenpairs (a randomized eigensolver, O(n²·max_rank) instead of ``eigh``'s O(n³)) plus one
+    isotropic eigenvalue for the rest of its spectrum, their mean; the preconditioning then solves
+    that approximation exactly at O(out·in·max_rank) per capped side instead of O(out·in·n)
+    (``linalg.symmetric_eigen``, ``linalg.complement_precondition``). Factors within the cap, and
+    a capped one's factor of rank ≤ ``max_rank``, are solved exactly as without it. ``describe()``
+    names the factors the cap applies to, and the log each factor it truncates.
+    """
+
+    max_rank: int | None = field(default=DEFAULT_MAX_RANK, kw_only=True)
+
+    name: ClassVar[str] = "eigen"
+
+    def __post_init__(self) -> None:
+        if self.max_rank is not None and (isinstance(self.max_rank, bool) or not isinstance(self.max_rank, int)
+                                          or self.max_rank < 1):
+            raise ValueError(f"Eigen max_rank must be an int >= 1 or None, got {self.max_rank!r}")
+
+    def capped(self, factor: FactorView) -> bool:
+        """Whether the cap applies to ``factor``'s layout: dense, ungrouped and wider than ``max_rank``
+        (it then travels with its isotropic ``complement``: ``σ``, or 0 when it has none, which a
+        receiver tells from ``Q``'s columns, see ``linalg.Eigen``)."""
+        return self.max_rank is not None and not factor.diagonal and factor.groups == 1 and factor.dim > self.max_rank
 
     def decompose(
         self, factor: FactorView, shift: float, dtype: torch.dtype, drop_below: float | None = None
     ) -> Decomposition | None:
         if factor.diagonal:
             return factor.running.clamp(min=0).to(dtype)
-        return linalg.symmetric_eigen(factor.running, dtype, drop_below, factor.rank_bound)
+        max_rank = self.max_rank if self.capped(factor) else None
+        return linalg.symmetric_eigen(factor.running, dtype, drop_below, factor.rank_bound, max_rank)
 
     def shifts(self, a: FactorView, g: FactorView, damping: float) -> tuple[float, float]:
         return 0.0, 0.0
 
+    def approximations(self, pairs: Sequence[tuple[str, FactorView, FactorView]]) -> str | None:
+        capped = [f"{layer}.{side} ({factor.dim})" for layer, a, g in pairs if _thin_solve(a, g)
+                  for side, factor in (("A", a), ("G", g)) if self.capped(factor)]
+        if not capped:
+            return None
+        return (f"eigenbasis cap max_rank={self.max_rank}: once their rank exceeds it, held as their "
+                f"{self.max_rank} leading eigenpairs plus one eigenvalue (the mean of the rest) for the remaining "
+                f"directions: {', '.join(capped)}")
+
     def rank_thresholds(self, a: FactorView, g: FactorView, damping: float) -> tuple[float | None, float | None]:
         """For two dense ungrouped factors (the solve of ``linalg.eigen_precondition``), each factor's
         :func:`linalg.rank_threshold` from the other's trace; None otherwise."""
-        if a.diagonal or g.diagonal or a.groups > 1 or g.groups > 1:
+        if not _thin_solve(a, g):
             return None, None
         traces = torch.stack([torch.trace(a.running), torch.trace(g.running)]).tolist()
         return linalg.rank_threshold(damping, traces[1]), linalg.rank_threshold(damping, traces[0])
@@ -175,33 +224,47 @@ class Eigen(Method):
     def tensors(self, factor: FactorView) -> list[Tensor]:
         decomposition = factor.decomposition
         assert decomposition is not None
-        return [decomposition] if factor.diagonal else [decomposition.Q, decomposition.d]
+        if factor.diagonal:
+            return [decomposition]
+        if not self.capped(factor):
+            return [decomposition.Q, decomposition.d]
+        complement = decomposition.complement  # None: held from a checkpoint of an uncapped run
+        return [decomposition.Q, decomposition.d, decomposition.d.new_zeros(1) if complement is None else complement]
 
     def buffers(self, factor: FactorView, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
         batch, n = factor.batch_shape, factor.dim
         if factor.diagonal:
             wanted = [((n,), dtype)]
-        else:  # Q (..., n, r), d (..., r): r < n when held thin (linalg.symmetric_eigen)
+        else:  # Q (..., n, r), d (..., r): r < n when held thin (linalg.symmetric_eigen); σ (1,) when capped
             wanted = [((*batch, n, columns), dtype), ((*batch, columns), dtype)]
+            if self.capped(factor):
+                wanted.append(((1,), dtype))
         held = None
         if factor.decomposition is not None and isinstance(factor.decomposition, linalg.Eigen) != factor.diagonal:
             held = self.tensors(factor)
         return _reuse(held, wanted, device)
 
     def from_tensors(self, factor: FactorView, parts: Sequence[Tensor]) -> Decomposition:
-        return parts[0] if factor.diagonal else linalg.Eigen(Q=parts[0], d=parts[1])
+        if factor.diagonal:
+            return parts[0]
+        truncated = self.capped(factor) and parts[0].shape[-1] == self.max_rank
+        return linalg.Eigen(Q=parts[0], d=parts[1], complement=parts[2] if truncated else None)
 
     def symmetric(self, factor: FactorView) -> list[bool]:
-        return [False] if factor.diagonal else [False, False]
+        return [False] * (1 if factor.diagonal else 3 if self.capped(factor) else 2)
 
     def elements(self, diagonal: bool, dim: int, count: int = 1) -> int:
+        """A full decomposition's: an upper bound for a thin one, or one the cap truncates (whether the
+        cap applies depends on the other factor of the pair, which the plan does not see)."""
         return dim if diagonal else count * (dim * dim + dim)
 
 
 class DampedInverse(Method):
     """π-factored damping (Martens & Grosse 2015): ``V = (G + (√λ/π) I)⁻¹ ∇ (A + π√λ I)⁻¹`` with
     ``π = sqrt((tr A / dim A) / (tr G / dim G))`` (1 if either trace is 0), over all blocks of a
-    grouped factor together. A diagonal factor's inverse is the vector ``1 / (d + shift)``."""
+    grouped factor together. A diagonal factor's inverse is the vector ``1 / (d + shift)``.
+    Dense inverses whatever the rank: no eigenbasis cap (:class:`Eigen`'s ``max_rank``) applies,
+    so a wide factor costs O(n³) to invert and O(out·in·n) per step to apply."""
 
     name = "inverse"
 
@@ -265,7 +328,7 @@ class EigenAdam(Eigen):
     (NeurIPS 2018) in the Adam form that SOAP uses in Shampoo's basis (Vyas et al. 2024).
 
     With ``U_A``, ``U_G`` the eigenvectors of the running factors (refreshed on decomposition steps,
-    as :class:`Eigen`'s; full bases, never thin) and the joint gradient ``∇ (out, in [+1])``::
+    as :class:`Eigen`'s; full bases, never thin nor capped) and the joint gradient ``∇ (out, in [+1])``::
 
         R = U_Gᵀ ∇ U_A                                       (rotated gradient)
         v ← β₂ v + (1 − β₂) R²,   t ← t + 1                  (per block, elementwise)
@@ -285,11 +348,15 @@ class EigenAdam(Eigen):
 
     beta2: float = 0.95
     eps: float = 1e-8
+    max_rank: None = field(default=None, kw_only=True, repr=False)
+    """No eigenbasis cap: every rotated entry has its own second moment, so the bases stay full."""
 
     name: ClassVar[str] = "eigen_adam"
     stateful: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
+        if self.max_rank is not None:
+            raise ValueError(f"EigenAdam keeps full eigenbases (no eigenbasis cap): max_rank must be None, got {self.max_rank!r}")
         if not 0.0 <= self.beta2 < 1.0:
             raise ValueError(f"EigenAdam beta2 must be in [0, 1), got {self.beta2}")
         if not 0.0 < self.eps < math.inf:

@@ -293,7 +293,9 @@ class KFAC(Optimizer, Joinable):
 
     @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As ``Optimizer.zero_grad``; also drops statistics of backward passes no step consumed."""
+        """As ``Optimizer.zero_grad``; also drops statistics of backward passes no step consumed (and
+        marks the coming step's start for the automatic intervals' calibration)."""
+        self.estimator.intervals.step_started(self.estimator.steps)
         self.estimator.discard_pending_statistics()
         super().zero_grad(set_to_none=set_to_none)
 

@@ -330,35 +330,43 @@ class Factor:
 
     @staticmethod
     def decomposition_state(decomposition: linalg.Eigen | Tensor | None) -> dict[str, Tensor] | Tensor | None:
-        """``decomposition`` as checkpoints hold it: ``{"Q", "d"}`` for an eigendecomposition."""
+        """``decomposition`` as checkpoints hold it: ``{"Q", "d"}`` for an eigendecomposition, and
+        ``"complement"`` (σ, ``(1,)``) when it has one (``methods.Eigen``'s eigenbasis cap)."""
         if isinstance(decomposition, linalg.Eigen):
-            return {"Q": decomposition.Q, "d": decomposition.d}
+            state = {"Q": decomposition.Q, "d": decomposition.d}
+            if decomposition.complement is not None:
+                state["complement"] = decomposition.complement
+            return state
         return decomposition
 
     def load_decomposition(self, state: dict[str, Tensor] | Tensor | None) -> linalg.Eigen | Tensor | None:
         """A :meth:`decomposition_state` (validated, :meth:`validate_decomposition`) on this factor's device."""
         device = self.running.device
         if isinstance(state, dict):
-            return linalg.Eigen(Q=state["Q"].to(device), d=state["d"].to(device))
+            complement = state.get("complement")
+            return linalg.Eigen(Q=state["Q"].to(device), d=state["d"].to(device),
+                                complement=None if complement is None else complement.to(device))
         return None if state is None else state.to(device)
 
     def validate_decomposition(self, decomposition: Any, field: str = "decomposition") -> None:
         """Raise ``ValueError`` naming ``field`` if ``decomposition`` (a :meth:`decomposition_state`)
         is not one of this factor: a tensor shaped as the storage, or ``Q: (..., dim, r)`` and
-        ``d: (..., r)``, all finite."""
+        ``d: (..., r)`` and optionally ``complement: (1,)``, all finite."""
         if decomposition is None:
             return
         if isinstance(decomposition, dict):
             for key in ("Q", "d"):
                 if key not in decomposition:
                     raise ValueError(f"'{field}' has no '{key}'")
-            tensors = {f"{field} Q": decomposition["Q"], f"{field} d": decomposition["d"]}
+            tensors = {f"{field} {key}": decomposition[key] for key in ("Q", "d", "complement") if key in decomposition}
         else:
             tensors = {field: decomposition}
         _check_tensors(tensors)
         if isinstance(decomposition, dict):
             rank = decomposition["Q"].shape[-1]
             expected = {f"{field} Q": (*self.batch_shape, self.dim, rank), f"{field} d": (*self.batch_shape, rank)}
+            if "complement" in decomposition:
+                expected[f"{field} complement"] = (1,)
         else:
             expected = {field: self.storage_shape(self.dim, self.groups)}
         _check_shapes(tensors, expected)
