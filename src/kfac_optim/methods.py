@@ -310,16 +310,29 @@ class DampedInverse(Method):
         return dim if diagonal else count * dim * dim
 
 
-def rotate(grad: Tensor, a: FactorView, g: FactorView) -> Tensor:
-    """``R = U_Gᵀ ∇ U_A``: the joint gradient in the factors' eigenbases (a diagonal factor's is ``I``)."""
-    rotated = grad if g.diagonal else g.decomposition.Q.mT @ grad
-    return rotated if a.diagonal else rotated @ a.decomposition.Q
+def rotate(grad: Tensor, a: FactorView, g: FactorView, scratch: Tensor) -> Tensor:
+    """``R = U_Gᵀ ∇ U_A``: the joint gradient in the factors' eigenbases (a diagonal factor's is ``I``),
+    in a fresh tensor (never ``grad`` itself). ``scratch``: a tensor shaped as ``grad`` that holds
+    the intermediate product when both sides rotate (its content is then overwritten)."""
+    if g.diagonal and a.diagonal:
+        return grad.clone()
+    if a.diagonal:
+        return g.decomposition.Q.mT @ grad
+    if g.diagonal:
+        return grad @ a.decomposition.Q
+    return torch.matmul(g.decomposition.Q.mT, grad, out=scratch) @ a.decomposition.Q
 
 
-def unrotate(rotated: Tensor, a: FactorView, g: FactorView) -> Tensor:
-    """``U_G R U_Aᵀ``, the inverse of :func:`rotate` (the bases are full and orthonormal)."""
-    back = rotated if a.diagonal else rotated @ a.decomposition.Q.mT
-    return back if g.diagonal else g.decomposition.Q @ back
+def unrotate(rotated: Tensor, a: FactorView, g: FactorView, scratch: Tensor) -> Tensor:
+    """``U_G R U_Aᵀ``, the inverse of :func:`rotate` (the bases are full and orthonormal), in a fresh
+    tensor unless neither side rotates (then ``rotated`` itself); ``scratch`` as in :func:`rotate`."""
+    if g.diagonal and a.diagonal:
+        return rotated
+    if a.diagonal:
+        return g.decomposition.Q @ rotated
+    if g.diagonal:
+        return rotated @ a.decomposition.Q.mT
+    return g.decomposition.Q @ torch.matmul(rotated, a.decomposition.Q.mT, out=scratch)
 
 
 @dataclass(frozen=True, repr=True)
@@ -367,17 +380,21 @@ class EigenAdam(Eigen):
         return None, None
 
     def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
-        rotated = rotate(grad, a, g)
+        # Three tensors shaped as ∇ per call (R, one scratch, the result) and the rest in place:
+        # on a CPU, fresh pages for each temporary cost more than this elementwise arithmetic.
+        scratch = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        rotated = rotate(grad, a, g, scratch)
         if "v" not in state:  # the block's first preconditioned step
             state["v"] = torch.zeros_like(rotated)
             state["t"] = torch.zeros((), dtype=rotated.dtype, device=rotated.device)
         v, t = state["v"], state["t"]
-        finite = torch.isfinite(rotated).all()  # on the device: no host sync
+        # 0·x is 0 for every finite x and nan for ±inf and nan: R is finite iff Σ 0·R = 0 (on the device).
+        finite = torch.mul(rotated, 0.0, out=scratch).sum().eq(0)
         t.add_(finite.to(t.dtype))
-        v.copy_(torch.where(finite, v * self.beta2 + rotated.square() * (1.0 - self.beta2), v))
-        corrected = v / (1.0 - torch.pow(self.beta2, t))
-        return unrotate(rotated / corrected.sqrt().add_(self.eps), a, g)
-
+        torch.mul(v, self.beta2, out=scratch).addcmul_(rotated, rotated, value=1.0 - self.beta2)
+        torch.where(finite, scratch, v, out=v)
+        torch.div(v, 1.0 - torch.pow(self.beta2, t), out=scratch).sqrt_().add_(self.eps)
+        return unrotate(rotated.div_(scratch), a, g, scratch)
 
 METHODS: dict[str, type[Method]] = {"eigen": Eigen, "inverse": DampedInverse, "eigen_adam": EigenAdam}
 """The methods the optimizer's ``method`` argument names."""
