@@ -256,9 +256,13 @@ def eigen_precondition(grad: Tensor, eig_a: Eigen, eig_g: Eigen, damping: float)
     if eig_a.complement is not None or eig_g.complement is not None:
         return complement_precondition(grad, eig_a, eig_g, damping)
     if not (eig_a.thin or eig_g.thin):
-        rotated = eig_g.Q.T @ grad @ eig_a.Q
-        rotated /= torch.outer(eig_g.d, eig_a.d).add_(damping)
-        return eig_g.Q @ rotated @ eig_a.Q.T
+        # Three tensors shaped as ∇W (``scratch``, ``rotated``, the result), the same products as
+        # ``Q_G (Q_Gᵀ ∇W Q_A / ...) Q_Aᵀ`` without other temporaries: fresh CPU pages cost more than the
+        # elementwise work on them.
+        scratch = eig_g.Q.T @ grad
+        rotated = scratch @ eig_a.Q
+        rotated /= torch.outer(eig_g.d, eig_a.d, out=scratch).add_(damping)
+        return torch.matmul(eig_g.Q, rotated, out=scratch) @ eig_a.Q.T
     rotated = torch.linalg.multi_dot([eig_g.Q.T, grad, eig_a.Q])
     # 1/(x + λ) − 1/λ = −x / (λ(x + λ)), without the cancellation.
     products = torch.outer(eig_g.d, eig_a.d)
