@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks import amp_steps, comm_bytes, scaling, step_time, whole_steps
+from benchmarks import amp_steps, comm_bytes, peer_steps, scaling, step_time, whole_steps
 from kfac_optim.optimizer import block_dims
 
 
@@ -51,6 +51,19 @@ def test_step_time_reports_every_part_and_the_whole_step(tmp_path: Path) -> None
     assert expected <= set(saved["timings"]) and expected <= set(result["timings"])
     assert all(t["median"] > 0 for key, t in saved["timings"].items() if key in expected)
     assert saved["goals"]["whole_non_factor_step_over_parts"] > 0
+
+
+def test_peer_steps_times_the_three_optimizers_and_breaks_down_kfacs_step(tmp_path: Path) -> None:
+    out = tmp_path / "peer_steps.json"
+    payload = peer_steps.main(["--tasks", "mlp", "--steps", "2", "--warmup", "1", "--profile-steps", "2",
+                               "--json", str(out)])
+    result = json.loads(out.read_text())["results"]["mlp"]
+    assert result == json.loads(json.dumps(payload["results"]["mlp"]))
+    assert all(result[name]["mean_ms"] > 0 for name in ("sgd", "adamw", "kfac"))
+    assert result["kfac_breakdown_ms"]["kfac.precondition"] > 0  # the step after the first decomposition
+    # 64-256-256-10 with biases: A 65/257/257, G 256/256/10, four rotations of each side
+    flop = sum(4 * o * o * i + 4 * o * i * i for o, i in ((256, 65), (256, 257), (10, 257)))
+    assert result["preconditioning_gflop"] == pytest.approx(flop / 1e9)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")

@@ -139,7 +139,8 @@ def test_checkpoint_resume_continues_bit_identically() -> None:
             assert torch.equal(block.method_state[key], other.method_state[key]), (block.name, key)
 
 
-def test_a_non_finite_gradient_leaves_that_layers_second_moments_untouched() -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_gradient_leaves_that_layers_second_moments_untouched(bad: float) -> None:
     model = make_net()
     optimizer = make_optimizer(model, kl_clip=1e-3)
     for step in range(3):
@@ -148,7 +149,7 @@ def test_a_non_finite_gradient_leaves_that_layers_second_moments_untouched() -> 
     x, y = token_batch(3)
     optimizer.zero_grad()
     F.cross_entropy(model(x), y).backward()
-    model.hidden.weight.grad[0, 0] = float("nan")
+    model.hidden.weight.grad[0, 0] = bad
     optimizer.step()
     by_name = {block.name: block for block in optimizer.blocks}
     for key in ("v", "t"):
