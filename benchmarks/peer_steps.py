@@ -132,12 +132,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = {}
     for task_name in args.tasks:
         results[task_name] = measure(task_name, args)
-        print(report(task_name, results[task_name]), flush=True)  # noqa: T201 (a command-line report)
+        print(report(task_name, results[task_name]), flush=True)
     payload = {"results": results, "args": {k: str(v) for k, v in vars(args).items()}, "torch": torch.__version__,
                "kfac_optim": kfac_optim.__file__, "machine": platform.machine()}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(payload, indent=1))
-    print(f"kfac_optim from {kfac_optim.__file__}; wrote {args.json}")  # noqa: T201
+    print(f"kfac_optim from {kfac_optim.__file__}; wrote {args.json}")
     return payload
 
 

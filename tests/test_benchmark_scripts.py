@@ -14,7 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks import amp_steps, comm_bytes, peer_steps, scaling, step_time, whole_steps
+from benchmarks import (
+    amp_steps,
+    comm_bytes,
+    peer_steps,
+    scaling,
+    step_time,
+    whole_steps,
+)
 from kfac_optim.optimizer import block_dims
 
 

@@ -396,6 +396,7 @@ class EigenAdam(Eigen):
         torch.div(v, 1.0 - torch.pow(self.beta2, t), out=scratch).sqrt_().add_(self.eps)
         return unrotate(rotated.div_(scratch), a, g, scratch)
 
+
 METHODS: dict[str, type[Method]] = {"eigen": Eigen, "inverse": DampedInverse, "eigen_adam": EigenAdam}
 """The methods the optimizer's ``method`` argument names."""
 
