@@ -618,7 +618,6 @@ def test_compiled_train_step_adds_no_graph_for_the_kfac_step() -> None:
 
 
 # Today: "AssertionError: (4, 1, [])": 4 graphs with K-FAC, 1 without (fullgraph=True: "HOP: Non-nullified side effect").
-@OPEN
 def test_fullgraph_compiled_model_with_kfac_armed_records_like_eager() -> None:
     torch._dynamo.reset()
     x, y = batch(0)

@@ -70,6 +70,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from kfac_optim import compiled_capture
+from kfac_optim.compiled_capture import TapSite
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed import fsdp
 from kfac_optim.layers.base import KroneckerBlock
@@ -105,14 +107,15 @@ class CaptureHook(CopiedAsInert):
         self._capture = weakref.ref(capture)
         self.block = block
         self.module = module
+        self.site = capture.site(block, lambda x: block.layer_input((x,), {}, module))
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Tensor | None:
         capture = self._capture()
         if capture is None or module is not self.module or not capture.should_capture(module):
-            return
+            return None
         if not isinstance(output, Tensor) or not output.requires_grad:
-            return
-        capture.tap(self.block, self.block.layer_input(args, kwargs, module), output)
+            return None
+        return capture.tap(self.block, self.block.layer_input(args, kwargs, module), output, self.site)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> InertHook:
         inert = InertHook()
@@ -125,9 +128,10 @@ class CaptureHook(CopiedAsInert):
 class Tapped:
     """One forward call's tapped output of a block: its input, the parameter whose ``.grad`` its
     backward writes (and that parameter's ``AccumulateGrad`` node), and, while its graph is kept
-    for another backward, the sum of its output-gradients so far and the graph task that brought the first."""
+    for another backward, the sum of its output-gradients so far, the graph task that brought the
+    first and the one that brought the latest."""
 
-    __slots__ = ("block", "layer_input", "node", "param", "summed", "task")
+    __slots__ = ("block", "latest", "layer_input", "node", "param", "summed", "task")
 
     def __init__(self, block: KroneckerBlock, layer_input: Any, param: Tensor, node: Any) -> None:
         self.block = block
@@ -136,6 +140,7 @@ class Tapped:
         self.node = node
         self.summed: Tensor | None = None
         self.task = -1
+        self.latest = -1
 
     def gradient_kept(self) -> bool:
         """Whether the gradient the block's pending statistics belong to still exists (``.grad`` of
@@ -161,6 +166,13 @@ def _remove_hooks(
             module._forward_hooks_with_kwargs.pop(hook_id, None)
             module._forward_hooks_always_called.pop(hook_id, None)
     copies.clear()
+
+
+def _same_tensor(layer_input: Any, tensor: Tensor) -> bool:
+    """Whether ``layer_input`` (a tensor, or a tuple ending in one) holds ``tensor``'s data: same
+    memory, shape and strides (a held input is alive, so its memory is not another tensor's)."""
+    held = layer_input if isinstance(layer_input, Tensor) else layer_input[-1]
+    return held.data_ptr() == tensor.data_ptr() and held.shape == tensor.shape and held.stride() == tensor.stride()
 
 
 def _tensors_of(layer_input: Any, grad_output: Tensor) -> list[Tensor]:
@@ -200,6 +212,7 @@ class StatisticsCapture:
         self._held: dict[Tapped, None] = {}  # pairs of backward passes that kept their graph, in order
         self._fed: dict[KroneckerBlock, int] = {}  # blocks handed pairs since the last fold or discard: their last graph task
         self._nodes: dict[KroneckerBlock, tuple[Tensor, Any]] = {}  # the recorded parameter and its AccumulateGrad
+        self._sites: list[TapSite] = []  # where compiled forwards tap outputs (compiled_capture)
         self._worker = worker
         self._in_line = in_line
         self.copies: list[tuple[weakref.ref[nn.Module], InertHook]] = []
@@ -257,20 +270,34 @@ class StatisticsCapture:
             and torch.is_grad_enabled()
         )
 
-    def tap(self, block: KroneckerBlock, layer_input: Any, output: Tensor) -> None:
+    def site(self, block: KroneckerBlock, rebuild: Callable[[Tensor], Any]) -> TapSite:
+        """A place where compiled forwards tap ``block``'s output (:meth:`tap`'s ``site``); ``rebuild``
+        turns the layer input's tensor into what the block's ``accumulate`` takes. Lives as long as
+        this capture."""
+        tap_site = TapSite(self, block, rebuild)
+        self._sites.append(tap_site)
+        return tap_site
+
+    def tap(self, block: KroneckerBlock, layer_input: Any, output: Tensor, site: TapSite | None = None) -> Tensor | None:
         """Hook ``output`` so that its gradient is recorded with ``layer_input`` for ``block``
         (:meth:`record`); the hook holds this capture weakly. A block whose parameters all have
         ``requires_grad=False`` is not hooked (no backward writes their ``.grad``). Without
         ``every_backward`` the output is also held for :meth:`recording_outputs` (until that pass,
         or until the hooks are armed anew at the step: at most one output per layer and forward,
-        on factor steps only)."""
+        on factor steps only).
+
+        While ``torch.compile`` traces the forward (with a ``site``, ``every_backward``, and a
+        ``layer_input`` that is a tensor or a tuple ending in one): returns ``output`` tapped in the
+        traced graph instead, to be used in its place (``compiled_capture``; its backward calls
+        :meth:`record_traced`). Otherwise returns None."""
         param = self._recorded_parameter(block)
         if param is None:
-            return
+            return None
+        if site is not None and self._every_backward and torch.compiler.is_compiling() and compiled_capture.available():
+            layer_tensor = layer_input if isinstance(layer_input, Tensor) else layer_input[-1]
+            return compiled_capture.traced_tap(output, layer_tensor, site)
         capture = weakref.ref(self)
-        # FSDP2 has put the sharded parameter back by now; its unsharded copy is back in the backward
-        node = None if fsdp.is_sharded(param) else self._node_of(block, param)
-        tapped = Tapped(block, layer_input, param, node)
+        tapped = self._new_tapped(block, layer_input, param)
 
         def on_gradient(grad_output: Tensor) -> None:
             live = capture()
@@ -280,6 +307,30 @@ class StatisticsCapture:
         output.register_hook(on_gradient)
         if not self._every_backward:
             self._tapped.append(output)
+        return None
+
+    def _new_tapped(self, block: KroneckerBlock, layer_input: Any, param: Tensor) -> Tapped:
+        """One forward call's :class:`Tapped` for ``block``, whose module uses ``param`` now."""
+        # FSDP2 has put the sharded parameter back after the forward; its unsharded copy is back in the backward
+        node = None if fsdp.is_sharded(param) else self._node_of(block, param)
+        return Tapped(block, layer_input, param, node)
+
+    def record_traced(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
+        """:meth:`record` for an output tapped in a compiled forward (``compiled_capture``), called in
+        the backward pass. The forward kept no :class:`Tapped`: a pair held for a backward that
+        kept its graph is found again by its layer input (the same tensor, saved for this
+        backward), so later backward passes of that forward add to it as in eager mode."""
+        task = current_graph_task()
+        tensor = layer_input if isinstance(layer_input, Tensor) else layer_input[-1]
+        for tapped in self._held:
+            if tapped.block is block and tapped.latest != task and _same_tensor(tapped.layer_input, tensor):
+                break
+        else:
+            param = self._recorded_parameter(block)
+            if param is None:
+                return
+            tapped = self._new_tapped(block, layer_input, param)
+        self.record(tapped, grad_output)
 
     def _recorded_parameter(self, block: KroneckerBlock) -> Tensor | None:
         """The parameter of ``block`` whose ``.grad`` decides whether a backward records (the one
@@ -329,7 +380,7 @@ class StatisticsCapture:
             if tapped.summed is None:
                 tapped.task = task
                 self._held[tapped] = None
-            tapped.summed = total
+            tapped.summed, tapped.latest = total, task
             return
         replayed = None
         if tapped.summed is not None:
