@@ -4,8 +4,8 @@ Owns: :class:`TapSite` (where a compiled forward taps a layer output: the captur
 how the layer input is rebuilt from its tensor), :func:`traced_tap` (what the forward hook returns
 while Dynamo traces it) and the ``kfac_optim::record_gradient`` custom op behind it.
 Must not know: which backward records, holding or summing output-gradients, factor math: the op
-hands the pair to :meth:`StatisticsCapture.record_traced <kfac_optim.capture.StatisticsCapture.record_traced>`,
-which applies the eager rules (docs/design.md §4, "Compiled models").
+hands the pair to the capture (a :class:`Recorder`: ``StatisticsCapture.record_traced``), which
+applies the eager rules (docs/design.md §4, "Compiled models").
 
 How (docs/design.md §4): a tensor hook registered in a traced forward is a Python side effect
 Dynamo cannot keep (a graph break at every hooked layer; ``fullgraph=True`` raises "HOP:
@@ -29,13 +29,12 @@ import itertools
 import logging
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from kfac_optim.capture import StatisticsCapture
     from kfac_optim.layers.base import KroneckerBlock
 
 logger = logging.getLogger(__name__)
@@ -45,13 +44,20 @@ _sites: weakref.WeakValueDictionary[int, TapSite] = weakref.WeakValueDictionary(
 _AUTOGRAD_KEYS: Any = None  # set with the op (_define_op)
 
 
+class Recorder(Protocol):
+    """What a :class:`TapSite` hands its pairs to (the statistics capture)."""
+
+    def record_traced(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
+        """Record one pair of an output tapped in a compiled forward, in the backward pass."""
+
+
 class TapSite:
     """One place a compiled forward taps a block's output: the ``capture`` (held weakly), the
     ``block``, and ``rebuild``, which turns the layer input's tensor back into what
     :meth:`KroneckerBlock.accumulate` takes (e.g. ``(head, x)`` for a tied head). ``key`` names it
     in the traced graph (an int constant); the capture holds its sites, which live as long as it."""
 
-    def __init__(self, capture: StatisticsCapture, block: KroneckerBlock, rebuild: Callable[[Tensor], Any]) -> None:
+    def __init__(self, capture: Recorder, block: KroneckerBlock, rebuild: Callable[[Tensor], Any]) -> None:
         self.capture = weakref.ref(capture)
         self.block = block
         self.rebuild = rebuild
