@@ -213,6 +213,7 @@ class StatisticsCapture:
         self._fed: dict[KroneckerBlock, int] = {}  # blocks handed pairs since the last fold or discard: their last graph task
         self._nodes: dict[KroneckerBlock, tuple[Tensor, Any]] = {}  # the recorded parameter and its AccumulateGrad
         self._sites: list[TapSite] = []  # where compiled forwards tap outputs (compiled_capture)
+        self._warned_untraced = False
         self._worker = worker
         self._in_line = in_line
         self.copies: list[tuple[weakref.ref[nn.Module], InertHook]] = []
@@ -293,9 +294,13 @@ class StatisticsCapture:
         param = self._recorded_parameter(block)
         if param is None:
             return None
-        if site is not None and self._every_backward and torch.compiler.is_compiling() and compiled_capture.available():
-            layer_tensor = layer_input if isinstance(layer_input, Tensor) else layer_input[-1]
-            return compiled_capture.traced_tap(output, layer_tensor, site)
+        if torch.compiler.is_compiling():
+            untraced = self._untraced_reason(block, site)
+            if untraced is None:
+                layer_tensor = layer_input if isinstance(layer_input, Tensor) else layer_input[-1]
+                return compiled_capture.traced_tap(output, layer_tensor, site)
+            if not self._warned_untraced:
+                self._warn_untraced(block, untraced)
         capture = weakref.ref(self)
         tapped = self._new_tapped(block, layer_input, param)
 
@@ -308,6 +313,26 @@ class StatisticsCapture:
         if not self._every_backward:
             self._tapped.append(output)
         return None
+
+    def _untraced_reason(self, block: KroneckerBlock, site: TapSite | None) -> str | None:
+        """Why a compiled forward cannot tap ``block`` in its graph (None: it can)."""
+        if not self._every_backward:
+            return "the sampled Fisher records in its own pass over the layer outputs"
+        if site is None:
+            return f"{type(block).__name__} captures through its own hooks"
+        if not compiled_capture.available():
+            return f"torch {torch.__version__} has no custom ops with effects"
+        return None
+
+    @torch.compiler.disable
+    def _warn_untraced(self, block: KroneckerBlock, reason: str) -> None:
+        """Once: ``block`` keeps its tensor hook under compile, for ``reason`` (run eagerly: a graph break)."""
+        self._warned_untraced = True
+        warn_user(
+            f"K-FAC layer '{block.name}' records through a tensor hook under torch.compile ({reason}): a graph "
+            "break at each such layer (fullgraph=True fails); its statistics are as in eager mode "
+            "(docs/design.md §4, 'Compiled models')"
+        )
 
     def _new_tapped(self, block: KroneckerBlock, layer_input: Any, param: Tensor) -> Tapped:
         """One forward call's :class:`Tapped` for ``block``, whose module uses ``param`` now."""
