@@ -46,6 +46,14 @@ only for the module object it was registered on: ``copy.deepcopy(model)`` gives 
 placeholders (removed again by :meth:`StatisticsCapture.remove`), and a shallow copy sharing the
 hook dict is ignored.
 
+Under ``torch.compile`` (docs/design.md §4, "Compiled models"): while Dynamo traces the forward,
+the hook returns the output tapped in the graph (``compiled_capture``) instead of registering a
+tensor hook, so the compiled model has as many graphs as without K-FAC (``fullgraph=True`` works).
+The tap's backward hands the pair to :meth:`StatisticsCapture.record_traced` at run time, inside
+the backward pass, where :meth:`StatisticsCapture.record` decides as above. A layer whose block
+captures through its own hooks (``nn.MultiheadAttention``'s) and the sampled Fisher keep their
+tensor hooks (a graph break each), with a one-time warning.
+
 With ``every_backward=False`` (the sampled Fisher) output-gradients are recorded only inside
 :meth:`StatisticsCapture.recording`, the optimizer's extra backward pass at sampled targets; the
 training loss's own backward then passes the hooks without recording.
