@@ -13,7 +13,9 @@ Each run builds the model afresh (same seed, one fixed random batch per step), c
          backward on factor steps is the compiled step *with* the capture, on the other steps the
          same model with the capture's hooks unarmed
 
-The first ``--warmup`` steps (compiles, the first decomposition) are left out of the means. Graphs:
+Each run's first ``--warmup`` steps (compiles, the first decomposition) run in turn and are left out
+of the means; the timed steps then alternate between the runs step by step, so that a shared
+machine's load changes hit every run alike. Graphs:
 ``torch._dynamo.explain`` of the model with the capture armed and without K-FAC (they must be
 equal: docs/design.md §4, "Compiled models"). Models: ``gpt``, the peers' ``CharGPT`` (2 layers,
 d=64, context 64, tied head, learned positions; ``benchmarks.peers.tasks``) on random bytes;
@@ -90,25 +92,47 @@ def graph_counts(args: argparse.Namespace, x: Tensor) -> dict[str, int]:
     return counts
 
 
-def time_run(run: str, args: argparse.Namespace, data: list[tuple[Tensor, Tensor]]) -> dict[str, Any]:
-    """Per step: forward + backward seconds and ``step()`` seconds, and whether it was a factor step."""
-    torch._dynamo.reset()
-    model = build(args.model)
-    model.train()
-    optimizer = make_optimizer(run, model, args)
-    compiled: Callable[[Tensor], Tensor] = torch.compile(model, backend=args.backend, fullgraph=args.fullgraph)
-    forward_backward, steps, factor = [], [], []
-    for x, y in data:
-        factor.append(isinstance(optimizer, KFAC) and optimizer.capturing)
+class Run:
+    """One run's model, optimizer and compiled model, and its per-step times."""
+
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        self.name = name
+        self.model = build(args.model)
+        self.model.train()
+        self.optimizer = make_optimizer(name, self.model, args)
+        self.compiled: Callable[[Tensor], Tensor] = torch.compile(self.model, backend=args.backend,
+                                                                  fullgraph=args.fullgraph)
+        self.times: dict[str, list[Any]] = {"forward_backward_s": [], "step_s": [], "factor_step": []}
+
+    def step(self, x: Tensor, y: Tensor) -> None:
+        """One timed train step: ``zero_grad`` + forward + backward, then ``step()``."""
+        optimizer = self.optimizer
+        self.times["factor_step"].append(isinstance(optimizer, KFAC) and optimizer.capturing)
         start = time.perf_counter()
         optimizer.zero_grad()
-        loss_of(compiled(x), y).backward()
+        loss_of(self.compiled(x), y).backward()
         middle = time.perf_counter()
         optimizer.step()
         end = time.perf_counter()
-        forward_backward.append(middle - start)
-        steps.append(end - middle)
-    return {"forward_backward_s": forward_backward, "step_s": steps, "factor_step": factor}
+        self.times["forward_backward_s"].append(middle - start)
+        self.times["step_s"].append(end - middle)
+
+
+def time_runs(names: list[str], args: argparse.Namespace, data: list[tuple[Tensor, Tensor]]) -> dict[str, Run]:
+    """Every run's steps: each run's warmup in turn (its compiles), then the timed steps alternating
+    between the runs step by step (so that load changes on a shared machine hit all runs alike).
+    The runs' models are instances of one class: Dynamo guards on their hooks here, else one
+    instance would run the graph traced for another (``skip_nnmodule_hook_guards``)."""
+    torch._dynamo.reset()
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    runs = {name: Run(name, args) for name in names}
+    for run in runs.values():
+        for x, y in data[: args.warmup]:
+            run.step(x, y)
+    for x, y in data[args.warmup :]:
+        for run in runs.values():
+            run.step(x, y)
+    return runs
 
 
 def mean_over(values: list[float], keep: list[bool]) -> float | None:
@@ -155,11 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     data = batches(args)
     counts = graph_counts(args, data[0][0])
-    results = {}
-    for run in args.runs:
-        compile_start = time.perf_counter()
-        raw = time_run(run, args, data)
-        results[run] = {**summary(raw, args.warmup), "wall_s": time.perf_counter() - compile_start, "per_step": raw}
+    runs = time_runs(args.runs, args, data)
+    results = {name: {**summary(run.times, args.warmup), "per_step": run.times} for name, run in runs.items()}
     print(f"{args.model}, batch {args.batch_size}, backend {args.backend}{' fullgraph' if args.fullgraph else ''}, "  # noqa: T201
           f"{args.steps} steps ({args.warmup} warmup), factor interval {args.factor_interval}, {args.threads} "
           f"thread(s), torch {torch.__version__}, load {os.getloadavg()[0]:.1f}; graphs: {counts}")

@@ -731,6 +731,55 @@ def test_compiled_multi_task_backwards_add_up_like_the_summed_loss(backend: str)
         reference_optimizer.step()
     assert_factors_equal(factors(optimizer), factors(reference_optimizer), rtol=1e-6, atol=1e-7)
 
+
+# Before: the compiled graph traced before KFAC existed ran without its hooks, and every step folded nothing, silently.
+def test_a_model_compiled_and_run_before_kfac_existed_warns_that_nothing_was_recorded() -> None:
+    """Dynamo does not guard on module hooks: graphs traced before ``KFAC(model)`` keep running
+    without the capture. The factor step says so once (and ``torch._dynamo.reset()`` cures it)."""
+    torch._dynamo.reset()
+    model = mlp()
+    compiled = torch.compile(model, backend="eager")
+    x, y = batch(0)
+    F.cross_entropy(compiled(x), y).backward()
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer.zero_grad()
+    F.cross_entropy(compiled(x), y).backward()
+    with pytest.warns(RuntimeWarning, match="recorded no statistics .* torch._dynamo.reset"):
+        optimizer.step()
+    torch._dynamo.reset()
+    optimizer.zero_grad()
+    F.cross_entropy(compiled(x), y).backward()
+    optimizer.step()
+    assert all(factor.abs().sum() > 0 for factor in factors(optimizer).values())
+
+
+def test_compiled_multihead_attention_keeps_its_tensor_hooks_and_warns_once() -> None:
+    """``nn.MultiheadAttention``'s blocks capture through their own torch function mode, which
+    Dynamo does not trace: compiled, they keep the tensor hooks (graph breaks), say so once, and
+    record as in eager mode."""
+
+    class Attend(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.attention, self.head = nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.attention(x, x, x, need_weights=False)[0].mean(1))
+
+    torch._dynamo.reset()
+    model, eager = Attend(), Attend()
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    eager_optimizer = KFAC(eager, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    compiled = torch.compile(model, backend="eager")
+    x, y = torch.randn(6, 5, 8, generator=torch.Generator().manual_seed(0)), batch(0)[1]
+    with pytest.warns(UserWarning, match="'attention.in_proj' records through a tensor hook under torch.compile"):
+        F.cross_entropy(compiled(x), y).backward()
+    optimizer.step()
+    F.cross_entropy(eager(x), y).backward()
+    eager_optimizer.step()
+    assert_factors_equal(factors(optimizer), factors(eager_optimizer))
+
 # --- DDP: learned positions and a tied head -----------------------------------------------------
 
 DDP_STEPS = 10
