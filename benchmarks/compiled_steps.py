@@ -12,6 +12,7 @@ Each run builds the model afresh (same seed, one fixed random batch per step), c
          steps only (``KFAC.capturing``; Dynamo keeps one graph per arming state), so its forward +
          backward on factor steps is the compiled step *with* the capture, on the other steps the
          same model with the capture's hooks unarmed
+  sgd-uncompiled, kfac-uncompiled  the same without ``torch.compile`` (for reference; not by default)
 
 Each run's first ``--warmup`` steps (compiles, the first decomposition) run in turn and are left out
 of the means; the timed steps then alternate between the runs step by step, so that a shared
@@ -43,7 +44,7 @@ from torch import Tensor, nn
 from kfac_optim import KFAC
 
 MODELS = ("gpt", "resnet18")
-RUNS = ("sgd", "kfac")
+RUNS = ("sgd", "kfac", "sgd-uncompiled", "kfac-uncompiled")
 
 
 def build(model_name: str) -> nn.Module:
@@ -74,7 +75,7 @@ def loss_of(output: Tensor, target: Tensor) -> Tensor:
 
 
 def make_optimizer(run: str, model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    if run == "sgd":
+    if run.startswith("sgd"):
         return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return KFAC(model, lr=args.lr, momentum=0.9, damping=args.damping,
                 factor_update_steps=args.factor_interval, inv_update_steps=args.inverse_interval)
@@ -83,7 +84,7 @@ def make_optimizer(run: str, model: nn.Module, args: argparse.Namespace) -> torc
 def graph_counts(args: argparse.Namespace, x: Tensor) -> dict[str, int]:
     """``torch._dynamo.explain``'s graph count of the model without K-FAC and with its capture armed."""
     counts = {}
-    for run in RUNS:
+    for run in ("sgd", "kfac"):
         torch._dynamo.reset()
         model = build(args.model)
         optimizer = make_optimizer(run, model, args)  # KFAC arms its capture for step 0 (a factor step)
@@ -100,8 +101,8 @@ class Run:
         self.model = build(args.model)
         self.model.train()
         self.optimizer = make_optimizer(name, self.model, args)
-        self.compiled: Callable[[Tensor], Tensor] = torch.compile(self.model, backend=args.backend,
-                                                                  fullgraph=args.fullgraph)
+        self.compiled: Callable[[Tensor], Tensor] = self.model if name.endswith("-uncompiled") else torch.compile(
+            self.model, backend=args.backend, fullgraph=args.fullgraph)
         self.times: dict[str, list[Any]] = {"forward_backward_s": [], "step_s": [], "factor_step": []}
 
     def step(self, x: Tensor, y: Tensor) -> None:
@@ -169,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inverse-interval", type=int, default=1000, help="past --steps: the only decomposition is in the warmup")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--damping", type=float, default=0.01)
-    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=["sgd", "kfac"])
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     return parser.parse_args(argv)
 
