@@ -352,7 +352,9 @@ class StatisticsCapture:
         """:meth:`record` for an output tapped in a compiled forward (``compiled_capture``), called in
         the backward pass. The forward kept no :class:`Tapped`: a pair held for a backward that
         kept its graph is found again by its layer input (the same tensor, saved for this
-        backward), so later backward passes of that forward add to it as in eager mode."""
+        backward), so later backward passes of that forward add to it as in eager mode. (A new
+        forward of the very same input tensor, backpropagated while the earlier forward's pair is
+        still held, is taken for that forward: the one case where compiled and eager differ.)"""
         task = current_graph_task()
         tensor = layer_input if isinstance(layer_input, Tensor) else layer_input[-1]
         for tapped in self._held:
