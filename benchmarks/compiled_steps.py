@@ -125,14 +125,14 @@ def time_runs(names: list[str], args: argparse.Namespace, data: list[tuple[Tenso
     The runs' models are instances of one class: Dynamo guards on their hooks here, else one
     instance would run the graph traced for another (``skip_nnmodule_hook_guards``)."""
     torch._dynamo.reset()
-    torch._dynamo.config.skip_nnmodule_hook_guards = False
-    runs = {name: Run(name, args) for name in names}
-    for run in runs.values():
-        for x, y in data[: args.warmup]:
-            run.step(x, y)
-    for x, y in data[args.warmup :]:
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        runs = {name: Run(name, args) for name in names}
         for run in runs.values():
-            run.step(x, y)
+            for x, y in data[: args.warmup]:
+                run.step(x, y)
+        for x, y in data[args.warmup :]:
+            for run in runs.values():
+                run.step(x, y)
     return runs
 
 

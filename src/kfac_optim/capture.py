@@ -198,7 +198,8 @@ class StatisticsCapture:
     output-gradients of every backward pass (True) or only those inside :meth:`recording`.
     ``graph_backward_skipped`` is set when an output-gradient of a ``create_graph=True`` backward
     was passed over (the optimizer reports a step whose every backward was such); ``recorded``
-    counts the pairs handed on (or to ``worker``) since the caller last reset it. With ``worker``,
+    counts the pairs handed on (or to ``worker``) since the caller last reset it, ``arrivals`` the
+    output-gradients that reached the hooks (recorded or not) since the caller last reset it. With ``worker``,
     pairs are handed on there unless ``in_line()`` says they must not be now.
     """
 
@@ -215,6 +216,7 @@ class StatisticsCapture:
         self.only: set[int] | None = None  # armed modules' id()s; None: all
         self.graph_backward_skipped = False
         self.recorded = 0
+        self.arrivals = 0
         self.overwritten: set[str] = set()  # blocks whose pair changed before the worker read it
         self._tapped: list[Tensor] = []  # every_backward=False: hooked outputs since the last pass
         self._held: dict[Tapped, None] = {}  # pairs of backward passes that kept their graph, in order
@@ -399,6 +401,7 @@ class StatisticsCapture:
         """Hand one forward's (input, output-gradient) pair to its block, if this backward pass
         writes the block's ``.grad`` (see the module docstring); while the graph is kept for
         another backward, hold the summed output-gradient instead (:meth:`flush`)."""
+        self.arrivals += 1
         if not self._recording:
             return
         if torch.is_grad_enabled():  # a create_graph=True backward: see the module docstring
