@@ -14,11 +14,12 @@ Each run builds the model afresh (same seed, one fixed random batch per step), c
          same model with the capture's hooks unarmed
   sgd-uncompiled, kfac-uncompiled  the same without ``torch.compile`` (for reference; not by default)
 
-Each run's first ``--warmup`` steps (compiles, the first decomposition) run in turn and are left out
-of the means; the timed steps then alternate between the runs step by step, so that a shared
-machine's load changes hit every run alike. Graphs:
-``torch._dynamo.explain`` of the model with the capture armed and without K-FAC (they must be
-equal: docs/design.md §4, "Compiled models"). Models: ``gpt``, the peers' ``CharGPT`` (2 layers,
+Each run's first ``--warmup`` steps (compiles, the first decomposition) are left out of the means.
+The runs alternate ``--rounds`` times, each from ``torch.compiler.reset()`` and a fresh model (so
+that a shared machine's load changes hit every run alike, and no model runs graphs traced for
+another instance: Dynamo does not guard on module hooks). Graphs: how many graphs Dynamo hands the
+backend for one forward of the model with the capture armed and without K-FAC (they must be equal:
+docs/design.md §4, "Compiled models"). Models: ``gpt``, the peers' ``CharGPT`` (2 layers,
 d=64, context 64, tied head, learned positions; ``benchmarks.peers.tasks``) on random bytes;
 ``resnet18``, torchvision's ResNet-18 (10 classes) on random ``--image-size`` images.
 
@@ -82,13 +83,20 @@ def make_optimizer(run: str, model: nn.Module, args: argparse.Namespace) -> torc
 
 
 def graph_counts(args: argparse.Namespace, x: Tensor) -> dict[str, int]:
-    """``torch._dynamo.explain``'s graph count of the model without K-FAC and with its capture armed."""
+    """How many graphs Dynamo hands the backend for one forward, without K-FAC and with its capture armed."""
     counts = {}
     for run in ("sgd", "kfac"):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         model = build(args.model)
         optimizer = make_optimizer(run, model, args)  # KFAC arms its capture for step 0 (a factor step)
-        counts[run] = torch._dynamo.explain(model)(x).graph_count
+        graphs = []
+
+        def count(graph: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable[..., Any]:
+            graphs.append(graph)
+            return graph.forward
+
+        torch.compile(model, backend=count)(x)
+        counts[run] = len(graphs)
         del optimizer
     return counts
 
@@ -119,21 +127,22 @@ class Run:
         self.times["step_s"].append(end - middle)
 
 
-def time_runs(names: list[str], args: argparse.Namespace, data: list[tuple[Tensor, Tensor]]) -> dict[str, Run]:
-    """Every run's steps: each run's warmup in turn (its compiles), then the timed steps alternating
-    between the runs step by step (so that load changes on a shared machine hit all runs alike).
-    The runs' models are instances of one class: Dynamo guards on their hooks here, else one
-    instance would run the graph traced for another (``skip_nnmodule_hook_guards``)."""
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
-        runs = {name: Run(name, args) for name in names}
-        for run in runs.values():
-            for x, y in data[: args.warmup]:
+def time_runs(names: list[str], args: argparse.Namespace, data: list[tuple[Tensor, Tensor]]) -> dict[str, dict[str, list[Any]]]:
+    """Every run's steps after its warmup, ``--rounds`` times, the runs alternating round by round
+    (so that load changes on a shared machine hit all runs alike). Each run starts from
+    ``torch.compiler.reset()`` with a fresh model: Dynamo does not guard on module hooks, so a model
+    must not run graphs traced for another instance of its class."""
+    times: dict[str, dict[str, list[Any]]] = {name: {"forward_backward_s": [], "step_s": [], "factor_step": []}
+                                              for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            torch.compiler.reset()
+            run = Run(name, args)
+            for x, y in data:
                 run.step(x, y)
-        for x, y in data[args.warmup :]:
-            for run in runs.values():
-                run.step(x, y)
-    return runs
+            for key, values in run.times.items():
+                times[name][key] += values[args.warmup :]
+    return times
 
 
 def mean_over(values: list[float], keep: list[bool]) -> float | None:
@@ -141,17 +150,16 @@ def mean_over(values: list[float], keep: list[bool]) -> float | None:
     return statistics.mean(chosen) if chosen else None
 
 
-def summary(result: dict[str, Any], warmup: int) -> dict[str, float | None]:
-    """Means after ``warmup`` steps: forward + backward on factor / other steps, ``step()``, whole step."""
+def summary(result: dict[str, Any]) -> dict[str, float | None]:
+    """Means of the timed steps: forward + backward on factor / other steps, ``step()``, whole step."""
     fb, st, factor = result["forward_backward_s"], result["step_s"], result["factor_step"]
-    kept = [i >= warmup for i in range(len(fb))]
+    kept = [True] * len(fb)
     whole = [a + b for a, b in zip(fb, st, strict=True)]
     return {
         "forward_backward_factor_steps_s": mean_over(fb, [k and f for k, f in zip(kept, factor, strict=True)]),
         "forward_backward_other_steps_s": mean_over(fb, [k and not f for k, f in zip(kept, factor, strict=True)]),
         "step_s": mean_over(st, kept),
         "whole_step_s": mean_over(whole, kept),
-        "first_step_s": whole[0],
     }
 
 
@@ -166,6 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=32, help="resnet18 only")
     parser.add_argument("--steps", type=int, default=42)
     parser.add_argument("--warmup", type=int, default=12, help="steps left out of the means (compiles, first decomposition)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of all runs, alternating")
     parser.add_argument("--factor-interval", type=int, default=2)
     parser.add_argument("--inverse-interval", type=int, default=1000, help="past --steps: the only decomposition is in the warmup")
     parser.add_argument("--lr", type=float, default=0.01)
@@ -180,20 +189,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     data = batches(args)
     counts = graph_counts(args, data[0][0])
-    runs = time_runs(args.runs, args, data)
-    results = {name: {**summary(run.times, args.warmup), "per_step": run.times} for name, run in runs.items()}
+    times = time_runs(args.runs, args, data)
+    results = {name: {**summary(run_times), "per_step": run_times} for name, run_times in times.items()}
     print(f"{args.model}, batch {args.batch_size}, backend {args.backend}{' fullgraph' if args.fullgraph else ''}, "  # noqa: T201
-          f"{args.steps} steps ({args.warmup} warmup), factor interval {args.factor_interval}, {args.threads} "
+          f"{args.rounds} rounds of {args.steps} steps ({args.warmup} warmup), factor interval {args.factor_interval}, {args.threads} "
           f"thread(s), torch {torch.__version__}, load {os.getloadavg()[0]:.1f}; graphs: {counts}")
-    print("| run | fwd+bwd factor steps ms | fwd+bwd other steps ms | step() ms | whole step ms | first step s |")  # noqa: T201
-    print("|---|---|---|---|---|---|")  # noqa: T201
+    print("| run | fwd+bwd factor steps ms | fwd+bwd other steps ms | step() ms | whole step ms |")  # noqa: T201
+    print("|---|---|---|---|---|")  # noqa: T201
 
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value * 1e3:.1f}"
 
     for run, r in results.items():
         print(f"| {run} | {ms(r['forward_backward_factor_steps_s'])} | {ms(r['forward_backward_other_steps_s'])} "  # noqa: T201
-              f"| {ms(r['step_s'])} | {ms(r['whole_step_s'])} | {r['first_step_s']:.1f} |")
+              f"| {ms(r['step_s'])} | {ms(r['whole_step_s'])} |")
     payload = {"args": {k: str(v) for k, v in vars(args).items()}, "graphs": counts, "runs": results,
                "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
                "load": os.getloadavg()}
