@@ -17,6 +17,7 @@ from torch import nn
 from benchmarks import (
     amp_steps,
     comm_bytes,
+    compiled_steps,
     peer_steps,
     scaling,
     step_time,
@@ -146,3 +147,15 @@ def test_time_to_metric_finds_the_first_epoch_reaching_the_reference_final(tmp_p
     assert report["folders"][0]["target"] == 0.8
     assert runs["adamw"]["time_s"] == 2.0 and runs["kfac"]["time_ratio"] == 0.5 and runs["kfac"]["step_ratio"] == 2.0
     assert runs["sgd"]["time_s"] is None and report["summary"]["sgd"]["reached"] == "0/1"
+
+
+def test_compiled_steps_times_the_compiled_model_with_and_without_the_capture(tmp_path: Path) -> None:
+    out = tmp_path / "compiled_steps.json"
+    result = compiled_steps.main(["--model", "gpt", "--backend", "eager", "--fullgraph", "--batch-size", "2",
+                                  "--steps", "3", "--warmup", "1", "--rounds", "1", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["graphs"] == result["graphs"] == {"sgd": 1, "kfac": 1}
+    kfac = saved["runs"]["kfac"]
+    assert kfac["per_step"]["factor_step"] == [False, True]  # factor interval 2, after the warmup step (armed)
+    assert kfac["forward_backward_factor_steps_s"] > 0 and kfac["forward_backward_other_steps_s"] > 0
+    assert saved["runs"]["sgd"]["whole_step_s"] > 0

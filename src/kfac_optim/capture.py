@@ -46,6 +46,14 @@ only for the module object it was registered on: ``copy.deepcopy(model)`` gives 
 placeholders (removed again by :meth:`StatisticsCapture.remove`), and a shallow copy sharing the
 hook dict is ignored.
 
+Under ``torch.compile`` (docs/design.md §4, "Compiled models"): while Dynamo traces the forward,
+the hook returns the output tapped in the graph (``compiled_capture``) instead of registering a
+tensor hook, so the compiled model has as many graphs as without K-FAC (``fullgraph=True`` works).
+The tap's backward hands the pair to :meth:`StatisticsCapture.record_traced` at run time, inside
+the backward pass, where :meth:`StatisticsCapture.record` decides as above. A layer whose block
+captures through its own hooks (``nn.MultiheadAttention``'s) and the sampled Fisher keep their
+tensor hooks (a graph break each), with a one-time warning.
+
 With ``every_backward=False`` (the sampled Fisher) output-gradients are recorded only inside
 :meth:`StatisticsCapture.recording`, the optimizer's extra backward pass at sampled targets; the
 training loss's own backward then passes the hooks without recording.
@@ -70,6 +78,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from kfac_optim import compiled_capture
+from kfac_optim.compiled_capture import TapSite
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed import fsdp
 from kfac_optim.layers.base import KroneckerBlock
@@ -105,14 +115,15 @@ class CaptureHook(CopiedAsInert):
         self._capture = weakref.ref(capture)
         self.block = block
         self.module = module
+        self.site = capture.site(block, lambda x: block.layer_input((x,), {}, module))
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Tensor | None:
         capture = self._capture()
         if capture is None or module is not self.module or not capture.should_capture(module):
-            return
+            return None
         if not isinstance(output, Tensor) or not output.requires_grad:
-            return
-        capture.tap(self.block, self.block.layer_input(args, kwargs, module), output)
+            return None
+        return capture.tap(self.block, self.block.layer_input(args, kwargs, module), output, self.site)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> InertHook:
         inert = InertHook()
@@ -125,9 +136,10 @@ class CaptureHook(CopiedAsInert):
 class Tapped:
     """One forward call's tapped output of a block: its input, the parameter whose ``.grad`` its
     backward writes (and that parameter's ``AccumulateGrad`` node), and, while its graph is kept
-    for another backward, the sum of its output-gradients so far and the graph task that brought the first."""
+    for another backward, the sum of its output-gradients so far, the graph task that brought the
+    first and the one that brought the latest."""
 
-    __slots__ = ("block", "layer_input", "node", "param", "summed", "task")
+    __slots__ = ("block", "latest", "layer_input", "node", "param", "summed", "task")
 
     def __init__(self, block: KroneckerBlock, layer_input: Any, param: Tensor, node: Any) -> None:
         self.block = block
@@ -136,6 +148,7 @@ class Tapped:
         self.node = node
         self.summed: Tensor | None = None
         self.task = -1
+        self.latest = -1
 
     def gradient_kept(self) -> bool:
         """Whether the gradient the block's pending statistics belong to still exists (``.grad`` of
@@ -163,6 +176,13 @@ def _remove_hooks(
     copies.clear()
 
 
+def _same_tensor(layer_input: Any, tensor: Tensor) -> bool:
+    """Whether ``layer_input`` (a tensor, or a tuple ending in one) holds ``tensor``'s data: same
+    memory, shape and strides (a held input is alive, so its memory is not another tensor's)."""
+    held = layer_input if isinstance(layer_input, Tensor) else layer_input[-1]
+    return held.data_ptr() == tensor.data_ptr() and held.shape == tensor.shape and held.stride() == tensor.stride()
+
+
 def _tensors_of(layer_input: Any, grad_output: Tensor) -> list[Tensor]:
     """The tensors of a captured pair (a block's input may be a tuple holding tensors)."""
     parts = layer_input if isinstance(layer_input, tuple) else (layer_input,)
@@ -178,7 +198,8 @@ class StatisticsCapture:
     output-gradients of every backward pass (True) or only those inside :meth:`recording`.
     ``graph_backward_skipped`` is set when an output-gradient of a ``create_graph=True`` backward
     was passed over (the optimizer reports a step whose every backward was such); ``recorded``
-    counts the pairs handed on (or to ``worker``) since the caller last reset it. With ``worker``,
+    counts the pairs handed on (or to ``worker``) since the caller last reset it, ``arrivals`` the
+    output-gradients that reached the hooks (recorded or not) since the caller last reset it. With ``worker``,
     pairs are handed on there unless ``in_line()`` says they must not be now.
     """
 
@@ -195,11 +216,14 @@ class StatisticsCapture:
         self.only: set[int] | None = None  # armed modules' id()s; None: all
         self.graph_backward_skipped = False
         self.recorded = 0
+        self.arrivals = 0
         self.overwritten: set[str] = set()  # blocks whose pair changed before the worker read it
         self._tapped: list[Tensor] = []  # every_backward=False: hooked outputs since the last pass
         self._held: dict[Tapped, None] = {}  # pairs of backward passes that kept their graph, in order
         self._fed: dict[KroneckerBlock, int] = {}  # blocks handed pairs since the last fold or discard: their last graph task
         self._nodes: dict[KroneckerBlock, tuple[Tensor, Any]] = {}  # the recorded parameter and its AccumulateGrad
+        self._sites: list[TapSite] = []  # where compiled forwards tap outputs (compiled_capture)
+        self._warned_untraced = False
         self._worker = worker
         self._in_line = in_line
         self.copies: list[tuple[weakref.ref[nn.Module], InertHook]] = []
@@ -257,20 +281,38 @@ class StatisticsCapture:
             and torch.is_grad_enabled()
         )
 
-    def tap(self, block: KroneckerBlock, layer_input: Any, output: Tensor) -> None:
+    def site(self, block: KroneckerBlock, rebuild: Callable[[Tensor], Any]) -> TapSite:
+        """A place where compiled forwards tap ``block``'s output (:meth:`tap`'s ``site``); ``rebuild``
+        turns the layer input's tensor into what the block's ``accumulate`` takes. Lives as long as
+        this capture."""
+        tap_site = TapSite(self, block, rebuild)
+        self._sites.append(tap_site)
+        return tap_site
+
+    def tap(self, block: KroneckerBlock, layer_input: Any, output: Tensor, site: TapSite | None = None) -> Tensor | None:
         """Hook ``output`` so that its gradient is recorded with ``layer_input`` for ``block``
         (:meth:`record`); the hook holds this capture weakly. A block whose parameters all have
         ``requires_grad=False`` is not hooked (no backward writes their ``.grad``). Without
         ``every_backward`` the output is also held for :meth:`recording_outputs` (until that pass,
         or until the hooks are armed anew at the step: at most one output per layer and forward,
-        on factor steps only)."""
+        on factor steps only).
+
+        While ``torch.compile`` traces the forward (with a ``site``, ``every_backward``, and a
+        ``layer_input`` that is a tensor or a tuple ending in one): returns ``output`` tapped in the
+        traced graph instead, to be used in its place (``compiled_capture``; its backward calls
+        :meth:`record_traced`). Otherwise returns None."""
         param = self._recorded_parameter(block)
         if param is None:
-            return
+            return None
+        if torch.compiler.is_compiling():
+            untraced = self._untraced_reason(block, site)
+            if untraced is None:
+                layer_tensor = layer_input if isinstance(layer_input, Tensor) else layer_input[-1]
+                return compiled_capture.traced_tap(output, layer_tensor, site)
+            if not self._warned_untraced:
+                self._warn_untraced(block, untraced)
         capture = weakref.ref(self)
-        # FSDP2 has put the sharded parameter back by now; its unsharded copy is back in the backward
-        node = None if fsdp.is_sharded(param) else self._node_of(block, param)
-        tapped = Tapped(block, layer_input, param, node)
+        tapped = self._new_tapped(block, layer_input, param)
 
         def on_gradient(grad_output: Tensor) -> None:
             live = capture()
@@ -280,6 +322,52 @@ class StatisticsCapture:
         output.register_hook(on_gradient)
         if not self._every_backward:
             self._tapped.append(output)
+        return None
+
+    def _untraced_reason(self, block: KroneckerBlock, site: TapSite | None) -> str | None:
+        """Why a compiled forward cannot tap ``block`` in its graph (None: it can)."""
+        if not self._every_backward:
+            return "the sampled Fisher records in its own pass over the layer outputs"
+        if site is None:
+            return f"{type(block).__name__} captures through its own hooks"
+        if not compiled_capture.available():
+            return f"torch {torch.__version__} has no custom ops with effects"
+        return None
+
+    @torch.compiler.disable
+    def _warn_untraced(self, block: KroneckerBlock, reason: str) -> None:
+        """Once: ``block`` keeps its tensor hook under compile, for ``reason`` (run eagerly: a graph break)."""
+        self._warned_untraced = True
+        warn_user(
+            f"K-FAC layer '{block.name}' records through a tensor hook under torch.compile ({reason}): a graph "
+            "break at each such layer (fullgraph=True fails); its statistics are as in eager mode "
+            "(docs/design.md §4, 'Compiled models')"
+        )
+
+    def _new_tapped(self, block: KroneckerBlock, layer_input: Any, param: Tensor) -> Tapped:
+        """One forward call's :class:`Tapped` for ``block``, whose module uses ``param`` now."""
+        # FSDP2 has put the sharded parameter back after the forward; its unsharded copy is back in the backward
+        node = None if fsdp.is_sharded(param) else self._node_of(block, param)
+        return Tapped(block, layer_input, param, node)
+
+    def record_traced(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
+        """:meth:`record` for an output tapped in a compiled forward (``compiled_capture``), called in
+        the backward pass. The forward kept no :class:`Tapped`: a pair held for a backward that
+        kept its graph is found again by its layer input (the same tensor, saved for this
+        backward), so later backward passes of that forward add to it as in eager mode. (A new
+        forward of the very same input tensor, backpropagated while the earlier forward's pair is
+        still held, is taken for that forward: the one case where compiled and eager differ.)"""
+        task = current_graph_task()
+        tensor = layer_input if isinstance(layer_input, Tensor) else layer_input[-1]
+        for tapped in self._held:
+            if tapped.block is block and tapped.latest != task and _same_tensor(tapped.layer_input, tensor):
+                break
+        else:
+            param = self._recorded_parameter(block)
+            if param is None:
+                return
+            tapped = self._new_tapped(block, layer_input, param)
+        self.record(tapped, grad_output)
 
     def _recorded_parameter(self, block: KroneckerBlock) -> Tensor | None:
         """The parameter of ``block`` whose ``.grad`` decides whether a backward records (the one
@@ -313,6 +401,7 @@ class StatisticsCapture:
         """Hand one forward's (input, output-gradient) pair to its block, if this backward pass
         writes the block's ``.grad`` (see the module docstring); while the graph is kept for
         another backward, hold the summed output-gradient instead (:meth:`flush`)."""
+        self.arrivals += 1
         if not self._recording:
             return
         if torch.is_grad_enabled():  # a create_graph=True backward: see the module docstring
@@ -329,7 +418,7 @@ class StatisticsCapture:
             if tapped.summed is None:
                 tapped.task = task
                 self._held[tapped] = None
-            tapped.summed = total
+            tapped.summed, tapped.latest = total, task
             return
         replayed = None
         if tapped.summed is not None:

@@ -150,7 +150,9 @@ class KroneckerEstimator:
                                                  distributed=self.sharding.active or self.sharding.row_sharded is not None)
         self._reported_overwritten: set[str] = set()
         self._reported_truncations: set[str] = set()
-        self._warned = {"apex in line": False, "nothing sampled": False, "graph backward": False}
+        self._warned = {"apex in line": False, "nothing sampled": False, "graph backward": False,
+                        "nothing recorded": False}
+        self._gradient_marks: list[tuple[int, int]] = []  # at the last factor step (_current_gradient_marks)
         self._checked_capture = False
         # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (counted by the
         # optimizer's KL clip, left out of ν), on the device; and per block, how many were reported.
@@ -415,9 +417,14 @@ class KroneckerEstimator:
             ]
 
     def _check_something_was_recorded(self) -> None:
-        """Warn once when every backward of a factor step ran with ``create_graph=True`` (not recorded)."""
+        """Warn once when every backward of a factor step ran with ``create_graph=True`` (not recorded),
+        and once when no output-gradient reached the hooks although layers in training mode have gradients."""
         skipped, self.capture.graph_backward_skipped = self.capture.graph_backward_skipped, False
-        if skipped and not self._warned["graph backward"] and not self.capture.recorded:
+        arrivals, self.capture.arrivals = self.capture.arrivals, 0
+        marks, self._gradient_marks = self._gradient_marks, self._current_gradient_marks()
+        if self.capture.recorded:
+            return
+        if skipped and not self._warned["graph backward"]:
             warn_user(
                 "every backward since the last step ran with create_graph=True: K-FAC records the "
                 "output-gradients of the backward that produces .grad without create_graph (e.g. the "
@@ -425,6 +432,24 @@ class KroneckerEstimator:
                 RuntimeWarning,
             )
             self._warned["graph backward"] = True
+        elif not arrivals and not self._warned["nothing recorded"] and self.capture.active and (
+            self._gradient_marks and self._gradient_marks != marks  # a backward wrote gradients since
+        ):
+            warn_user(
+                "K-FAC recorded no statistics on this factor step: no output-gradient reached its hooks although "
+                "its layers have gradients, so the factors were not updated. A model compiled with torch.compile "
+                "and run before KFAC was created keeps the graphs traced without K-FAC's hooks (Dynamo does not "
+                "guard on module hooks): create KFAC before the first compiled call, or call torch._dynamo.reset() "
+                "after creating it (docs/design.md §4, 'Compiled models')",
+                RuntimeWarning,
+            )
+            self._warned["nothing recorded"] = True
+
+    def _current_gradient_marks(self) -> list[tuple[int, int]]:
+        """Which gradient tensors the training blocks' weights hold, and their versions (no tensor
+        is read): a change between factor steps means a backward wrote gradients in between."""
+        return [(id(grad), grad._version) for block in self.blocks
+                if block.module.training and (grad := block.weight.grad) is not None]
 
     def _decomposition_step(self, damping: float, only_missing: bool = False) -> None:
         """Make the factors global (lazy reduction), decompose what this rank owns, share them.

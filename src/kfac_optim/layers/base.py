@@ -19,6 +19,7 @@ import inspect
 import logging
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal, Protocol
 
 import torch
@@ -40,9 +41,14 @@ class Capture(Protocol):
     def should_capture(self, module: nn.Module) -> bool:
         """Whether a forward of ``module`` now should record statistics."""
 
-    def tap(self, block: KroneckerBlock, layer_input: Any, output: Tensor) -> None:
+    def site(self, block: KroneckerBlock, rebuild: Callable[[Tensor], Any]) -> Any:
+        """A place where compiled forwards tap ``block``'s output, for :meth:`tap` (create it once,
+        with the hooks); ``rebuild`` turns the layer input's tensor into what ``accumulate`` takes."""
+
+    def tap(self, block: KroneckerBlock, layer_input: Any, output: Tensor, site: Any = None) -> Tensor | None:
         """Record ``(layer_input, output's gradient)`` for ``block`` when that gradient arrives
-        (``output`` must require grad)."""
+        (``output`` must require grad). While ``torch.compile`` traces the forward and a ``site`` is
+        given, returns the output to use in place of ``output`` (tapped in the traced graph); else None."""
 
 
 @functools.cache
