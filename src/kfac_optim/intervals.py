@@ -234,14 +234,10 @@ class IntervalSchedule:
     def timing_decomposition(self, step: int) -> Iterator[None]:
         """Around a decomposition step: time it when it is the calibration's or a re-measured round."""
         calibration = self.calibrating and self.auto.costs is None and self._offset(step) == 0
-        timed = calibration or self._measuring_round()
-        if timed:
-            self._synchronize()
-            started = self._clock()
-        yield
-        if timed:
-            self._synchronize()
-            self._decomposition = self._clock() - started
+        with self._stopwatch(calibration or self._measuring_round()) as elapsed:
+            yield
+        if elapsed:
+            self._decomposition = elapsed[0]
             self._precondition = None
             if not calibration:
                 self._round = step
@@ -252,13 +248,24 @@ class IntervalSchedule:
         re-measured decomposition round."""
         timed = (self.calibrating and self.auto.costs is None and self._offset(step) == CALIBRATION_STEPS - 1) \
             or self._round == step
-        if timed:
-            self._synchronize()
-            started = self._clock()
-        yield
-        if timed:
-            self._synchronize()
-            self._precondition = self._clock() - started
+        with self._stopwatch(timed) as elapsed:
+            yield
+        if elapsed:
+            self._precondition = elapsed[0]
+
+    @contextmanager
+    def _stopwatch(self, timed: bool) -> Iterator[list[float]]:
+        """When ``timed``, the seconds the block took (the device synchronized around it), appended to
+        the yielded list; left empty otherwise."""
+        elapsed: list[float] = []
+        if not timed:
+            yield elapsed
+            return
+        self._synchronize()
+        started = self._clock()
+        yield elapsed
+        self._synchronize()
+        elapsed.append(self._clock() - started)
 
     def step_started(self, step: int) -> None:
         """At ``optimizer.zero_grad()`` before step ``step``: note the time when it is one the calibration measures."""

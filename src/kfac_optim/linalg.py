@@ -105,15 +105,7 @@ def _low_rank_eigh(matrix: Tensor, columns: int) -> tuple[Tensor, Tensor] | None
     no truncation). ``Ω`` comes from a generator seeded with ``k`` (reproducible; the global RNG
     is not touched).
     """
-    generator = torch.Generator(device=matrix.device).manual_seed(len(matrix))
-    omega = torch.randn(len(matrix), columns, generator=generator, dtype=matrix.dtype, device=matrix.device)
-    basis, _ = torch.linalg.qr(matrix @ omega)
-    small = basis.T @ matrix @ basis
-    result = _eigh((small + small.T) / 2)
-    if result is None:
-        return None
-    d, U = result
-    return d, basis.to(U.dtype) @ U
+    return _range_eigh(matrix, columns, power_iterations=0)
 
 
 def _top_eigh(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor] | None:
@@ -122,18 +114,29 @@ def _top_eigh(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor] | None:
     ``POWER_ITERATIONS`` power iterations, then Rayleigh–Ritz on the basis (Halko et al. 2011,
     Algorithms 4.4 and 5.3). O(k²·rank) instead of ``eigh``'s O(k³). Seeded as :func:`_low_rank_eigh`.
     """
-    columns = min(rank + LOW_RANK_OVERSAMPLE, len(matrix))
+    result = _range_eigh(matrix, min(rank + LOW_RANK_OVERSAMPLE, len(matrix)), POWER_ITERATIONS)
+    if result is None:
+        return None
+    d, Q = result
+    return d[-rank:], Q[:, -rank:]
+
+
+def _range_eigh(matrix: Tensor, columns: int, power_iterations: int) -> tuple[Tensor, Tensor] | None:
+    """Rayleigh–Ritz on a randomized range basis ``B (k, c)`` of a PSD ``matrix (k, k)``: the eigenpairs
+    ``d (c,)``, ``B U (k, c)`` of ``Bᵀ matrix B`` (ascending). ``B`` spans ``matrix·Ω`` for a Gaussian
+    ``Ω (k, c)`` from a generator seeded with ``k`` (reproducible; the global RNG is not touched),
+    refined by ``power_iterations`` products with ``matrix`` (Halko et al. 2011, Algorithms 4.3-4.4)."""
     generator = torch.Generator(device=matrix.device).manual_seed(len(matrix))
     omega = torch.randn(len(matrix), columns, generator=generator, dtype=matrix.dtype, device=matrix.device)
     basis, _ = torch.linalg.qr(matrix @ omega)
-    for _ in range(POWER_ITERATIONS):
+    for _ in range(power_iterations):
         basis, _ = torch.linalg.qr(matrix @ basis)
     small = basis.T @ matrix @ basis
     result = _eigh((small + small.T) / 2)
     if result is None:
         return None
     d, U = result
-    return d[-rank:], basis.to(U.dtype) @ U[:, -rank:]
+    return d, basis.to(U.dtype) @ U
 
 
 def symmetric_eigen(
