@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import kron_solve
-from kfac_optim import KFAC
+from kfac_optim import KFAC, Eigen
 
 # -- describe() ------------------------------------------------------------------------------------
 
@@ -196,13 +196,14 @@ def test_reduce_does_not_warn_about_micro_batches_of_different_sizes() -> None:
 
 
 def test_the_large_factor_note_starts_at_dim_4096_exactly(caplog: pytest.LogCaptureFixture) -> None:
-    """docs/api.md: factors of dim >= 4096 are named; here A of the first Linear is 4095 + 1 (bias)
-    = 4096 and G of the second is 4096, while G of the first, A of the second (no bias) and A of
-    the third (4094 + 1) are 4095, one short of it."""
+    """docs/api.md: factors of dim >= 4096 decomposed at full rank are named; here A of the first
+    Linear is 4095 + 1 (bias) = 4096 and G of the second is 4096, while G of the first, A of the
+    second (no bias) and A of the third (4094 + 1) are 4095, one short of it. Full eigenbases (no
+    cap): under the default cap none is named (tests/test_public_surface.py)."""
     with torch.device("meta"):  # only the sizes matter: nothing is allocated
         model = nn.Sequential(nn.Linear(4095, 4095), nn.Linear(4095, 4096, bias=False), nn.Linear(4094, 2))
     with caplog.at_level(logging.WARNING):
-        KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+        KFAC(model, lr=0.1, method=Eigen(max_rank=None), factor_update_steps=1, inv_update_steps=10)
     (record,) = [r for r in caplog.records if "seconds" in r.getMessage()]
     named = set(re.findall(r"\b\d+\.[AG] \(\d+\)", record.getMessage()))
     assert named == {"0.A (4096)", "1.G (4096)"}, record.getMessage()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_optim import KFAC
+from kfac_optim import KFAC, Eigen
 from kfac_optim.layers import LinearBlock
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,6 +137,14 @@ def test_a_factor_that_takes_seconds_to_decompose_is_noted_once(caplog: pytest.L
     with torch.device("meta"):  # only the sizes matter: nothing is allocated
         model = nn.Sequential(nn.Linear(4095, 8), nn.Linear(8, 4096, bias=False))
     with caplog.at_level("WARNING", logger="kfac_optim.optimizer"):
-        KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+        KFAC(model, lr=0.1, method=Eigen(max_rank=None), factor_update_steps=1, inv_update_steps=10)
     (record,) = [r for r in caplog.records if "seconds" in r.getMessage()]
     assert "0.A (4096)" in record.getMessage() and "1.G (4096)" in record.getMessage()
+
+
+def test_factors_under_the_eigenbasis_cap_are_not_noted_as_slow(caplog: pytest.LogCaptureFixture) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4095, 8), nn.Linear(8, 4096, bias=False))
+    with caplog.at_level("WARNING", logger="kfac_optim.optimizer"):
+        KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10)  # Eigen(max_rank=128): O(n²·128)
+    assert [r for r in caplog.records if "seconds" in r.getMessage()] == []

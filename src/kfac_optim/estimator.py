@@ -189,8 +189,8 @@ class KroneckerEstimator:
                 f"{len(unsupported)} layer(s) of registered kinds take the SGD path: "
                 + "; ".join(f"{r.name}: {r.detail}" for r in unsupported)
             )
-        factors = [(f"{block.name}.{name}", f.dim) for block in self.blocks for name, f in block.factors.items()]
-        large = [f"{name} ({dim})" for name, dim in factors if dim >= LARGE_FACTOR_DIM]
+        large = [f"{block.name}.{name} ({factor.dim})" for block in self.blocks for name, factor in block.factors.items()
+                 if factor.dim >= LARGE_FACTOR_DIM and not self.method.capped(factor)]  # capped: O(n²·rank)
         if large:
             logger.warning("K-FAC factors of dim >= %d take seconds each to decompose on a CPU at full rank "
                            "(rank-deficient ones, e.g. of convs on small feature maps, far less): %s; see "

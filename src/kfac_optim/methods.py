@@ -82,6 +82,11 @@ class Method(ABC):
         as 0 (its ``drop_below``); None: keep every one (the default)."""
         return None, None
 
+    def capped(self, factor: FactorView) -> bool:
+        """Whether this method holds ``factor`` at a bounded rank (:class:`Eigen`'s eigenbasis cap), so
+        that its decomposition costs O(n²·rank) rather than O(n³); False (the default): it does not."""
+        return False
+
     @abstractmethod
     def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
         """The preconditioned joint gradient from the factors' decompositions (in their dtype).
