@@ -72,6 +72,13 @@ def assert_factors_equal(actual: dict[str, Tensor], expected: dict[str, Tensor],
         torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}")
 
 
+def assert_runs_equal(expected: tuple[dict[str, Tensor], nn.Module], actual: tuple[dict[str, Tensor], nn.Module],
+                      rtol: float = 0, atol: float = 0) -> None:
+    """Two runs' ``(factors, model)``: the same factors, then the same parameters (bit for bit by default)."""
+    assert_factors_equal(actual[0], expected[0], rtol=rtol, atol=atol)
+    assert_factors_equal(dict(actual[1].named_parameters()), dict(expected[1].named_parameters()), rtol=rtol, atol=atol)
+
+
 def report(optimizer: KFAC, module_name: str) -> ModuleReport:
     rows = [row for row in optimizer.module_reports if row.name == module_name]
     assert len(rows) == 1, f"describe() has {len(rows)} rows for {module_name!r}:\n{optimizer.describe()}"
@@ -103,10 +110,7 @@ def test_monitoring_grad_pass_before_backward_does_not_change_the_factors() -> N
         grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
         torch.stack([g.norm() for g in grads]).norm()
 
-    expected, reference = run_classifier(None)
-    actual, model = run_classifier(gradient_norm)
-    assert_factors_equal(actual, expected)
-    assert_factors_equal(dict(model.named_parameters()), dict(reference.named_parameters()))
+    assert_runs_equal(expected=run_classifier(None), actual=run_classifier(gradient_norm))
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.078" (the input-gradient pass feeds G and counts N).
@@ -126,10 +130,7 @@ def test_adversarial_input_gradient_pass_in_train_mode_does_not_change_the_facto
             optimizer.step()
         return factors(optimizer), model
 
-    expected, reference = run(attack_in_eval_mode=True)
-    actual, model = run(attack_in_eval_mode=False)
-    assert_factors_equal(actual, expected)
-    assert_factors_equal(dict(model.named_parameters()), dict(reference.named_parameters()))
+    assert_runs_equal(expected=run(attack_in_eval_mode=True), actual=run(attack_in_eval_mode=False))
 
 
 # Before the fix: every G and A factor differs (the discarded backward's statistics were folded).
@@ -142,10 +143,7 @@ def test_setting_grads_to_none_drops_the_statistics_of_the_discarded_gradient() 
         for param in model.parameters():
             param.grad = None
 
-    expected, reference = run_classifier(None)
-    actual, model = run_classifier(discarded_backward)
-    assert_factors_equal(actual, expected)
-    assert_factors_equal(dict(model.named_parameters()), dict(reference.named_parameters()))
+    assert_runs_equal(expected=run_classifier(None), actual=run_classifier(discarded_backward))
 
 
 # --- GANs ---------------------------------------------------------------------------------------
@@ -186,10 +184,7 @@ def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors
             opt_d.step()
         return factors(opt_d), net_d
 
-    expected, reference = run(generator_pass_in_eval_mode=True)
-    actual, net_d = run(generator_pass_in_eval_mode=False)
-    assert_factors_equal(actual, expected)
-    assert_factors_equal(dict(net_d.named_parameters()), dict(reference.named_parameters()))
+    assert_runs_equal(expected=run(generator_pass_in_eval_mode=True), actual=run(generator_pass_in_eval_mode=False))
 
 
 # Today: "0.G: Tensor-likes are not equal! ... 0.038" of D (the generator's backward through D stays pending).
@@ -212,10 +207,8 @@ def test_module_level_zero_grad_gives_the_same_factors_as_the_optimizers() -> No
             opt_g.step()
         return factors(opt_d), net_d
 
-    expected, reference = run(lambda module, optimizer: optimizer.zero_grad())
-    actual, net_d = run(lambda module, optimizer: module.zero_grad())
-    assert_factors_equal(actual, expected)
-    assert_factors_equal(dict(net_d.named_parameters()), dict(reference.named_parameters()))
+    assert_runs_equal(expected=run(lambda module, optimizer: optimizer.zero_grad()),
+                      actual=run(lambda module, optimizer: module.zero_grad()))
 
 
 # --- several backwards of one forward -----------------------------------------------------------
@@ -254,10 +247,7 @@ def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
             optimizer.step()
         return factors(optimizer), model
 
-    expected, reference = run(separately=False)
-    actual, model = run(separately=True)
-    assert_factors_equal(actual, expected, rtol=1e-6, atol=1e-6)
-    assert_factors_equal(dict(model.named_parameters()), dict(reference.named_parameters()), rtol=1e-6, atol=1e-6)
+    assert_runs_equal(expected=run(separately=False), actual=run(separately=True), rtol=1e-6, atol=1e-6)
 
 
 # --- trainability and parameters ----------------------------------------------------------------
