@@ -22,7 +22,7 @@ from kfac_optim.intervals import MeasuredIntervals, StepCosts
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def mlp() -> nn.Module:
+def three_layer_mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 4))
 
@@ -50,7 +50,7 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-def assert_bit_identical(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str = "") -> None:
+def assert_same_state(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str = "") -> None:
     assert actual.keys() == expected.keys()
     for name, value in expected.items():
         assert torch.equal(actual[name], value), f"{where}{name}: max |Δ| {(actual[name] - value).abs().max():.3g}"
@@ -58,14 +58,14 @@ def assert_bit_identical(actual: dict[str, torch.Tensor], expected: dict[str, to
 
 def test_two_default_runs_are_bit_identical() -> None:
     def run() -> tuple[dict[str, torch.Tensor], KFAC]:
-        model = mlp()
+        model = three_layer_mlp()
         optimizer = KFAC(model, lr=0.1, momentum=0.9)
         for batch in batches(30):
             step(model, optimizer, batch)
         return snapshot(model), optimizer
 
     (first, optimizer), (second, _) = run(), run()
-    assert_bit_identical(second, first)
+    assert_same_state(second, first)
     assert optimizer.estimator.intervals.chosen is not None
 
 
@@ -73,18 +73,18 @@ def test_the_default_run_equals_the_run_given_its_chosen_intervals() -> None:
     """Decided before the first step's fold, the default schedule is a plain one from step 0: no
     calibration steps, no fold skipped (and no warning about one)."""
     data = batches(24)
-    model = mlp()
+    model = three_layer_mlp()
     default = KFAC(model, lr=0.1, momentum=0.9)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. "recorded no statistics on this factor step"
         for batch in data:
             step(model, default, batch)
     factor, inverse = default.estimator.intervals.chosen
-    control_model = mlp()
+    control_model = three_layer_mlp()
     control = KFAC(control_model, lr=0.1, momentum=0.9, factor_update_steps=factor, inv_update_steps=inverse)
     for batch in data:
         step(control_model, control, batch)
-    assert_bit_identical(snapshot(model), snapshot(control_model))
+    assert_same_state(snapshot(model), snapshot(control_model))
 
 
 def test_forwards_between_steps_leave_the_default_run_bit_identical() -> None:
@@ -94,13 +94,13 @@ def test_forwards_between_steps_leave_the_default_run_bit_identical() -> None:
     against the step, so the intervals depend on what the step is weighed as."""
     def wide() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+        return nn.Sequential(nn.Linear(6, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4))
 
     def run(forwards: bool) -> tuple[dict[str, torch.Tensor], KFAC]:
         model = wide()
         optimizer = KFAC(model, lr=0.1, momentum=0.9)
-        probe = torch.randn(2048, 6, generator=torch.Generator().manual_seed(2))
-        for index, (x, y) in enumerate(batches(24, size=8)):
+        probe = torch.randn(8192, 6, generator=torch.Generator().manual_seed(2))
+        for index, (x, y) in enumerate(batches(36, size=8)):
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
             if forwards:
@@ -115,8 +115,10 @@ def test_forwards_between_steps_leave_the_default_run_bit_identical() -> None:
         return snapshot(model), optimizer
 
     (control, control_optimizer), (probed, optimizer) = run(False), run(True)
-    assert_bit_identical(probed, control)
+    assert_same_state(probed, control)
     assert optimizer.estimator.intervals.chosen == control_optimizer.estimator.intervals.chosen
+    factor, inverse = optimizer.estimator.intervals.chosen
+    assert factor < 36 and inverse < 36  # the run folds and decomposes after step 0
 
 
 def test_a_measured_decision_that_makes_its_step_a_factor_step_folds_it() -> None:
@@ -124,7 +126,7 @@ def test_a_measured_decision_that_makes_its_step_a_factor_step_folds_it() -> Non
     for it anyway, so a factor interval of 1 or 3 folds step 3 (once it skipped it, with a warning
     that blamed torch.compile)."""
     costs = StepCosts(step=1.0, factor=0.05, decomposition=0.1)  # share 0.25: factor interval 1
-    model = mlp()
+    model = three_layer_mlp()
     optimizer = KFAC(model, lr=0.1, factor_update_steps=MeasuredIntervals(costs=costs),
                      inv_update_steps=MeasuredIntervals(costs=costs))
     data = batches(5)
@@ -160,11 +162,11 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 def build(options: dict[str, Any]) -> tuple[nn.Module, KFAC]:
-    model = mlp()
+    model = three_layer_mlp()
     return model, KFAC(model, **{"lr": 0.1, "momentum": 0.9, **options})
 
 
-def saved(model: nn.Module, optimizer: KFAC) -> bytes:
+def checkpoint_bytes(model: nn.Module, optimizer: KFAC) -> bytes:
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
     return buffer.getvalue()
@@ -181,20 +183,20 @@ def test_a_run_saved_at_any_step_resumes_bit_identically(options: dict[str, Any]
     expected = snapshot(control_model)
 
     model, optimizer = build(options)
-    checkpoints = [saved(model, optimizer)]
+    checkpoints = [checkpoint_bytes(model, optimizer)]
     for batch in data:
         step(model, optimizer, batch)
-        checkpoints.append(saved(model, optimizer))
-    assert_bit_identical(snapshot(model), expected, "the saving run: ")
+        checkpoints.append(checkpoint_bytes(model, optimizer))
+    assert_same_state(snapshot(model), expected, "the saving run: ")
 
     for at, checkpoint in enumerate(checkpoints):
-        state = torch.load(io.BytesIO(checkpoint), weights_only=False)
+        state = torch.load(io.BytesIO(checkpoint), weights_only=True)
         resumed_model, resumed = build(options)
         resumed_model.load_state_dict(state["model"])
         resumed.load_state_dict(state["optimizer"])
         for batch in data[at:]:
             step(resumed_model, resumed, batch)
-        assert_bit_identical(snapshot(resumed_model), expected, f"resumed at step {at}: ")
+        assert_same_state(snapshot(resumed_model), expected, f"resumed at step {at}: ")
         assert resumed.estimator.intervals.chosen == control.estimator.intervals.chosen
 
 

@@ -22,8 +22,8 @@ from examples.recipes.toy import toy_batches, toy_model
 def train(accum_steps: int, steps: int) -> nn.Module:
     """Train on the same batches of 64, each split into ``accum_steps`` micro-batches."""
     model, loss_fn = toy_model(), F.cross_entropy
-    # explicit intervals: the two runs compared must fold and decompose on the same steps (the
-    # default "auto" intervals follow each run's measured step time)
+    # explicit intervals: the two runs compared must fold and decompose on the same steps, whatever
+    # the default intervals' cost model makes of each run
     optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=10)
     for x, y in toy_batches(steps, 64):
         optimizer.zero_grad()

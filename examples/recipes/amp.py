@@ -29,8 +29,8 @@ def train(dtype: str, device: str, steps: int) -> tuple[float, float]:
     """Train from the same start under ``dtype`` ("fp32", "bf16", "fp16"); the first and the last batch's loss."""
     model, loss_fn = toy_model().to(device), F.cross_entropy
     loader = [(x.to(device), y.to(device)) for x, y in toy_batches(steps, 64)]
-    # explicit intervals: the runs compared must fold and decompose on the same steps (the default
-    # "auto" intervals follow each run's measured step time, which differs between precisions)
+    # explicit intervals: the runs compared must fold and decompose on the same steps, whatever the
+    # default intervals' cost model makes of each precision
     optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=10)
     losses = []
     if dtype == "fp16":

@@ -240,8 +240,8 @@ class KFACOptions:
     ``kfac_optim.damping``). ``kl_clip``: the trust-region size ν is computed from (None: no
     clipping). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh
     decompositions every this many steps (int >= 1 or callable ``step -> int``), or ``"auto"`` /
-    an ``AutoIntervals`` (the default): chosen from the cost measured on the first steps
-    (``kfac_optim.intervals``). ``method``:
+    an ``AutoIntervals`` (the default): chosen from the cost counted from shapes, or a
+    ``MeasuredIntervals``: from the cost timed on the first steps (``kfac_optim.intervals``). ``method``:
     "eigen", "inverse", "eigen_adam" or a ``kfac_optim.Method``. ``curvature``, ``asynchronous``, ``update``: see
     :class:`CurvatureConfig`, :class:`AsyncConfig` (None: decompositions in line) and :class:`UpdateConfig`.
     """

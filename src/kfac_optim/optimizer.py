@@ -95,7 +95,8 @@ class KFAC(Optimizer, Joinable):
             step follows an lr schedule; ``UpdateConfig.trust_region``); None disables clipping.
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable), or
             "auto" (default) / a ``kfac_optim.intervals.AutoIntervals``: chosen from the cost
-            measured on the first steps (docs/api.md "Automatic intervals").
+            counted from the layers' and the first batch's shapes, reproducible; a
+            ``MeasuredIntervals`` times the first steps instead (docs/api.md "Automatic intervals").
         inv_update_steps: refresh decompositions every this many steps (int ≥ 1, callable, "auto").
         method: "eigen" (exact damping of ``G ⊗ A``) or "inverse" (π-factored damping), or a
             ``kfac_optim.Method`` instance.
@@ -294,7 +295,7 @@ class KFAC(Optimizer, Joinable):
     @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``Optimizer.zero_grad``; also drops statistics of backward passes no step consumed (and
-        marks the coming step's start for the automatic intervals' calibration)."""
+        marks the coming step's start for ``MeasuredIntervals``' calibration)."""
         self.estimator.intervals.step_started(self.estimator.steps)
         self.estimator.discard_pending_statistics()
         super().zero_grad(set_to_none=set_to_none)
