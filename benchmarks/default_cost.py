@@ -6,9 +6,9 @@ Two copies of the model (same seed) train on the same batches, one with ``torch.
 lr)`` and one with ``KFAC(model, lr)`` (the library's defaults: automatic intervals, docs/api.md
 "Automatic intervals"). Their steps are **interleaved** (SGD's step i, then K-FAC's step i), so a
 load swing on a shared machine hits both alike; each step is ``zero_grad`` + forward + backward +
-``step()`` wall-clock. Prints both means over all steps (K-FAC's calibration and first
-decompositions included), their ratio, the intervals K-FAC chose (and how they changed at
-re-measured decomposition rounds) and the eigenbasis cap's truncations, and writes them as JSON
+``step()`` wall-clock. Prints both means over all steps (K-FAC's first decompositions included),
+their ratio, the intervals K-FAC chose (counted from shapes, so the same on every run, docs/api.md
+"Automatic intervals") and the eigenbasis cap's truncations, and writes them as JSON
 (``--out``, default ``runs/default_cost_<model>.json``) with every step's time. Models: ``resnet18`` (32 px,
 batch 64, torchvision) and ``gpt`` (the peer benchmark's character GPT, ``benchmarks/peers/tasks.py``:
 2 layers, width 64, context 64, tied head; batch 32 of random bytes).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import asdict
 
 import pytest
@@ -225,3 +226,24 @@ def test_checkpoints_of_costs_without_preconditioning_still_load() -> None:
     schedule = IntervalSchedule("auto", "auto", torch.device("cpu"))
     schedule.load_state_dict(state, step=50)
     assert schedule.chosen == (2, 140) and schedule.costs.precondition == 0.0
+
+
+def test_intervals_at_their_caps_warn_once_saying_how_to_override() -> None:
+    """The preconditioning alone over the budget: both intervals at their caps, which changes what
+    K-FAC does for the rest of the run, so one RuntimeWarning says so (describe() alone logs at INFO)."""
+    costly = StepCosts(step=0.1, factor=0.05, decomposition=3.5, precondition=0.06)
+    model = intervals_mlp()
+    with pytest.warns(RuntimeWarning, match=r"reached their caps.*factor_update_steps=50.*inv_update_steps=500") as caught:
+        optimizer = KFAC(model, lr=0.1, factor_update_steps=AutoIntervals(costs=costly),
+                         inv_update_steps=AutoIntervals(costs=costly))
+        train(optimizer, model, 6)
+    assert sum("reached their caps" in str(w.message) for w in caught) == 1
+    assert "factor_update_steps= / inv_update_steps=" in str(caught[0].message)
+    # within the caps: no warning
+    model = intervals_mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer = KFAC(model, lr=0.1, factor_update_steps=AutoIntervals(costs=COSTS),
+                         inv_update_steps=AutoIntervals(costs=COSTS))
+        train(optimizer, model, 6)
+    assert optimizer.estimator.intervals.chosen == (2, 140)
