@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_optim import KFAC, AdaptiveDamping, AsyncConfig, CurvatureConfig
+from kfac_optim import KFAC, AdaptiveDamping, AsyncConfig, CurvatureConfig, RuntimeConfig
 from kfac_optim.intervals import MeasuredIntervals, StepCosts
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -158,6 +158,7 @@ CASES: dict[str, dict[str, Any]] = {
     "adaptive damping 1/4": dict(damping=AdaptiveDamping(every=2), factor_update_steps=1, inv_update_steps=4),
     "async, eigen_adam": dict(asynchronous=AsyncConfig(), method="eigen_adam", lr=0.01),
     "async, adaptive damping": dict(asynchronous=AsyncConfig(delay=1), damping=AdaptiveDamping(every=3)),
+    "async statistics": dict(runtime=RuntimeConfig(async_statistics=True)),
 }
 
 
