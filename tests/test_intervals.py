@@ -212,8 +212,8 @@ def test_later_decomposition_rounds_are_measured_again_and_the_inverse_interval_
     # not under AsyncConfig (remeasure=False), nor with injected costs or an explicit inverse interval
     for schedule in (IntervalSchedule(MeasuredIntervals(), MeasuredIntervals(), torch.device("cpu"), remeasure=False,
                                       clock=clock),
-                     IntervalSchedule(MeasuredIntervals(costs=COSTS), MeasuredIntervals(costs=COSTS), torch.device("cpu"),
-                                      clock=clock),
+                     IntervalSchedule(MeasuredIntervals(costs=COSTS), MeasuredIntervals(costs=COSTS),
+                                      torch.device("cpu"), clock=clock),
                      IntervalSchedule(MeasuredIntervals(), 12, torch.device("cpu"), clock=clock)):
         sums.clear()
         run_schedule(schedule, clock, range(0, 40), lambda step: 10.0 if step > 10 else 0.1, sums)
@@ -233,7 +233,8 @@ def test_intervals_at_their_caps_warn_once_saying_how_to_override() -> None:
     K-FAC does for the rest of the run, so one RuntimeWarning says so (describe() alone logs at INFO)."""
     costly = StepCosts(step=0.1, factor=0.05, decomposition=3.5, precondition=0.06)
     model = intervals_mlp()
-    with pytest.warns(RuntimeWarning, match=r"reached their caps.*factor_update_steps=50.*inv_update_steps=500") as caught:
+    capped = r"reached their caps.*factor_update_steps=50.*inv_update_steps=500"
+    with pytest.warns(RuntimeWarning, match=capped) as caught:
         optimizer = KFAC(model, lr=0.1, factor_update_steps=AutoIntervals(costs=costly),
                          inv_update_steps=AutoIntervals(costs=costly))
         train(optimizer, model, 6)
