@@ -18,6 +18,7 @@ from benchmarks import (
     amp_steps,
     comm_bytes,
     compiled_steps,
+    cost_constants,
     peer_steps,
     scaling,
     step_time,
@@ -159,3 +160,13 @@ def test_compiled_steps_times_the_compiled_model_with_and_without_the_capture(tm
     assert kfac["per_step"]["factor_step"] == [False, True]  # factor interval 2, after the warmup step (armed)
     assert kfac["forward_backward_factor_steps_s"] > 0 and kfac["forward_backward_other_steps_s"] > 0
     assert saved["runs"]["sgd"]["whole_step_s"] > 0
+
+
+def test_cost_constants_measures_each_kind_of_work_against_the_librarys_constants(tmp_path: Path) -> None:
+    result = cost_constants.main(["--sizes", "16", "160", "--repeats", "1", "--out", str(tmp_path)])
+    assert result["library"] == cost_constants.LIBRARY
+    assert set(result["constants"]) == {"eigh", "inverse", "range", "element"}
+    assert set(result["constants"]["range"]) == {160}  # the cap's eigensolver: sizes above max_rank only
+    assert all(value > 0 for by_size in result["constants"].values() for value in by_size.values())
+    assert json.loads((tmp_path / "cost_constants.json").read_text())["rate_flop_per_s"] > 0
+    assert (tmp_path / "cost_constants.png").stat().st_size > 0
