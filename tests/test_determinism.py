@@ -80,6 +80,8 @@ def test_the_default_run_equals_the_run_given_its_chosen_intervals() -> None:
         for batch in data:
             step(model, default, batch)
     factor, inverse = default.estimator.intervals.chosen
+    steps = len(data)
+    assert inverse < steps  # decompositions after step 0 use the folds compared
     control_model = three_layer_mlp()
     control = KFAC(control_model, lr=0.1, momentum=0.9, factor_update_steps=factor, inv_update_steps=inverse)
     for batch in data:
