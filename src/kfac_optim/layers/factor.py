@@ -317,9 +317,10 @@ class Factor:
         self.decomposed_key = None if decomposition is None else (version, shift)
 
     def state_dict(self) -> dict[str, Any]:
-        """The running factor, its health counters and its decomposition (None if none yet)."""
+        """The running factor (packed: :meth:`packed_running`), its health counters and its
+        decomposition (None if none yet)."""
         return {
-            "running": self.running,
+            "running": self.packed_running(),
             "initialized": self.initialized,
             "discarded": self.discarded,
             "version": self.version,
@@ -327,6 +328,19 @@ class Factor:
             "decomposition": self.decomposition_state(self.decomposition),
             "decomposed_key": self.decomposed_key,
         }
+
+    def packed_running(self) -> Tensor:
+        """The running factor as checkpoints hold it: its upper triangle, ``(n(n+1)/2,)`` per block
+        (``(groups, n(n+1)/2)`` for a batched factor; ``linalg.pack_symmetric``'s layout). Every
+        writer of ``running`` keeps it exactly symmetric (Gram matrices mirrored from one triangle,
+        elementwise folds, triangles all-reduced), so unpacking restores it bit for bit."""
+        if self.running.dim() == 2:
+            return linalg.pack_symmetric(self.running)
+        return torch.stack([linalg.pack_symmetric(matrix) for matrix in self.running])
+
+    def packed_shape(self) -> tuple[int, ...]:
+        """The shape of :meth:`packed_running`."""
+        return (*self.batch_shape, linalg.triu_size(self.dim))
 
     @staticmethod
     def decomposition_state(decomposition: linalg.Eigen | Tensor | None) -> dict[str, Tensor] | Tensor | None:
@@ -373,8 +387,8 @@ class Factor:
 
     def validate_state(self, state: Any) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable :meth:`state_dict` of this
-        factor: every key present, shapes as this factor's storage (``Q: (..., dim, r)``, ``d: (..., r)``),
-        all finite."""
+        factor: every key present, ``running`` packed (:meth:`packed_shape`) or whole (the storage's
+        shape, as checkpoints of format 1 hold it), ``Q: (..., dim, r)``, ``d: (..., r)``, all finite."""
         if not isinstance(state, dict):
             raise ValueError(f"expected a dict, got {type(state).__name__}")
         for key in ("running", "initialized", "discarded", "version", "decomposition", "decomposed_key"):
@@ -386,8 +400,10 @@ class Factor:
         bound = state.get("rank_bound")
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
             raise ValueError(f"'rank_bound' must be None or an int >= 0, got {bound!r}")
-        storage = self.storage_shape(self.dim, self.groups)
-        _check_shapes(tensors, {"running": storage, "initialized": (), "discarded": ()})
+        running = self.storage_shape(self.dim, self.groups)  # whole: a checkpoint of format 1
+        if state["running"].dim() < len(running):
+            running = self.packed_shape()
+        _check_shapes(tensors, {"running": running, "initialized": (), "discarded": ()})
 
     def validate_result(self, state: Any) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable saved result of a background
@@ -406,10 +422,10 @@ class Factor:
             raise ValueError(f"'shift' must be a finite float, got {shift!r}")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (tensors move to this factor's device and dtypes); the
-        caller validates ``state`` first (:meth:`validate_state`)."""
+        """Restore from :meth:`state_dict` (tensors move to this factor's device and dtypes; ``running``
+        packed or whole); the caller validates ``state`` first (:meth:`validate_state`)."""
         device, dtype = self.running.device, self.running.dtype
-        self.running = state["running"].to(device, dtype, copy=True)
+        self.running = unpack_running(state["running"].to(device, dtype), self.dim, self.groups, self.diagonal)
         self.support = None
         self.initialized = state["initialized"].to(device, copy=True)
         self.discarded = state["discarded"].to(device, copy=True)
@@ -421,6 +437,17 @@ class Factor:
         key = state["decomposed_key"]
         self.decomposed_key = None if key is None or decomposition is None else tuple(key)
         self.clear_pending()
+
+
+def unpack_running(saved: Tensor, dim: int, groups: int = 1, diagonal: bool = False) -> Tensor:
+    """A new tensor holding the running factor (``dim``, ``groups`` and kind as the :class:`Factor`'s)
+    that a checkpoint saved as ``saved``: packed (:meth:`Factor.packed_running`) or whole (a
+    diagonal factor's ``(dim,)``; a dense one's storage, as checkpoints of format 1 hold it)."""
+    if diagonal or tuple(saved.shape) == Factor.storage_shape(dim, groups):
+        return saved.clone()
+    if groups == 1:
+        return linalg.unpack_symmetric(saved, dim)
+    return torch.stack([linalg.unpack_symmetric(packed, dim) for packed in saved])
 
 
 def _check_tensors(tensors: dict[str, Any]) -> None:
@@ -451,6 +478,13 @@ class DiagonalFactor(Factor):
 
     def describe(self) -> str:
         return f"{self._shape_text()} diagonal"
+
+    def packed_running(self) -> Tensor:
+        """The diagonal itself: ``(dim,)`` holds nothing twice."""
+        return self.running
+
+    def packed_shape(self) -> tuple[int, ...]:
+        return (self.dim,)
 
     def diagonal_of(self, matrix: Tensor) -> Tensor:
         return matrix
