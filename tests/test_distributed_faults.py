@@ -175,13 +175,13 @@ def state_dict_on_rank_zero(rank: int, directory: Path) -> dict[str, Any]:
         checkpoints = {"decomposition step": directory / f"rank0-{fraction}-2.pt",
                        "factor step": directory / f"rank0-{fraction}-3.pt"}
         if rank == 0:
-            save_checkpoint(model, optimizer, checkpoints["decomposition step"])
+            save_rank_checkpoint(model, optimizer, checkpoints["decomposition step"])
         ddp_train(model, optimizer, range(3, 4), rank, WORLD)  # step 3 folds only: the factors are local
         if rank == 0:  # (a collective here would wait for rank 1 up to the store's timeout: shortened)
             store = dist.group.WORLD.get_group_store()
             store.set_timeout(timedelta(seconds=FAULT_TIMEOUT_S))
             results[f"saved after a factor step {fraction}"] = outcome(
-                lambda: save_checkpoint(model, optimizer, checkpoints["factor step"]))  # noqa: B023 (called at once)
+                lambda: save_rank_checkpoint(model, optimizer, checkpoints["factor step"]))  # noqa: B023 (called at once)
             store.set_timeout(timedelta(seconds=GROUP_TIMEOUT_S))
         went_on = outcome(lambda: ddp_train(model, optimizer, range(4, STEPS), rank, WORLD))  # noqa: B023
         dist.barrier()  # on the default group: the checkpoints are written
@@ -195,7 +195,8 @@ def state_dict_on_rank_zero(rank: int, directory: Path) -> dict[str, Any]:
     return results
 
 
-def save_checkpoint(model: nn.Module, optimizer: KFAC, path: Path) -> None:
+def save_rank_checkpoint(model: nn.Module, optimizer: KFAC, path: Path) -> None:
+    """Model and ``optimizer.state_dict()`` through ``torch.save``, as DDP scripts do on rank 0."""
     inner = model.module if isinstance(model, DDP) else model
     torch.save({"model": inner.state_dict(), "optimizer": optimizer.state_dict()}, path)
 
