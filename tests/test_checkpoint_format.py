@@ -19,6 +19,8 @@ from kfac_optim import KFAC
 from kfac_optim.checkpoint import FORMAT
 from kfac_optim.layers.factor import unpack_running
 from kfac_optim.methods import Eigen
+from tests.test_distributed import ddp_train, make_ddp_net
+from tests.test_feeding import TinyLM, lm_batch, lm_loss
 
 WIDTHS = (400, 300, 10)  # Linear(400, 300), Linear(300, 10): A 401 and 301, G 300 and 10
 MAX_RANK = Eigen().max_rank  # the default eigenbasis cap
@@ -107,3 +109,35 @@ def test_checkpoint_of_format_1_still_loads_and_an_unknown_format_is_refused() -
     with pytest.raises(ValueError, match="'format' 3 is not one this release reads"):
         fresh.load_state_dict({**state, "kfac": {**state["kfac"], "format": 3}})
     assert fresh.steps == 0 and not any(bool(f.initialized) for b in fresh.blocks for f in b.factors.values())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_factor_kind_unpacks_bit_identically(tied: bool) -> None:
+    """Grouped and depthwise convs (batched factors), attention, an embedding's diagonal, a Conv3d,
+    and a tied embedding/head's use factors and derived ones: saved packed, loaded whole, bit for bit."""
+    model = TinyLM(vocab=13, width=8, tied=True) if tied else make_ddp_net(modern=True)
+    settings = {**FORMAT_SETTINGS, "factor_update_steps": 1, "inv_update_steps": 10}
+    optimizer = KFAC(model, **settings)
+    if tied:
+        for step in range(3):
+            optimizer.zero_grad()
+            lm_loss(model, *lm_batch(step, n=4, vocab=13)).backward()
+            optimizer.step()
+    else:
+        ddp_train(model, optimizer, range(3))
+    fresh_model = TinyLM(vocab=13, width=8, tied=True) if tied else make_ddp_net(modern=True)
+    fresh = KFAC(fresh_model, **settings)
+    fresh.load_state_dict(optimizer.state_dict())
+
+    def every_factor(kfac: KFAC) -> dict[str, torch.Tensor]:
+        found = {}
+        for block in kfac.blocks:
+            uses = block.head.factors() if getattr(block, "head", None) is not None else {}
+            for name, factor in {**block.factors, **uses}.items():
+                found[f"{block.name}.{name}"] = factor.running
+        return found
+
+    saved, loaded = every_factor(optimizer), every_factor(fresh)
+    assert saved.keys() == loaded.keys() and len(saved) >= (6 if tied else 12)
+    for key, running in saved.items():
+        assert torch.equal(running, loaded[key]), key
