@@ -16,6 +16,14 @@ folds the factors and decomposes them: the eigenbasis cap, ``Eigen(max_rank=128)
   kfac_checkpoint   ``{"model", "optimizer"}`` with KFAC (momentum buffers included)
   sgd_checkpoint    the same with SGD
 
+and ``recompute_seconds``: what a checkpoint without decompositions costs when resumed (as under
+``grad_worker_fraction < 1``, where the saving rank lacks the other ranks' decompositions and the
+loading ranks recompute them from the saved factors at their first step): the first step after
+loading such a checkpoint minus the first step after loading the full one (fixed intervals of 10,
+so that step neither folds nor decomposes otherwise); ``factors_of_last_round`` is what the
+alternative, saving the factors of the last decomposition round too, would add (the packed
+factors again).
+
 Image size matters only through the decompositions' ranks (a factor of few rows is held thin):
 224 px gives every capped factor its full 128 columns, as in training.
 """
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +111,7 @@ def measure(name: str, batch: int, image: int) -> dict[str, Any]:
         "kfac_checkpoint": serialized_bytes({"model": model.state_dict(), "optimizer": state}),
         "sgd_checkpoint": serialized_bytes({"model": sgd_model.state_dict(), "optimizer": sgd.state_dict()}),
     }
+    sizes["factors_of_last_round"] = sizes["packed_factors"]
     return {
         "model_name": name,
         "image": image,
@@ -111,7 +121,34 @@ def measure(name: str, batch: int, image: int) -> dict[str, Any]:
         "kfac_entry_of_format_1_over_model": (sizes["kfac_entry"] - sizes["packed_factors"] + sizes["whole_factors"])
         / sizes["model"],
         "kfac_checkpoint_over_sgd_checkpoint": sizes["kfac_checkpoint"] / sizes["sgd_checkpoint"],
+        "recompute_seconds": recompute_seconds(build, batch, image),
     }
+
+
+def recompute_seconds(build: Any, batch: int, image: int) -> float:
+    """The first step after loading a checkpoint whose decompositions are dropped, minus the first
+    step after loading it whole (see the module docstring)."""
+    settings = dict(factor_update_steps=10, inv_update_steps=10)
+    model = build()
+    optimizer = KFAC(model, **settings)
+    one_step(model, optimizer, batch, image)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    kfac = state["optimizer"]["kfac"]
+    lacking = {**kfac, "blocks": {
+        name: {**block, "factors": {kind: {**factor, "decomposition": None, "decomposed_key": None}
+                                    for kind, factor in block["factors"].items()}}
+        for name, block in kfac["blocks"].items()
+    }}
+    seconds = []
+    for entry in (kfac, lacking):
+        resumed = build()
+        resumed.load_state_dict(state["model"])
+        resumed_optimizer = KFAC(resumed, **settings)
+        resumed_optimizer.load_state_dict({**state["optimizer"], "kfac": entry})
+        start = time.perf_counter()
+        one_step(resumed, resumed_optimizer, batch, image)
+        seconds.append(time.perf_counter() - start)
+    return seconds[1] - seconds[0]
 
 
 def plot(results: list[dict[str, Any]]) -> Figure:
@@ -142,7 +179,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"{r['model_name']}: model {b['model'] / MIB:.1f} MiB, K-FAC entry {b['kfac_entry'] / MIB:.1f} MiB "
             f"({r['kfac_entry_over_model']:.2f}x; packed factors {b['packed_factors'] / MIB:.1f}, decompositions "
             f"{b['decompositions'] / MIB:.1f}; factors whole would be {b['whole_factors'] / MIB:.1f}), "
-            f"checkpoint {b['kfac_checkpoint'] / MIB:.1f} MiB = {r['kfac_checkpoint_over_sgd_checkpoint']:.2f}x SGD's"
+            f"checkpoint {b['kfac_checkpoint'] / MIB:.1f} MiB = {r['kfac_checkpoint_over_sgd_checkpoint']:.2f}x SGD's; "
+            f"recomputing every decomposition on resume: {r['recompute_seconds']:.1f} s"
         )
     write_json_and_plot(args.out, "checkpoint_size", results, plot(results))
     return results
