@@ -50,8 +50,8 @@ own entry::
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 The factors saved are the global ones (``KFACState.state_dict`` reduces them first, a collective
-as ``dcp.save`` is; ``KFAC.state_dict()`` itself never communicates), the same on every rank, so DCP writes them once and every rank of any world size (one process included)
-reads them whole. Decompositions are not saved: under ``grad_worker_fraction < 1`` each rank
+as ``dcp.save`` is; ``KFAC.state_dict()`` itself never communicates), the same on every rank, so
+DCP writes them once and every rank of any world size (one process included) reads them whole. Decompositions are not saved: under ``grad_worker_fraction < 1`` each rank
 holds different ones; they are recomputed from the factors at the first step after loading
 (identical to the saved run's when the checkpoint follows a decomposition step, as the factors
 then are those decomposed). The health counters (``discarded``, ``failures``) are one rank's.
@@ -156,7 +156,7 @@ def check(estimator: KroneckerEstimator, kfac_state: Any) -> dict[str, Any]:
     if isinstance(version, bool) or version not in (1, FORMAT):
         raise ValueError(
             f"K-FAC checkpoint: 'format' {version!r} is not one this release reads (1: whole factors, "
-            f"{FORMAT}: packed factors); it was saved by a newer release of kfac_optim"
+            f"{FORMAT}: packed factors); was it saved by another release of kfac_optim?"
         )
     steps = kfac_state.get("steps")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
