@@ -49,7 +49,8 @@ from kfac_optim import KFAC
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["resnet18", "resnet50"], help="torchvision.models builder names")
+    parser.add_argument("--models", nargs="+", default=["resnet18", "resnet50"],
+                        help="torchvision.models builder names")
     parser.add_argument("--image", type=int, default=224, help="input height and width")
     parser.add_argument("--batch", type=int, default=2, help="images in the one step")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")

@@ -4,8 +4,9 @@
 
 ``optimizer.state_dict()`` holds SGD's state plus ``"kfac"``: the step counter and every layer's
 factors (packed) and decompositions by module name. It never communicates: distributed, call it
-where you save (rank 0 alone is fine; docs/api.md, ``state_dict()``, says what such a checkpoint holds). Trains ``--steps`` straight, then half, saves,
-restores into a fresh model and optimizer, trains the other half, and compares.
+where you save (rank 0 alone is fine; docs/api.md, ``state_dict()``, says what such a checkpoint
+holds). Trains ``--steps`` straight, then half, saves, restores into a fresh model and optimizer,
+trains the other half, and compares.
 """
 
 from __future__ import annotations
