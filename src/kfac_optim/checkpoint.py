@@ -52,10 +52,11 @@ own entry::
 The factors saved are the global ones (``KFACState.state_dict`` reduces them first, a collective
 as ``dcp.save`` is; ``KFAC.state_dict()`` itself never communicates), the same on every rank, so
 DCP writes them once and every rank of any world size (one process included) reads them whole.
-Decompositions are not saved: under ``grad_worker_fraction < 1`` each rank holds different ones; they are recomputed from the factors at the first step after loading
-(identical to the saved run's when the checkpoint follows a decomposition step, as the factors
-then are those decomposed). The health counters (``discarded``, ``failures``) are one rank's.
-For the same reason the round of decompositions in flight under ``async_decompositions`` (which
+Decompositions are not saved: under ``grad_worker_fraction < 1`` each rank holds different
+ones; they are recomputed from the factors at the first step after loading (identical to the
+saved run's when the checkpoint follows a decomposition step, as the factors then are those
+decomposed). The health counters (``discarded``, ``failures``) are one rank's. For the same
+reason the round of decompositions in flight under ``async_decompositions`` (which
 ``KFAC.state_dict()`` saves) is left out: a run resumed from DCP holds no round, decomposes its
 factors in line at its first step, and so does not continue bit-identically with the saved run.
 
