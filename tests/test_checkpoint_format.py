@@ -46,21 +46,26 @@ def serialized_bytes(value: object) -> int:
     return buffer.getbuffer().nbytes
 
 
-def test_kfac_entry_is_at_most_packed_factors_plus_capped_decompositions() -> None:
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_kfac_entry_is_at_most_packed_factors_plus_capped_decompositions(method: str) -> None:
     """Bound from the shapes alone (fp32): per factor of dimension n, its upper triangle
-    n(n+1)/2 and an eigenbasis of at most min(n, cap) columns (Q, d and σ); plus 4 KiB of
-    serialization per factor. Saving factors whole (format 1) exceeds it by ~n²/2 per factor."""
+    n(n+1)/2 and an eigenbasis of at most min(n, cap) columns (Q, d and σ), or for the damped
+    inverse another triangle; plus 4 KiB of serialization per factor. Saving factors (and
+    inverses) whole (format 1) exceeds it by ~n²/2 per factor."""
     model = wide_mlp()
-    optimizer = KFAC(model, **FORMAT_SETTINGS)
+    optimizer = KFAC(model, **FORMAT_SETTINGS, method=method)
     train_wide_mlp(model, optimizer, range(3))  # steps 0 and 2 decompose: every factor holds one
     assert all(f.decomposition is not None for b in optimizer.blocks for f in b.factors.values())
     dims = [WIDTHS[0] + 1, WIDTHS[1], WIDTHS[1] + 1, WIDTHS[2]]
     assert sorted(f.dim for b in optimizer.blocks for f in b.factors.values()) == sorted(dims)
     itemsize = 4
     packed = sum(n * (n + 1) // 2 for n in dims) * itemsize
-    capped = sum(n * min(n, MAX_RANK) + min(n, MAX_RANK) + 1 for n in dims) * itemsize
+    if method == "eigen":
+        decompositions = sum(n * min(n, MAX_RANK) + min(n, MAX_RANK) + 1 for n in dims) * itemsize
+    else:
+        decompositions = packed
     entry = serialized_bytes(optimizer.state_dict()["kfac"])
-    assert entry <= packed + capped + 4096 * len(dims), (entry, packed, capped)
+    assert entry <= packed + decompositions + 4096 * len(dims), (entry, packed, decompositions)
 
 
 def test_packed_entry_round_trips_bit_identically_between_decompositions() -> None:
@@ -111,12 +116,13 @@ def test_checkpoint_of_format_1_still_loads_and_an_unknown_format_is_refused() -
     assert fresh.steps == 0 and not any(bool(f.initialized) for b in fresh.blocks for f in b.factors.values())
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_every_factor_kind_unpacks_bit_identically(tied: bool) -> None:
+@pytest.mark.parametrize(("tied", "method"), [(False, "eigen"), (False, "inverse"), (True, "eigen")])
+def test_every_factor_kind_unpacks_bit_identically(tied: bool, method: str) -> None:
     """Grouped and depthwise convs (batched factors), attention, an embedding's diagonal, a Conv3d,
-    and a tied embedding/head's use factors and derived ones: saved packed, loaded whole, bit for bit."""
+    and a tied embedding/head's use factors and derived ones: saved packed (running factors, and
+    the damped inverses of ``method="inverse"``), loaded whole, bit for bit."""
     model = TinyLM(vocab=13, width=8, tied=True) if tied else make_ddp_net(modern=True)
-    settings = {**FORMAT_SETTINGS, "factor_update_steps": 1, "inv_update_steps": 10}
+    settings = {**FORMAT_SETTINGS, "factor_update_steps": 1, "inv_update_steps": 10, "method": method}
     optimizer = KFAC(model, **settings)
     if tied:
         for step in range(3):
@@ -135,9 +141,14 @@ def test_every_factor_kind_unpacks_bit_identically(tied: bool) -> None:
             uses = block.head.factors() if getattr(block, "head", None) is not None else {}
             for name, factor in {**block.factors, **uses}.items():
                 found[f"{block.name}.{name}"] = factor.running
+                decomposition = factor.decomposition
+                if isinstance(decomposition, torch.Tensor):
+                    found[f"{block.name}.{name} inverse"] = decomposition
+                elif decomposition is not None:
+                    found[f"{block.name}.{name} Q"] = decomposition.Q
         return found
 
     saved, loaded = every_factor(optimizer), every_factor(fresh)
-    assert saved.keys() == loaded.keys() and len(saved) >= (6 if tied else 12)
-    for key, running in saved.items():
-        assert torch.equal(running, loaded[key]), key
+    assert saved.keys() == loaded.keys() and len(saved) >= (6 if tied else 24)
+    for key, tensor in saved.items():
+        assert torch.equal(tensor, loaded[key]), key

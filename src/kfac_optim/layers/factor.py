@@ -330,37 +330,44 @@ class Factor:
         }
 
     def packed_running(self) -> Tensor:
-        """The running factor as checkpoints hold it: its upper triangle, ``(n(n+1)/2,)`` per block
+        """The running factor as checkpoints hold it (:meth:`packed`)."""
+        return self.packed(self.running)
+
+    def packed(self, matrix: Tensor) -> Tensor:
+        """A symmetric tensor shaped as this factor's storage (the running factor, a damped
+        inverse) as checkpoints hold it: its upper triangle, ``(n(n+1)/2,)`` per block
         (``(groups, n(n+1)/2)`` for a batched factor; ``linalg.pack_symmetric``'s layout). Every
-        writer of ``running`` keeps it exactly symmetric (Gram matrices mirrored from one triangle,
-        elementwise folds, triangles all-reduced), so unpacking restores it bit for bit."""
-        if self.running.dim() == 2:
-            return linalg.pack_symmetric(self.running)
-        return torch.stack([linalg.pack_symmetric(matrix) for matrix in self.running])
+        writer keeps them exactly symmetric (Gram matrices mirrored from one triangle, elementwise
+        folds, triangles all-reduced and broadcast, ``cholesky_inverse``), so
+        :func:`unpack_running` restores them bit for bit."""
+        if matrix.dim() == 2:
+            return linalg.pack_symmetric(matrix)
+        return torch.stack([linalg.pack_symmetric(block) for block in matrix])
 
     def packed_shape(self) -> tuple[int, ...]:
-        """The shape of :meth:`packed_running`."""
+        """The shape of :meth:`packed`."""
         return (*self.batch_shape, linalg.triu_size(self.dim))
 
-    @staticmethod
-    def decomposition_state(decomposition: linalg.Eigen | Tensor | None) -> dict[str, Tensor] | Tensor | None:
+    def decomposition_state(self, decomposition: linalg.Eigen | Tensor | None) -> dict[str, Tensor] | Tensor | None:
         """``decomposition`` as checkpoints hold it: ``{"Q", "d"}`` for an eigendecomposition, and
-        ``"complement"`` (σ, ``(1,)``) when it has one (``methods.Eigen``'s eigenbasis cap)."""
+        ``"complement"`` (σ, ``(1,)``) when it has one (``methods.Eigen``'s eigenbasis cap); a
+        dense factor's inverse packed (:meth:`packed`)."""
         if isinstance(decomposition, linalg.Eigen):
             state = {"Q": decomposition.Q, "d": decomposition.d}
             if decomposition.complement is not None:
                 state["complement"] = decomposition.complement
             return state
-        return decomposition
+        return None if decomposition is None else self.packed(decomposition)
 
     def load_decomposition(self, state: dict[str, Tensor] | Tensor | None) -> linalg.Eigen | Tensor | None:
-        """A :meth:`decomposition_state` (validated, :meth:`validate_decomposition`) on this factor's device."""
+        """A :meth:`decomposition_state` (validated, :meth:`validate_decomposition`; an inverse packed
+        or whole) on this factor's device."""
         device = self.running.device
         if isinstance(state, dict):
             complement = state.get("complement")
             return linalg.Eigen(Q=state["Q"].to(device), d=state["d"].to(device),
                                 complement=None if complement is None else complement.to(device))
-        return None if state is None else state.to(device)
+        return None if state is None else unpack_running(state.to(device), self.dim, self.groups, self.diagonal)
 
     def validate_decomposition(self, decomposition: Any, field: str = "decomposition") -> None:
         """Raise ``ValueError`` naming ``field`` if ``decomposition`` (a :meth:`decomposition_state`)
@@ -382,8 +389,14 @@ class Factor:
             if "complement" in decomposition:
                 expected[f"{field} complement"] = (1,)
         else:
-            expected = {field: self.storage_shape(self.dim, self.groups)}
+            expected = {field: self._saved_shape(decomposition)}
         _check_shapes(tensors, expected)
+
+    def _saved_shape(self, saved: Tensor) -> tuple[int, ...]:
+        """The shape a saved symmetric tensor of this factor must have: packed (:meth:`packed_shape`),
+        or whole (the storage's: a diagonal factor's, or as checkpoints of format 1 hold it)."""
+        storage = self.storage_shape(self.dim, self.groups)
+        return self.packed_shape() if saved.dim() < len(storage) else storage
 
     def validate_state(self, state: Any) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable :meth:`state_dict` of this
@@ -400,10 +413,7 @@ class Factor:
         bound = state.get("rank_bound")
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
             raise ValueError(f"'rank_bound' must be None or an int >= 0, got {bound!r}")
-        running = self.storage_shape(self.dim, self.groups)  # whole: a checkpoint of format 1
-        if state["running"].dim() < len(running):
-            running = self.packed_shape()
-        _check_shapes(tensors, {"running": running, "initialized": (), "discarded": ()})
+        _check_shapes(tensors, {"running": self._saved_shape(state["running"]), "initialized": (), "discarded": ()})
 
     def validate_result(self, state: Any) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable saved result of a background
@@ -440,9 +450,9 @@ class Factor:
 
 
 def unpack_running(saved: Tensor, dim: int, groups: int = 1, diagonal: bool = False) -> Tensor:
-    """A new tensor holding the running factor (``dim``, ``groups`` and kind as the :class:`Factor`'s)
-    that a checkpoint saved as ``saved``: packed (:meth:`Factor.packed_running`) or whole (a
-    diagonal factor's ``(dim,)``; a dense one's storage, as checkpoints of format 1 hold it)."""
+    """A new tensor holding the running factor (or a damped inverse; ``dim``, ``groups`` and kind
+    as the :class:`Factor`'s) that a checkpoint saved as ``saved``: packed (:meth:`Factor.packed`)
+    or whole (a diagonal factor's ``(dim,)``; a dense one's storage, as checkpoints of format 1 hold it)."""
     if diagonal or tuple(saved.shape) == Factor.storage_shape(dim, groups):
         return saved.clone()
     if groups == 1:
@@ -479,9 +489,9 @@ class DiagonalFactor(Factor):
     def describe(self) -> str:
         return f"{self._shape_text()} diagonal"
 
-    def packed_running(self) -> Tensor:
-        """The diagonal itself: ``(dim,)`` holds nothing twice."""
-        return self.running
+    def packed(self, matrix: Tensor) -> Tensor:
+        """A diagonal ``(dim,)`` itself: it holds nothing twice."""
+        return matrix
 
     def packed_shape(self) -> tuple[int, ...]:
         return (self.dim,)
