@@ -26,8 +26,8 @@ the first step, so a checkpoint taken right after a decomposition step (the fact
 those decomposed) resumes bit-identically at any world size, the saved one included. A round in
 flight (``AsyncConfig``) holds the factors this rank decomposes.
 
-**Nothing redundant.** Dense running factors are saved packed (their upper triangle,
-``Factor.packed_running``); decompositions as held (thin at the eigenbasis cap: ``Q (n, r)``),
+**Nothing redundant.** Dense running factors and damped inverses are saved packed (their upper
+triangle, ``Factor.packed``); eigendecompositions as held (thin at the eigenbasis cap: ``Q (n, r)``),
 since between decomposition steps they are of older factors than the running ones and cannot be
 recomputed from what is saved. Pending statistics, supports and plans are not saved. The entry
 carries ``"format"`` (:data:`FORMAT`); an entry without one (format 1, earlier releases: factors
@@ -86,8 +86,8 @@ if TYPE_CHECKING:
 _NOT_SAVED = ("decomposition", "decomposed_key")
 
 FORMAT = 2
-"""The ``"kfac"`` entry's format: 2 packs dense running factors (their upper triangle,
-``Factor.packed_running``). 1 (earlier releases, no ``"format"`` key) saved them whole; still read."""
+"""The ``"kfac"`` entry's format: 2 packs dense running factors and inverses (their upper triangle,
+``Factor.packed``). 1 (earlier releases, no ``"format"`` key) saved them whole; still read."""
 
 
 def kfac_state_dict(estimator: KroneckerEstimator) -> dict[str, Any]:
