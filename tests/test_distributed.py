@@ -150,6 +150,13 @@ def saved_factors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     }
 
 
+def global_factors(optimizer: KFAC) -> dict[str, torch.Tensor]:
+    """The global running factors as ``state_dict()`` saves them (packed), by ``"<block>.<A|G>"``:
+    ``state_dict()`` holds this rank's, so ``synchronize_factors()`` (a collective) first."""
+    optimizer.synchronize_factors()
+    return saved_factors(optimizer.state_dict())
+
+
 def symmetric_matrices(seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     matrices = [torch.randn(n, n, generator=generator) for n in (5, 1, 9)]
@@ -178,13 +185,13 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
     for fraction in (1.0, "mem-opt"):
         model, optimizer = ddp_run(rank, world, fraction)
         results[f"params {fraction}"] = parameters(model)
-        results[f"factors {fraction}"] = saved_factors(optimizer.state_dict())
+        results[f"factors {fraction}"] = global_factors(optimizer)
         results[f"memory {fraction}"] = optimizer.memory_usage()
 
     model = DDP(make_ddp_net())
     optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), rank, world, after_step=optimizer.synchronize_factors)
-    results["factors eager"] = saved_factors(optimizer.state_dict())
+    results["factors eager"] = global_factors(optimizer)
 
     model = DDP(make_ddp_net())
     optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
@@ -207,14 +214,14 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
 
     model, optimizer = ddp_run(rank, world, 1.0, fisher="sampled")
     results["params sampled"] = parameters(model)
-    results["factors sampled"] = saved_factors(optimizer.state_dict())
+    results["factors sampled"] = global_factors(optimizer)
 
     model, optimizer = ddp_run(rank, world, 1.0, async_decompositions=True)
     results["params async"] = parameters(model)
-    results["factors async"] = saved_factors(optimizer.state_dict())
+    results["factors async"] = global_factors(optimizer)
     model, optimizer = ddp_run(rank, world, 1.0, async_decompositions=True, async_statistics=True)
     results["params async statistics"] = parameters(model)
-    results["factors async statistics"] = saved_factors(optimizer.state_dict())
+    results["factors async statistics"] = global_factors(optimizer)
     results.update(async_resumed(rank, world))
     results.update(async_delay_with_a_rank_that_decomposes_nothing(rank, world))
 
@@ -228,14 +235,14 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
 
     model, optimizer = ddp_run(rank, world, "mem-opt", **STAGGER)
     results["params stagger"] = parameters(model)
-    results["factors stagger"] = saved_factors(optimizer.state_dict())
+    results["factors stagger"] = global_factors(optimizer)
 
     model = DDP(make_ddp_net(extra_layers=True), find_unused_parameters=True)
     model.module.use_branch = rank == 0
     optimizer = KFAC(model, grad_worker_fraction="mem-opt", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), rank, world)
     results["params unused"] = parameters(model)
-    results["factors unused"] = saved_factors(optimizer.state_dict())
+    results["factors unused"] = global_factors(optimizer)
 
     communicator = Communicator(bucket_bytes=64)  # a few entries per bucket: many buckets
     results["comm sums"] = communicator.all_reduce_sum(symmetric_matrices(rank), symmetric=True).wait()
@@ -251,10 +258,10 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
         optimizer = KFAC(model, grad_worker_fraction=fraction, method=method, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
         ddp_train(model, optimizer, range(STEPS), rank, world)
         results[f"modern params {fraction} {method}"] = parameters(model)
-        results[f"modern factors {fraction} {method}"] = saved_factors(optimizer.state_dict())
+        results[f"modern factors {fraction} {method}"] = global_factors(optimizer)
 
     model, optimizer = ddp_run(rank, world, "mem-opt", steps=range(SAVE_AT))
-    state = optimizer.state_dict()  # on every rank: it makes the factors global
+    state = optimizer.state_dict()  # right after a decomposition step: the global factors
     if rank == 0:
         torch.save({"model": model.module.state_dict(), "optimizer": state}, directory / "checkpoint.pt")
     return results

@@ -1,10 +1,10 @@
 """Distributed K-FAC when ranks part ways (issue 11, "Ranks"): mismatched settings, uneven inputs
-under ``Join``, a collective called on one rank only, a rank that dies.
+under ``Join``, ``state_dict()`` called on one rank only (issue 28: never a collective), a rank that dies.
 
 One spawn of 2 real gloo ranks runs every scenario in turn (the cheap, group-preserving ones
-first) and saves what each rank saw; the tests read it in this process. Scenarios that break a
-process group run on a group of their own with a short timeout: the collective mismatch of
-``state_dict()`` on one rank, then, last, a rank that dies in the middle of a step.
+first) and saves what each rank saw; the tests read it in this process. Scenarios that could
+break a process group run on a group of their own with a short timeout: ``state_dict()`` on one
+rank (a collective there would fail fast), then, last, a rank that dies in the middle of a step.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from kfac_optim import KFAC
 from kfac_optim.schedules import MilestoneSchedule
 from tests.distributed_helpers import load_results, results_file, run_ranks
-from tests.test_distributed import ddp_train, make_ddp_net, parameters, saved_factors
+from tests.test_distributed import STEPS, ddp_train, make_ddp_net, parameters, saved_factors
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -91,8 +91,11 @@ MISMATCHES: dict[str, tuple[tuple[Callable[[], nn.Module], dict[str, Any]], ...]
 # -- what the ranks do --------------------------------------------------------------------------
 
 
-def saved_factor_copies(optimizer: KFAC) -> dict[str, torch.Tensor]:
-    """A copy of the factors ``state_dict()`` saves (later steps update them in place)."""
+def saved_factor_copies(optimizer: KFAC, synchronize: bool = True) -> dict[str, torch.Tensor]:
+    """A copy of the factors ``state_dict()`` saves (later steps update them in place), made
+    global first (``synchronize_factors()``, a collective) unless ``synchronize`` is False."""
+    if synchronize:
+        optimizer.synchronize_factors()
     return {key: factor.clone() for key, factor in saved_factors(optimizer.state_dict()).items()}
 
 
@@ -115,7 +118,7 @@ def state(model: nn.Module, optimizer: KFAC) -> dict[str, Any]:
     return {
         "params": parameters(model),
         "steps": optimizer.steps,
-        "factors": saved_factor_copies(optimizer),  # state_dict() on every rank
+        "factors": saved_factor_copies(optimizer),  # synchronize_factors() on every rank
         "decompositions": decompositions,
         "momentum": momentum,
     }
@@ -153,26 +156,63 @@ def uneven_inputs(rank: int) -> dict[str, Any]:
     return results
 
 
-def state_dict_on_rank_zero(rank: int) -> dict[str, Any]:
-    """The habit ``if rank == 0: torch.save(optimizer.state_dict())``, with the ranks then going on."""
+def state_dict_on_rank_zero(rank: int, directory: Path) -> dict[str, Any]:
+    """The habit ``if rank == 0: torch.save(optimizer.state_dict())``, with the ranks then going on:
+    rank 0 saves right after decomposition step 2 and after factor step 3 (rank 1 never calls
+    ``state_dict()``), both train to ``STEPS``, then both resume from each checkpoint."""
     results: dict[str, Any] = {}
-    group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S))  # broken at the end
-    model = DDP(make_ddp_net(), process_group=group)
-    optimizer = KFAC(model, process_group=group, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
-    ddp_train(model, optimizer, range(3), rank, WORLD)  # step 2 decomposed: the factors are global
-    if rank == 0:
-        results["right after a decomposition step"] = saved_factor_copies(optimizer)
-    dist.barrier()  # on the default group: rank 1 waits until rank 0 saved
-    results["on every rank"] = saved_factor_copies(optimizer)
-    ddp_train(model, optimizer, range(3, 4), rank, WORLD)  # step 3 folds only: the factors are local
-    if rank == 0:  # waits for rank 1's call up to the store's timeout (init_process_group's): shortened
-        store = dist.group.WORLD.get_group_store()
-        store.set_timeout(timedelta(seconds=FAULT_TIMEOUT_S))
-        results["after a factor step"] = outcome(optimizer.state_dict)
-        store.set_timeout(timedelta(seconds=GROUP_TIMEOUT_S))
-    else:  # goes on with the next step; its DDP gradient all-reduce times out, matched by nothing
-        results["after a factor step"] = outcome(lambda: ddp_train(model, optimizer, range(4, 5), rank, WORLD))
+    group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S))  # short: a mismatch fails fast
+    for fraction in (1.0, "mem-opt"):
+        model = DDP(make_ddp_net(), process_group=group)
+        optimizer = KFAC(model, process_group=group, grad_worker_fraction=fraction,
+                         **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+        ddp_train(model, optimizer, range(3), rank, WORLD)  # step 2 decomposed: the factors are global
+        if fraction == 1.0:
+            if rank == 0:
+                results["right after a decomposition step"] = saved_factor_copies(optimizer, synchronize=False)
+            dist.barrier()  # on the default group: rank 1 waits until rank 0 saved
+            results["on every rank"] = saved_factor_copies(optimizer)
+        checkpoints = {"decomposition step": directory / f"rank0-{fraction}-2.pt",
+                       "factor step": directory / f"rank0-{fraction}-3.pt"}
+        if rank == 0:
+            save_rank_checkpoint(model, optimizer, checkpoints["decomposition step"])
+        ddp_train(model, optimizer, range(3, 4), rank, WORLD)  # step 3 folds only: the factors are local
+        if rank == 0:  # (a collective here would wait for rank 1 up to the store's timeout: shortened)
+            store = dist.group.WORLD.get_group_store()
+            store.set_timeout(timedelta(seconds=FAULT_TIMEOUT_S))
+            results[f"saved after a factor step {fraction}"] = outcome(
+                lambda: save_rank_checkpoint(model, optimizer, checkpoints["factor step"]))  # noqa: B023 (called at once)
+            store.set_timeout(timedelta(seconds=GROUP_TIMEOUT_S))
+        went_on = outcome(lambda: ddp_train(model, optimizer, range(4, STEPS), rank, WORLD))  # noqa: B023
+        dist.barrier()  # on the default group: the checkpoints are written
+        if went_on != "ok" or not all(path.exists() for path in checkpoints.values()):
+            results[f"went on {fraction}"] = went_on
+            return results
+        results[f"params {fraction}"] = parameters(model)
+        for when, path in checkpoints.items():
+            resumed = resume_checkpoint(path, fraction, group, rank, WORLD)
+            results[f"resumed from the {when} {fraction}"] = parameters(resumed)
     return results
+
+
+def save_rank_checkpoint(model: nn.Module, optimizer: KFAC, path: Path) -> None:
+    """Model and ``optimizer.state_dict()`` through ``torch.save``, as DDP scripts do on rank 0."""
+    inner = model.module if isinstance(model, DDP) else model
+    torch.save({"model": inner.state_dict(), "optimizer": optimizer.state_dict()}, path)
+
+
+def resume_checkpoint(path: Path, fraction: float | str, group: Any, rank: int, world: int) -> nn.Module:
+    """A fresh model and optimizer loaded from ``path`` (saved after step ``int(path.stem[-1])``),
+    trained on to ``STEPS``: under DDP on ``group`` with ``world > 1``, else in one process."""
+    saved = torch.load(path, weights_only=True)
+    inner = make_ddp_net()
+    inner.load_state_dict(saved["model"])
+    model = DDP(inner, process_group=group) if world > 1 else inner
+    optimizer = KFAC(model, process_group=group, grad_worker_fraction=fraction,
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer.load_state_dict(saved["optimizer"])
+    ddp_train(model, optimizer, range(int(path.stem[-1]) + 1, STEPS), rank, world)
+    return model
 
 
 def dead_peer(rank: int, directory: Path, results: dict[str, Any]) -> dict[str, Any]:
@@ -196,7 +236,7 @@ def every_fault(rank: int, world: int, directory: Path) -> dict[str, Any]:
     scenarios: dict[str, Callable[[], Any]] = {
         "mismatch": lambda: mismatched_settings(rank),
         "join": lambda: uneven_inputs(rank),
-        "state_dict": lambda: state_dict_on_rank_zero(rank),
+        "state_dict": lambda: state_dict_on_rank_zero(rank, directory),
         "dead peer": lambda: dead_peer(rank, directory, results),
     }
     for name, scenario in scenarios.items():
@@ -297,7 +337,7 @@ def test_join_uses_kfac_cannot_shadow_are_refused_on_every_rank(ranks, key: str,
         assert results[key].startswith(expected), results[key]
 
 
-# -- 12: a collective on one rank only -----------------------------------------------------------
+# -- 12: state_dict() on one rank only ------------------------------------------------------------
 
 
 def test_state_dict_right_after_a_decomposition_step_needs_no_other_rank(ranks) -> None:
@@ -307,11 +347,35 @@ def test_state_dict_right_after_a_decomposition_step_needs_no_other_rank(ranks) 
         assert_identical(result["on every rank"], alone, "factors")
 
 
-def test_state_dict_on_one_rank_after_a_factor_step_fails_naming_kfac_and_the_call(ranks) -> None:
-    first, second = (results["after a factor step"] for results in scenario(ranks, "state_dict"))
-    assert first.startswith("RuntimeError: KFAC.state_dict() is a collective now"), first
-    assert "rank(s) [1] of the K-FAC process group did not call it" in first, first
-    assert "Timed out" in second, second  # its DDP all-reduce, matched by nothing (no gloo abort)
+@pytest.mark.parametrize("fraction", [1.0, "mem-opt"])
+def test_state_dict_on_rank_zero_only_never_communicates_and_resumes_on_two_ranks(ranks, fraction) -> None:
+    """Rank 0 alone saves after a factor step (rank 1 never calls ``state_dict()``; a collective
+    would time out): it returns, and both checkpoints resume on 2 ranks. The one saved right after
+    a decomposition step continues bit-identically with the uninterrupted run; the other holds
+    rank 0's statistics of step 3 only, and the ranks resumed from it stay identical."""
+    first, second = scenario(ranks, "state_dict")
+    assert first[f"saved after a factor step {fraction}"] == "ok", first
+    assert f"params {fraction}" in first and f"params {fraction}" in second, (first, second)
+    for results in (first, second):
+        assert_identical(results[f"resumed from the decomposition step {fraction}"], results[f"params {fraction}"],
+                         "resumed from the decomposition step")
+    assert_identical(first[f"resumed from the factor step {fraction}"], second[f"resumed from the factor step {fraction}"],
+                     "ranks resumed from the factor step")
+    assert all(torch.isfinite(p).all() for p in first[f"resumed from the factor step {fraction}"].values())
+
+
+@pytest.mark.parametrize("fraction", [1.0, "mem-opt"])
+def test_rank_zero_checkpoint_resumes_on_one_process(ranks, module_tmp_path, fraction) -> None:
+    """The same checkpoints in one process on the whole batch: from the decomposition step it
+    equals the uninterrupted 2-rank run (as one process equals two ranks: to rounding); from the
+    factor step it resumes, the factors of rank 0 standing for both ranks'."""
+    torch.set_num_threads(1)
+    first, _ = scenario(ranks, "state_dict")
+    from_decomposition = resume_checkpoint(module_tmp_path / f"rank0-{fraction}-2.pt", fraction, None, 0, 1)
+    for name, param in parameters(from_decomposition).items():
+        torch.testing.assert_close(param, first[f"params {fraction}"][name], rtol=1e-4, atol=1e-6, msg=name)
+    from_factor_step = resume_checkpoint(module_tmp_path / f"rank0-{fraction}-3.pt", fraction, None, 0, 1)
+    assert all(torch.isfinite(p).all() for p in from_factor_step.parameters())
 
 
 # -- 13: a rank that dies ------------------------------------------------------------------------

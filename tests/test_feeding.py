@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kfac_optim import KFAC
 from kfac_optim.layers import ModuleReport
+from kfac_optim.layers.factor import unpack_running
 
 OPEN = pytest.mark.xfail(strict=True, reason="issue 22: fixed in the next round")
 
@@ -56,10 +57,12 @@ def batch(step: int, n: int = 6, features: int = 4, classes: int = 3) -> tuple[T
 
 
 def factors(optimizer: KFAC) -> dict[str, Tensor]:
-    """Every block's running factors by ``"<module>.<A|G>"``, from the public checkpoint."""
+    """Every block's running factors by ``"<module>.<A|G>"``, from the public checkpoint (unpacked)."""
     blocks = optimizer.kfac_state_dict()["blocks"]
+    held = {block.name: block.factors for block in optimizer.blocks}
     return {
-        f"{name}.{kind}": factor["running"].clone()
+        f"{name}.{kind}": unpack_running(factor["running"], held[name][kind].dim, held[name][kind].groups,
+                                         held[name][kind].diagonal)
         for name, block in blocks.items()
         for kind, factor in block["factors"].items()
     }
@@ -304,7 +307,8 @@ def test_unfrozen_layer_starts_with_empty_factors_and_takes_the_dense_kfac_step(
     optimizer.step()
     after = torch.cat([model[0].weight.detach(), model[0].bias.detach()[:, None]], dim=1)
     block = optimizer.kfac_state_dict()["blocks"]["0"]["factors"]
-    a, g = block["A"]["running"].double(), block["G"]["running"].double()
+    dims = {name: factor.dim for name, factor in optimizer.blocks[0].factors.items()}
+    a, g = (unpack_running(block[name]["running"], dims[name]).double() for name in ("A", "G"))  # saved packed
     assert block["G"]["initialized"] and "frozen now" not in optimizer.describe()
     dense = torch.kron(g, a) + options["damping"] * torch.eye(a.shape[0] * g.shape[0], dtype=torch.float64)
     expected = before.double() - options["lr"] * torch.linalg.solve(dense, grad.flatten()).reshape(grad.shape)

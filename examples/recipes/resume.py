@@ -3,9 +3,10 @@
     python -m examples.recipes.resume --steps 20 --checkpoint /tmp/kfac.pt
 
 ``optimizer.state_dict()`` holds SGD's state plus ``"kfac"``: the step counter and every layer's
-factors and decompositions by module name (docs/design.md §5 for distributed runs: call
-``state_dict()`` on every rank, save on one). Trains ``--steps`` straight, then half, saves,
-restores into a fresh model and optimizer, trains the other half, and compares.
+factors (packed) and decompositions by module name. It never communicates: distributed, call it
+where you save (rank 0 alone is fine; docs/api.md, ``state_dict()``, says what such a checkpoint
+holds). Trains ``--steps`` straight, then half, saves, restores into a fresh model and optimizer,
+trains the other half, and compares.
 """
 
 from __future__ import annotations

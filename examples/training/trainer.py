@@ -37,6 +37,7 @@ from examples.training.models import build_network, is_reconstruction
 from examples.training.optimizers import build_lr_scheduler, build_optimizer, kfac_kwargs
 from examples.training.mixed_precision import Precision, check_supported
 from examples.training.report import Record, append_record, write_records
+from kfac_optim import KFAC
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -205,7 +206,11 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------------------------
 
     def _save(self, progress: _Progress) -> None:
-        """Every rank builds the state (K-FAC's may gather factors); rank 0 writes it atomically."""
+        """Every rank builds the state, rank 0 writes it atomically. ``state_dict()`` never
+        communicates; K-FAC's factors are made global first (every rank is here), so the
+        checkpoint holds every rank's statistics since the last decomposition step too."""
+        if isinstance(self.optimizer, KFAC):
+            self.optimizer.synchronize_factors()
         state = {
             "run": self.cfg.to_dict(),
             "progress": dataclasses.asdict(progress),

@@ -12,6 +12,27 @@ pre hook a user registered (it is registered for the call only), so those see th
 and may repair it before K-FAC checks it; the checked entry is restored after the SGD part
 loaded, by a post hook that runs before the user's.
 
+**What one rank's entry holds** (docs/design.md §5). ``state_dict()`` never communicates: DDP
+scripts call it on rank 0 only. Between decomposition steps every rank folds its own batches'
+statistics into its running factors; the ranks average them (one all-reduce) right before the
+next decomposition step. One rank's entry therefore holds the global factors as of the last
+reduction plus that rank's statistics since; what it cannot hold is the other ranks' statistics
+since the last reduction (a checkpoint taken at a decomposition step, or after
+``KFAC.synchronize_factors()`` on every rank, holds the global factors). A run resumed from it,
+on any number of ranks, starts every rank from those factors. The decompositions it holds are
+this rank's (all of them with ``grad_worker_fraction=1`` or on one process; under ``f < 1`` the
+ones this rank is a gradient worker of): the others are recomputed from the loaded factors at
+the first step, so a checkpoint taken right after a decomposition step (the factors then are
+those decomposed) resumes bit-identically at any world size, the saved one included. A round in
+flight (``AsyncConfig``) holds the factors this rank decomposes.
+
+**Nothing redundant.** Dense running factors and damped inverses are saved packed (their upper
+triangle, ``Factor.packed``); eigendecompositions as held (thin at the eigenbasis cap: ``Q (n, r)``),
+since between decomposition steps they are of older factors than the running ones and cannot be
+recomputed from what is saved. Pending statistics, supports and plans are not saved. The entry
+carries ``"format"`` (:data:`FORMAT`); an entry without one (format 1, earlier releases: factors
+whole) is still read, an unknown format is refused naming it.
+
 **DCP** (resharding checkpoints, any world size).
 
 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` keys the model and
@@ -28,13 +49,14 @@ own entry::
     dcp.load(state, checkpoint_id=path)                     # K-FAC's part is restored here
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-The factors saved are the global ones (``state_dict`` reduces them first, a collective), the same
-on every rank, so DCP writes them once and every rank of any world size (one process included)
-reads them whole. Decompositions are not saved: under ``grad_worker_fraction < 1`` each rank
-holds different ones; they are recomputed from the factors at the first step after loading
-(identical to the saved run's when the checkpoint follows a decomposition step, as the factors
-then are those decomposed). The health counters (``discarded``, ``failures``) are one rank's.
-For the same reason the round of decompositions in flight under ``async_decompositions`` (which
+The factors saved are the global ones (``KFACState.state_dict`` reduces them first, a collective
+as ``dcp.save`` is; ``KFAC.state_dict()`` itself never communicates), the same on every rank, so
+DCP writes them once and every rank of any world size (one process included) reads them whole.
+Decompositions are not saved: under ``grad_worker_fraction < 1`` each rank holds different
+ones; they are recomputed from the factors at the first step after loading (identical to the
+saved run's when the checkpoint follows a decomposition step, as the factors then are those
+decomposed). The health counters (``discarded``, ``failures``) are one rank's. For the same
+reason the round of decompositions in flight under ``async_decompositions`` (which
 ``KFAC.state_dict()`` saves) is left out: a run resumed from DCP holds no round, decomposes its
 factors in line at its first step, and so does not continue bit-identically with the saved run.
 
@@ -63,13 +85,22 @@ if TYPE_CHECKING:
 
 _NOT_SAVED = ("decomposition", "decomposed_key")
 
+FORMAT = 2
+"""The ``"kfac"`` entry's format: 2 packs dense running factors and inverses (their upper triangle,
+``Factor.packed``). 1 (earlier releases, no ``"format"`` key) saved them whole; still read."""
+
 
 def kfac_state_dict(estimator: KroneckerEstimator) -> dict[str, Any]:
-    """The ``"kfac"`` entry: ``{"steps", "blocks": {name: block state}, "round": round_state(...),
+    """The ``"kfac"`` entry: ``{"format": FORMAT, "steps", "blocks": {name: block state}, "round": round_state(...),
     "intervals": the automatic intervals once chosen (``IntervalSchedule.state_dict``; None: not chosen),
     "damping": ``AdaptiveDamping``'s λ and last ρ (``DampingRule.state_dict``; None: a constant or scheduled λ)}``.
-    The caller makes the factors global first (``estimator.synchronize_factors``)."""
+
+    This rank's state, read without communicating (the statistics worker and a round in flight
+    are waited for: both are local): the running factors are this rank's, global as of the last
+    reduction plus its own statistics since (see the module docstring)."""
+    estimator.settle_statistics()
     return {
+        "format": FORMAT,
         "steps": estimator.steps,
         "blocks": {block.name: block.state_dict() for block in estimator.blocks},
         "round": round_state(estimator),
@@ -122,6 +153,12 @@ def check(estimator: KroneckerEstimator, kfac_state: Any) -> dict[str, Any]:
     """
     if not isinstance(kfac_state, dict) or not isinstance(kfac_state.get("blocks"), dict):
         raise ValueError("K-FAC checkpoint: the 'kfac' entry must be a dict with 'steps' and 'blocks'")
+    version = kfac_state.get("format", 1)
+    if isinstance(version, bool) or version not in (1, FORMAT):
+        raise ValueError(
+            f"K-FAC checkpoint: 'format' {version!r} is not one this release reads (1: whole factors, "
+            f"{FORMAT}: packed factors); was it saved by another release of kfac_optim?"
+        )
     steps = kfac_state.get("steps")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"K-FAC checkpoint: 'steps' must be an int >= 0, got {steps!r}")
@@ -198,8 +235,7 @@ class Checkpointing:
         optimizer.register_load_state_dict_post_hook(self._restore_entry)
 
     def _add_entry(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        self._estimator.synchronize_factors("KFAC.state_dict()")
-        state_dict["kfac"] = kfac_state_dict(self._estimator)
+        state_dict["kfac"] = kfac_state_dict(self._estimator)  # local: never a collective
 
     @contextmanager
     def loading(self, optimizer: Optimizer) -> Iterator[None]:
@@ -229,6 +265,8 @@ class Checkpointing:
 class HasKFACState(Protocol):
     """What :class:`KFACState` needs of the optimizer (``KFAC``'s public checkpoint methods)."""
 
+    def synchronize_factors(self) -> None: ...
+
     def kfac_state_dict(self) -> dict[str, Any]: ...
 
     def load_kfac_state_dict(self, kfac_state: dict[str, Any]) -> None: ...
@@ -241,8 +279,11 @@ class KFACState:
         self._optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        """``KFAC.kfac_state_dict()`` without decompositions, the round in flight's included (a
-        collective under ``torch.distributed``); the optimizer still adopts that round as before."""
+        """``KFAC.kfac_state_dict()`` of the global factors, without decompositions, the round in
+        flight's included; the optimizer still adopts that round as before. A collective under
+        ``torch.distributed`` (``KFAC.synchronize_factors()`` first), as ``dcp.save`` and ``dcp.load``,
+        which call it, are: every rank then holds the same entry, which DCP writes once."""
+        self._optimizer.synchronize_factors()
         state = self._optimizer.kfac_state_dict()
         del state["round"]
         for block in state["blocks"].values():

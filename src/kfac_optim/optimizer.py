@@ -466,11 +466,11 @@ class KFAC(Optimizer, Joinable):
             super().load_state_dict(state_dict)
 
     def kfac_state_dict(self) -> dict[str, Any]:
-        """The ``"kfac"`` entry of ``state_dict()``: the step, every block's factors (and the
-        decompositions held here) by module name, and ``"round"``: the round of decompositions in
-        flight under ``AsyncConfig`` (None: none; see ``docs/api.md``); a collective as
-        ``state_dict()`` is."""
-        self.estimator.synchronize_factors("KFAC.kfac_state_dict()")
+        """The ``"kfac"`` entry of ``state_dict()``: the step, every block's factors (packed) and the
+        decompositions held here by module name, and ``"round"``: the round of decompositions in
+        flight under ``AsyncConfig`` (None: none; see ``docs/api.md``). Never a collective, as
+        ``state_dict()``: this rank's factors (global as of the last reduction plus this rank's
+        statistics since; ``kfac_optim.checkpoint``)."""
         return checkpoint.kfac_state_dict(self.estimator)
 
     def load_kfac_state_dict(self, kfac_state: dict[str, Any]) -> None:
@@ -494,9 +494,11 @@ class KFAC(Optimizer, Joinable):
     def synchronize_factors(self) -> None:
         """Make every rank's running factors the global ones now: a collective, call it on every rank.
 
-        ``step()`` does this lazily, right before decomposition steps, and ``state_dict()`` before
-        saving; calling it after every step gives eager reduction (the same factors). A no-op on
-        one process and when no factor step happened since the last reduction.
+        ``step()`` does this lazily, right before decomposition steps; calling it after every step
+        gives eager reduction (the same factors). ``state_dict()`` never communicates: call this on
+        every rank before it when a checkpoint taken between decomposition steps must hold every
+        rank's statistics (``kfac_optim.checkpoint``). A no-op on one process and when no factor
+        step happened since the last reduction.
         """
         self.estimator.synchronize_factors("KFAC.synchronize_factors()")
 

@@ -64,7 +64,7 @@ def group_rank_and_size(process_group: dist.ProcessGroup | None) -> tuple[int, i
 
 
 CAUSES = (
-    "K-FAC's collectives run inside KFAC(...), step(), state_dict() and synchronize_factors(): call "
+    "K-FAC's collectives run inside KFAC(...), step(), synchronize_factors() and kfac_state() under DCP: call "
     "them on every rank, in the same order, with KFAC constructed alike on every rank. A rank that "
     "died or hangs makes the others fail here once the process group's timeout "
     "(init_process_group(timeout=...)) has passed."
@@ -76,7 +76,7 @@ CAUSES = (
 def collective(what: str, process_group: dist.ProcessGroup | None) -> Iterator[None]:
     """Re-raise a failure of the collectives launched or awaited inside as one naming ``what``.
 
-    ``what``: the user's call and the collective's job, e.g. "KFAC.state_dict(): the all-reduce
+    ``what``: the user's call and the collective's job, e.g. "KFAC.synchronize_factors(): the all-reduce
     of the running factors". A ``torch.distributed.DistError`` keeps its type (DistBackendError,
     DistNetworkError, ...), any other ``RuntimeError`` becomes a ``RuntimeError``; the backend's
     error is chained as the cause. Wrap only collective calls: any ``RuntimeError`` is taken for

@@ -202,7 +202,7 @@ class Sharding:
         Runs only if a factor step happened since the last time; every rank takes the same
         factor steps, so all ranks agree on whether to communicate. ``caller``: the call this runs
         in, for messages. ``confirm``: for public calls that users may make on one rank only
-        (``state_dict()``, ``synchronize_factors()``): every rank's call is first confirmed through
+        (``KFAC.synchronize_factors()``): every rank's call is first confirmed through
         the store (:meth:`Communicator.confirm_every_rank_calls`), so a call on one rank raises an
         error naming it instead of meeting another collective.
         """

@@ -317,9 +317,10 @@ class Factor:
         self.decomposed_key = None if decomposition is None else (version, shift)
 
     def state_dict(self) -> dict[str, Any]:
-        """The running factor, its health counters and its decomposition (None if none yet)."""
+        """The running factor (packed: :meth:`packed_running`), its health counters and its
+        decomposition (None if none yet)."""
         return {
-            "running": self.running,
+            "running": self.packed_running(),
             "initialized": self.initialized,
             "discarded": self.discarded,
             "version": self.version,
@@ -328,25 +329,45 @@ class Factor:
             "decomposed_key": self.decomposed_key,
         }
 
-    @staticmethod
-    def decomposition_state(decomposition: linalg.Eigen | Tensor | None) -> dict[str, Tensor] | Tensor | None:
+    def packed_running(self) -> Tensor:
+        """The running factor as checkpoints hold it (:meth:`packed`)."""
+        return self.packed(self.running)
+
+    def packed(self, matrix: Tensor) -> Tensor:
+        """A symmetric tensor shaped as this factor's storage (the running factor, a damped
+        inverse) as checkpoints hold it: its upper triangle, ``(n(n+1)/2,)`` per block
+        (``(groups, n(n+1)/2)`` for a batched factor; ``linalg.pack_symmetric``'s layout). Every
+        writer keeps them exactly symmetric (Gram matrices mirrored from one triangle, elementwise
+        folds, triangles all-reduced and broadcast, ``cholesky_inverse``), so
+        :func:`unpack_running` restores them bit for bit."""
+        if matrix.dim() == 2:
+            return linalg.pack_symmetric(matrix)
+        return torch.stack([linalg.pack_symmetric(block) for block in matrix])
+
+    def packed_shape(self) -> tuple[int, ...]:
+        """The shape of :meth:`packed`."""
+        return (*self.batch_shape, linalg.triu_size(self.dim))
+
+    def decomposition_state(self, decomposition: linalg.Eigen | Tensor | None) -> dict[str, Tensor] | Tensor | None:
         """``decomposition`` as checkpoints hold it: ``{"Q", "d"}`` for an eigendecomposition, and
-        ``"complement"`` (σ, ``(1,)``) when it has one (``methods.Eigen``'s eigenbasis cap)."""
+        ``"complement"`` (σ, ``(1,)``) when it has one (``methods.Eigen``'s eigenbasis cap); a
+        dense factor's inverse packed (:meth:`packed`)."""
         if isinstance(decomposition, linalg.Eigen):
             state = {"Q": decomposition.Q, "d": decomposition.d}
             if decomposition.complement is not None:
                 state["complement"] = decomposition.complement
             return state
-        return decomposition
+        return None if decomposition is None else self.packed(decomposition)
 
     def load_decomposition(self, state: dict[str, Tensor] | Tensor | None) -> linalg.Eigen | Tensor | None:
-        """A :meth:`decomposition_state` (validated, :meth:`validate_decomposition`) on this factor's device."""
+        """A :meth:`decomposition_state` (validated, :meth:`validate_decomposition`; an inverse packed
+        or whole) on this factor's device."""
         device = self.running.device
         if isinstance(state, dict):
             complement = state.get("complement")
             return linalg.Eigen(Q=state["Q"].to(device), d=state["d"].to(device),
                                 complement=None if complement is None else complement.to(device))
-        return None if state is None else state.to(device)
+        return None if state is None else unpack_running(state.to(device), self.dim, self.groups, self.diagonal)
 
     def validate_decomposition(self, decomposition: Any, field: str = "decomposition") -> None:
         """Raise ``ValueError`` naming ``field`` if ``decomposition`` (a :meth:`decomposition_state`)
@@ -368,13 +389,19 @@ class Factor:
             if "complement" in decomposition:
                 expected[f"{field} complement"] = (1,)
         else:
-            expected = {field: self.storage_shape(self.dim, self.groups)}
+            expected = {field: self._saved_shape(decomposition)}
         _check_shapes(tensors, expected)
+
+    def _saved_shape(self, saved: Tensor) -> tuple[int, ...]:
+        """The shape a saved symmetric tensor of this factor must have: packed (:meth:`packed_shape`),
+        or whole (the storage's: a diagonal factor's, or as checkpoints of format 1 hold it)."""
+        storage = self.storage_shape(self.dim, self.groups)
+        return self.packed_shape() if saved.dim() < len(storage) else storage
 
     def validate_state(self, state: Any) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable :meth:`state_dict` of this
-        factor: every key present, shapes as this factor's storage (``Q: (..., dim, r)``, ``d: (..., r)``),
-        all finite."""
+        factor: every key present, ``running`` packed (:meth:`packed_shape`) or whole (the storage's
+        shape, as checkpoints of format 1 hold it), ``Q: (..., dim, r)``, ``d: (..., r)``, all finite."""
         if not isinstance(state, dict):
             raise ValueError(f"expected a dict, got {type(state).__name__}")
         for key in ("running", "initialized", "discarded", "version", "decomposition", "decomposed_key"):
@@ -386,8 +413,7 @@ class Factor:
         bound = state.get("rank_bound")
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
             raise ValueError(f"'rank_bound' must be None or an int >= 0, got {bound!r}")
-        storage = self.storage_shape(self.dim, self.groups)
-        _check_shapes(tensors, {"running": storage, "initialized": (), "discarded": ()})
+        _check_shapes(tensors, {"running": self._saved_shape(state["running"]), "initialized": (), "discarded": ()})
 
     def validate_result(self, state: Any) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable saved result of a background
@@ -406,10 +432,10 @@ class Factor:
             raise ValueError(f"'shift' must be a finite float, got {shift!r}")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (tensors move to this factor's device and dtypes); the
-        caller validates ``state`` first (:meth:`validate_state`)."""
+        """Restore from :meth:`state_dict` (tensors move to this factor's device and dtypes; ``running``
+        packed or whole); the caller validates ``state`` first (:meth:`validate_state`)."""
         device, dtype = self.running.device, self.running.dtype
-        self.running = state["running"].to(device, dtype, copy=True)
+        self.running = unpack_running(state["running"].to(device, dtype), self.dim, self.groups, self.diagonal)
         self.support = None
         self.initialized = state["initialized"].to(device, copy=True)
         self.discarded = state["discarded"].to(device, copy=True)
@@ -421,6 +447,17 @@ class Factor:
         key = state["decomposed_key"]
         self.decomposed_key = None if key is None or decomposition is None else tuple(key)
         self.clear_pending()
+
+
+def unpack_running(saved: Tensor, dim: int, groups: int = 1, diagonal: bool = False) -> Tensor:
+    """A new tensor holding the running factor (or a damped inverse; ``dim``, ``groups`` and kind
+    as the :class:`Factor`'s) that a checkpoint saved as ``saved``: packed (:meth:`Factor.packed`)
+    or whole (a diagonal factor's ``(dim,)``; a dense one's storage, as checkpoints of format 1 hold it)."""
+    if diagonal or tuple(saved.shape) == Factor.storage_shape(dim, groups):
+        return saved.clone()
+    if groups == 1:
+        return linalg.unpack_symmetric(saved, dim)
+    return torch.stack([linalg.unpack_symmetric(packed, dim) for packed in saved])
 
 
 def _check_tensors(tensors: dict[str, Any]) -> None:
@@ -451,6 +488,13 @@ class DiagonalFactor(Factor):
 
     def describe(self) -> str:
         return f"{self._shape_text()} diagonal"
+
+    def packed(self, matrix: Tensor) -> Tensor:
+        """A diagonal ``(dim,)`` itself: it holds nothing twice."""
+        return matrix
+
+    def packed_shape(self) -> tuple[int, ...]:
+        return (self.dim,)
 
     def diagonal_of(self, matrix: Tensor) -> Tensor:
         return matrix
