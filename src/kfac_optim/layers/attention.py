@@ -127,7 +127,7 @@ class InProjectionBlock(_FedByTheAttentionTap):
         rows = torch.tensor([1.0 / max(r, 1) for r in self._group_rows], dtype=self.A.pending.dtype)
         self.A.fold(rows.to(self.A.pending.device).view(-1, 1, 1), decay)
         self.G.fold(output_gram_scale(self.pending_samples, loss_reduction, grad_scale), decay)
-        self.pending_samples = 0
+        self.forget_samples()
         self._group_rows = [0] * self.groups
 
 

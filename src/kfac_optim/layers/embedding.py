@@ -46,6 +46,8 @@ from torch import Tensor, nn
 from kfac_optim import linalg
 from kfac_optim.layers.base import KroneckerBlock
 from kfac_optim.layers.factor import DiagonalFactor, Factor, FactorName, output_gram_scale
+from kfac_optim.layers.hooks import current_mask
+from kfac_optim.layers.positions import RealPositions
 
 
 class TiedHead:
@@ -106,17 +108,24 @@ class EmbeddingBlock(KroneckerBlock):
 
     supports_weight_sharing = True  # "reduce": for a tied head's leading dims only; the embedding's own uses expand
     head: TiedHead | None = None
-    sgd_reason: str | None = None  # set by leave_to_sgd: the block records nothing and takes the SGD path
 
     def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
         super().__init__(name, module, include_bias, factor_dtype)
         self.unbatched = [0, 0]  # calls with 1-D indices since the last fold, and their rows
 
-    def leave_to_sgd(self, reason: str) -> None:
-        """Record nothing from now on (the block's weight takes the SGD path: its factors are
-        never initialized, so it never has a decomposition), for ``reason`` (in :meth:`describe`)."""
-        self.sgd_reason = reason
-        self.clear_pending()
+    def mask_of(self, layer_input: Any, positions: RealPositions) -> RealPositions | None:
+        """The mask over the indices ``(N, T, ...)`` (None: 1-D indices, recorded whole); the tied
+        head's call is recorded whole, with a one-time warning (see the module docstring)."""
+        if isinstance(layer_input, tuple):
+            self.warn_unmasked(f"the call of its tied head '{self.head.name if self.head else ''}' is not masked")
+            return None
+        if layer_input.dim() <= 1:
+            return None
+        fitted = positions.fit(layer_input.shape)
+        if fitted is None:
+            self.warn_unmasked(f"its indices' shape {tuple(layer_input.shape)} does not start with the mask's "
+                               f"shape {tuple(positions.mask.shape)} (samples first)")
+        return fitted
 
     def tie(self, name: str, module: nn.Module) -> bool:
         """Take the uses of a plain ``nn.Linear(D, V)`` head sharing this weight (see the module docstring)."""
@@ -136,9 +145,7 @@ class EmbeddingBlock(KroneckerBlock):
 
     def describe(self) -> str:
         text = super().describe()
-        if self.sgd_reason is not None:
-            return f"{text}; takes the SGD path: {self.sgd_reason}"
-        if self.head is None:
+        if self.head is None or self.sgd_reason is not None:
             return text
         return (f"{text}; weight tied with Linear '{self.head.name}': A, G the Kronecker product nearest "
                 "to the sum of both uses' running averages (head: diagonal G, dense A)")
@@ -162,11 +169,15 @@ class EmbeddingBlock(KroneckerBlock):
         return self.head.embedding_A, self.head.embedding_G
 
     def add_input_gram(self, inputs: Tensor, dtype: torch.dtype) -> None:
-        tokens = inputs.reshape(-1)
-        counts = torch.bincount(tokens, minlength=self.weight.shape[0]).to(dtype)
+        tokens, positions = inputs.reshape(-1), current_mask()
+        if positions is None:
+            counts, rows = torch.bincount(tokens, minlength=self.weight.shape[0]).to(dtype), tokens.numel()
+        else:  # the real positions only (layers.positions)
+            weights = positions.weights(dtype).reshape(-1)
+            counts, rows = torch.bincount(tokens, weights, minlength=self.weight.shape[0]).to(dtype), positions.count
         if self.module.padding_idx is not None:
             counts[self.module.padding_idx] = 0
-        self.statistics()[0].add_counts(counts, tokens.numel())
+        self.statistics()[0].add_counts(counts, rows)
 
     def output_grad_rows(self, grad_output: Tensor) -> Tensor:
         return grad_output.reshape(-1, grad_output.shape[-1])
@@ -183,9 +194,11 @@ class EmbeddingBlock(KroneckerBlock):
                 self.head.add(x, grad_output, self.reduce)
             self.count_samples(x.shape[0] if x.dim() > 1 else 1)
             return
-        padding = self.module.padding_idx
+        padding, positions = self.module.padding_idx, current_mask()
         if padding is not None:  # zero ĝ at padding positions (a multiply, no host sync)
             grad_output = grad_output * (inputs != padding).unsqueeze(-1).to(grad_output.dtype)
+        if positions is not None:  # and at the positions the mask says are not real
+            grad_output = grad_output * positions.mask.unsqueeze(-1).to(grad_output.dtype)
         if inputs.dim() == 1:
             self.unbatched[0] += 1
             self.unbatched[1] += inputs.shape[0]
@@ -209,7 +222,7 @@ class EmbeddingBlock(KroneckerBlock):
             self.unbatched = [0, 0]
             return
         head.fold(output_gram_scale(self.pending_samples, loss_reduction, grad_scale), decay)
-        self.pending_samples = 0
+        self.forget_samples()
         self.unbatched = [0, 0]
         self.factors_reduced()
 

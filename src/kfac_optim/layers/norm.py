@@ -86,7 +86,7 @@ class NormBlock(KroneckerBlock):
             return
         self.A.fold(output_gram_scale(self.pending_samples, loss_reduction, grad_scale), decay)
         self.G.fold(1.0 / self.G.pending_rows, decay)
-        self.pending_samples = 0
+        self.forget_samples()
 
     def sample_count(self, inputs: Tensor) -> int:
         return inputs.shape[0]
