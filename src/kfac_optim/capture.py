@@ -91,6 +91,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from kfac_optim import compiled_capture
@@ -150,17 +151,46 @@ class CaptureHook(CopiedAsInert):
         return inert
 
 
-class ModelCalls(CopiedAsInert):
-    """The forward pre-hook on the model given to KFAC: counts its calls (not while Dynamo traces:
-    a compiled forward's pairs carry call -1, and count as one call per backward pass)."""
+class ModelCallStart(CopiedAsInert):
+    """The forward pre-hook (``with_kwargs=True``) on the model given to KFAC: a call starts
+    (:meth:`StatisticsCapture.model_call_started`; not while Dynamo traces: a compiled forward's
+    pairs carry call -1, and count as one call per backward pass)."""
 
     def __init__(self, capture: StatisticsCapture) -> None:
         self._capture = weakref.ref(capture)
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         capture = self._capture()
         if capture is not None and not torch.compiler.is_compiling():
-            capture.model_calls += 1
+            capture.model_call_started(tree_leaves((args, kwargs)))
+
+
+class ModelCallEnd(CopiedAsInert):
+    """The forward hook on the model given to KFAC: a call ended with ``output``."""
+
+    def __init__(self, capture: StatisticsCapture) -> None:
+        self._capture = weakref.ref(capture)
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        capture = self._capture()
+        if capture is not None and not torch.compiler.is_compiling():
+            capture.model_call_ended(tree_leaves(output))
+
+
+def _computed_from(tensors: list[Any], nodes: set[Any]) -> bool:
+    """Whether any of ``tensors`` was computed from an output whose autograd node is in ``nodes``
+    (a walk of their graphs back to the leaves, stopping at the first such node)."""
+    stack = [t.grad_fn for t in tensors if isinstance(t, Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node in nodes:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return False
 
 
 class Tapped:
@@ -251,7 +281,8 @@ class StatisticsCapture:
     ) -> None:
         blocks = list(blocks)
         self.armed = False
-        self.model_calls = 0  # forward calls of ``model`` so far (ModelCalls)
+        self.model_calls = 0  # independent forward calls of ``model`` so far (model_call_started)
+        self._last_outputs: set[Any] = set()  # autograd nodes of the latest model call's outputs, while armed
         self.positions: RealPositions | None = None  # the real positions of forwards now (masked)
         self.transformed_skipped = False
         self.only: set[int] | None = None  # armed modules' id()s; None: all
@@ -282,7 +313,8 @@ class StatisticsCapture:
                 ]
             self._handles.extend(own)
         if model is not None:
-            self._handles.append(model.register_forward_pre_hook(ModelCalls(self)))
+            self._handles.append(model.register_forward_pre_hook(ModelCallStart(self), with_kwargs=True))
+            self._handles.append(model.register_forward_hook(ModelCallEnd(self)))
         self._finalizer = weakref.finalize(self, _remove_hooks, self._handles, self.copies)
         self._finalizer.atexit = False  # nothing to clean at interpreter exit, when modules may be half gone
 
@@ -314,6 +346,21 @@ class StatisticsCapture:
         self.armed = armed
         self.only = only
         self._tapped.clear()
+        self._last_outputs = set()
+
+    def model_call_started(self, inputs: list[Any]) -> None:
+        """A call of the model starts with ``inputs`` (its tensors, and other leaves): it holds new
+        samples (:attr:`model_calls` counts on) unless its inputs were computed from the previous
+        call's outputs (a recurrence run call by call: the same samples)."""
+        if not self._last_outputs or not _computed_from(inputs, self._last_outputs):
+            self.model_calls += 1
+        self._last_outputs = set()
+
+    def model_call_ended(self, outputs: list[Any]) -> None:
+        """A call of the model returned ``outputs``: while armed with grad enabled, keep their
+        autograd nodes for the next call's check (until then or the next step: one forward's graph)."""
+        if self.armed and torch.is_grad_enabled():
+            self._last_outputs = {t.grad_fn for t in outputs if isinstance(t, Tensor) and t.grad_fn is not None}
 
     def should_capture(self, module: nn.Module) -> bool:
         """Whether a forward of ``module`` now records statistics: armed (for it), grad enabled (in
@@ -371,7 +418,7 @@ class StatisticsCapture:
                             f"[{block.name!r}]")
         capture = weakref.ref(self)
         tapped = self._new_tapped(block, layer_input, param)
-        tapped.call = self.model_calls
+        tapped.call = -1 if torch.compiler.is_compiling() else self.model_calls
         if self.positions is not None:
             tapped.positions = block.mask_of(layer_input, self.positions)
 
@@ -566,3 +613,4 @@ class StatisticsCapture:
         """Remove every hook from the model and from deep copies of it (idempotent)."""
         self._finalizer()
         self.armed = False
+        self._last_outputs = set()

@@ -128,11 +128,12 @@ class LinearBlock(KroneckerBlock):
         key = current_samples()
         held = self._input_sums
         if held is not None and (key[0] == -1 or key != self._shared_key or held.shape != input_sums.shape):
-            if key[0] != -1 and key == self._shared_key and not self._warned_mismatch:
+            same_backward = self._shared_key is not None and key[0] != -1 and key[0] == self._shared_key[0]
+            if same_backward and held.shape != input_sums.shape and not self._warned_mismatch:
                 self._warned_mismatch = True
                 warn_user(
                     f"K-FAC layer '{self.name}' was called with {held.shape[0]} and {input_sums.shape[0]} samples "
-                    "in one forward: weight_sharing='reduce' treats those calls as different samples"
+                    "in one backward pass: weight_sharing='reduce' treats those calls as different samples"
                 )
             self.add_shared_grams()
             held = None
