@@ -21,7 +21,9 @@ pass, so:
 The input is taken however the layer was called (positionally or by keyword).
 
 Which samples a pair holds (docs/design.md §3, "What N is"): a forward pre-hook on the model given
-to KFAC counts its calls, and each pair carries the call it came from; a block counts N once per
+to KFAC counts its calls (a call whose inputs were computed from an output tapped in the previous
+call continues it: a recurrence run call by call), and each pair carries the call it came from; a
+block counts N once per
 backward pass and model call (``KroneckerBlock.count_samples``), so a module called several times
 within one forward of the model (an RNN cell over time steps) counts its samples once, and
 chunks of a batch each run through the model (``torch.cat([model(c) for c in x.split(16)])``)
@@ -165,18 +167,6 @@ class ModelCallStart(CopiedAsInert):
             capture.model_call_started(tree_leaves((args, kwargs)))
 
 
-class ModelCallEnd(CopiedAsInert):
-    """The forward hook on the model given to KFAC: a call ended with ``output``."""
-
-    def __init__(self, capture: StatisticsCapture) -> None:
-        self._capture = weakref.ref(capture)
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        capture = self._capture()
-        if capture is not None and not torch.compiler.is_compiling():
-            capture.model_call_ended(tree_leaves(output))
-
-
 def _computed_from(tensors: list[Any], nodes: set[Any]) -> bool:
     """Whether any of ``tensors`` was computed from an output whose autograd node is in ``nodes``
     (a walk of their graphs back to the leaves, stopping at the first such node)."""
@@ -282,7 +272,7 @@ class StatisticsCapture:
         blocks = list(blocks)
         self.armed = False
         self.model_calls = 0  # independent forward calls of ``model`` so far (model_call_started)
-        self._last_outputs: set[Any] = set()  # autograd nodes of the latest model call's outputs, while armed
+        self._call_outputs: set[Any] = set()  # autograd nodes of the outputs tapped in the latest model call
         self.positions: RealPositions | None = None  # the real positions of forwards now (masked)
         self.transformed_skipped = False
         self.only: set[int] | None = None  # armed modules' id()s; None: all
@@ -314,7 +304,6 @@ class StatisticsCapture:
             self._handles.extend(own)
         if model is not None:
             self._handles.append(model.register_forward_pre_hook(ModelCallStart(self), with_kwargs=True))
-            self._handles.append(model.register_forward_hook(ModelCallEnd(self)))
         self._finalizer = weakref.finalize(self, _remove_hooks, self._handles, self.copies)
         self._finalizer.atexit = False  # nothing to clean at interpreter exit, when modules may be half gone
 
@@ -346,21 +335,17 @@ class StatisticsCapture:
         self.armed = armed
         self.only = only
         self._tapped.clear()
-        self._last_outputs = set()
+        self._call_outputs = set()
 
     def model_call_started(self, inputs: list[Any]) -> None:
         """A call of the model starts with ``inputs`` (its tensors, and other leaves): it holds new
-        samples (:attr:`model_calls` counts on) unless its inputs were computed from the previous
-        call's outputs (a recurrence run call by call: the same samples)."""
-        if not self._last_outputs or not _computed_from(inputs, self._last_outputs):
+        samples (:attr:`model_calls` counts on) unless its inputs were computed from an output
+        tapped in the previous call (a recurrence run call by call: the same samples). The
+        previous call's tapped outputs' autograd nodes are held until then or the next step (at
+        most one forward's graph)."""
+        if not self._call_outputs or not _computed_from(inputs, self._call_outputs):
             self.model_calls += 1
-        self._last_outputs = set()
-
-    def model_call_ended(self, outputs: list[Any]) -> None:
-        """A call of the model returned ``outputs``: while armed with grad enabled, keep their
-        autograd nodes for the next call's check (until then or the next step: one forward's graph)."""
-        if self.armed and torch.is_grad_enabled():
-            self._last_outputs = {t.grad_fn for t in outputs if isinstance(t, Tensor) and t.grad_fn is not None}
+        self._call_outputs = set()
 
     def should_capture(self, module: nn.Module) -> bool:
         """Whether a forward of ``module`` now records statistics: armed (for it), grad enabled (in
@@ -428,6 +413,7 @@ class StatisticsCapture:
                 live.record(tapped, grad_output)
 
         output.register_hook(on_gradient)
+        self._call_outputs.add(output.grad_fn)
         if not self._every_backward:
             self._tapped.append(output)
         return None
@@ -613,4 +599,4 @@ class StatisticsCapture:
         """Remove every hook from the model and from deep copies of it (idempotent)."""
         self._finalizer()
         self.armed = False
-        self._last_outputs = set()
+        self._call_outputs = set()
