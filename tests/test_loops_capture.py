@@ -391,3 +391,17 @@ def test_a_nested_input_to_a_block_without_nested_support_is_refused_naming_the_
     batch = torch.nested.nested_tensor([torch.tensor([1, 2]), torch.tensor([3])], layout=torch.jagged)
     with pytest.raises(TypeError, match=r"K-FAC layer '0' \(EmbeddingBlock\) cannot record a nested tensor"):
         model(batch)
+
+
+def test_a_sequence_first_model_with_one_sequence_is_not_taken_for_batch_free() -> None:
+    """Its attention blocks count the one sequence, its Linear blocks the length: no layer is batch-free."""
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)  # batch_first=False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the sequence-first note
+        optimizer = KFAC(layer, lr=0.1, factor_update_steps=1, inv_update_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(torch.randn(5, 1, 8)).square().mean().backward()
+        optimizer.step()
+    assert not any("no batch dimension" in str(w.message) for w in caught)
+    assert all(block.A.initialized for block in optimizer.blocks)

@@ -27,7 +27,10 @@ on a ``(1, T, T, 2)`` table of relative coordinates and broadcasts its ``(1, T, 
 the batch; its output-gradient is summed over the batch just as well (its ``G`` changed ~10x between
 batch 8 and 128). Such a call has one sample (dim 0 of size 1, or an unbatched input): a block
 whose every call since the last fold held one sample, while another block saw more than one per
-call, takes the SGD path too (a batch of 1 for the whole model is an ordinary batch).
+call, takes the SGD path too (a batch of 1 for the whole model is an ordinary batch). Not in a
+sequence-first model (``nn.MultiheadAttention(batch_first=False)`` beside other blocks): there the
+attention blocks count the batch and the others the sequence length, so a batch of one sequence
+would look batch-free to the attention blocks (``layers.attention.sequence_first_note``).
 
 The test tells a batch-free index tensor from a batch of token ids (``nn.Embedding(classes, D)``
 called with labels ``(N,)`` is an ordinary batched use) by the batch of the same forward: a block
@@ -43,6 +46,7 @@ import logging
 from collections.abc import Sequence
 
 from kfac_optim.diagnostics import warn_user
+from kfac_optim.layers.attention import sequence_first_note
 from kfac_optim.layers.base import KroneckerBlock
 from kfac_optim.layers.embedding import EmbeddingBlock
 
@@ -65,7 +69,7 @@ def leave_batch_free_blocks_to_sgd(blocks: Sequence[KroneckerBlock]) -> dict[str
     their pending statistics, and return their names with the reason. Call it once, with the
     pending statistics of a factor step settled."""
     left = _left_embeddings(blocks)
-    batched = [b for b in blocks if b.calls[0] > b.calls[1]]
+    batched = [] if sequence_first_note(list(blocks)) else [b for b in blocks if b.calls[0] > b.calls[1]]
     for block in blocks:
         calls, single = block.calls
         if block.sgd_reason is not None or not calls or single < calls or not batched:
