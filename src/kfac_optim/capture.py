@@ -23,11 +23,10 @@ The input is taken however the layer was called (positionally or by keyword).
 Which samples a pair holds (docs/design.md §3, "What N is"): a forward pre-hook on the model given
 to KFAC counts its calls (a call whose inputs were computed from an output tapped in the previous
 call continues it: a recurrence run call by call), and each pair carries the call it came from; a
-block counts N once per
-backward pass and model call (``KroneckerBlock.count_samples``), so a module called several times
-within one forward of the model (an RNN cell over time steps) counts its samples once, and
-chunks of a batch each run through the model (``torch.cat([model(c) for c in x.split(16)])``)
-count theirs per call. Under ``KFAC.mask`` (:meth:`StatisticsCapture.masked`) each pair also
+block counts N once per backward pass and model call (``KroneckerBlock.count_samples``), so a
+module called several times within one forward of the model (an RNN cell over time steps) counts
+its samples once, and chunks of a batch each run through the model
+(``torch.cat([model(c) for c in x.split(16)])``) count theirs per call. Under ``KFAC.mask`` (:meth:`StatisticsCapture.masked`) each pair also
 carries the real positions of its forward, fitted to its layer's input by the block
 (``KroneckerBlock.mask_of``; ``layers.positions``). Forwards inside a ``torch.func`` transform
 (``torch.func.grad``, ``vmap``) are not hooked: their gradients never reach a tensor hook of the
@@ -397,15 +396,14 @@ class StatisticsCapture:
                 return compiled_capture.traced_tap(output, layer_tensor, site)
             if not self._warned_untraced:
                 self._warn_untraced(block, untraced)
-        if not block.takes_nested and any(t.is_nested for t in _tensors_of(layer_input, output)):
+        if output.is_nested and not block.takes_nested:
             raise TypeError(f"K-FAC layer '{block.name}' ({type(block).__name__}) cannot record a nested tensor input "
                             "(torch.nested): pad it and pass the mask with KFAC.mask(), or skip_layers="
                             f"[{block.name!r}]")
         capture = weakref.ref(self)
-        tapped = self._new_tapped(block, layer_input, param)
-        tapped.call = -1 if torch.compiler.is_compiling() else self.model_calls
-        if self.positions is not None:
-            tapped.positions = block.mask_of(layer_input, self.positions)
+        positions = None if self.positions is None else block.mask_of(layer_input, self.positions)
+        call = -1 if torch.compiler.is_compiling() else self.model_calls
+        tapped = self._new_tapped(block, layer_input, param, call, positions)
 
         def on_gradient(grad_output: Tensor) -> None:
             live = capture()
@@ -440,11 +438,13 @@ class StatisticsCapture:
             "(docs/design.md §4, 'Compiled models')"
         )
 
-    def _new_tapped(self, block: KroneckerBlock, layer_input: Any, param: Tensor) -> Tapped:
-        """One forward call's :class:`Tapped` for ``block``, whose module uses ``param`` now."""
+    def _new_tapped(self, block: KroneckerBlock, layer_input: Any, param: Tensor, call: int = -1,
+                    positions: RealPositions | None = None) -> Tapped:
+        """One forward call's :class:`Tapped` for ``block``, whose module uses ``param`` now, from
+        model call ``call`` (-1: unknown) with real ``positions`` (None: all)."""
         # FSDP2 has put the sharded parameter back after the forward; its unsharded copy is back in the backward
         node = None if fsdp.is_sharded(param) else self._node_of(block, param)
-        return Tapped(block, layer_input, param, node)
+        return Tapped(block, layer_input, param, node, call, positions)
 
     def record_traced(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
         """:meth:`record` for an output tapped in a compiled forward (``compiled_capture``), called in
