@@ -405,3 +405,17 @@ def test_a_sequence_first_model_with_one_sequence_is_not_taken_for_batch_free() 
         optimizer.step()
     assert not any("no batch dimension" in str(w.message) for w in caught)
     assert all(block.A.initialized for block in optimizer.blocks)
+
+
+def test_a_backbone_in_eval_mode_while_it_trains_records_without_a_warning() -> None:
+    torch.manual_seed(10)
+    model = TwoLinear()
+    optimizer = loop_kfac(model)
+    model.l1.eval()  # a frozen-statistics backbone that still trains
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    assert not [str(w.message) for w in caught]
+    assert all(block.A.initialized for block in optimizer.blocks)
