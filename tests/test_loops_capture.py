@@ -8,6 +8,7 @@ with a control run, and failed before issue 26.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -419,3 +420,38 @@ def test_a_backbone_in_eval_mode_while_it_trains_records_without_a_warning() -> 
         optimizer.step()
     assert not [str(w.message) for w in caught]
     assert all(block.A.initialized for block in optimizer.blocks)
+
+
+class TiedTagger(nn.Module):
+    """Embedding → tanh → a Linear head sharing the embedding's weight: ``(N, T)`` to ``(N, T, 11)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(11, 4).double()
+        self.head = nn.Linear(4, 11, bias=False).double()
+        self.head.weight = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embedding(tokens)))
+
+
+@pytest.mark.parametrize("weight_sharing", ["expand", "reduce"])
+def test_a_tied_head_under_a_mask_gives_the_same_factors_at_any_padding(weight_sharing: str) -> None:
+    torch.manual_seed(11)
+    base = TiedTagger()
+    factors = {}
+    for length, masked in ((6, True), (12, True), (12, False)):
+        model = copy.deepcopy(base)
+        optimizer = loop_kfac(model, weight_sharing)
+        tokens, labels, mask = padded_tokens(length)
+        labels = torch.where(mask, tokens, -100)  # predict the token itself at the real positions
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the mask applies to both uses: no warning
+            with optimizer.mask(mask) if masked else contextlib.nullcontext():
+                loss = tagger_loss(model, tokens, labels)
+            loss.backward()
+            optimizer.step()
+        factors[length, masked] = running_factors(optimizer)
+    for name, factor in factors[6, True].items():
+        torch.testing.assert_close(factors[12, True][name], factor, rtol=1e-10, atol=1e-12, msg=name)
+    assert not torch.allclose(factors[12, False]["embedding.G"], factors[6, True]["embedding.G"])

@@ -71,16 +71,27 @@ class TiedHead:
         return {"embedding_A": self.embedding_A, "embedding_G": self.embedding_G,
                 "head_A": self.head_A, "head_G": self.head_G}
 
-    def add(self, inputs: Tensor, grad_output: Tensor, reduce: bool) -> None:
+    def add(self, inputs: Tensor, grad_output: Tensor, reduce: bool, positions: RealPositions | None = None) -> None:
         """Add one head call's rows: every position (expand), or per sample the mean input and the
-        summed output-gradient over its positions (``reduce``, inputs ``(N, *, D)`` with positions)."""
+        summed output-gradient over its positions (``reduce``, inputs ``(N, *, D)`` with positions);
+        with ``positions`` (``KFAC.mask`` fitted to the input's leading dims) the real ones only."""
         a, g = inputs.to(self.head_A.pending.dtype), grad_output.to(self.head_A.pending.dtype)
+        real = None
+        if positions is not None:
+            weights = positions.mask.unsqueeze(-1).to(a.dtype)
+            a, g, real = a * weights, g * weights, positions.count
         if reduce and a.dim() > 2:
-            a = a.reshape(a.shape[0], -1, a.shape[-1]).mean(1)
+            a = a.reshape(a.shape[0], -1, a.shape[-1])
+            if positions is None:
+                a = a.mean(1)
+            else:  # the mean over the sample's real positions
+                a = a.sum(1) / positions.mask.reshape(a.shape[0], -1).sum(1, keepdim=True).clamp(min=1)
             g = g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)
+            real = None
         a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
-        self.head_A.add_gram(a)
-        self.head_G.add_counts(g.square().sum(0), a.shape[0])
+        rows = a.shape[0] if real is None else real
+        self.head_A.add_gram(a, count=rows)
+        self.head_G.add_counts(g.square().sum(0), rows)
 
     def fold(self, g_scale: float | Tensor, decay: float) -> None:
         """Fold each use's pending statistics that has any into its running average: ``A``s over
@@ -114,16 +125,14 @@ class EmbeddingBlock(KroneckerBlock):
         self.unbatched = [0, 0]  # calls with 1-D indices since the last fold, and their rows
 
     def mask_of(self, layer_input: Any, positions: RealPositions) -> RealPositions | None:
-        """The mask over the indices ``(N, T, ...)`` (None: 1-D indices, recorded whole); the tied
-        head's call is recorded whole, with a one-time warning (see the module docstring)."""
-        if isinstance(layer_input, tuple):
-            self.warn_unmasked(f"the call of its tied head '{self.head.name if self.head else ''}' is not masked")
+        """The mask over the indices ``(N, T, ...)``, or over the leading dims of the tied head's input
+        ``(N, T, ..., D)`` (None: no positions, recorded whole)."""
+        leading = layer_input[1].shape[:-1] if isinstance(layer_input, tuple) else layer_input.shape
+        if len(leading) <= 1:
             return None
-        if layer_input.dim() <= 1:
-            return None
-        fitted = positions.fit(layer_input.shape)
+        fitted = positions.fit(leading)
         if fitted is None:
-            self.warn_unmasked(f"its indices' shape {tuple(layer_input.shape)} does not start with the mask's "
+            self.warn_unmasked(f"its input's leading dims {tuple(leading)} do not start with the mask's "
                                f"shape {tuple(positions.mask.shape)} (samples first)")
         return fitted
 
@@ -191,7 +200,7 @@ class EmbeddingBlock(KroneckerBlock):
         if isinstance(inputs, tuple):  # the tied head's call
             _, x = inputs
             with torch.autocast(x.device.type, enabled=False):
-                self.head.add(x, grad_output, self.reduce)
+                self.head.add(x, grad_output, self.reduce, current_mask())
             self.count_samples(x.shape[0] if x.dim() > 1 else 1)
             return
         padding, positions = self.module.padding_idx, current_mask()
