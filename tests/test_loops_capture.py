@@ -455,3 +455,56 @@ def test_a_tied_head_under_a_mask_gives_the_same_factors_at_any_padding(weight_s
     for name, factor in factors[6, True].items():
         torch.testing.assert_close(factors[12, True][name], factor, rtol=1e-10, atol=1e-12, msg=name)
     assert not torch.allclose(factors[12, False]["embedding.G"], factors[6, True]["embedding.G"])
+
+
+class PaddedEncoder(nn.Module):
+    """Embedding → TransformerEncoderLayer (padding masked in attention) → Linear head per position."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.embedding = nn.Embedding(11, 8).double()
+        self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first).double()
+        self.head = nn.Linear(8, 3).double()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embedding(tokens)
+        padding = tokens == 0
+        if self.batch_first:
+            return self.head(self.encoder(h, src_key_padding_mask=padding))
+        return self.head(self.encoder(h.transpose(0, 1), src_key_padding_mask=padding).transpose(0, 1))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("weight_sharing", ["expand", "reduce"])
+def test_attention_blocks_under_a_mask_give_the_same_factors_and_steps_at_any_padding(
+    weight_sharing: str, batch_first: bool
+) -> None:
+    torch.manual_seed(12)
+    base = PaddedEncoder(batch_first)
+    runs = {}
+    for length, masked in ((6, True), (12, True), (12, False)):
+        model = copy.deepcopy(base)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the sequence-first note
+            optimizer = loop_kfac(model, weight_sharing)
+        tokens, labels, mask = padded_tokens(length)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with optimizer.mask(mask) if masked else contextlib.nullcontext():
+                loss = tagger_loss(model, tokens, labels)
+            loss.backward()
+            optimizer.step()
+        unmasked_layers = {str(w.message).split("'")[1] for w in caught if "KFAC.mask()" in str(w.message)}
+        # sequence-first: the feed-forward Linears see (T, N, ·), which they cannot tell from samples first
+        assert unmasked_layers == (set() if batch_first or not masked else {"encoder.linear1", "encoder.linear2"})
+        runs[length, masked] = (running_factors(optimizer), [p.detach().clone() for p in model.parameters()])
+    (short, short_params), (long, long_params) = runs[6, True], runs[12, True]
+    for name, factor in short.items():
+        if batch_first or "linear" not in name:
+            torch.testing.assert_close(long[name], factor, rtol=1e-9, atol=1e-12, msg=name)
+    for a, b in zip(short_params, long_params, strict=True):
+        if batch_first:
+            torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
+    unmasked = runs[12, False][0]
+    assert not torch.allclose(unmasked["encoder.self_attn.in_proj.A"], short["encoder.self_attn.in_proj.A"])

@@ -92,7 +92,7 @@ class LinearBlock(KroneckerBlock):
             return tensor.reshape(-1, tensor.shape[-1]).clone(), 1
         if positions is None:
             return per_sample.sum(1), per_sample.shape[1]
-        weights = positions.mask.reshape(per_sample.shape[0], -1, 1).to(tensor.dtype)
+        weights = self.per_sample(positions.mask.unsqueeze(-1).to(tensor.dtype))  # (N, R, 1) as the positions
         return (per_sample * weights).sum(1), weights.sum(1)
 
     def real_rows(self, inputs: Tensor, grad_output: Tensor,
