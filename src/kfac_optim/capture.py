@@ -154,8 +154,9 @@ class CaptureHook(CopiedAsInert):
 
 class ModelCallStart(CopiedAsInert):
     """The forward pre-hook (``with_kwargs=True``) on the model given to KFAC: a call starts
-    (:meth:`StatisticsCapture.model_call_started`; not while Dynamo traces: a compiled forward's
-    pairs carry call -1, and count as one call per backward pass)."""
+    (:meth:`StatisticsCapture.model_call_started`). Not while Dynamo traces (the count would be a
+    guarded constant: a recompile per call): a compiled model's calls do not advance the count, so
+    its pairs of one backward pass count as one call."""
 
     def __init__(self, capture: StatisticsCapture) -> None:
         self._capture = weakref.ref(capture)
@@ -191,8 +192,8 @@ class Tapped:
 
     __slots__ = ("block", "call", "latest", "layer_input", "node", "param", "positions", "summed", "task")
 
-    def __init__(self, block: KroneckerBlock, layer_input: Any, param: Tensor, node: Any, call: int = -1,
-                 positions: RealPositions | None = None) -> None:
+    def __init__(self, block: KroneckerBlock, layer_input: Any, param: Tensor, node: Any, call: int,
+                 positions: RealPositions | None) -> None:
         self.block = block
         self.layer_input = layer_input
         self.param = param
@@ -402,8 +403,7 @@ class StatisticsCapture:
                             f"[{block.name!r}]")
         capture = weakref.ref(self)
         positions = None if self.positions is None else block.mask_of(layer_input, self.positions)
-        call = -1 if torch.compiler.is_compiling() else self.model_calls
-        tapped = self._new_tapped(block, layer_input, param, call, positions)
+        tapped = self._new_tapped(block, layer_input, param, self.model_calls, positions)
 
         def on_gradient(grad_output: Tensor) -> None:
             live = capture()
@@ -438,10 +438,10 @@ class StatisticsCapture:
             "(docs/design.md §4, 'Compiled models')"
         )
 
-    def _new_tapped(self, block: KroneckerBlock, layer_input: Any, param: Tensor, call: int = -1,
+    def _new_tapped(self, block: KroneckerBlock, layer_input: Any, param: Tensor, call: int,
                     positions: RealPositions | None = None) -> Tapped:
         """One forward call's :class:`Tapped` for ``block``, whose module uses ``param`` now, from
-        model call ``call`` (-1: unknown) with real ``positions`` (None: all)."""
+        model call ``call`` (:attr:`model_calls` then) with real ``positions`` (None: all)."""
         # FSDP2 has put the sharded parameter back after the forward; its unsharded copy is back in the backward
         node = None if fsdp.is_sharded(param) else self._node_of(block, param)
         return Tapped(block, layer_input, param, node, call, positions)
@@ -462,7 +462,7 @@ class StatisticsCapture:
             param = self._recorded_parameter(block)
             if param is None:
                 return
-            tapped = self._new_tapped(block, layer_input, param)
+            tapped = self._new_tapped(block, layer_input, param, self.model_calls)
         self.record(tapped, grad_output)
 
     def _recorded_parameter(self, block: KroneckerBlock) -> Tensor | None:

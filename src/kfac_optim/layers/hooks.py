@@ -48,7 +48,7 @@ def in_graph_task(task: int) -> Iterator[None]:
 @contextlib.contextmanager
 def recording_pair(call: int, mask: torch.Tensor | None) -> Iterator[None]:
     """While a block takes one captured pair: it came from forward call ``call`` of the model (the
-    capture's count of the model's calls; -1: unknown, e.g. a compiled forward) and ``mask`` says
+    capture's count of the model's calls; -1: none, outside the capture) and ``mask`` says
     which of its positions are real (None: all; see ``KroneckerBlock.mask_of``)."""
     _pair.call, _pair.mask = call, mask
     try:
