@@ -164,7 +164,7 @@ class ModelCallStart(CopiedAsInert):
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         capture = self._capture()
         if capture is not None and not torch.compiler.is_compiling():
-            capture.model_call_started(tree_leaves((args, kwargs)))
+            capture.model_call_started(args, kwargs)
 
 
 def _computed_from(tensors: list[Any], nodes: set[Any]) -> bool:
@@ -337,13 +337,13 @@ class StatisticsCapture:
         self._tapped.clear()
         self._call_outputs = set()
 
-    def model_call_started(self, inputs: list[Any]) -> None:
-        """A call of the model starts with ``inputs`` (its tensors, and other leaves): it holds new
-        samples (:attr:`model_calls` counts on) unless its inputs were computed from an output
+    def model_call_started(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A call of the model starts with ``args``, ``kwargs``: it holds new samples
+        (:attr:`model_calls` counts on) unless a tensor among them was computed from an output
         tapped in the previous call (a recurrence run call by call: the same samples). The
         previous call's tapped outputs' autograd nodes are held until then or the next step (at
         most one forward's graph)."""
-        if not self._call_outputs or not _computed_from(inputs, self._call_outputs):
+        if not self._call_outputs or not _computed_from(tree_leaves((args, kwargs)), self._call_outputs):
             self.model_calls += 1
         self._call_outputs = set()
 
