@@ -508,3 +508,34 @@ def test_attention_blocks_under_a_mask_give_the_same_factors_and_steps_at_any_pa
             torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
     unmasked = runs[12, False][0]
     assert not torch.allclose(unmasked["encoder.self_attn.in_proj.A"], short["encoder.self_attn.in_proj.A"])
+
+
+def test_a_batch_norm_block_in_eval_mode_records_the_fisher_of_its_running_statistics() -> None:
+    """Eval mode normalizes with the running statistics: the opt-in norm block's factor is the
+    per-unit Fisher ``(1/N) Σ ŝ ŝᵀ`` of that normalization, from per-sample gradients."""
+    from kfac_optim.layers import ChannelNormBlock
+
+    torch.manual_seed(13)
+    layer = nn.BatchNorm2d(3).double()
+    with torch.no_grad():
+        layer.running_mean.normal_()
+        layer.running_var.uniform_(0.5, 2.0)
+        layer.weight.normal_()
+        layer.bias.normal_()
+    layer.eval()
+    x = torch.randn(4, 3, 2, 2, dtype=torch.float64)
+    target = torch.randn(4, 3, 2, 2, dtype=torch.float64)
+    out = layer(x)
+    per_sample = []
+    for n in range(4):
+        grads = torch.autograd.grad(0.5 * ((out[n] - target[n]) ** 2).sum(), [layer.weight, layer.bias],
+                                    retain_graph=True)
+        per_sample.append(torch.stack(grads, -1))
+    s_hat = torch.stack(per_sample)  # (N, units, 2)
+    fisher = torch.einsum("nui,nuj->uij", s_hat, s_hat) / 4
+    curvature = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64,
+                                blocks={nn.BatchNorm2d: ChannelNormBlock})
+    optimizer = KFAC(layer, lr=0.1, curvature=curvature, factor_update_steps=1, inv_update_steps=1)
+    (0.5 * ((layer(x) - target) ** 2).reshape(4, -1).sum(1).mean()).backward()
+    optimizer.step()
+    torch.testing.assert_close(optimizer.blocks[0].A.running, fisher, rtol=1e-10, atol=1e-12)

@@ -5,7 +5,7 @@ calls of one module within one forward (an RNN cell, one block applied to severa
 uses of the weight per sample are the positions of every call in one backward pass.
 
 - "expand" (the default) makes every use a row, ``A = (1/(N·R)) Σ a aᵀ`` over all N·R rows and
-  ``G = (1/N) Σ ĝ ĝᵀ`` over them, N counted once per backward (:meth:`KroneckerBlock.count_samples`);
+  ``G = (1/N) Σ ĝ ĝᵀ`` over them, N counted once per backward and model call (:meth:`KroneckerBlock.count_samples`);
 - "reduce" (``reduce = True``) makes one row per sample, ``a_n = (1/R) Σ_r a_{n,r}`` (the mean of
   its uses' inputs) and ``ĝ_n = Σ_r ĝ_{n,r}`` (the sum of their output-gradients),
   ``A = (1/N) Σ a_n a_nᵀ``, ``G = (1/N) Σ ĝ_n ĝ_nᵀ``. The per-sample sums of one backward pass
