@@ -204,11 +204,15 @@ def test_checkpointed_models_are_sampled_or_the_user_is_told(reentrant: bool) ->
         assert [block.pending_samples for block in optimizer.blocks] == [N, N]
 
 
-def test_sample_fisher_in_eval_mode_does_nothing() -> None:
+def test_sample_fisher_in_eval_mode_records_as_in_training_mode() -> None:
+    """Issue 26: eval mode records (RL loops train with dropout off); under no_grad nothing."""
     model, optimizer = make()
     model.eval()
-    optimizer.sample_fisher(model(fisher_batch()[0]), "mse")
+    with torch.no_grad():
+        optimizer.sample_fisher(model(fisher_batch()[0]), "mse")
     assert [block.pending_samples for block in optimizer.blocks] == [0, 0]
+    optimizer.sample_fisher(model(fisher_batch()[0]), "mse")
+    assert [block.pending_samples for block in optimizer.blocks] == [N, N]
 
 
 # -- sequences: (B, T, V) logits ------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Layers whose input has no batch dimension: found at the first factor step and left to SGD.
 
-Owns: deciding, from the pending statistics of one factor step, which embedding blocks were called
-with indices that carry no batch dimension, turning them to the SGD path, and saying so (a one-time
-warning per block, and the reason in ``KFAC.describe()``; docs/design.md §3 "What N is").
+Owns: deciding, from the pending statistics of one factor step, which blocks were called with an
+input that carries no batch dimension (embeddings with 1-D indices; any block kind whose every call
+held one sample while other blocks saw batches), turning them to the SGD path, and saying so (a
+one-time warning per block, and the reason in ``KFAC.describe()``; docs/design.md §3 "What N is").
 Must not know: factor math, schedules, ranks (every rank decides from its own shapes; with equal
 per-rank batch shapes they decide alike).
 
@@ -21,6 +22,16 @@ T=64, width 64, 2 blocks, 150 steps, lr 0.1 and 0.3, seeds 0 and 1): the held-ou
 position embedding preconditioned the old way was lower in 3 of 4 runs, by 0.008 and 0.019 on
 average per lr, less than the spread between seeds (0.05-0.08).
 
+The same holds for every block kind: Swin-V2's continuous position bias runs an MLP (Linear layers)
+on a ``(1, T, T, 2)`` table of relative coordinates and broadcasts its ``(1, T, T, heads)`` output over
+the batch; its output-gradient is summed over the batch just as well (its ``G`` changed ~10x between
+batch 8 and 128). Such a call has one sample (dim 0 of size 1, or an unbatched input): a block
+whose every call since the last fold held one sample, while another block saw more than one per
+call, takes the SGD path too (a batch of 1 for the whole model is an ordinary batch). Not in a
+sequence-first model (``nn.MultiheadAttention(batch_first=False)`` beside other blocks): there the
+attention blocks count the batch and the others the sequence length, so a batch of one sequence
+would look batch-free to the attention blocks (``layers.attention.sequence_first_note``).
+
 The test tells a batch-free index tensor from a batch of token ids (``nn.Embedding(classes, D)``
 called with labels ``(N,)`` is an ordinary batched use) by the batch of the same forward: a block
 called with 1-D indices of length ``L`` per call is batch-free when the other blocks recorded a
@@ -35,6 +46,7 @@ import logging
 from collections.abc import Sequence
 
 from kfac_optim.diagnostics import warn_user
+from kfac_optim.layers.attention import sequence_first_note
 from kfac_optim.layers.base import KroneckerBlock
 from kfac_optim.layers.embedding import EmbeddingBlock
 
@@ -45,15 +57,38 @@ REASON = (
     "autograd sums its output-gradient over the batch before K-FAC sees it, so no per-sample statistics exist "
     "(docs/design.md §3, 'What N is')"
 )
+SINGLE_SAMPLE_REASON = (
+    "its input has no batch dimension (one sample per call, e.g. a (1, T, T, 2) position table broadcast over "
+    "the batch): autograd sums its output-gradient over the batch before K-FAC sees it, so no per-sample "
+    "statistics exist (docs/design.md §3, 'What N is')"
+)
 
 
-def leave_batch_free_blocks_to_sgd(blocks: Sequence[KroneckerBlock]) -> list[str]:
-    """Turn the batch-free embedding blocks among ``blocks`` to the SGD path (see the module
-    docstring), from their pending statistics, and return their names. Call it once, with the
+def leave_batch_free_blocks_to_sgd(blocks: Sequence[KroneckerBlock]) -> dict[str, str]:
+    """Turn the batch-free blocks among ``blocks`` to the SGD path (see the module docstring), from
+    their pending statistics, and return their names with the reason. Call it once, with the
     pending statistics of a factor step settled."""
+    left = _left_embeddings(blocks)
+    batched = [] if sequence_first_note(list(blocks)) else [b for b in blocks if b.calls[0] > b.calls[1]]
+    for block in blocks:
+        calls, single = block.calls
+        if block.sgd_reason is not None or not calls or single < calls or not batched:
+            continue
+        block.leave_to_sgd(SINGLE_SAMPLE_REASON)
+        left[block.name] = SINGLE_SAMPLE_REASON
+        warn_user(f"K-FAC layer '{block.name}' takes the SGD path: {SINGLE_SAMPLE_REASON}; each of its {calls} "
+                  f"call(s) held one sample while other layers saw batches (e.g. '{batched[0].name}')",
+                  RuntimeWarning)
+    if left:
+        logger.info("batch-free layers left to SGD: %s", sorted(left))
+    return left
+
+
+def _left_embeddings(blocks: Sequence[KroneckerBlock]) -> dict[str, str]:
+    """The embedding blocks called with 1-D indices that are positions, not a batch, turned to SGD."""
     candidates = [b for b in blocks if isinstance(b, EmbeddingBlock) and b.unbatched[0] and b.sgd_reason is None]
     batched = [b for b in blocks if b.pending_samples and b not in candidates]
-    left: list[str] = []
+    left: dict[str, str] = {}
     for block in candidates:
         calls, rows = block.unbatched
         length = rows / calls
@@ -64,7 +99,7 @@ def leave_batch_free_blocks_to_sgd(blocks: Sequence[KroneckerBlock]) -> list[str
         batch = max(b.pending_samples for b in batched) / calls
         if batch != length:
             block.leave_to_sgd(REASON)
-            left.append(block.name)
+            left[block.name] = REASON
             warn_user(f"K-FAC layer '{block.name}' takes the SGD path: {REASON}; its {length:g} indices per call "
                       f"differ from the batch of {batch:g} samples the other layers saw", RuntimeWarning)
         elif length > 1 and any(b.A.pending_rows == length * b.pending_samples for b in batched):
@@ -73,6 +108,4 @@ def leave_batch_free_blocks_to_sgd(blocks: Sequence[KroneckerBlock]) -> list[str
                       f"if they are positions broadcast over the batch, its statistics depend on the batch size "
                       "(docs/design.md §3, 'What N is'): use a batch size other than the sequence length, or "
                       "skip_layers", RuntimeWarning)
-    if left:
-        logger.info("batch-free layers left to SGD: %s", left)
     return left

@@ -5,9 +5,12 @@ whether the hooks are armed.
 Must not know: factor math (blocks do it), step counting or schedules (the optimizer arms us,
 for all modules or, with staggered factor updates, for some: :meth:`StatisticsCapture.arm`).
 
-When armed, a module in training mode called with grad enabled and an output that requires grad
-gets a tensor hook on that output; when the output-gradient arrives, the (input, output-grad)
-pair is handed to the block. Nothing is computed in the forward pass, so:
+When armed, a module called with grad enabled and an output that requires grad gets a tensor hook
+on that output; when the output-gradient arrives, the (input, output-grad) pair is handed to the
+block. Training and eval mode record alike (RL and RLHF loops train in ``eval()`` to turn dropout
+off); a validation pass records nothing because it runs under ``torch.no_grad()`` or has no
+backward that writes ``.grad`` (docs/design.md §4, "Capture"). Nothing is computed in the forward
+pass, so:
   - a forward whose backward never runs costs nothing;
   - ``torch.utils.checkpoint`` does not double count: the reentrant variant's first forward runs
     without grad (skipped), and the non-reentrant variant's recomputed output receives no
@@ -16,6 +19,19 @@ pair is handed to the block. Nothing is computed in the forward pass, so:
     the in-place op sees the gradient of the layer's own output.
 ``register_full_backward_hook`` is deliberately not used (it breaks on in-place ops after the layer).
 The input is taken however the layer was called (positionally or by keyword).
+
+Which samples a pair holds (docs/design.md §3, "What N is"): a forward pre-hook on the model given
+to KFAC counts its calls (a call whose inputs were computed from an output tapped in the previous
+call continues it: a recurrence run call by call), and each pair carries the call it came from; a
+block counts N once per backward pass and model call (``KroneckerBlock.count_samples``), so a
+module called several times within one forward of the model (an RNN cell over time steps) counts
+its samples once, and chunks of a batch each run through the model
+(``torch.cat([model(c) for c in x.split(16)])``) count theirs per call. Under ``KFAC.mask`` (:meth:`StatisticsCapture.masked`) each pair also
+carries the real positions of its forward, fitted to its layer's input by the block
+(``KroneckerBlock.mask_of``; ``layers.positions``). Forwards inside a ``torch.func`` transform
+(``torch.func.grad``, ``vmap``) are not hooked: their gradients never reach a tensor hook of the
+backward that writes ``.grad`` (:attr:`StatisticsCapture.transformed_skipped`, warned once by the
+estimator). A block whose layer takes the SGD path (``KroneckerBlock.sgd_reason``) is not hooked.
 
 Which backward records (docs/design.md §4, "Capture"; README "What feeds the factors"): a block
 records the output-gradients of the backward pass that writes its parameters' ``.grad`` (its
@@ -76,6 +92,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from kfac_optim import compiled_capture
@@ -90,8 +107,10 @@ from kfac_optim.layers.hooks import (
     gradient_node,
     in_graph_task,
     keeps_graph,
+    recording_pair,
     writes_gradient,
 )
+from kfac_optim.layers.positions import RealPositions
 from kfac_optim.statistics_worker import StatisticsWorker
 
 logger = logging.getLogger(__name__)
@@ -133,19 +152,54 @@ class CaptureHook(CopiedAsInert):
         return inert
 
 
+class ModelCallStart(CopiedAsInert):
+    """The forward pre-hook (``with_kwargs=True``) on the model given to KFAC: a call starts
+    (:meth:`StatisticsCapture.model_call_started`). Not while Dynamo traces (the count would be a
+    guarded constant: a recompile per call): a compiled model's calls do not advance the count, so
+    its pairs of one backward pass count as one call."""
+
+    def __init__(self, capture: StatisticsCapture) -> None:
+        self._capture = weakref.ref(capture)
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        capture = self._capture()
+        if capture is not None and not torch.compiler.is_compiling():
+            capture.model_call_started(args, kwargs)
+
+
+def _computed_from(tensors: list[Any], nodes: set[Any]) -> bool:
+    """Whether any of ``tensors`` was computed from an output whose autograd node is in ``nodes``
+    (a walk of their graphs back to the leaves, stopping at the first such node)."""
+    stack = [t.grad_fn for t in tensors if isinstance(t, Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node in nodes:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return False
+
+
 class Tapped:
     """One forward call's tapped output of a block: its input, the parameter whose ``.grad`` its
-    backward writes (and that parameter's ``AccumulateGrad`` node), and, while its graph is kept
+    backward writes (and that parameter's ``AccumulateGrad`` node), the model call it came from
+    and the real positions of its forward (``KFAC.mask``; None: all), and, while its graph is kept
     for another backward, the sum of its output-gradients so far, the graph task that brought the
     first and the one that brought the latest."""
 
-    __slots__ = ("block", "latest", "layer_input", "node", "param", "summed", "task")
+    __slots__ = ("block", "call", "latest", "layer_input", "node", "param", "positions", "summed", "task")
 
-    def __init__(self, block: KroneckerBlock, layer_input: Any, param: Tensor, node: Any) -> None:
+    def __init__(self, block: KroneckerBlock, layer_input: Any, param: Tensor, node: Any, call: int,
+                 positions: RealPositions | None) -> None:
         self.block = block
         self.layer_input = layer_input
         self.param = param
         self.node = node
+        self.call = call
+        self.positions = positions
         self.summed: Tensor | None = None
         self.task = -1
         self.latest = -1
@@ -200,7 +254,10 @@ class StatisticsCapture:
     was passed over (the optimizer reports a step whose every backward was such); ``recorded``
     counts the pairs handed on (or to ``worker``) since the caller last reset it, ``arrivals`` the
     output-gradients that reached the hooks (recorded or not) since the caller last reset it. With ``worker``,
-    pairs are handed on there unless ``in_line()`` says they must not be now.
+    pairs are handed on there unless ``in_line()`` says they must not be now. ``model``: the module
+    whose calls delimit samples (see the module docstring; None: every pair of a backward pass
+    counts as one call). ``transformed_skipped`` is set when a forward inside a ``torch.func``
+    transform was not hooked (the caller resets it).
     """
 
     def __init__(
@@ -210,9 +267,14 @@ class StatisticsCapture:
         every_backward: bool = True,
         worker: StatisticsWorker | None = None,
         in_line: Callable[[], bool] = lambda: False,
+        model: nn.Module | None = None,
     ) -> None:
         blocks = list(blocks)
         self.armed = False
+        self.model_calls = 0  # independent forward calls of ``model`` so far (model_call_started)
+        self._call_outputs: set[Any] = set()  # autograd nodes of the outputs tapped in the latest model call
+        self.positions: RealPositions | None = None  # the real positions of forwards now (masked)
+        self.transformed_skipped = False
         self.only: set[int] | None = None  # armed modules' id()s; None: all
         self.graph_backward_skipped = False
         self.recorded = 0
@@ -240,6 +302,8 @@ class StatisticsCapture:
                     for module in block.captured_modules()
                 ]
             self._handles.extend(own)
+        if model is not None:
+            self._handles.append(model.register_forward_pre_hook(ModelCallStart(self), with_kwargs=True))
         self._finalizer = weakref.finalize(self, _remove_hooks, self._handles, self.copies)
         self._finalizer.atexit = False  # nothing to clean at interpreter exit, when modules may be half gone
 
@@ -271,15 +335,34 @@ class StatisticsCapture:
         self.armed = armed
         self.only = only
         self._tapped.clear()
+        self._call_outputs = set()
+
+    def model_call_started(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A call of the model starts with ``args``, ``kwargs``: it holds new samples
+        (:attr:`model_calls` counts on) unless a tensor among them was computed from an output
+        tapped in the previous call (a recurrence run call by call: the same samples). The
+        previous call's tapped outputs' autograd nodes are held until then or the next step (at
+        most one forward's graph)."""
+        if not self._call_outputs or not _computed_from(tree_leaves((args, kwargs)), self._call_outputs):
+            self.model_calls += 1
+        self._call_outputs = set()
 
     def should_capture(self, module: nn.Module) -> bool:
-        """Whether a forward of ``module`` now records statistics: armed (for it), training, grad enabled."""
-        return (
-            self.armed
-            and (self.only is None or id(module) in self.only)
-            and module.training
-            and torch.is_grad_enabled()
-        )
+        """Whether a forward of ``module`` now records statistics: armed (for it), grad enabled (in
+        training or eval mode alike: see the module docstring)."""
+        return self.armed and (self.only is None or id(module) in self.only) and torch.is_grad_enabled()
+
+    @contextlib.contextmanager
+    def masked(self, positions: RealPositions) -> Iterator[None]:
+        """Forwards run inside record only ``positions``' real positions (``KFAC.mask``; the pairs
+        keep them until their backward, which may run after the block)."""
+        if self.positions is not None:
+            raise RuntimeError("KFAC.mask() is already active: masks do not nest")
+        self.positions = positions
+        try:
+            yield
+        finally:
+            self.positions = None
 
     def site(self, block: KroneckerBlock, rebuild: Callable[[Tensor], Any]) -> TapSite:
         """A place where compiled forwards tap ``block``'s output (:meth:`tap`'s ``site``); ``rebuild``
@@ -302,7 +385,10 @@ class StatisticsCapture:
         traced graph instead, to be used in its place (``compiled_capture``; its backward calls
         :meth:`record_traced`). Otherwise returns None."""
         param = self._recorded_parameter(block)
-        if param is None:
+        if param is None or block.sgd_reason is not None:
+            return None
+        if torch._C._functorch.maybe_current_level() is not None:
+            self.transformed_skipped = True  # torch.func.grad / vmap: see the module docstring
             return None
         if torch.compiler.is_compiling():
             untraced = self._untraced_reason(block, site)
@@ -311,8 +397,13 @@ class StatisticsCapture:
                 return compiled_capture.traced_tap(output, layer_tensor, site)
             if not self._warned_untraced:
                 self._warn_untraced(block, untraced)
+        if output.is_nested and not block.takes_nested:
+            raise TypeError(f"K-FAC layer '{block.name}' ({type(block).__name__}) cannot record a nested tensor input "
+                            "(torch.nested): pad it and pass the mask with KFAC.mask(), or skip_layers="
+                            f"[{block.name!r}]")
         capture = weakref.ref(self)
-        tapped = self._new_tapped(block, layer_input, param)
+        positions = None if self.positions is None else block.mask_of(layer_input, self.positions)
+        tapped = self._new_tapped(block, layer_input, param, self.model_calls, positions)
 
         def on_gradient(grad_output: Tensor) -> None:
             live = capture()
@@ -320,6 +411,7 @@ class StatisticsCapture:
                 live.record(tapped, grad_output)
 
         output.register_hook(on_gradient)
+        self._call_outputs.add(output.grad_fn)
         if not self._every_backward:
             self._tapped.append(output)
         return None
@@ -330,6 +422,8 @@ class StatisticsCapture:
             return "the sampled Fisher records in its own pass over the layer outputs"
         if site is None:
             return f"{type(block).__name__} captures through its own hooks"
+        if self.positions is not None:
+            return "KFAC.mask() is active"
         if not compiled_capture.available():
             return f"torch {torch.__version__} has no custom ops with effects"
         return None
@@ -344,11 +438,13 @@ class StatisticsCapture:
             "(docs/design.md §4, 'Compiled models')"
         )
 
-    def _new_tapped(self, block: KroneckerBlock, layer_input: Any, param: Tensor) -> Tapped:
-        """One forward call's :class:`Tapped` for ``block``, whose module uses ``param`` now."""
+    def _new_tapped(self, block: KroneckerBlock, layer_input: Any, param: Tensor, call: int,
+                    positions: RealPositions | None = None) -> Tapped:
+        """One forward call's :class:`Tapped` for ``block``, whose module uses ``param`` now, from
+        model call ``call`` (:attr:`model_calls` then) with real ``positions`` (None: all)."""
         # FSDP2 has put the sharded parameter back after the forward; its unsharded copy is back in the backward
         node = None if fsdp.is_sharded(param) else self._node_of(block, param)
-        return Tapped(block, layer_input, param, node)
+        return Tapped(block, layer_input, param, node, call, positions)
 
     def record_traced(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
         """:meth:`record` for an output tapped in a compiled forward (``compiled_capture``), called in
@@ -366,7 +462,7 @@ class StatisticsCapture:
             param = self._recorded_parameter(block)
             if param is None:
                 return
-            tapped = self._new_tapped(block, layer_input, param)
+            tapped = self._new_tapped(block, layer_input, param, self.model_calls)
         self.record(tapped, grad_output)
 
     def _recorded_parameter(self, block: KroneckerBlock) -> Tensor | None:
@@ -425,7 +521,7 @@ class StatisticsCapture:
             replayed = tapped.task
             tapped.summed = None
             del self._held[tapped]
-        self._hand_on(block, tapped.layer_input, total, replayed)
+        self._hand_on(tapped, total, replayed)
 
     def flush(self) -> None:
         """Hand on the pairs held for backward passes that kept their graph (at the step)."""
@@ -433,7 +529,7 @@ class StatisticsCapture:
         for tapped in held:
             total, tapped.summed = tapped.summed, None
             if total is not None:
-                self._hand_on(tapped.block, tapped.layer_input, total, tapped.task)
+                self._hand_on(tapped, total, tapped.task)
 
     def drop_without_gradient(self) -> None:
         """At the step, before the fold: drop the pending statistics of blocks that recorded but
@@ -457,33 +553,33 @@ class StatisticsCapture:
         else:
             self._worker.submit(block.clear_pending)
 
-    def _hand_on(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor, task: int | None) -> None:
-        """Hand the pair to ``accumulate`` (or the worker), as recorded in graph task ``task`` (None:
-        the running one)."""
+    def _hand_on(self, tapped: Tapped, grad_output: Tensor, task: int | None) -> None:
+        """Hand ``tapped``'s pair to ``accumulate`` (or the worker), as recorded in graph task
+        ``task`` (None: the running one)."""
+        block, layer_input, call, positions = tapped.block, tapped.layer_input, tapped.call, tapped.positions
         self.recorded += 1
         self._fed[block] = current_graph_task() if task is None else task
         if self._worker is None or self._in_line():
             if self._worker is not None:
                 self._worker.wait()  # its earlier work (e.g. a fold) comes first
-            if task is None:
+            with in_graph_task(task) if task is not None else contextlib.nullcontext(), \
+                    recording_pair(call, positions):
                 self._accumulate(block, layer_input, grad_output)
-            else:
-                with in_graph_task(task):
-                    self._accumulate(block, layer_input, grad_output)
             return
         tensors = _tensors_of(layer_input, grad_output)
         versions = [t._version for t in tensors]
         task = torch._C._current_graph_task_id() if task is None else task
-        self._worker.submit(self._accumulate_later, block, layer_input, grad_output, task, versions)
+        self._worker.submit(self._accumulate_later, block, layer_input, grad_output, task, versions, call, positions)
 
     def _accumulate_later(
-        self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor, task: int, versions: list[int]
+        self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor, task: int, versions: list[int],
+        call: int, positions: RealPositions | None,
     ) -> None:
         """On the worker: hand the pair on as :meth:`record` would have, unless it changed since."""
         if [t._version for t in _tensors_of(layer_input, grad_output)] != versions:
             self.overwritten.add(block.name)
             return
-        with in_graph_task(task):
+        with in_graph_task(task), recording_pair(call, positions):
             self._accumulate(block, layer_input, grad_output)
 
     @contextlib.contextmanager
@@ -503,3 +599,4 @@ class StatisticsCapture:
         """Remove every hook from the model and from deep copies of it (idempotent)."""
         self._finalizer()
         self.armed = False
+        self._call_outputs = set()

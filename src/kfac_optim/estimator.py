@@ -138,6 +138,7 @@ class KroneckerEstimator:
             every_backward=curvature.fisher == "empirical",
             worker=self._statistics,
             in_line=precision.under_apex,  # Apex's loss scale is read during backward
+            model=model,  # its calls delimit samples (chunked forwards: capture.py)
         )
         self._last_fold: Future[None] | None = None  # async_statistics: the latest factor step's fold
         self.background = BackgroundDecompositions() if options.asynchronous is not None else None
@@ -152,7 +153,7 @@ class KroneckerEstimator:
         self._reported_overwritten: set[str] = set()
         self._reported_truncations: set[str] = set()
         self._warned = {"apex in line": False, "nothing sampled": False, "graph backward": False,
-                        "nothing recorded": False}
+                        "nothing recorded": False, "torch.func": False}
         self._gradient_marks: list[tuple[int, int]] = []  # at the last factor step (_current_gradient_marks)
         self._checked_capture = False
         # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (counted by the
@@ -268,7 +269,7 @@ class KroneckerEstimator:
         K-FAC layer and without weight gradients, however the parameters reach the graph, e.g.
         FSDP2's unsharded copies; ``.grad`` is left alone and the graph is kept for the training
         loss; the outputs are held from the forward until then);
-        on the other steps, in eval mode and under ``torch.no_grad()`` it returns at once.
+        on the other steps and under ``torch.no_grad()`` it returns at once (eval mode records as training mode does).
         ``generator`` draws the targets (default: torch's global generator). Loss scaling
         (GradScaler, Apex) needs nothing more: the sampled loss is never scaled, as its
         output-gradients are per-sample and of order one.
@@ -283,8 +284,8 @@ class KroneckerEstimator:
             return
         if not outputs.requires_grad:
             raise ValueError("outputs must be the model's output computed with grad enabled (it does not require grad)")
-        if not self.capture.armed or not any(block.module.training for block in self.blocks):
-            return  # not a factor step, or eval mode (the hooks capture nothing)
+        if not self.capture.armed:
+            return  # not a factor step (the hooks capture nothing)
         loss = fisher_lib.sampled_loss(outputs, likelihood, generator)
         recorded_before = self.capture.recorded
         with self.capture.recording_outputs() as layer_outputs:
@@ -403,7 +404,7 @@ class KroneckerEstimator:
         active = [block for block in self.blocks if any(p.requires_grad for p in block.parameters())]
         silent = [block.name for block in active if block.pending_samples == 0]
         if len(silent) == len(active):
-            return  # no statistics at all (eval mode, a skipped backward): ask again next time
+            return  # no statistics at all (a skipped backward, a torch.func loop): ask again next time
         self._checked_capture = True
         if silent:
             warn_user(
@@ -419,14 +420,25 @@ class KroneckerEstimator:
         left = batch_free.leave_batch_free_blocks_to_sgd(self.blocks)
         if left:
             self.reports = [
-                dataclasses.replace(r, block=None, status="unsupported", detail=batch_free.REASON)
+                dataclasses.replace(r, block=None, status="unsupported", detail=left[r.block])
                 if r.block in left else r
                 for r in self.reports
             ]
 
     def _check_something_was_recorded(self) -> None:
-        """Warn once when every backward of a factor step ran with ``create_graph=True`` (not recorded),
-        and once when no output-gradient reached the hooks although layers in training mode have gradients."""
+        """Warn once when forwards ran inside a ``torch.func`` transform (not hooked), once when every
+        backward of a factor step ran with ``create_graph=True`` (not recorded), and once when no
+        output-gradient reached the hooks although the layers have gradients."""
+        transformed, self.capture.transformed_skipped = self.capture.transformed_skipped, False
+        if transformed and not self._warned["torch.func"]:
+            warn_user(
+                "K-FAC layers ran inside a torch.func transform (torch.func.grad, vjp, vmap, ...): its gradients "
+                "never reach K-FAC's hooks, so those forwards add no statistics: the factors stay as they are "
+                "(none yet: the step is SGD's); compute the gradients with "
+                "loss.backward() for K-FAC to precondition them",
+                RuntimeWarning,
+            )
+            self._warned["torch.func"] = True
         skipped, self.capture.graph_backward_skipped = self.capture.graph_backward_skipped, False
         arrivals, self.capture.arrivals = self.capture.arrivals, 0
         marks, self._gradient_marks = self._gradient_marks, self._current_gradient_marks()
@@ -440,7 +452,7 @@ class KroneckerEstimator:
                 RuntimeWarning,
             )
             self._warned["graph backward"] = True
-        elif not arrivals and not self._warned["nothing recorded"] and self.capture.active and (
+        elif not arrivals and not transformed and not self._warned["nothing recorded"] and self.capture.active and (
             self._gradient_marks and self._gradient_marks != marks  # a backward wrote gradients since
         ):
             warn_user(
@@ -456,8 +468,7 @@ class KroneckerEstimator:
     def _current_gradient_marks(self) -> list[tuple[int, int]]:
         """Which gradient tensors the training blocks' weights hold, and their versions (no tensor
         is read): a change between factor steps means a backward wrote gradients in between."""
-        return [(id(grad), grad._version) for block in self.blocks
-                if block.module.training and (grad := block.weight.grad) is not None]
+        return [(id(grad), grad._version) for block in self.blocks if (grad := block.weight.grad) is not None]
 
     def _decomposition_step(self, damping: float, only_missing: bool = False) -> None:
         """Make the factors global (lazy reduction), decompose what this rank owns, share them.

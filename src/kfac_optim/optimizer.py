@@ -26,8 +26,9 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -55,6 +56,7 @@ from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.estimator import LARGE_FACTOR_DIM, KroneckerEstimator, block_dims, unwrap_model
 from kfac_optim.grafting import Grafting
 from kfac_optim.layers import ModuleReport, discover_blocks
+from kfac_optim.layers.positions import RealPositions
 from kfac_optim.methods import Method
 from kfac_optim.precision import MixedPrecision
 
@@ -284,6 +286,16 @@ class KFAC(Optimizer, Joinable):
     def discard_pending_statistics(self) -> None:
         """Forget statistics captured since the last step (e.g. of a step that will not happen)."""
         self.estimator.discard_pending_statistics()
+
+    @contextlib.contextmanager
+    def mask(self, mask: Tensor) -> Iterator[None]:
+        """Forwards run inside count only the real positions of ``mask`` in K-FAC's statistics
+        (padding): ``mask`` is bool (or 0/1 integers), True at real positions, shaped as the
+        leading dims of the sequence layers' inputs, samples first (``(N, T)``: a tokenizer's
+        ``attention_mask``). The backward may run after the block. One host sync per use to count
+        the real positions. See docs/api.md "Sequence models"."""
+        with self.estimator.capture.masked(RealPositions.of(mask)):
+            yield
 
     @torch.compiler.disable
     def sample_fisher(self, outputs: Tensor, likelihood: fisher_lib.Likelihood,

@@ -33,8 +33,9 @@ from torch.utils.hooks import RemovableHandle
 
 from kfac_optim.layers.base import Capture, KroneckerBlock
 from kfac_optim.layers.factor import output_gram_scale
-from kfac_optim.layers.hooks import CopiedAsInert
+from kfac_optim.layers.hooks import CopiedAsInert, current_mask
 from kfac_optim.layers.linear import LinearBlock
+from kfac_optim.layers.positions import RealPositions
 
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 _PROJECTIONS = ("q", "k", "v")
@@ -63,6 +64,20 @@ class _FedByTheAttentionTap(LinearBlock):
 
     def sample_count(self, inputs: Tensor) -> int:
         return _batch_size(inputs)
+
+    def mask_of(self, layer_input: Any, positions: RealPositions) -> RealPositions | None:
+        """The mask ``(N, L)`` (batch first, as the user's) over an input in the functional's layout
+        ``(L, N, E)``, transposed to it; None unbatched. A key or value of another length (cross
+        attention) is recorded whole with a one-time warning."""
+        x = layer_input[1] if isinstance(layer_input, tuple) else layer_input
+        if x.dim() != 3:
+            return None
+        fitted = positions.fit((x.shape[1], x.shape[0]))
+        if fitted is None:
+            self.warn_unmasked(f"its input's (batch, length) {(x.shape[1], x.shape[0])} is not the mask's shape "
+                               f"{tuple(positions.mask.shape)}")
+            return None
+        return RealPositions(fitted.mask.T, fitted.count)
 
 
 class InProjectionBlock(_FedByTheAttentionTap):
@@ -108,12 +123,18 @@ class InProjectionBlock(_FedByTheAttentionTap):
     def accumulate(self, inputs: tuple[int, Tensor], grad_output: Tensor) -> None:
         """``inputs``: ``(j, x)``, projection ``j``'s input ``x``; ``grad_output`` its output-gradient."""
         index, x = inputs
-        dtype = self.A.pending.dtype
+        dtype, positions = self.A.pending.dtype, current_mask()
         with torch.autocast(x.device.type, enabled=False):
-            rows = self.input_rows(x).to(dtype)
-            self.A.add_gram(rows, append_ones=self.bias is not None, group=index)
-            self.G.add_gram(self.output_grad_rows(grad_output).to(dtype), group=index)
-        self._group_rows[index] += rows.shape[0]
+            if positions is None:
+                rows, g, real = self.input_rows(x).to(dtype), self.output_grad_rows(grad_output).to(dtype), None
+            elif self.reduce:  # per sample: the mean over its real positions, the summed gradient
+                sums, uses = self.use_sums(x.to(dtype), positions)
+                rows, g, real = sums / uses.clamp(min=1), self.use_sums(grad_output.to(dtype), positions)[0], None
+            else:
+                rows, g, real = self.real_rows(x.to(dtype), grad_output.to(dtype), positions)
+            self.A.add_gram(rows, append_ones=self.bias is not None, group=index, count=real)
+            self.G.add_gram(g, group=index)
+        self._group_rows[index] += rows.shape[0] if real is None else real
         self.count_samples(self.sample_count(x))  # once per backward for the three projections
 
     def clear_pending(self) -> None:
@@ -127,7 +148,7 @@ class InProjectionBlock(_FedByTheAttentionTap):
         rows = torch.tensor([1.0 / max(r, 1) for r in self._group_rows], dtype=self.A.pending.dtype)
         self.A.fold(rows.to(self.A.pending.device).view(-1, 1, 1), decay)
         self.G.fold(output_gram_scale(self.pending_samples, loss_reduction, grad_scale), decay)
-        self.pending_samples = 0
+        self.forget_samples()
         self._group_rows = [0] * self.groups
 
 

@@ -26,8 +26,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from kfac_optim.diagnostics import warn_user
 from kfac_optim.layers.factor import Factor, FactorName, output_gram_scale
-from kfac_optim.layers.hooks import current_graph_task
+from kfac_optim.layers.hooks import current_samples
+from kfac_optim.layers.positions import RealPositions
 from kfac_optim.methods import Method
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,11 @@ class KroneckerBlock(ABC):
     """Set by :meth:`set_weight_sharing`: "reduce" (True) or "expand" (False)."""
     ignored_weight_sharing: WeightSharing | None = None
     """The mode asked of :meth:`set_weight_sharing` that this block does not implement (None: none)."""
+    sgd_reason: str | None = None
+    """Set by :meth:`leave_to_sgd`: the block records nothing and its parameters take the SGD path."""
+    takes_nested: ClassVar[bool] = False
+    """Whether the block records a nested jagged input (``torch.nested``, ``layout=torch.jagged``);
+    the capture refuses one for a block that does not, naming the layer."""
 
     def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
         self.name = name
@@ -89,7 +96,9 @@ class KroneckerBlock(ABC):
         self.module_weight: nn.Parameter = weight  # the module's own (``weight`` may become an Apex master)
         self.factors: dict[FactorName, Factor] = self.make_factors(factor_dtype, self.weight.device)
         self.pending_samples = 0
-        self._counted_task: int | None = None
+        self._counted: set[tuple[int, int]] = set()  # the (graph task, model call)s counted since the last fold
+        self.calls = [0, 0]  # calls recorded since the last fold, and how many of them held one sample
+        self._warned_mask = False
         self.failures = 0
         self.method_state: dict[str, Tensor] = {}
         """Per-block state of a stateful ``Method`` (e.g. ``EigenAdam``'s second moments); saved with the block."""
@@ -120,6 +129,12 @@ class KroneckerBlock(ABC):
         weight, bias = cls.weight_and_bias(module)
         if weight not in trainable or weight in claimed:
             return []
+        if isinstance(weight, nn.parameter.UninitializedParameter):
+            raise ValueError(
+                f"K-FAC layer '{name}' ({type(module).__name__}) has uninitialized (lazy) parameters, so K-FAC cannot "
+                "size its factors: run one forward pass (e.g. on a sample batch) before creating KFAC, or pass "
+                f"skip_layers=[{name!r}] to leave it to SGD"
+            )
         claimed.add(weight)
         include_bias = bias is not None and bias in trainable and bias not in claimed
         if include_bias:
@@ -171,6 +186,26 @@ class KroneckerBlock(ABC):
         self.ignored_weight_sharing = None
         return True
 
+    def leave_to_sgd(self, reason: str) -> None:
+        """Record nothing from now on (the block's parameters take the SGD path: its factors are
+        never initialized, so it never has a decomposition), for ``reason`` (in :meth:`describe`)."""
+        self.sgd_reason = reason
+        self.clear_pending()
+
+    def mask_of(self, layer_input: Any, positions: RealPositions) -> RealPositions | None:
+        """The real positions of a call recorded under ``KFAC.mask`` (``layers.positions``), fitted
+        to ``layer_input``, or None: the call is recorded whole. This default (a block that does not
+        implement masks) records every position and warns once."""
+        self.warn_unmasked("its block kind does not implement masks")
+        return None
+
+    def warn_unmasked(self, reason: str) -> None:
+        """Warn once that a call under ``KFAC.mask`` is recorded with every position, for ``reason``."""
+        if not self._warned_mask:
+            self._warned_mask = True
+            warn_user(f"K-FAC layer '{self.name}' ({type(self).__name__}) was called under KFAC.mask() but counts "
+                      f"every position in its statistics: {reason}", RuntimeWarning)
+
     def describe(self) -> str:
         """One line: the block kind and its factors' shapes and kinds."""
         parts = ", ".join(f"{name} {factor.describe()}" for name, factor in self.factors.items())
@@ -179,6 +214,8 @@ class KroneckerBlock(ABC):
         if self.ignored_weight_sharing is not None:
             text += (f"; weight_sharing={self.ignored_weight_sharing!r} not implemented by {type(self).__name__}: "
                      "every use of the weight is a row ('expand')")
+        if self.sgd_reason is not None:
+            text += f"; takes the SGD path: {self.sgd_reason}"
         return text
 
     def direction_shape(self) -> tuple[int, ...]:
@@ -233,18 +270,30 @@ class KroneckerBlock(ABC):
         self.count_samples(self.sample_count(inputs))
 
     def count_samples(self, samples: int) -> None:
-        """Add ``samples`` to N, once per backward pass: a module called several times in one
-        forward (weight sharing) adds every call's rows but its samples once ("expand",
-        Eschenhagen et al. 2023). Outside a backward pass every call counts."""
-        task = current_graph_task()
-        if task == -1 or task != self._counted_task:
+        """Add one call's ``samples`` to N, once per backward pass and call of the model
+        (:func:`~kfac_optim.layers.hooks.current_samples`): a module called several times within one
+        forward of the model (weight sharing: an RNN cell over time steps) adds every call's rows but
+        its samples once ("expand", Eschenhagen et al. 2023); calls from separate calls of the model
+        (chunks of one batch) hold different samples and each counts. Outside a backward pass every
+        call counts. Also counts the call, and whether it held one sample, for ``batch_free``."""
+        key = current_samples()
+        if key[0] == -1 or key not in self._counted:
             self.pending_samples += samples
-        self._counted_task = task
+            if key[0] != -1:
+                self._counted.add(key)
+        self.calls[0] += 1
+        self.calls[1] += samples == 1
 
     def clear_pending(self) -> None:
         for factor in self.factors.values():
             factor.clear_pending()
+        self.forget_samples()
+
+    def forget_samples(self) -> None:
+        """Forget the samples and calls counted since the last fold (after a fold or a discard)."""
         self.pending_samples = 0
+        self._counted.clear()
+        self.calls = [0, 0]
 
     def fold(self, decay: float, loss_reduction: str, grad_scale: float | Tensor = 1.0) -> None:
         """Fold pending statistics into the running factors (no-op when none were captured).
@@ -256,7 +305,7 @@ class KroneckerBlock(ABC):
             return
         self.A.fold(1.0 / self.A.pending_rows, decay)
         self.G.fold(output_gram_scale(self.pending_samples, loss_reduction, grad_scale), decay)
-        self.pending_samples = 0
+        self.forget_samples()
 
     def reduced_factors(self) -> list[Factor]:
         """The factors whose running averages the ranks average in the lazy factor reduction

@@ -31,7 +31,7 @@ sides are swapped), so ``reduce`` applies within the head's call only.
 Indices without a batch dimension (``position(torch.arange(T))`` broadcast over the batch):
 autograd sums the output-gradient over the batch before the hook sees it, so the per-sample
 statistics cannot be formed; see :mod:`kfac_optim.batch_free`, which finds such blocks and turns
-them to the SGD path (:meth:`EmbeddingBlock.leave_to_sgd`). :attr:`EmbeddingBlock.unbatched`
+them to the SGD path (:meth:`KroneckerBlock.leave_to_sgd`). :attr:`EmbeddingBlock.unbatched`
 counts the calls and rows with 1-D indices since the last fold, for that check.
 """
 
@@ -46,6 +46,8 @@ from torch import Tensor, nn
 from kfac_optim import linalg
 from kfac_optim.layers.base import KroneckerBlock
 from kfac_optim.layers.factor import DiagonalFactor, Factor, FactorName, output_gram_scale
+from kfac_optim.layers.hooks import current_mask
+from kfac_optim.layers.positions import RealPositions
 
 
 class TiedHead:
@@ -69,16 +71,27 @@ class TiedHead:
         return {"embedding_A": self.embedding_A, "embedding_G": self.embedding_G,
                 "head_A": self.head_A, "head_G": self.head_G}
 
-    def add(self, inputs: Tensor, grad_output: Tensor, reduce: bool) -> None:
+    def add(self, inputs: Tensor, grad_output: Tensor, reduce: bool, positions: RealPositions | None = None) -> None:
         """Add one head call's rows: every position (expand), or per sample the mean input and the
-        summed output-gradient over its positions (``reduce``, inputs ``(N, *, D)`` with positions)."""
+        summed output-gradient over its positions (``reduce``, inputs ``(N, *, D)`` with positions);
+        with ``positions`` (``KFAC.mask`` fitted to the input's leading dims) the real ones only."""
         a, g = inputs.to(self.head_A.pending.dtype), grad_output.to(self.head_A.pending.dtype)
+        real = None
+        if positions is not None:
+            weights = positions.mask.unsqueeze(-1).to(a.dtype)
+            a, g, real = a * weights, g * weights, positions.count
         if reduce and a.dim() > 2:
-            a = a.reshape(a.shape[0], -1, a.shape[-1]).mean(1)
+            a = a.reshape(a.shape[0], -1, a.shape[-1])
+            if positions is None:
+                a = a.mean(1)
+            else:  # the mean over the sample's real positions
+                a = a.sum(1) / positions.mask.reshape(a.shape[0], -1).sum(1, keepdim=True).clamp(min=1)
             g = g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)
+            real = None
         a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
-        self.head_A.add_gram(a)
-        self.head_G.add_counts(g.square().sum(0), a.shape[0])
+        rows = a.shape[0] if real is None else real
+        self.head_A.add_gram(a, count=rows)
+        self.head_G.add_counts(g.square().sum(0), rows)
 
     def fold(self, g_scale: float | Tensor, decay: float) -> None:
         """Fold each use's pending statistics that has any into its running average: ``A``s over
@@ -106,17 +119,22 @@ class EmbeddingBlock(KroneckerBlock):
 
     supports_weight_sharing = True  # "reduce": for a tied head's leading dims only; the embedding's own uses expand
     head: TiedHead | None = None
-    sgd_reason: str | None = None  # set by leave_to_sgd: the block records nothing and takes the SGD path
 
     def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
         super().__init__(name, module, include_bias, factor_dtype)
         self.unbatched = [0, 0]  # calls with 1-D indices since the last fold, and their rows
 
-    def leave_to_sgd(self, reason: str) -> None:
-        """Record nothing from now on (the block's weight takes the SGD path: its factors are
-        never initialized, so it never has a decomposition), for ``reason`` (in :meth:`describe`)."""
-        self.sgd_reason = reason
-        self.clear_pending()
+    def mask_of(self, layer_input: Any, positions: RealPositions) -> RealPositions | None:
+        """The mask over the indices ``(N, T, ...)``, or over the leading dims of the tied head's input
+        ``(N, T, ..., D)`` (None: no positions, recorded whole)."""
+        leading = layer_input[1].shape[:-1] if isinstance(layer_input, tuple) else layer_input.shape
+        if len(leading) <= 1:
+            return None
+        fitted = positions.fit(leading)
+        if fitted is None:
+            self.warn_unmasked(f"its input's leading dims {tuple(leading)} do not start with the mask's "
+                               f"shape {tuple(positions.mask.shape)} (samples first)")
+        return fitted
 
     def tie(self, name: str, module: nn.Module) -> bool:
         """Take the uses of a plain ``nn.Linear(D, V)`` head sharing this weight (see the module docstring)."""
@@ -136,9 +154,7 @@ class EmbeddingBlock(KroneckerBlock):
 
     def describe(self) -> str:
         text = super().describe()
-        if self.sgd_reason is not None:
-            return f"{text}; takes the SGD path: {self.sgd_reason}"
-        if self.head is None:
+        if self.head is None or self.sgd_reason is not None:
             return text
         return (f"{text}; weight tied with Linear '{self.head.name}': A, G the Kronecker product nearest "
                 "to the sum of both uses' running averages (head: diagonal G, dense A)")
@@ -162,11 +178,15 @@ class EmbeddingBlock(KroneckerBlock):
         return self.head.embedding_A, self.head.embedding_G
 
     def add_input_gram(self, inputs: Tensor, dtype: torch.dtype) -> None:
-        tokens = inputs.reshape(-1)
-        counts = torch.bincount(tokens, minlength=self.weight.shape[0]).to(dtype)
+        tokens, positions = inputs.reshape(-1), current_mask()
+        if positions is None:
+            counts, rows = torch.bincount(tokens, minlength=self.weight.shape[0]).to(dtype), tokens.numel()
+        else:  # the real positions only (layers.positions)
+            weights = positions.weights(dtype).reshape(-1)
+            counts, rows = torch.bincount(tokens, weights, minlength=self.weight.shape[0]).to(dtype), positions.count
         if self.module.padding_idx is not None:
             counts[self.module.padding_idx] = 0
-        self.statistics()[0].add_counts(counts, tokens.numel())
+        self.statistics()[0].add_counts(counts, rows)
 
     def output_grad_rows(self, grad_output: Tensor) -> Tensor:
         return grad_output.reshape(-1, grad_output.shape[-1])
@@ -180,12 +200,14 @@ class EmbeddingBlock(KroneckerBlock):
         if isinstance(inputs, tuple):  # the tied head's call
             _, x = inputs
             with torch.autocast(x.device.type, enabled=False):
-                self.head.add(x, grad_output, self.reduce)
+                self.head.add(x, grad_output, self.reduce, current_mask())
             self.count_samples(x.shape[0] if x.dim() > 1 else 1)
             return
-        padding = self.module.padding_idx
+        padding, positions = self.module.padding_idx, current_mask()
         if padding is not None:  # zero ĝ at padding positions (a multiply, no host sync)
             grad_output = grad_output * (inputs != padding).unsqueeze(-1).to(grad_output.dtype)
+        if positions is not None:  # and at the positions the mask says are not real
+            grad_output = grad_output * positions.mask.unsqueeze(-1).to(grad_output.dtype)
         if inputs.dim() == 1:
             self.unbatched[0] += 1
             self.unbatched[1] += inputs.shape[0]
@@ -209,7 +231,7 @@ class EmbeddingBlock(KroneckerBlock):
             self.unbatched = [0, 0]
             return
         head.fold(output_gram_scale(self.pending_samples, loss_reduction, grad_scale), decay)
-        self.pending_samples = 0
+        self.forget_samples()
         self.unbatched = [0, 0]
         self.factors_reduced()
 

@@ -147,10 +147,15 @@ class Factor:
         return float(self.diagonal_of(self.running).mean())
 
     def add_gram(
-        self, rows: Tensor, append_ones: bool = False, group: int | None = None, support: Support | None = None
+        self, rows: Tensor, append_ones: bool = False, group: int | None = None, support: Support | None = None,
+        count: int | None = None,
     ) -> None:
         """Accumulate ``rowsᵀ rows`` for ``rows: (R, dim[-1])``, or ``(groups, R, dim[-1])`` per block,
         or into block ``group`` only (a trailing 1 when ``append_ones``).
+
+        ``count`` (default: all R): how many of the rows are real; the others are zero rows of
+        padded positions (``layers.positions``), which add nothing and are not counted (nor get the
+        trailing 1).
 
         ``support`` (with ``group`` None): the rows' columns are the indices of ``support`` in
         order (with the trailing 1 at the last of them) and every other column is zero: only
@@ -166,7 +171,8 @@ class Factor:
             linalg.add_gram_(target[:n, :n], rows)
         else:
             target[..., :n, :n].baddbmm_(rows.mT, rows)
-        self._add_row_count(target, rows.shape[-2], rows.sum(dim=-2) if append_ones else None)
+        self._add_row_count(target, rows.shape[-2] if count is None else count,
+                            rows.sum(dim=-2) if append_ones else None)
         self._put_pending_block(target, support)
 
     def add_column_gram(self, columns: Tensor, append_ones: bool = False, support: Support | None = None) -> None:

@@ -1,7 +1,9 @@
 """What every capture hook shares: the backward pass being recorded, and the inert placeholder.
 
 Owns: which autograd graph task (one backward pass) an output-gradient belongs to, also when it is
-recorded later on another thread (:func:`in_graph_task`); whether the running backward pass writes
+recorded later on another thread (:func:`in_graph_task`); which samples a recorded pair holds (the
+model call it came from and the mask of its real positions: :func:`recording_pair`,
+:func:`current_samples`, :func:`current_mask`); whether the running backward pass writes
 a parameter's ``.grad`` (:func:`gradient_node`, :func:`writes_gradient`) and keeps its graph for
 another (:func:`keeps_graph`); :class:`InertHook`, what a copied or
 pickled model gets in place of a capture hook, and :class:`CopiedAsInert`, the base of hook
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 _replayed_task = threading.local()
+_pair = threading.local()
 
 
 def current_graph_task() -> int:
@@ -40,6 +43,31 @@ def in_graph_task(task: int) -> Iterator[None]:
         yield
     finally:
         _replayed_task.id = None
+
+
+@contextlib.contextmanager
+def recording_pair(call: int, mask: torch.Tensor | None) -> Iterator[None]:
+    """While a block takes one captured pair: it came from forward call ``call`` of the model (the
+    capture's count of the model's calls; -1: none, outside the capture) and ``mask`` says
+    which of its positions are real (None: all; see ``KroneckerBlock.mask_of``)."""
+    _pair.call, _pair.mask = call, mask
+    try:
+        yield
+    finally:
+        _pair.call, _pair.mask = -1, None
+
+
+def current_samples() -> tuple[int, int]:
+    """Which samples the pair being recorded holds, as ``(graph task, model call)``: two calls of a
+    module in one backward pass hold the same samples exactly when they came from one call of the
+    model (time steps of an RNN cell, a weight-tied layer applied twice) and different samples
+    when they came from different calls (chunks of a batch; docs/design.md §3, 'What N is')."""
+    return current_graph_task(), getattr(_pair, "call", -1)
+
+
+def current_mask() -> torch.Tensor | None:
+    """The real positions of the pair being recorded (a bool mask over its leading dims), or None."""
+    return getattr(_pair, "mask", None)
 
 
 def gradient_node(param: torch.Tensor) -> torch.autograd.graph.Node:

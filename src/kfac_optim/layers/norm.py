@@ -86,7 +86,7 @@ class NormBlock(KroneckerBlock):
             return
         self.A.fold(output_gram_scale(self.pending_samples, loss_reduction, grad_scale), decay)
         self.G.fold(1.0 / self.G.pending_rows, decay)
-        self.pending_samples = 0
+        self.forget_samples()
 
     def sample_count(self, inputs: Tensor) -> int:
         return inputs.shape[0]
@@ -116,11 +116,16 @@ class ChannelNormBlock(NormBlock):
     """``nn.GroupNorm`` and ``nn.BatchNorm1d/2d/3d``: units are the channels (dim 1)."""
 
     def normalized(self, inputs: Tensor) -> Tensor:
-        """Statistics are captured in training mode only, where BatchNorm uses the batch's statistics."""
+        """``x̂`` as the module computed it: BatchNorm normalizes with the batch's statistics in
+        training mode and with its running statistics in eval mode (when it tracks them), where
+        K-FAC records too (eval-mode training, docs/design.md §4 "Eval mode records")."""
         module = self.module
         if isinstance(module, nn.GroupNorm):
             return F.group_norm(inputs, module.num_groups, None, None, module.eps)
-        return F.batch_norm(inputs, None, None, None, None, True, 0.0, module.eps)
+        batch_statistics = module.training or module.running_mean is None
+        return F.batch_norm(inputs, None if batch_statistics else module.running_mean,
+                            None if batch_statistics else module.running_var, None, None, batch_statistics, 0.0,
+                            module.eps)
 
     def per_sample(self, values: Tensor) -> Tensor:
         return values.reshape(values.shape[0], values.shape[1], -1).sum(-1)
