@@ -236,8 +236,13 @@ class KFAC(Optimizer, Joinable):
 
     @property
     def module_reports(self) -> list[ModuleReport]:
-        """:meth:`describe`'s rows as data, one per module with trainable parameters."""
-        return list(self.estimator.reports)
+        """:meth:`describe`'s rows as data, one per module with parameters in the param groups, from
+        the state now (the groups, ``requires_grad``, the model's modules)."""
+        return self.estimator.reports(self._group_parameters())
+
+    def _group_parameters(self) -> set[Tensor]:
+        """Every parameter of the param groups now."""
+        return {p for group in self.param_groups for p in group["params"]}
 
     def bytes_communicated(self) -> dict[str, int]:
         """Payload bytes this rank handed to collectives so far, by kind: ``"factors"`` (the
@@ -263,11 +268,11 @@ class KFAC(Optimizer, Joinable):
         return self.estimator.is_inverse_step(step)
 
     def describe(self) -> str:
-        """Every module with trainable parameters and what K-FAC does with them: the block that
-        preconditions them (its kind and factor shapes) or why they take the SGD path, then the
-        share of weight-matrix elements (parameters with 2+ dims) that K-FAC preconditions."""
-        matrices = {id(p): p.numel() for group in self.param_groups for p in group["params"] if p.dim() >= 2}
-        return self.estimator.describe(matrices)
+        """Every module with parameters in the param groups and what K-FAC does with them now: the
+        block that preconditions them (its kind, parameters and factor shapes) or why they take the
+        SGD path, then the share of trainable weight-matrix elements (parameters with 2+ dims that
+        require grad) that K-FAC preconditions. Computed at each call from the current state."""
+        return self.estimator.describe(self._group_parameters())
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state on this rank, by category, and their ``"total"`` (see

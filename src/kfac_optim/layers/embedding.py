@@ -31,7 +31,7 @@ sides are swapped), so ``reduce`` applies within the head's call only.
 Indices without a batch dimension (``position(torch.arange(T))`` broadcast over the batch):
 autograd sums the output-gradient over the batch before the hook sees it, so the per-sample
 statistics cannot be formed; see :mod:`kfac_optim.batch_free`, which finds such blocks and turns
-them to the SGD path (:meth:`EmbeddingBlock.leave_to_sgd`). :attr:`EmbeddingBlock.unbatched`
+them to the SGD path (:meth:`KroneckerBlock.leave_to_sgd`). :attr:`EmbeddingBlock.unbatched`
 counts the calls and rows with 1-D indices since the last fold, for that check.
 """
 
@@ -106,23 +106,16 @@ class EmbeddingBlock(KroneckerBlock):
 
     supports_weight_sharing = True  # "reduce": for a tied head's leading dims only; the embedding's own uses expand
     head: TiedHead | None = None
-    sgd_reason: str | None = None  # set by leave_to_sgd: the block records nothing and takes the SGD path
 
     def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
         super().__init__(name, module, include_bias, factor_dtype)
         self.unbatched = [0, 0]  # calls with 1-D indices since the last fold, and their rows
 
-    def leave_to_sgd(self, reason: str) -> None:
-        """Record nothing from now on (the block's weight takes the SGD path: its factors are
-        never initialized, so it never has a decomposition), for ``reason`` (in :meth:`describe`)."""
-        self.sgd_reason = reason
-        self.clear_pending()
-
     def tie(self, name: str, module: nn.Module) -> bool:
         """Take the uses of a plain ``nn.Linear(D, V)`` head sharing this weight (see the module docstring)."""
         if self.head is not None or not isinstance(module, nn.Linear) or module.weight is not self.module_weight:
             return False
-        self.head = TiedHead(name, module, self.A.pending.dtype)
+        self.head = TiedHead(name, module, self.A.dtype)
         return True
 
     def captured_modules(self) -> list[nn.Module]:

@@ -105,11 +105,12 @@ class Factor:
     def __init__(self, dim: int, dtype: torch.dtype, device: torch.device, groups: int = 1) -> None:
         self.dim = dim
         self.groups = groups
-        shape = self.storage_shape(dim, groups)
-        self.pending = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype = dtype
+        self.device = device
+        self._pending: Tensor | None = None  # allocated on first use (see allocated)
         self.pending_rows = 0
         self.pending_support: Support | None = None
-        self.running = torch.zeros(shape, dtype=dtype, device=device)
+        self._running: Tensor | None = None
         self.support: Support | None = EMPTY_SUPPORT
         self.initialized = torch.zeros((), dtype=torch.bool, device=device)
         self.discarded = torch.zeros((), dtype=torch.int64, device=device)
@@ -126,6 +127,51 @@ class Factor:
     def storage_shape(dim: int, groups: int) -> tuple[int, ...]:
         return (dim, dim) if groups == 1 else (groups, dim, dim)
 
+    # -- storage, allocated on first use ------------------------------------------------------
+    # ``pending`` and ``running`` are zeros until first read: a factor of a layer frozen when the
+    # optimizer is built holds no memory until its layer records statistics (a LoRA fine-tune's
+    # frozen base layers never do). Reading either allocates it; :meth:`allocate` does both.
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the running factor's storage exists (False: it is zeros, never read or written)."""
+        return self._running is not None
+
+    def allocate(self) -> None:
+        """Allocate ``pending`` and ``running`` (zeros) now, if not yet."""
+        self.pending, self.running  # noqa: B018 (the properties allocate)
+
+    @property
+    def pending(self) -> Tensor:
+        """The statistics added since the last fold, storage-shaped (zeros when none)."""
+        if self._pending is None:
+            self._pending = torch.zeros(self.storage_shape(self.dim, self.groups), dtype=self.dtype, device=self.device)
+        return self._pending
+
+    @pending.setter
+    def pending(self, value: Tensor) -> None:
+        self._pending = value
+
+    @property
+    def running(self) -> Tensor:
+        """The running average, storage-shaped (zeros before the first fold)."""
+        if self._running is None:
+            self._running = torch.zeros(self.storage_shape(self.dim, self.groups), dtype=self.dtype, device=self.device)
+        return self._running
+
+    @running.setter
+    def running(self, value: Tensor | None) -> None:  # None: back to never allocated (a loaded state's)
+        self._running = value
+
+    @property
+    def elements(self) -> int:
+        """Elements of one storage-shaped tensor (``pending`` or ``running``), allocated or not."""
+        return math.prod(self.storage_shape(self.dim, self.groups))
+
+    def held_bytes(self) -> tuple[int, int]:
+        """Bytes of ``(running, pending)`` allocated now (0 for storage never used)."""
+        return tuple(0 if t is None else t.nbytes for t in (self._running, self._pending))  # type: ignore[return-value]
+
     @property
     def batch_shape(self) -> tuple[int, ...]:
         """Leading dimensions of the storage before the factor's own: ``()`` or ``(groups,)``."""
@@ -136,7 +182,8 @@ class Factor:
         return f"{self._shape_text()} dense"
 
     def _shape_text(self) -> str:
-        return "x".join(str(d) for d in self.running.shape)
+        text = "x".join(str(d) for d in self.storage_shape(self.dim, self.groups))
+        return text if self.allocated else f"{text} (not allocated yet)"
 
     def diagonal_of(self, matrix: Tensor) -> Tensor:
         """The diagonal entries of a tensor shaped as this factor's storage."""
@@ -317,9 +364,10 @@ class Factor:
         self.decomposed_key = None if decomposition is None else (version, shift)
 
     def state_dict(self) -> dict[str, Any]:
-        """The running factor, its health counters and its decomposition (None if none yet)."""
+        """The running factor (None while never allocated: zeros, its layer frozen since the optimizer
+        was built), its health counters and its decomposition (None if none yet)."""
         return {
-            "running": self.running,
+            "running": self._running,
             "initialized": self.initialized,
             "discarded": self.discarded,
             "version": self.version,
@@ -341,7 +389,7 @@ class Factor:
 
     def load_decomposition(self, state: dict[str, Tensor] | Tensor | None) -> linalg.Eigen | Tensor | None:
         """A :meth:`decomposition_state` (validated, :meth:`validate_decomposition`) on this factor's device."""
-        device = self.running.device
+        device = self.device
         if isinstance(state, dict):
             complement = state.get("complement")
             return linalg.Eigen(Q=state["Q"].to(device), d=state["d"].to(device),
@@ -381,6 +429,10 @@ class Factor:
             if key not in state:
                 raise ValueError(f"'{key}' is missing")
         tensors = {"running": state["running"], "initialized": state["initialized"], "discarded": state["discarded"]}
+        if tensors["running"] is None:  # never allocated when saved: zeros, so never initialized
+            del tensors["running"]
+            if not isinstance(state["initialized"], Tensor) or bool(state["initialized"]):
+                raise ValueError("'running' is None (never allocated) but 'initialized' is not False")
         _check_tensors(tensors)
         self.validate_decomposition(state["decomposition"])
         bound = state.get("rank_bound")
@@ -408,8 +460,9 @@ class Factor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` (tensors move to this factor's device and dtypes); the
         caller validates ``state`` first (:meth:`validate_state`)."""
-        device, dtype = self.running.device, self.running.dtype
-        self.running = state["running"].to(device, dtype, copy=True)
+        device, dtype = self.device, self.dtype
+        saved = state["running"]
+        self.running = None if saved is None else saved.to(device, dtype, copy=True)
         self.support = None
         self.initialized = state["initialized"].to(device, copy=True)
         self.discarded = state["discarded"].to(device, copy=True)
