@@ -160,6 +160,7 @@ class KroneckerEstimator:
                         "nothing recorded": False}
         self._gradient_marks: list[tuple[int, int]] = []  # at the last factor step (_current_gradient_marks)
         self._checked_capture = False
+        self._warned_bias: set[str] = set()  # blocks warned about a bias frozen or unfrozen after construction
         # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (counted by the
         # optimizer's KL clip, left out of ν), on the device; and per block, how many were reported.
         self.nonfinite_directions = torch.zeros(len(self.parameters()), dtype=torch.int64, device=device)
@@ -360,6 +361,7 @@ class KroneckerEstimator:
         else:
             self.discard_pending_statistics()  # a no-op when nothing was captured
         if self.is_inverse_step(step):
+            self._warn_about_bias_changes()
             with self.intervals.timing_decomposition(step):
                 self._decomposition_step(damping)
         elif self.adopt_at == step:  # AsyncConfig.delay: adopt the round in flight, the same step on every rank
@@ -451,6 +453,23 @@ class KroneckerEstimator:
         """At the first factor step with statistics: layers whose input has no batch dimension take
         the SGD path (``batch_free``; :meth:`reports` says why, from ``KroneckerBlock.sgd_reason``)."""
         batch_free.leave_batch_free_blocks_to_sgd(self.blocks)
+
+    def _warn_about_bias_changes(self) -> None:
+        """Once per block: its bias was frozen or unfrozen after construction, which fixed whether the
+        block holds it (``KroneckerBlock.create``). Attribute reads only (decomposition steps)."""
+        for block in self.blocks:
+            if block.name in self._warned_bias:
+                continue
+            if block.bias is not None and block.weight.requires_grad and not block.bias.requires_grad:
+                what = ("its bias was frozen after KFAC was built: the weight is still preconditioned with the joint "
+                        "[W | b] factors, not as with bias=False; freeze the bias before building KFAC for that")
+            elif block.frozen_bias is not None and block.frozen_bias.requires_grad:
+                what = ("its bias, frozen when KFAC was built and so left out of the block (bias=False's), was "
+                        "unfrozen: it takes the SGD path; build a new KFAC to precondition it with the weight")
+            else:
+                continue
+            self._warned_bias.add(block.name)
+            warn_user(f"K-FAC layer '{block.name}': {what}")
 
     def _check_something_was_recorded(self) -> None:
         """Warn once when every backward of a factor step ran with ``create_graph=True`` (not recorded),

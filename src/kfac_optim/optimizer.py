@@ -20,6 +20,8 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
     ν   = min(1, sqrt(kl_clip / |Σ_layers lr₀² ⟨V, ∇W⟩|))    (lr₀: the group's base lr, §4.1)
     d   = ν·V  for K-FAC parameters,  ∇p  for every other parameter
           (UpdateConfig.grafting: no ν; d = M·‖s‖/‖M‖ per tensor, see kfac_optim.grafting)
+          (method="eigen_adam": every other parameter takes Adam's step instead, with no SGD
+           momentum or decay on top: grafting.AdamOutsideKFAC)
     UpdateConfig.decoupled_weight_decay:  p ← p·(1 − lr·weight_decay), and SGD's decay is 0
     then exactly torch.optim.SGD on d: weight decay, momentum/dampening/nesterov, p ← p − lr·d
 """
@@ -50,12 +52,13 @@ from kfac_optim.config import (
     check_hyperparameter,
     from_deprecated_keywords,
 )
+from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.estimator import LARGE_FACTOR_DIM, KroneckerEstimator, block_dims, unwrap_model
-from kfac_optim.grafting import Grafting
+from kfac_optim.grafting import AdamOutsideKFAC, Grafting
 from kfac_optim.layers import ModuleReport, discover_blocks
-from kfac_optim.methods import Method
+from kfac_optim.methods import EigenAdam, Method
 from kfac_optim.precision import MixedPrecision
 
 __all__ = ["KFAC", "LARGE_FACTOR_DIM", "block_dims", "discover_blocks"]
@@ -155,6 +158,7 @@ class KFAC(Optimizer, Joinable):
         curvature, asynchronous, runtime = from_deprecated_keywords(deprecated, curvature, asynchronous, runtime)
         self._options = KFACOptions(damping, kl_clip, factor_update_steps, inv_update_steps, method,
                                     curvature, asynchronous, update or UpdateConfig())
+        self._warned_zero_base_lr = False
         self.model = unwrap_model(model)
         if params is None:  # frozen ones too, as SGD(model.parameters()): a layer unfrozen later then trains
             params = list(self.model.parameters())
@@ -171,6 +175,7 @@ class KFAC(Optimizer, Joinable):
         self._join = JoinSupport(self.estimator.sharding, self.estimator.shadow_step, self, model)
         self._checkpointing = checkpoint.Checkpointing(self, self.estimator)
         self._grafting = self._make_grafting()
+        self._outside_adam = self._make_outside_adam()
         logger.info("%s", self.describe())
 
     def _check_adam_grafting(self, trainable: set[Tensor]) -> None:
@@ -193,6 +198,14 @@ class KFAC(Optimizer, Joinable):
         if self.estimator.sharding.row_sharded is not None:
             raise NotImplementedError("UpdateConfig.grafting is not supported with FSDP2-sharded parameters")
         return Grafting(self._options.update)
+
+    def _make_outside_adam(self) -> AdamOutsideKFAC | None:
+        """Under ``EigenAdam`` (an Adam-scale lr), Adam's step for the parameters without a K-FAC
+        direction (None otherwise, and under ``grafting="adam"``, which already gives them Adam's)."""
+        method = self.estimator.method
+        if not isinstance(method, EigenAdam) or self._options.update.grafting == "adam":
+            return None
+        return AdamOutsideKFAC(method.beta2, method.eps, self._options.update.decoupled_weight_decay)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """``Optimizer.__setstate__`` with SGD's defaults for options older state dicts lack."""
@@ -272,7 +285,13 @@ class KFAC(Optimizer, Joinable):
         block that preconditions them (its kind, parameters and factor shapes) or why they take the
         SGD path, then the share of trainable weight-matrix elements (parameters with 2+ dims that
         require grad) that K-FAC preconditions. Computed at each call from the current state."""
-        return self.estimator.describe(self._group_parameters())
+        text = self.estimator.describe(self._group_parameters())
+        if self._outside_adam is None:
+            return text
+        adam = self._outside_adam
+        return (f"{text}\nmethod eigen_adam: the parameters without a K-FAC direction (the rows on the SGD path above, "
+                f"and a block's before its first decomposition) take torch.optim.Adam's update with betas=(the group's "
+                f"momentum, {adam.beta2}), eps={adam.eps}")
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state on this rank, by category, and their ``"total"`` (see
@@ -342,7 +361,10 @@ class KFAC(Optimizer, Joinable):
             directions = self._grafting.directions(params, self.state, directions)
         if self._options.kl_clip is not None and directions:
             self._clip_to_trust_region(directions)      # ν·V
-        self._sgd_update(directions)                    # SGD on ν·V, or on ∇p for the other parameters
+        adam: dict[Tensor, Tensor] = {}
+        if self._outside_adam is not None:              # eigen_adam: Adam's step for the other parameters
+            adam = self._outside_adam.directions(self.param_groups, self.state, directions)
+        self._sgd_update(directions, adam)              # SGD on ν·V, or on ∇p for the other parameters
         if measurement is not None:                     # AdaptiveDamping's step: ρ, then λ
             estimator.settle_statistics()
             measurement.finish(estimator.blocks)
@@ -391,6 +413,23 @@ class KFAC(Optimizer, Joinable):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         group.setdefault("kfac_base_lr", _copy_lr(group["lr"]))
+        self._warn_about_zero_base_lr(group)
+
+    def _warn_about_zero_base_lr(self, group: dict[str, Any]) -> None:
+        """Warn once when a group's base lr is 0 while the KL clip is computed at it: ν = 1 always."""
+        options = self._options
+        if (self._warned_zero_base_lr or options.kl_clip is None or options.update.trust_region != "base_lr"
+                or float(group["kfac_base_lr"]) != 0.0):
+            return
+        self._warned_zero_base_lr = True
+        warn_user(
+            f"param group {len(self.param_groups) - 1} has lr=0 when added to KFAC: the KL clip (kl_clip="
+            f"{options.kl_clip}) bounds each step at the group's base lr, its lr when it was added, and at 0 it "
+            "never clips (ν = 1), so once a hand-written warmup raises the lr the steps are unclipped (tens of times "
+            "those of a run built at the peak lr). Build KFAC at the peak lr and warm up with a scheduler "
+            "(torch.optim.lr_scheduler.LambdaLR or LinearLR), which keeps the base lr; or set the group's "
+            "'kfac_base_lr' to the peak lr (docs/design.md §4.1)"
+        )
 
     def trust_region_lr(self, group: dict[str, Any]) -> float | Tensor:
         """The lr at which the KL bound ``kl_clip`` holds for ``group`` (``UpdateConfig.trust_region``).
@@ -407,17 +446,28 @@ class KFAC(Optimizer, Joinable):
         return group["kfac_base_lr"]
 
     @record_function("kfac.sgd")
-    def _sgd_update(self, directions: dict[Tensor, Tensor]) -> None:
+    def _sgd_update(self, directions: dict[Tensor, Tensor], adam: dict[Tensor, Tensor]) -> None:
         """``torch.optim.SGD``'s update, per group, on the (possibly preconditioned) directions;
-        with ``UpdateConfig.decoupled_weight_decay`` the group's decay first as ``p ← p·(1 − lr·wd)``."""
+        with ``UpdateConfig.decoupled_weight_decay`` the group's decay first as ``p ← p·(1 − lr·wd)``.
+        The parameters in ``adam`` (Adam's steps, ``AdamOutsideKFAC``) take ``p ← p − lr·d`` alone."""
         decoupled = self._options.update.decoupled_weight_decay
         for group in self.param_groups:
             params: list[Tensor] = []
             grads: list[Tensor] = []
             momentum_buffers: list[Tensor | None] = []
             has_sparse_grad = False
+            stepped = [p for p in group["params"] if p in adam]
+            if stepped:
+                if decoupled and group["weight_decay"] != 0:
+                    torch._foreach_mul_(stepped, 1 - group["lr"] * group["weight_decay"])
+                updates = [adam[p] for p in stepped]  # Adam's fresh steps: scaled in place
+                if isinstance(group["lr"], Tensor):
+                    torch._foreach_mul_(updates, group["lr"])
+                    torch._foreach_sub_(stepped, updates)
+                else:
+                    torch._foreach_add_(stepped, updates, alpha=-group["lr"])
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None or p in adam:
                     continue
                 params.append(p)
                 grads.append(directions.get(p, p.grad))
