@@ -230,10 +230,15 @@ class KroneckerEstimator:
 
     def coverage(self, trainable: set[Tensor]) -> tuple[int, int]:
         """``(preconditioned, total)`` elements of the weight matrices (parameters of 2+ dims) among
-        ``trainable`` that require grad now; preconditioned: held by a block not left to SGD."""
-        preconditioned = {p for block in self.blocks if block.sgd_reason is None for p in block.parameters()}
+        ``trainable`` that require grad now; preconditioned: held by a :meth:`preconditioning_blocks` block."""
+        preconditioned = {p for block in self.preconditioning_blocks() for p in block.parameters()}
         matrices = [p for p in trainable if p.requires_grad and p.dim() >= 2]
         return sum(p.numel() for p in matrices if p in preconditioned), sum(p.numel() for p in matrices)
+
+    def preconditioning_blocks(self) -> list[KroneckerBlock]:
+        """The blocks that precondition now: not left to SGD (``sgd_reason``), their module still in the model."""
+        modules = set(self._model.modules())
+        return [block for block in self.blocks if block.sgd_reason is None and block.module in modules]
 
     def reports(self, trainable: set[Tensor]) -> list[ModuleReport]:
         """What happens now to every module's parameters among ``trainable`` (``KFAC.module_reports``):
@@ -747,7 +752,7 @@ class KroneckerEstimator:
         covered, total = self.coverage(trainable)
         share = covered / total if total else 1.0
         frozen = {block.name for block in self.blocks if block.frozen}
-        preconditioning = sum(block.sgd_reason is None for block in self.blocks)
+        preconditioning = len(self.preconditioning_blocks())
         lines = [
             f"KFAC ({self.method.name}): {preconditioning} blocks precondition {covered}/{total} "
             f"weight-matrix elements ({share:.1%})",
