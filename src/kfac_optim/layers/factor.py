@@ -107,10 +107,8 @@ class Factor:
         self.groups = groups
         self.dtype = dtype
         self.device = device
-        self._pending: Tensor | None = None  # allocated on first use (see allocated)
-        self.pending_rows = 0
+        self.pending_rows = 0  # pending and running: allocated on first use (see allocated)
         self.pending_support: Support | None = None
-        self._running: Tensor | None = None
         self.support: Support | None = EMPTY_SUPPORT
         self.initialized = torch.zeros((), dtype=torch.bool, device=device)
         self.discarded = torch.zeros((), dtype=torch.int64, device=device)
@@ -128,49 +126,40 @@ class Factor:
         return (dim, dim) if groups == 1 else (groups, dim, dim)
 
     # -- storage, allocated on first use ------------------------------------------------------
-    # ``pending`` and ``running`` are zeros until first read: a factor of a layer frozen when the
-    # optimizer is built holds no memory until its layer records statistics (a LoRA fine-tune's
-    # frozen base layers never do). Reading either allocates it; :meth:`allocate` does both.
+    # ``pending`` and ``running`` are plain attributes once they exist. Until then they are zeros
+    # that are not held: the first read allocates them (``__getattr__`` runs only for missing
+    # attributes, so reads after that cost nothing more). A factor of a layer frozen when the
+    # optimizer is built thus holds no memory until its layer records (a LoRA fine-tune's frozen
+    # base layers never do); :meth:`allocate` allocates both at once.
+
+    def __getattr__(self, name: str) -> Tensor:
+        if name in ("pending", "running") and "dim" in self.__dict__:
+            value = torch.zeros(self.storage_shape(self.dim, self.groups), dtype=self.dtype, device=self.device)
+            setattr(self, name, value)
+            return value
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def allocated(self) -> bool:
         """Whether the running factor's storage exists (False: it is zeros, never read or written)."""
-        return self._running is not None
+        return "running" in self.__dict__
 
     def allocate(self) -> None:
         """Allocate ``pending`` and ``running`` (zeros) now, if not yet."""
-        self.pending, self.running  # noqa: B018 (the properties allocate)
+        self.pending, self.running  # noqa: B018 (reading allocates)
 
-    @property
-    def pending(self) -> Tensor:
-        """The statistics added since the last fold, storage-shaped (zeros when none)."""
-        if self._pending is None:
-            self._pending = torch.zeros(self.storage_shape(self.dim, self.groups), dtype=self.dtype, device=self.device)
-        return self._pending
+    def release(self) -> None:
+        """Drop the running factor's storage: it is zeros again, not held (a loaded never-allocated one)."""
+        self.__dict__.pop("running", None)
 
-    @pending.setter
-    def pending(self, value: Tensor) -> None:
-        self._pending = value
-
-    @property
-    def running(self) -> Tensor:
-        """The running average, storage-shaped (zeros before the first fold)."""
-        if self._running is None:
-            self._running = torch.zeros(self.storage_shape(self.dim, self.groups), dtype=self.dtype, device=self.device)
-        return self._running
-
-    @running.setter
-    def running(self, value: Tensor | None) -> None:  # None: back to never allocated (a loaded state's)
-        self._running = value
+    def held_bytes(self) -> tuple[int, int]:
+        """Bytes of ``(running, pending)`` allocated now (0 for storage never used)."""
+        return tuple(self.__dict__[n].nbytes if n in self.__dict__ else 0 for n in ("running", "pending"))  # type: ignore[return-value]
 
     @property
     def elements(self) -> int:
         """Elements of one storage-shaped tensor (``pending`` or ``running``), allocated or not."""
         return math.prod(self.storage_shape(self.dim, self.groups))
-
-    def held_bytes(self) -> tuple[int, int]:
-        """Bytes of ``(running, pending)`` allocated now (0 for storage never used)."""
-        return tuple(0 if t is None else t.nbytes for t in (self._running, self._pending))  # type: ignore[return-value]
 
     @property
     def batch_shape(self) -> tuple[int, ...]:
@@ -367,7 +356,7 @@ class Factor:
         """The running factor (None while never allocated: zeros, its layer frozen since the optimizer
         was built), its health counters and its decomposition (None if none yet)."""
         return {
-            "running": self._running,
+            "running": self.__dict__.get("running"),
             "initialized": self.initialized,
             "discarded": self.discarded,
             "version": self.version,
@@ -461,8 +450,10 @@ class Factor:
         """Restore from :meth:`state_dict` (tensors move to this factor's device and dtypes); the
         caller validates ``state`` first (:meth:`validate_state`)."""
         device, dtype = self.device, self.dtype
-        saved = state["running"]
-        self.running = None if saved is None else saved.to(device, dtype, copy=True)
+        if state["running"] is None:
+            self.release()
+        else:
+            self.running = state["running"].to(device, dtype, copy=True)
         self.support = None
         self.initialized = state["initialized"].to(device, copy=True)
         self.discarded = state["discarded"].to(device, copy=True)
