@@ -24,20 +24,20 @@ from kfac_optim.layers import LinearBlock
 FIXED: dict[str, Any] = {"factor_update_steps": 1, "inv_update_steps": 2}
 
 
-def batch(step: int, n: int = 8, features: int = 4, classes: int = 3) -> tuple[Tensor, Tensor]:
+def block_loop_batch(step: int, n: int = 8, features: int = 4, classes: int = 3) -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(1000 + step)
     return torch.randn(n, features, generator=generator), torch.randint(0, classes, (n,), generator=generator)
 
 
-def train(model: nn.Module, optimizer: KFAC, steps: range) -> None:
+def train_steps(model: nn.Module, optimizer: KFAC, steps: range) -> None:
     for step in steps:
-        x, y = batch(step)
+        x, y = block_loop_batch(step)
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
 
 
-def row(optimizer: KFAC, name: str) -> Any:
+def report_row(optimizer: KFAC, name: str) -> Any:
     (found,) = [r for r in optimizer.module_reports if r.name == name]
     return found
 
@@ -69,23 +69,23 @@ def test_a_bias_frozen_before_construction_leaves_the_block_of_bias_false_bit_fo
     runs = []
     for model in (frozen, plain):
         optimizer = KFAC(model, lr=0.1, momentum=0.9, **FIXED)
-        train(model, optimizer, range(6))
+        train_steps(model, optimizer, range(6))
         runs.append(optimizer)
     for name in ("0.weight", "2.weight", "2.bias"):
         assert torch.equal(dict(frozen.named_parameters())[name], dict(plain.named_parameters())[name]), name
     assert runs[0].blocks[0].A.dim == 4 and torch.equal(frozen[0].bias, torch.zeros(8))
-    assert "bias was frozen when KFAC was built" in row(runs[0], "0").detail, runs[0].describe()
+    assert "bias was frozen when KFAC was built" in report_row(runs[0], "0").detail, runs[0].describe()
 
 
 def test_a_bias_unfrozen_later_takes_the_sgd_path_warned_once_and_described() -> None:
     model = mlp_with_first_bias(True)
     optimizer = KFAC(model, lr=0.1, **FIXED)
-    train(model, optimizer, range(2))
+    train_steps(model, optimizer, range(2))
     model[0].bias.requires_grad_(True)
     with pytest.warns(UserWarning, match=r"layer '0': its bias, frozen when KFAC was built .* takes the SGD path"):
-        train(model, optimizer, range(2, 4))
+        train_steps(model, optimizer, range(2, 4))
     before = model[0].bias.detach().clone()
-    x, y = batch(4)
+    x, y = block_loop_batch(4)
     optimizer.zero_grad()
     F.cross_entropy(model(x), y).backward()
     grad = model[0].bias.grad.clone()
@@ -93,7 +93,7 @@ def test_a_bias_unfrozen_later_takes_the_sgd_path_warned_once_and_described() ->
         warnings.simplefilter("error")  # once
         optimizer.step()
     torch.testing.assert_close(model[0].bias.detach(), before.add(grad, alpha=-0.1), rtol=0, atol=0)  # SGD's
-    assert "bias take the SGD path" in row(optimizer, "0").detail
+    assert "bias take the SGD path" in report_row(optimizer, "0").detail
 
 
 def test_a_bias_frozen_after_construction_warns_that_the_joint_factors_stay() -> None:
@@ -102,8 +102,8 @@ def test_a_bias_frozen_after_construction_warns_that_the_joint_factors_stay() ->
     optimizer = KFAC(model, lr=0.1, **FIXED)
     model[0].bias.requires_grad_(False)
     with pytest.warns(UserWarning, match=r"layer '0': its bias was frozen after KFAC was built: the weight is still"):
-        train(model, optimizer, range(1))
-    assert "the bias is frozen now" in row(optimizer, "0").detail
+        train_steps(model, optimizer, range(1))
+    assert "the bias is frozen now" in report_row(optimizer, "0").detail
 
 
 # -- 2. subclasses that override forward ----------------------------------------------------------
@@ -138,14 +138,14 @@ def test_a_subclass_overriding_forward_inherits_no_block_and_is_named_once_with_
         optimizer = KFAC(model, lr=0.1, **FIXED)
     assert sum("MuReadout" in str(w.message) for w in caught) == 1
     assert [b.name for b in optimizer.blocks] == ["0"]  # the plain subclass keeps Linear's block
-    assert row(optimizer, "2").block is None and "overrides forward" in row(optimizer, "2").detail
+    assert report_row(optimizer, "2").block is None and "overrides forward" in report_row(optimizer, "2").detail
     # Registered (here for one optimizer): no warning, and A is the dense mean [x/w, 1][x/w, 1]ᵀ of the
     # input the weight multiplies.
     model = nn.Sequential(MuReadout(4, 3, width_mult=4.0))
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         optimizer = KFAC(model, lr=0.1, curvature=CurvatureConfig(blocks={MuReadout: MuReadoutBlock}), **FIXED)
-    x, y = batch(0)
+    x, y = block_loop_batch(0)
     F.cross_entropy(model(x), y).backward()
     optimizer.step()
     rows = torch.cat([x / 4.0, torch.ones(len(x), 1)], dim=1).double()
@@ -170,7 +170,7 @@ def test_an_lr_of_zero_at_construction_warns_and_the_clip_is_indeed_off() -> Non
             optimizer = KFAC(model, lr=lr, kl_clip=kl_clip, **FIXED)
         for group in optimizer.param_groups:
             group["lr"] = 0.1  # the hand-written warmup's peak
-        train(model, optimizer, range(3))
+        train_steps(model, optimizer, range(3))
         runs.append(model)
     for (name, a), b in zip(runs[0].named_parameters(), runs[1].parameters(), strict=True):
         assert torch.equal(a, b), name
@@ -186,7 +186,7 @@ def test_an_lr_of_zero_at_construction_warns_and_the_clip_is_indeed_off() -> Non
 # -- 4. eigen_adam: the parameters outside K-FAC follow Adam ---------------------------------------
 
 
-def layer_norm_net() -> nn.Sequential:
+def layer_norm_mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
 
@@ -201,13 +201,13 @@ def test_eigen_adam_moves_parameters_outside_kfac_as_torch_adam_does() -> None:
     weight_decay)`` fed the same gradients. Tight tolerance, not bit-identical: Adam computes
     ``p − (lr/(1−β₁ᵗ))·m / (sqrt(v)/sqrt(1−β₂ᵗ) + ε)`` and K-FAC ``p − lr·(m/(1−β₁ᵗ)) / (sqrt(v/(1−β₂ᵗ)) + ε)``
     (the same quantity, other rounding)."""
-    model = layer_norm_net()
+    model = layer_norm_mlp()
     norm = list(model[1].parameters())
     control = [p.detach().clone().requires_grad_(True) for p in norm]
     adam = torch.optim.Adam(control, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=1e-2)
     optimizer = KFAC(model, **EIGEN_ADAM)
     for step in range(5):
-        x, y = batch(step)
+        x, y = block_loop_batch(step)
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         for p, c in zip(norm, control, strict=True):
@@ -221,26 +221,33 @@ def test_eigen_adam_moves_parameters_outside_kfac_as_torch_adam_does() -> None:
 
 
 def test_eigen_adam_resume_is_bit_identical_with_the_adam_moments_saved() -> None:
-    model = layer_norm_net()
+    model = layer_norm_mlp()
     optimizer = KFAC(model, **EIGEN_ADAM)
-    train(model, optimizer, range(3))
+    train_steps(model, optimizer, range(3))
     saved_model, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
     norm_state = saved["state"][2]  # model[1].weight: the third parameter
     assert {"graft_exp_avg", "graft_exp_avg_sq", "step"} <= set(norm_state)
-    resumed = layer_norm_net()
+    resumed = layer_norm_mlp()
     resumed.load_state_dict(saved_model)
     resumed_optimizer = KFAC(resumed, **EIGEN_ADAM)
     resumed_optimizer.load_state_dict(saved)
-    train(model, optimizer, range(3, 6))
-    train(resumed, resumed_optimizer, range(3, 6))
+    train_steps(model, optimizer, range(3, 6))
+    train_steps(resumed, resumed_optimizer, range(3, 6))
     for (name, a), b in zip(model.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+# Today: accepted, and the sparse embedding takes SGD's update at Adam's lr.
+def test_eigen_adam_refuses_sparse_gradients_naming_the_module() -> None:
+    model = nn.Sequential(nn.Embedding(5, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"method='eigen_adam' .* needs dense gradients: module '0' has sparse=True"):
+        KFAC(model, **EIGEN_ADAM)
 
 
 # -- 5. a frozen layer costs nothing until it first gets a gradient --------------------------------
 
 
-def lora_like(seed: int = 0) -> nn.Sequential:
+def frozen_base_mlp(seed: int = 0) -> nn.Sequential:
     """A frozen 32-wide base layer between two trainable ones."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
@@ -250,30 +257,30 @@ def lora_like(seed: int = 0) -> nn.Sequential:
 
 # Today: the frozen layer's factors hold 2 x (33² + 32²) floats from construction.
 def test_a_frozen_layer_holds_no_factor_memory_and_taps_nothing() -> None:
-    model = lora_like()
+    model = frozen_base_mlp()
     optimizer = KFAC(model, lr=0.1, **FIXED)
-    control = lora_like()  # the same model, K-FAC given only its trainable parameters (no block for the frozen one)
+    control = frozen_base_mlp()  # the same model, K-FAC given only its trainable parameters (no block for the frozen one)
     trainable_only = KFAC(control, lr=0.1, params=[p for p in control.parameters() if p.requires_grad], **FIXED)
     assert optimizer.memory_usage() == trainable_only.memory_usage()
     hooked = []
     model[2].register_forward_hook(lambda module, args, output: hooked.append(output._backward_hooks))
-    train(model, optimizer, range(3))
+    train_steps(model, optimizer, range(3))
     assert hooked == [None] * 3  # no tensor hook on the frozen layer's output: its hook tapped nothing
     frozen_block = optimizer.blocks[1]
     assert not frozen_block.A.allocated and not frozen_block.G.allocated
     assert optimizer.memory_usage()["factors"] == trainable_only.memory_usage()["factors"]
-    assert "not allocated yet" in row(optimizer, "2").detail and "frozen now" in optimizer.describe()
+    assert "not allocated yet" in report_row(optimizer, "2").detail and "frozen now" in optimizer.describe()
 
 
 def frozen_then_unfrozen(allocate_eagerly: bool) -> tuple[nn.Module, KFAC]:
-    model = lora_like()
+    model = frozen_base_mlp()
     optimizer = KFAC(model, lr=0.1, momentum=0.9, **FIXED)
     if allocate_eagerly:  # the control: the layer's factors allocated (zeros) as before, never read
         for factor in optimizer.blocks[1].factors.values():
             factor.allocate()
-    train(model, optimizer, range(3))
+    train_steps(model, optimizer, range(3))
     model[2].requires_grad_(True)
-    train(model, optimizer, range(3, 7))
+    train_steps(model, optimizer, range(3, 7))
     return model, optimizer
 
 
@@ -284,24 +291,24 @@ def test_an_unfrozen_layer_trains_as_it_would_with_its_factors_allocated_from_th
         assert torch.equal(a, b), name
     block = lazy_optimizer.blocks[1]
     assert block.A.allocated and bool(block.A.initialized) and block.A.decomposition is not None
-    assert not torch.equal(lazy[2].weight, lora_like()[2].weight)  # it trained
+    assert not torch.equal(lazy[2].weight, frozen_base_mlp()[2].weight)  # it trained
 
 
 def test_a_checkpoint_with_a_frozen_layer_round_trips_without_its_factors() -> None:
-    model = lora_like()
+    model = frozen_base_mlp()
     optimizer = KFAC(model, lr=0.1, momentum=0.9, **FIXED)
-    train(model, optimizer, range(2))
+    train_steps(model, optimizer, range(2))
     saved_model, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
     assert saved["kfac"]["blocks"]["2"]["factors"]["A"]["running"] is None
-    resumed = lora_like()
+    resumed = frozen_base_mlp()
     resumed.load_state_dict(saved_model)
     resumed_optimizer = KFAC(resumed, lr=0.1, momentum=0.9, **FIXED)
     resumed_optimizer.load_state_dict(saved)
     assert resumed_optimizer.memory_usage() == optimizer.memory_usage()
     for net in (model, resumed):
         net[2].requires_grad_(True)
-    train(model, optimizer, range(2, 5))
-    train(resumed, resumed_optimizer, range(2, 5))
+    train_steps(model, optimizer, range(2, 5))
+    train_steps(resumed, resumed_optimizer, range(2, 5))
     for (name, a), b in zip(model.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b), name
 
@@ -309,7 +316,7 @@ def test_a_checkpoint_with_a_frozen_layer_round_trips_without_its_factors() -> N
 # -- 6. coverage ---------------------------------------------------------------------------------
 
 
-class Recurrent(nn.Module):
+class GRUWithLinearHead(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.rnn = nn.GRU(4, 16, batch_first=True)
@@ -322,7 +329,7 @@ class Recurrent(nn.Module):
 # Today: no warning (describe() says 5.5% at INFO).
 def test_a_model_mostly_without_blocks_warns_once_naming_the_largest_and_how_to_register() -> None:
     with pytest.warns(UserWarning, match=r"preconditions 48/(\d+) .* under 50%.*'rnn' \(GRU.*register_block") as caught:
-        KFAC(Recurrent(), lr=0.1, **FIXED)
+        KFAC(GRUWithLinearHead(), lr=0.1, **FIXED)
     assert sum("under 50%" in str(w.message) for w in caught) == 1
 
 
@@ -339,7 +346,7 @@ def test_a_model_mostly_with_blocks_does_not_warn_about_coverage() -> None:
 # -- 7. describe() true after every change ---------------------------------------------------------
 
 
-class TinyLM(nn.Module):
+class PositionEmbeddingLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.token = nn.Embedding(11, 8)
@@ -352,7 +359,7 @@ class TinyLM(nn.Module):
 
 # Today: "3 blocks precondition 224/224 ... (100.0%)" after the position embedding moved to SGD.
 def test_describe_counts_a_position_embedding_left_to_sgd_as_not_preconditioned() -> None:
-    model = TinyLM()
+    model = PositionEmbeddingLM()
     optimizer = KFAC(model, lr=0.1, **FIXED)
     x = torch.randint(0, 11, (3, 5))
     with pytest.warns(RuntimeWarning, match="takes the SGD path"):
@@ -360,7 +367,7 @@ def test_describe_counts_a_position_embedding_left_to_sgd_as_not_preconditioned(
         optimizer.step()
     covered, total = 11 * 8 + 11 * 8, 11 * 8 + 5 * 8 + 11 * 8
     assert f"2 blocks precondition {covered}/{total} weight-matrix elements ({covered / total:.1%})" in optimizer.describe()
-    assert row(optimizer, "position").block is None
+    assert report_row(optimizer, "position").block is None
 
 
 # Today: describe() still shows the old head (its 3x8 weight and block).
@@ -370,7 +377,7 @@ def test_describe_shows_a_replaced_head_added_to_the_param_groups_as_new_and_on_
     optimizer = KFAC(model, lr=0.1, **FIXED)
     model[2] = nn.Linear(8, 5)
     optimizer.add_param_group({"params": list(model[2].parameters())})
-    head = row(optimizer, "2")
+    head = report_row(optimizer, "2")
     assert head.params == (("weight", (5, 8)), ("bias", (5,))) and head.block is None and head.status == "added"
     assert "build a new KFAC" in head.detail
     first = optimizer.describe().splitlines()[0]
@@ -385,9 +392,9 @@ def test_describe_says_what_bitfit_biases_get_and_they_get_it() -> None:
     for layer in (model[0], model[2]):
         layer.weight.requires_grad_(False)
     optimizer = KFAC(model, lr=0.1, **FIXED)
-    assert "weight is frozen now" in row(optimizer, "0").detail and "bias takes the SGD path" in row(optimizer, "0").detail
+    assert "weight is frozen now" in report_row(optimizer, "0").detail and "bias takes the SGD path" in report_row(optimizer, "0").detail
     before = model[0].bias.detach().clone()
-    x, y = batch(0)
+    x, y = block_loop_batch(0)
     F.cross_entropy(model(x), y).backward()
     grad = model[0].bias.grad.clone()
     optimizer.step()

@@ -58,7 +58,7 @@ from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.estimator import LARGE_FACTOR_DIM, KroneckerEstimator, block_dims, unwrap_model
 from kfac_optim.grafting import AdamOutsideKFAC, Grafting
 from kfac_optim.layers import ModuleReport, discover_blocks
-from kfac_optim.methods import EigenAdam, Method
+from kfac_optim.methods import EigenAdam, Method, method_named
 from kfac_optim.precision import MixedPrecision
 
 __all__ = ["KFAC", "LARGE_FACTOR_DIM", "block_dims", "discover_blocks"]
@@ -87,7 +87,9 @@ class KFAC(Optimizer, Joinable):
         lr, momentum, dampening, weight_decay, nesterov, maximize, foreach: as torch.optim.SGD.
         params: param groups; default: every parameter of ``model`` in one group, frozen ones
             (``requires_grad=False``) included, as ``SGD(model.parameters())``: their layers get blocks
-            at once, record nothing while frozen, and train (preconditioned) once unfrozen. A
+            at once, record nothing while frozen (their factors are allocated when they first record),
+            and train (preconditioned) once unfrozen. A bias frozen while its weight trains leaves the
+            block of ``bias=False``. A
             list given here means only these parameters (``describe()`` lists the frozen layers).
             Parameters outside ``model`` (a loss's temperature) take the SGD path (:meth:`describe`).
         damping: λ, a float > 0, a callable ``step -> float``, or a
@@ -169,6 +171,8 @@ class KFAC(Optimizer, Joinable):
         trainable = {p for group in self.param_groups for p in group["params"]}  # the model's and any outside it
         if self._options.update.grafting == "adam":
             self._check_adam_grafting(trainable)
+        elif isinstance(method_named(self._options.method), EigenAdam):
+            self._check_dense_gradients(trainable, "method='eigen_adam' (Adam's step for the parameters outside K-FAC)")
         self._precision = MixedPrecision(self, runtime.grad_scaler,
                                          statistics_loss_scaled=curvature.fisher == "empirical")
         self.estimator = KroneckerEstimator(self.model, trainable, self._options, runtime, self._precision)
@@ -186,10 +190,15 @@ class KFAC(Optimizer, Joinable):
                 "UpdateConfig.grafting='adam' carries its own momentum (Adam's first moment): set momentum=0 "
                 "(and nesterov=False) in every param group"
             )
+        self._check_dense_gradients(trainable, "UpdateConfig.grafting='adam'")
+
+    def _check_dense_gradients(self, trainable: set[Tensor], what: str) -> None:
+        """``ValueError`` naming ``what`` and the module when a module with ``sparse=True`` holds a
+        parameter in ``trainable`` (Adam's moments are dense)."""
         sparse = [name for name, module in self.model.named_modules()
                   if getattr(module, "sparse", False) is True and any(p in trainable for p in module.parameters(False))]
         if sparse:
-            raise ValueError(f"UpdateConfig.grafting='adam' needs dense gradients: module {sparse[0]!r} has sparse=True")
+            raise ValueError(f"{what} needs dense gradients: module {sparse[0]!r} has sparse=True")
 
     def _make_grafting(self) -> Grafting | None:
         """``UpdateConfig.grafting``'s graft (None without), refused under FSDP2 row sharding."""
