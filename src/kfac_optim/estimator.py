@@ -726,8 +726,9 @@ class KroneckerEstimator:
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state on this rank, by category, and their ``"total"``.
 
-        ``"factors"``: running A and G of every layer (every rank keeps all of them);
-        ``"pending"``: statistics captured since the last fold; ``"decompositions"``: the
+        ``"factors"``: running A and G of every layer as allocated (every rank keeps all of them; a
+        layer frozen since construction allocates its factors when it first records, ``Factor.allocated``);
+        ``"pending"``: the buffers statistics are captured into (allocated likewise); ``"decompositions"``: the
         eigendecompositions or inverses this rank holds (all layers with ``f = 1``, about
         ``f`` of them otherwise); ``"sharded_preconditioning"``: under FSDP2, the most this rank
         holds at once while preconditioning sharded layers (gathered gradient rows and one whole
