@@ -1,7 +1,9 @@
 """One Kronecker block: a layer's two factors, their statistics and its preconditioner.
 
 Owns: :class:`KroneckerBlock`, the extension point of the block registry: which module instances
-a block supports and which parameters it takes, turning captured (input, output-gradient) pairs
+a block supports and which parameters it takes (a bias frozen while the weight trains is left
+out: ``bias=False``'s block), allocating its factors (at once, or on first use for a layer frozen
+at construction), turning captured (input, output-gradient) pairs
 into its factors' pending statistics and folding them, the block's weight-sharing support, and
 turning a layer's gradient into the preconditioned direction; :class:`Capture`, what a block that
 installs its own hooks may ask of the statistics capture.

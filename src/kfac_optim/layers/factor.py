@@ -1,6 +1,6 @@
 """Kronecker factors: one symmetric factor's pending statistics, running average and decomposition.
 
-Owns: accumulating Gram matrices (or a diagonal's counts) since the last fold, folding them into
+Owns: the factor's storage (allocated on first use), accumulating Gram matrices (or a diagonal's counts) since the last fold, folding them into
 the running average (non-finite batches discarded, no host sync), the decomposition held and when
 it is stale, checkpoint state and its validation; :func:`output_gram_scale`, the one place the
 output-gradient scaling of the conventions below is written.

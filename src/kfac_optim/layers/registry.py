@@ -1,9 +1,11 @@
 """The block registry: which ``KroneckerBlock`` class preconditions which module type, and discovery.
 
 Owns: ``module type → block class`` (looked up along the module type's MRO, so subclasses of a
-registered type share its block unless registered themselves), with a per-call override
-(``blocks``, e.g. one optimizer's own) consulted first; finding a model's blocks and setting their
-weight sharing; saying for every module with trainable parameters what happens to them.
+registered type share its block unless registered themselves or defining their own ``forward``:
+:func:`forward_override`), with a per-call override (``blocks``, e.g. one optimizer's own)
+consulted first; finding a model's blocks and setting their weight sharing (:func:`find_layers`);
+saying for every module with trainable parameters what happens to them, from the state at the
+time of asking (:class:`Discovery`).
 Must not know: hooks, ranks, the step.
 
 Built-in kinds are registered here the same way a user registers one::
