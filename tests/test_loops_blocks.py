@@ -399,4 +399,5 @@ def test_describe_says_what_bitfit_biases_get_and_they_get_it() -> None:
     grad = model[0].bias.grad.clone()
     optimizer.step()
     torch.testing.assert_close(model[0].bias.detach(), before.add(grad, alpha=-0.1), rtol=0, atol=0)  # SGD's, as said
+    assert not any(factor.allocated for block in optimizer.blocks for factor in block.factors.values())  # no work
     assert "0/0 weight-matrix elements" in optimizer.describe().splitlines()[0]

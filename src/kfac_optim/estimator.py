@@ -440,8 +440,8 @@ class KroneckerEstimator:
     def _warn_about_silent_blocks(self) -> None:
         """At the first factor step with any statistics: warn once about blocks whose hooks never
         fired (e.g. a layer called functionally, or whose output never reached the loss). Frozen
-        blocks (every parameter ``requires_grad=False``) record nothing by design and are left out."""
-        active = [block for block in self.blocks if any(p.requires_grad for p in block.parameters())]
+        blocks (their weight ``requires_grad=False``) record nothing by design and are left out."""
+        active = [block for block in self.blocks if not block.frozen]
         silent = [block.name for block in active if block.pending_samples == 0]
         if len(silent) == len(active):
             return  # no statistics at all (eval mode, a skipped backward): ask again next time

@@ -187,8 +187,10 @@ class KroneckerBlock(ABC):
 
     @property
     def frozen(self) -> bool:
-        """Whether every parameter of the block has ``requires_grad=False`` now (it records nothing)."""
-        return not any(p.requires_grad for p in self.parameters())
+        """Whether the block's weight has ``requires_grad=False`` now: the block records nothing (its
+        statistics are captured for the weight's gradient) and preconditions nothing (it goes by the
+        weight's gradient, :meth:`grad_matrix`); a bias that trains then takes the SGD path."""
+        return not self.module_weight.requires_grad
 
     sgd_reason: str | None = None
     """Set by :meth:`leave_to_sgd`: why the block records nothing and its parameters take the SGD path."""
@@ -211,8 +213,8 @@ class KroneckerBlock(ABC):
             return ("weight+bias; the bias is frozen now: the weight is still preconditioned with the joint "
                     "[W | b] factors (freeze the bias before building KFAC for bias=False's block)")
         if bias and not weight:
-            return ("weight+bias; the weight is frozen now: the block preconditions nothing (it goes by the "
-                    "weight's gradient) and the bias takes the SGD path")
+            return ("weight+bias; the weight is frozen now: the block records and preconditions nothing (it goes "
+                    "by the weight's gradient) and the bias takes the SGD path")
         return "weight+bias"
 
     def describe(self) -> str:
