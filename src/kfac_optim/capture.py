@@ -374,8 +374,8 @@ class StatisticsCapture:
 
     def tap(self, block: KroneckerBlock, layer_input: Any, output: Tensor, site: TapSite | None = None) -> Tensor | None:
         """Hook ``output`` so that its gradient is recorded with ``layer_input`` for ``block``
-        (:meth:`record`); the hook holds this capture weakly. A block whose parameters all have
-        ``requires_grad=False`` is not hooked (no backward writes their ``.grad``). Without
+        (:meth:`record`); the hook holds this capture weakly. A block whose weight has
+        ``requires_grad=False`` is not hooked (no backward writes its ``.grad``). Without
         ``every_backward`` the output is also held for :meth:`recording_outputs` (until that pass,
         or until the hooks are armed anew at the step: at most one output per layer and forward,
         on factor steps only).
@@ -467,13 +467,11 @@ class StatisticsCapture:
 
     def _recorded_parameter(self, block: KroneckerBlock) -> Tensor | None:
         """The parameter of ``block`` whose ``.grad`` decides whether a backward records (the one
-        its module uses now: FSDP2's unsharded copy, Apex's model weight; the weight, else an
-        included bias that requires grad); None when none requires grad."""
-        weight, bias = block.weight_and_bias(block.module)
-        param = weight if weight.requires_grad else bias if block.bias is not None and bias is not None else None
-        if param is None or not param.requires_grad:
-            return None
-        return param
+        its module uses now: FSDP2's unsharded copy, Apex's model weight): the weight; None when it
+        does not require grad (a frozen layer, or BitFit's trained biases: the block preconditions
+        through the weight's gradient, so statistics without it would be work for nothing)."""
+        weight = block.weight_and_bias(block.module)[0]
+        return weight if weight.requires_grad else None
 
     def _node_of(self, block: KroneckerBlock, param: Tensor) -> Any:
         """``param``'s ``AccumulateGrad`` node, fetched once per parameter object of ``block``."""

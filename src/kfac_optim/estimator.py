@@ -19,7 +19,6 @@ One step of the optimizer reaches it in this order (docs/design.md §4)::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -39,9 +38,9 @@ from kfac_optim.costs import model_costs
 from kfac_optim.intervals import IntervalSchedule, StepCosts
 from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.sharding import Sharding
-from kfac_optim.layers import KroneckerBlock, discover, discover_blocks
+from kfac_optim.layers import KroneckerBlock, ModuleReport, discover_blocks
 from kfac_optim.layers.attention import sequence_first_note
-from kfac_optim.layers.registry import SkipLayers
+from kfac_optim.layers.registry import SkipLayers, find_layers
 from kfac_optim.methods import Method, method_named
 from kfac_optim.precision import MixedPrecision
 from kfac_optim.stagger import FactorStagger
@@ -97,10 +96,15 @@ def block_dims(model: nn.Module, skip_layers: SkipLayers = ()) -> dict[str, tupl
     return {block.name: (block.A.dim, block.G.dim) for block in blocks}
 
 
-FROZEN_NOTE = (" (frozen now, requires_grad=False: records nothing; once unfrozen, preconditioned from the first "
-               "decomposition step after its gradient appears, its factors starting empty as a new layer's, "
-               "under its param group's settings)")
+FROZEN_NOTE = (" (frozen now, requires_grad=False: records nothing, its hooks tap nothing, and factors never used are "
+               "not allocated; once unfrozen, its factors are allocated when it first records and it is preconditioned "
+               "from the first decomposition step after its gradient appears, its factors starting empty as a new "
+               "layer's, under its param group's settings)")
 """What :meth:`KroneckerEstimator.describe` adds to the row of a block whose parameters are all frozen now."""
+
+COVERAGE_WARNING = 0.5
+"""Below this share of the trainable weight-matrix elements preconditioned, a one-time warning at
+construction names the largest modules without a block (docs/api.md, ``describe()``)."""
 
 
 class KroneckerEstimator:
@@ -123,9 +127,11 @@ class KroneckerEstimator:
         curvature = options.curvature
         self.options = options
         self.method: Method = method_named(options.method)
-        self.blocks, self.reports = discover(model, trainable, curvature.skip_layers, curvature.factor_dtype,
-                                             blocks=curvature.blocks, weight_sharing=curvature.weight_sharing)
-        self._warn_about_discovery()
+        self._model = model
+        self.discovery = find_layers(model, trainable, curvature.skip_layers, curvature.factor_dtype,
+                                     blocks=curvature.blocks, weight_sharing=curvature.weight_sharing)
+        self.blocks = self.discovery.blocks
+        self._warn_about_discovery(trainable)
         # First (before any hook exists): with several ranks it checks they all built K-FAC alike.
         self.sharding = Sharding(self.blocks, runtime.grad_worker_fraction, runtime.process_group,
                                  runtime.bucket_bytes, settings=options.rank_settings())
@@ -156,6 +162,7 @@ class KroneckerEstimator:
                         "nothing recorded": False, "torch.func": False}
         self._gradient_marks: list[tuple[int, int]] = []  # at the last factor step (_current_gradient_marks)
         self._checked_capture = False
+        self._warned_bias: set[str] = set()  # blocks warned about a bias frozen or unfrozen after construction
         # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (counted by the
         # optimizer's KL clip, left out of ν), on the device; and per block, how many were reported.
         self.nonfinite_directions = torch.zeros(len(self.parameters()), dtype=torch.int64, device=device)
@@ -174,8 +181,9 @@ class KroneckerEstimator:
                 f"(got grad_worker_fraction={runtime.grad_worker_fraction!r})"
             )
 
-    def _warn_about_discovery(self) -> None:
-        """The one-time notes about the layers found: none, declined ones, sequence-first, costly factors."""
+    def _warn_about_discovery(self, trainable: set[Tensor]) -> None:
+        """The one-time notes about the layers found: none, declined ones, too few weights
+        preconditioned (under :data:`COVERAGE_WARNING`), sequence-first, costly factors."""
         note = sequence_first_note(self.blocks)
         if note is not None:
             warn_user(note)
@@ -185,12 +193,16 @@ class KroneckerEstimator:
                 f"model has no supported layer to precondition (registered kinds: {kinds}; see KFAC.describe()): "
                 "KFAC behaves as SGD",
             )
-        unsupported = [r for r in self.reports if r.status == "unsupported"]
+        reports = self.reports(trainable)
+        unsupported = [r for r in reports if r.status == "unsupported"]
         if unsupported:
             warn_user(
                 f"{len(unsupported)} layer(s) of registered kinds take the SGD path: "
                 + "; ".join(f"{r.name}: {r.detail}" for r in unsupported)
             )
+        covered, total = self.coverage(trainable)
+        if self.blocks and total and covered < COVERAGE_WARNING * total:
+            warn_user(self._coverage_note(trainable, reports, covered, total))
         large = [f"{block.name}.{name} ({factor.dim})" for block in self.blocks for name, factor in block.factors.items()
                  if factor.dim >= LARGE_FACTOR_DIM and not self.method.capped(factor)]  # capped: O(n²·rank)
         if large:
@@ -198,6 +210,42 @@ class KroneckerEstimator:
                            "(rank-deficient ones, e.g. of convs on small feature maps, far less): %s; see "
                            "inv_update_steps, AsyncConfig and skip_layers (docs/design.md §4)",
                            LARGE_FACTOR_DIM, ", ".join(large))
+
+    def _coverage_note(self, trainable: set[Tensor], reports: list[ModuleReport], covered: int, total: int) -> str:
+        """The coverage warning: the share, the largest modules without a block, how to register one."""
+        modules = dict(self._model.named_modules())
+        sizes = []
+        for report in reports:
+            module = modules.get(report.name)
+            if report.block is not None or module is None:
+                continue
+            size = sum(p.numel() for p in module.parameters(recurse=False)
+                       if p in trainable and p.requires_grad and p.dim() >= 2)
+            if size:
+                sizes.append((size, report))
+        largest = sorted(sizes, key=lambda item: -item[0])[:3]
+        named = "; ".join(f"'{r.name}' ({r.kind}, {size} elements: {r.status})" for size, r in largest)
+        return (f"K-FAC preconditions {covered}/{total} ({covered / total:.1%}) of the trainable weight-matrix "
+                f"elements, under {COVERAGE_WARNING:.0%}: the rest take SGD's update. Largest without a block: {named}. "
+                "A layer type gets K-FAC with kfac_optim.register_block(LayerType, BlockClass) (a KroneckerBlock "
+                "subclass; docs/api.md, 'Block registry'); KFAC.describe() lists every module")
+
+    def coverage(self, trainable: set[Tensor]) -> tuple[int, int]:
+        """``(preconditioned, total)`` elements of the weight matrices (parameters of 2+ dims) among
+        ``trainable`` that require grad now; preconditioned: held by a :meth:`preconditioning_blocks` block."""
+        preconditioned = {p for block in self.preconditioning_blocks() for p in block.parameters()}
+        matrices = [p for p in trainable if p.requires_grad and p.dim() >= 2]
+        return sum(p.numel() for p in matrices if p in preconditioned), sum(p.numel() for p in matrices)
+
+    def preconditioning_blocks(self) -> list[KroneckerBlock]:
+        """The blocks that precondition now: not left to SGD (``sgd_reason``), their module still in the model."""
+        modules = set(self._model.modules())
+        return [block for block in self.blocks if block.sgd_reason is None and block.module in modules]
+
+    def reports(self, trainable: set[Tensor]) -> list[ModuleReport]:
+        """What happens now to every module's parameters among ``trainable`` (``KFAC.module_reports``):
+        from the model and the blocks as they are at the call (``layers.registry.Discovery``)."""
+        return self.discovery.reports(self._model, trainable)
 
     def parameters(self) -> list[Tensor]:
         """The blocks' parameters, in block order (the order of :attr:`nonfinite_directions`)."""
@@ -320,6 +368,7 @@ class KroneckerEstimator:
         else:
             self.discard_pending_statistics()  # a no-op when nothing was captured
         if self.is_inverse_step(step):
+            self._warn_about_bias_changes()
             with self.intervals.timing_decomposition(step):
                 self._decomposition_step(damping)
         elif self.adopt_at == step:  # AsyncConfig.delay: adopt the round in flight, the same step on every rank
@@ -400,8 +449,8 @@ class KroneckerEstimator:
     def _warn_about_silent_blocks(self) -> None:
         """At the first factor step with any statistics: warn once about blocks whose hooks never
         fired (e.g. a layer called functionally, or whose output never reached the loss). Frozen
-        blocks (every parameter ``requires_grad=False``) record nothing by design and are left out."""
-        active = [block for block in self.blocks if any(p.requires_grad for p in block.parameters())]
+        blocks (their weight ``requires_grad=False``) record nothing by design and are left out."""
+        active = [block for block in self.blocks if not block.frozen]
         silent = [block.name for block in active if block.pending_samples == 0]
         if len(silent) == len(active):
             return  # no statistics at all (a skipped backward, a torch.func loop): ask again next time
@@ -416,14 +465,25 @@ class KroneckerEstimator:
 
     def _leave_batch_free_blocks_to_sgd(self) -> None:
         """At the first factor step with statistics: layers whose input has no batch dimension take
-        the SGD path (``batch_free``), and their rows of :attr:`reports` say why."""
-        left = batch_free.leave_batch_free_blocks_to_sgd(self.blocks)
-        if left:
-            self.reports = [
-                dataclasses.replace(r, block=None, status="unsupported", detail=left[r.block])
-                if r.block in left else r
-                for r in self.reports
-            ]
+        the SGD path (``batch_free``; :meth:`reports` says why, from ``KroneckerBlock.sgd_reason``)."""
+        batch_free.leave_batch_free_blocks_to_sgd(self.blocks)
+
+    def _warn_about_bias_changes(self) -> None:
+        """Once per block: its bias was frozen or unfrozen after construction, which fixed whether the
+        block holds it (``KroneckerBlock.create``). Attribute reads only (decomposition steps)."""
+        for block in self.blocks:
+            if block.name in self._warned_bias:
+                continue
+            if block.bias is not None and block.weight.requires_grad and not block.bias.requires_grad:
+                what = ("its bias was frozen after KFAC was built: the weight is still preconditioned with the joint "
+                        "[W | b] factors, not as with bias=False; freeze the bias before building KFAC for that")
+            elif block.frozen_bias is not None and block.frozen_bias.requires_grad:
+                what = ("its bias, frozen when KFAC was built and so left out of the block (bias=False's), was "
+                        "unfrozen: it takes the SGD path; build a new KFAC to precondition it with the weight")
+            else:
+                continue
+            self._warned_bias.add(block.name)
+            warn_user(f"K-FAC layer '{block.name}': {what}")
 
     def _check_something_was_recorded(self) -> None:
         """Warn once when forwards ran inside a ``torch.func`` transform (not hooked), once when every
@@ -685,36 +745,38 @@ class KroneckerEstimator:
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state on this rank, by category, and their ``"total"``.
 
-        ``"factors"``: running A and G of every layer (every rank keeps all of them);
-        ``"pending"``: statistics captured since the last fold; ``"decompositions"``: the
+        ``"factors"``: running A and G of every layer as allocated (every rank keeps all of them; a
+        layer frozen since construction allocates its factors when it first records, ``Factor.allocated``);
+        ``"pending"``: the buffers statistics are captured into (allocated likewise); ``"decompositions"``: the
         eigendecompositions or inverses this rank holds (all layers with ``f = 1``, about
         ``f`` of them otherwise); ``"sharded_preconditioning"``: under FSDP2, the most this rank
         holds at once while preconditioning sharded layers (gathered gradient rows and one whole
         gradient and direction; 0 without sharded layers). Momentum buffers are SGD's and not counted.
         """
         factors = [factor for block in self.blocks for factor in block.factors.values()]
+        held = [factor.held_bytes() for factor in factors]  # 0 for a frozen layer's factors never used
         row_sharded = self.sharding.row_sharded
         itemsize = torch.empty((), dtype=self.options.curvature.inv_dtype).element_size()
         usage = {
-            "factors": sum(f.running.nbytes for f in factors),
-            "pending": sum(f.pending.nbytes for f in factors),
+            "factors": sum(running for running, _ in held),
+            "pending": sum(pending for _, pending in held),
             "decompositions": sum(linalg.nbytes(f.decomposition) for f in factors),
             "sharded_preconditioning": 0 if row_sharded is None else row_sharded.peak_bytes(itemsize),
         }
         usage["total"] = sum(usage.values())
         return usage
 
-    def describe(self, trainable_matrices: dict[int, int]) -> str:
-        """:meth:`KFAC.describe`, given ``{id(parameter): numel}`` of the trainable weight matrices."""
-        preconditioned = {id(p) for p in self.parameters()}
-        covered = sum(n for key, n in trainable_matrices.items() if key in preconditioned)
-        total = sum(trainable_matrices.values())
+    def describe(self, trainable: set[Tensor]) -> str:
+        """:meth:`KFAC.describe`, given the optimizer's parameters (``trainable``), from the state now:
+        the share counts the weight matrices that require grad, those of blocks left to SGD excluded."""
+        covered, total = self.coverage(trainable)
         share = covered / total if total else 1.0
-        frozen = {block.name for block in self.blocks if not any(p.requires_grad for p in block.parameters())}
+        frozen = {block.name for block in self.blocks if block.frozen}
+        preconditioning = len(self.preconditioning_blocks())
         lines = [
-            f"KFAC ({self.method.name}): {len(self.blocks)} blocks precondition {covered}/{total} "
+            f"KFAC ({self.method.name}): {preconditioning} blocks precondition {covered}/{total} "
             f"weight-matrix elements ({share:.1%})",
-            *(f"  {report}{FROZEN_NOTE if report.block in frozen else ''}" for report in self.reports),
+            *(f"  {report}{FROZEN_NOTE if report.block in frozen else ''}" for report in self.reports(trainable)),
         ]
         approximations = self.method.approximations([(block.name, block.A, block.G) for block in self.blocks])
         if approximations is not None:

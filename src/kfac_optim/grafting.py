@@ -2,7 +2,9 @@
 Distributed Shampoo's default): K-FAC's direction with the step length of a simple optimizer.
 
 Owns: the per-parameter-tensor graft of ``UpdateConfig(grafting=...)`` and the graft optimizer's
-state (Adam's moments, in the optimizer's ``state[p]`` so ``state_dict()`` carries them).
+state (Adam's moments, in the optimizer's ``state[p]`` so ``state_dict()`` carries them); Adam's
+step for the parameters that ``method="eigen_adam"`` leaves outside K-FAC (:class:`AdamOutsideKFAC`,
+the same step and state).
 Must not know: the curvature, the blocks, SGD's update (``KFAC._sgd_update`` applies the result).
 
 For every parameter ``p`` with a gradient ``∇p`` (docs/design.md §4.1)::
@@ -28,7 +30,7 @@ from torch import Tensor
 
 from kfac_optim.config import UpdateConfig
 
-__all__ = ["Grafting"]
+__all__ = ["AdamOutsideKFAC", "Grafting", "adam_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +56,8 @@ class Grafting:
         the parameters without ``V`` are left out (SGD's path uses their gradient, ``s = ∇p``).
         """
         params = [p for p in params if p.grad is not None]
-        sparse = next((p for p in params if p.grad.is_sparse), None)
-        if self.kind == "adam" and sparse is not None:  # checked before any state changes
-            raise RuntimeError(
-                f"UpdateConfig.grafting='adam' needs dense gradients; a parameter of shape {tuple(sparse.shape)} has a "
-                "sparse one (nn.Embedding(sparse=True)): use a dense embedding"
-            )
+        if self.kind == "adam":
+            _refuse_sparse(params, "UpdateConfig.grafting='adam'")
         grafted: dict[Tensor, Tensor] = {}
         for p in params:
             direction = preconditioned.get(p)
@@ -67,7 +65,7 @@ class Grafting:
                 if direction is not None:
                     grafted[p] = direction.mul_(_norm_ratio(p.grad, direction))
                 continue
-            step = self._adam_step(p.grad, state[p])
+            step = adam_step(p.grad, state[p], self.betas, self.eps)
             if direction is None:
                 grafted[p] = step
                 continue
@@ -78,19 +76,72 @@ class Grafting:
             grafted[p] = average * _norm_ratio(step, average)
         return grafted
 
-    def _adam_step(self, grad: Tensor, state: dict[str, Any]) -> Tensor:
-        """Adam's bias-corrected ``m̂ / (sqrt(v̂) + ε)``, its moments and step count kept in ``state``."""
-        beta1, beta2 = self.betas
-        if "step" not in state:  # "step": the key load_state_dict leaves in its dtype (at least float32)
-            state["step"] = torch.zeros((), dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
-            state["graft_exp_avg"] = torch.zeros_like(grad)
-            state["graft_exp_avg_sq"] = torch.zeros_like(grad)
-        count = state["step"].add_(1)
-        mean = state["graft_exp_avg"].lerp_(grad, 1 - beta1)
-        square = state["graft_exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        scale1 = 1 - torch.pow(beta1, count)
-        scale2 = 1 - torch.pow(beta2, count)
-        return (mean / scale1) / ((square / scale2).sqrt_().add_(self.eps))
+
+
+def adam_step(grad: Tensor, state: dict[str, Any], betas: tuple[float, float], eps: float) -> Tensor:
+    """Adam's bias-corrected ``m̂ / (sqrt(v̂) + ε)`` for ``grad``, its moments and step count kept in
+    ``state`` (a parameter's optimizer state: ``"step"``, ``"graft_exp_avg"``, ``"graft_exp_avg_sq"``)."""
+    beta1, beta2 = betas
+    if "step" not in state:  # "step": the key load_state_dict leaves in its dtype (at least float32)
+        state["step"] = torch.zeros((), dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
+        state["graft_exp_avg"] = torch.zeros_like(grad)
+        state["graft_exp_avg_sq"] = torch.zeros_like(grad)
+    count = state["step"].add_(1)
+    mean = state["graft_exp_avg"].lerp_(grad, 1 - beta1)
+    square = state["graft_exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    scale1 = 1 - torch.pow(beta1, count)
+    scale2 = 1 - torch.pow(beta2, count)
+    return (mean / scale1) / ((square / scale2).sqrt_().add_(eps))
+
+
+def _refuse_sparse(params: Iterable[Tensor], what: str) -> None:
+    """``RuntimeError`` naming ``what`` if a parameter's gradient is sparse (Adam's moments are dense)."""
+    sparse = next((p for p in params if p.grad is not None and p.grad.is_sparse), None)
+    if sparse is not None:  # checked before any state changes
+        raise RuntimeError(
+            f"{what} needs dense gradients; a parameter of shape {tuple(sparse.shape)} has a "
+            "sparse one (nn.Embedding(sparse=True)): use a dense embedding"
+        )
+
+
+class AdamOutsideKFAC:
+    """``method="eigen_adam"``: the parameters without a K-FAC direction (LayerNorm gains, a position
+    embedding left to SGD, a layer of a kind without a block) follow ``torch.optim.Adam`` with
+    ``betas = (the group's momentum, beta2)`` and ``eps`` (the method's), instead of SGD's update at
+    Adam's lr. The K-FAC parameters keep SGD's momentum on their direction, their first moment.
+
+    Per parameter ``p`` with a gradient and no K-FAC direction::
+
+        g = ±∇p (− under maximize) + weight_decay·p (coupled decay, as Adam's)
+        d = m̂ / (sqrt(v̂) + ε)            (:func:`adam_step`; moments in ``state[p]``)
+
+    and ``KFAC`` then applies ``p ← p − lr·d`` with no SGD momentum, dampening, decay or maximize on
+    top (:attr:`stepped`), so ``p`` moves exactly as under ``torch.optim.Adam(lr, betas, eps,
+    weight_decay)`` (``UpdateConfig.decoupled_weight_decay``: as ``AdamW``'s decay).
+    """
+
+    def __init__(self, beta2: float, eps: float, decoupled_weight_decay: bool) -> None:
+        self.beta2 = beta2
+        self.eps = eps
+        self.decoupled = decoupled_weight_decay
+
+    def directions(self, groups: list[dict[str, Any]], state: dict[Tensor, dict[str, Any]],
+                   preconditioned: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """Adam's direction ``d`` of every parameter of ``groups`` with a gradient and not in
+        ``preconditioned`` (K-FAC's directions), by parameter."""
+        _refuse_sparse((p for group in groups for p in group["params"] if p not in preconditioned),
+                       "method='eigen_adam' (Adam for the parameters outside K-FAC)")
+        steps: dict[Tensor, Tensor] = {}
+        for group in groups:
+            betas = (group["momentum"], self.beta2)
+            for p in group["params"]:
+                if p.grad is None or p in preconditioned:
+                    continue
+                grad = -p.grad if group["maximize"] else p.grad
+                if group["weight_decay"] != 0 and not self.decoupled:
+                    grad = grad.add(p, alpha=group["weight_decay"])
+                steps[p] = adam_step(grad, state[p], betas, self.eps)
+        return steps
 
 
 def _norm_ratio(reference: Tensor, direction: Tensor) -> Tensor:

@@ -20,6 +20,8 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
     ν   = min(1, sqrt(kl_clip / |Σ_layers lr₀² ⟨V, ∇W⟩|))    (lr₀: the group's base lr, §4.1)
     d   = ν·V  for K-FAC parameters,  ∇p  for every other parameter
           (UpdateConfig.grafting: no ν; d = M·‖s‖/‖M‖ per tensor, see kfac_optim.grafting)
+          (method="eigen_adam": every other parameter takes Adam's step instead, with no SGD
+           momentum or decay on top: grafting.AdamOutsideKFAC)
     UpdateConfig.decoupled_weight_decay:  p ← p·(1 − lr·weight_decay), and SGD's decay is 0
     then exactly torch.optim.SGD on d: weight decay, momentum/dampening/nesterov, p ← p − lr·d
 """
@@ -51,13 +53,14 @@ from kfac_optim.config import (
     check_hyperparameter,
     from_deprecated_keywords,
 )
+from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.estimator import LARGE_FACTOR_DIM, KroneckerEstimator, block_dims, unwrap_model
-from kfac_optim.grafting import Grafting
+from kfac_optim.grafting import AdamOutsideKFAC, Grafting
 from kfac_optim.layers import ModuleReport, discover_blocks
 from kfac_optim.layers.positions import RealPositions
-from kfac_optim.methods import Method
+from kfac_optim.methods import EigenAdam, Method, method_named
 from kfac_optim.precision import MixedPrecision
 
 __all__ = ["KFAC", "LARGE_FACTOR_DIM", "block_dims", "discover_blocks"]
@@ -86,7 +89,9 @@ class KFAC(Optimizer, Joinable):
         lr, momentum, dampening, weight_decay, nesterov, maximize, foreach: as torch.optim.SGD.
         params: param groups; default: every parameter of ``model`` in one group, frozen ones
             (``requires_grad=False``) included, as ``SGD(model.parameters())``: their layers get blocks
-            at once, record nothing while frozen, and train (preconditioned) once unfrozen. A
+            at once, record nothing while frozen (their factors are allocated when they first record),
+            and train (preconditioned) once unfrozen. A bias frozen while its weight trains leaves the
+            block of ``bias=False``. A
             list given here means only these parameters (``describe()`` lists the frozen layers).
             Parameters outside ``model`` (a loss's temperature) take the SGD path (:meth:`describe`).
         damping: λ, a float > 0, a callable ``step -> float``, or a
@@ -158,6 +163,7 @@ class KFAC(Optimizer, Joinable):
         curvature, asynchronous, runtime = from_deprecated_keywords(deprecated, curvature, asynchronous, runtime)
         self._options = KFACOptions(damping, kl_clip, factor_update_steps, inv_update_steps, method,
                                     curvature, asynchronous, update or UpdateConfig())
+        self._warned_zero_base_lr = False
         self.model = unwrap_model(model)
         if params is None:  # frozen ones too, as SGD(model.parameters()): a layer unfrozen later then trains
             params = list(self.model.parameters())
@@ -168,12 +174,15 @@ class KFAC(Optimizer, Joinable):
         trainable = {p for group in self.param_groups for p in group["params"]}  # the model's and any outside it
         if self._options.update.grafting == "adam":
             self._check_adam_grafting(trainable)
+        elif isinstance(method_named(self._options.method), EigenAdam):
+            self._check_dense_gradients(trainable, "method='eigen_adam' (Adam's step for the parameters outside K-FAC)")
         self._precision = MixedPrecision(self, runtime.grad_scaler,
                                          statistics_loss_scaled=curvature.fisher == "empirical")
         self.estimator = KroneckerEstimator(self.model, trainable, self._options, runtime, self._precision)
         self._join = JoinSupport(self.estimator.sharding, self.estimator.shadow_step, self, model)
         self._checkpointing = checkpoint.Checkpointing(self, self.estimator)
         self._grafting = self._make_grafting()
+        self._outside_adam = self._make_outside_adam()
         logger.info("%s", self.describe())
 
     def _check_adam_grafting(self, trainable: set[Tensor]) -> None:
@@ -184,10 +193,15 @@ class KFAC(Optimizer, Joinable):
                 "UpdateConfig.grafting='adam' carries its own momentum (Adam's first moment): set momentum=0 "
                 "(and nesterov=False) in every param group"
             )
+        self._check_dense_gradients(trainable, "UpdateConfig.grafting='adam'")
+
+    def _check_dense_gradients(self, trainable: set[Tensor], what: str) -> None:
+        """``ValueError`` naming ``what`` and the module when a module with ``sparse=True`` holds a
+        parameter in ``trainable`` (Adam's moments are dense)."""
         sparse = [name for name, module in self.model.named_modules()
                   if getattr(module, "sparse", False) is True and any(p in trainable for p in module.parameters(False))]
         if sparse:
-            raise ValueError(f"UpdateConfig.grafting='adam' needs dense gradients: module {sparse[0]!r} has sparse=True")
+            raise ValueError(f"{what} needs dense gradients: module {sparse[0]!r} has sparse=True")
 
     def _make_grafting(self) -> Grafting | None:
         """``UpdateConfig.grafting``'s graft (None without), refused under FSDP2 row sharding."""
@@ -196,6 +210,14 @@ class KFAC(Optimizer, Joinable):
         if self.estimator.sharding.row_sharded is not None:
             raise NotImplementedError("UpdateConfig.grafting is not supported with FSDP2-sharded parameters")
         return Grafting(self._options.update)
+
+    def _make_outside_adam(self) -> AdamOutsideKFAC | None:
+        """Under ``EigenAdam`` (an Adam-scale lr), Adam's step for the parameters without a K-FAC
+        direction (None otherwise, and under ``grafting="adam"``, which already gives them Adam's)."""
+        method = self.estimator.method
+        if not isinstance(method, EigenAdam) or self._options.update.grafting == "adam":
+            return None
+        return AdamOutsideKFAC(method.beta2, method.eps, self._options.update.decoupled_weight_decay)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """``Optimizer.__setstate__`` with SGD's defaults for options older state dicts lack."""
@@ -239,8 +261,13 @@ class KFAC(Optimizer, Joinable):
 
     @property
     def module_reports(self) -> list[ModuleReport]:
-        """:meth:`describe`'s rows as data, one per module with trainable parameters."""
-        return list(self.estimator.reports)
+        """:meth:`describe`'s rows as data, one per module with parameters in the param groups, from
+        the state now (the groups, ``requires_grad``, the model's modules)."""
+        return self.estimator.reports(self._group_parameters())
+
+    def _group_parameters(self) -> set[Tensor]:
+        """Every parameter of the param groups now."""
+        return {p for group in self.param_groups for p in group["params"]}
 
     def bytes_communicated(self) -> dict[str, int]:
         """Payload bytes this rank handed to collectives so far, by kind: ``"factors"`` (the
@@ -266,11 +293,17 @@ class KFAC(Optimizer, Joinable):
         return self.estimator.is_inverse_step(step)
 
     def describe(self) -> str:
-        """Every module with trainable parameters and what K-FAC does with them: the block that
-        preconditions them (its kind and factor shapes) or why they take the SGD path, then the
-        share of weight-matrix elements (parameters with 2+ dims) that K-FAC preconditions."""
-        matrices = {id(p): p.numel() for group in self.param_groups for p in group["params"] if p.dim() >= 2}
-        return self.estimator.describe(matrices)
+        """Every module with parameters in the param groups and what K-FAC does with them now: the
+        block that preconditions them (its kind, parameters and factor shapes) or why they take the
+        SGD path, then the share of trainable weight-matrix elements (parameters with 2+ dims that
+        require grad) that K-FAC preconditions. Computed at each call from the current state."""
+        text = self.estimator.describe(self._group_parameters())
+        if self._outside_adam is None:
+            return text
+        adam = self._outside_adam
+        return (f"{text}\nmethod eigen_adam: the parameters without a K-FAC direction (the rows on the SGD path above, "
+                f"and a block's before its first decomposition) take torch.optim.Adam's update with betas=(the group's "
+                f"momentum, {adam.beta2}), eps={adam.eps}")
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state on this rank, by category, and their ``"total"`` (see
@@ -350,7 +383,10 @@ class KFAC(Optimizer, Joinable):
             directions = self._grafting.directions(params, self.state, directions)
         if self._options.kl_clip is not None and directions:
             self._clip_to_trust_region(directions)      # ν·V
-        self._sgd_update(directions)                    # SGD on ν·V, or on ∇p for the other parameters
+        adam: dict[Tensor, Tensor] = {}
+        if self._outside_adam is not None:              # eigen_adam: Adam's step for the other parameters
+            adam = self._outside_adam.directions(self.param_groups, self.state, directions)
+        self._sgd_update(directions, adam)              # SGD on ν·V, or on ∇p for the other parameters
         if measurement is not None:                     # AdaptiveDamping's step: ρ, then λ
             estimator.settle_statistics()
             measurement.finish(estimator.blocks)
@@ -399,6 +435,23 @@ class KFAC(Optimizer, Joinable):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         group.setdefault("kfac_base_lr", _copy_lr(group["lr"]))
+        self._warn_about_zero_base_lr(group)
+
+    def _warn_about_zero_base_lr(self, group: dict[str, Any]) -> None:
+        """Warn once when a group's base lr is 0 while the KL clip is computed at it: ν = 1 always."""
+        options = self._options
+        if (self._warned_zero_base_lr or options.kl_clip is None or options.update.trust_region != "base_lr"
+                or float(group["kfac_base_lr"]) != 0.0):
+            return
+        self._warned_zero_base_lr = True
+        warn_user(
+            f"param group {len(self.param_groups) - 1} has lr=0 when added to KFAC: the KL clip (kl_clip="
+            f"{options.kl_clip}) bounds each step at the group's base lr, its lr when it was added, and at 0 it "
+            "never clips (ν = 1), so once a hand-written warmup raises the lr the steps are unclipped (tens of times "
+            "those of a run built at the peak lr). Build KFAC at the peak lr and warm up with a scheduler "
+            "(torch.optim.lr_scheduler.LambdaLR or LinearLR), which keeps the base lr; or set the group's "
+            "'kfac_base_lr' to the peak lr (docs/design.md §4.1)"
+        )
 
     def trust_region_lr(self, group: dict[str, Any]) -> float | Tensor:
         """The lr at which the KL bound ``kl_clip`` holds for ``group`` (``UpdateConfig.trust_region``).
@@ -415,17 +468,28 @@ class KFAC(Optimizer, Joinable):
         return group["kfac_base_lr"]
 
     @record_function("kfac.sgd")
-    def _sgd_update(self, directions: dict[Tensor, Tensor]) -> None:
+    def _sgd_update(self, directions: dict[Tensor, Tensor], adam: dict[Tensor, Tensor]) -> None:
         """``torch.optim.SGD``'s update, per group, on the (possibly preconditioned) directions;
-        with ``UpdateConfig.decoupled_weight_decay`` the group's decay first as ``p ← p·(1 − lr·wd)``."""
+        with ``UpdateConfig.decoupled_weight_decay`` the group's decay first as ``p ← p·(1 − lr·wd)``.
+        The parameters in ``adam`` (Adam's steps, ``AdamOutsideKFAC``) take ``p ← p − lr·d`` alone."""
         decoupled = self._options.update.decoupled_weight_decay
         for group in self.param_groups:
             params: list[Tensor] = []
             grads: list[Tensor] = []
             momentum_buffers: list[Tensor | None] = []
             has_sparse_grad = False
+            stepped = [p for p in group["params"] if p in adam]
+            if stepped:
+                if decoupled and group["weight_decay"] != 0:
+                    torch._foreach_mul_(stepped, 1 - group["lr"] * group["weight_decay"])
+                updates = [adam[p] for p in stepped]  # Adam's fresh steps: scaled in place
+                if isinstance(group["lr"], Tensor):
+                    torch._foreach_mul_(updates, group["lr"])
+                    torch._foreach_sub_(stepped, updates)
+                else:
+                    torch._foreach_add_(stepped, updates, alpha=-group["lr"])
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None or p in adam:
                     continue
                 params.append(p)
                 grads.append(directions.get(p, p.grad))

@@ -43,7 +43,7 @@ def assign_phases(costs: Sequence[float], names: Sequence[str], interval: int) -
 
 def statistics_cost(block: KroneckerBlock) -> float:
     """The Gram work of ``block``'s pending statistics: ``Σ_factors rows × stored elements``."""
-    return float(sum(f.pending_rows * f.pending.numel() for f in block.factors.values()))
+    return float(sum(f.pending_rows * f.elements for f in block.factors.values()))
 
 
 class FactorStagger:

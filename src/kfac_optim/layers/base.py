@@ -1,7 +1,9 @@
 """One Kronecker block: a layer's two factors, their statistics and its preconditioner.
 
 Owns: :class:`KroneckerBlock`, the extension point of the block registry: which module instances
-a block supports and which parameters it takes, turning captured (input, output-gradient) pairs
+a block supports and which parameters it takes (a bias frozen while the weight trains is left
+out: ``bias=False``'s block), allocating its factors (at once, or on first use for a layer frozen
+at construction), turning captured (input, output-gradient) pairs
 into its factors' pending statistics and folding them, the block's weight-sharing support, and
 turning a layer's gradient into the preconditioned direction; :class:`Capture`, what a block that
 installs its own hooks may ask of the statistics capture.
@@ -95,6 +97,11 @@ class KroneckerBlock(ABC):
         self.bias: nn.Parameter | None = bias if include_bias else None
         self.module_weight: nn.Parameter = weight  # the module's own (``weight`` may become an Apex master)
         self.factors: dict[FactorName, Factor] = self.make_factors(factor_dtype, self.weight.device)
+        if not self.frozen:  # a frozen layer's factors are allocated when it first records (Factor.allocated)
+            for factor in self.factors.values():
+                factor.allocate()
+        self.frozen_bias: nn.Parameter | None = None
+        """The module's bias when it was left out because it was frozen while the weight trained (see :meth:`create`)."""
         self.pending_samples = 0
         self._counted: set[tuple[int, int]] = set()  # the (graph task, model call)s counted since the last fold
         self.calls = [0, 0]  # calls recorded since the last fold, and how many of them held one sample
@@ -137,9 +144,16 @@ class KroneckerBlock(ABC):
             )
         claimed.add(weight)
         include_bias = bias is not None and bias in trainable and bias not in claimed
-        if include_bias:
+        # A bias frozen while the weight trains: the block is the one of bias=False (A without the
+        # trailing 1), so the weight's step is bias=False's. A layer frozen whole keeps its bias for
+        # when it is unfrozen.
+        left_out = include_bias and not bias.requires_grad and weight.requires_grad
+        if include_bias and not left_out:
             claimed.add(bias)
-        return [cls(name, module, include_bias, factor_dtype)]
+        block = cls(name, module, include_bias and not left_out, factor_dtype)
+        if left_out:
+            block.frozen_bias = bias
+        return [block]
 
     def make_factors(self, dtype: torch.dtype, device: torch.device) -> dict[FactorName, Factor]:
         """Dense ``A: (in [+1], in [+1])`` and ``G: (out, out)`` per group (the default)."""
@@ -186,6 +200,13 @@ class KroneckerBlock(ABC):
         self.ignored_weight_sharing = None
         return True
 
+    @property
+    def frozen(self) -> bool:
+        """Whether the block's weight has ``requires_grad=False`` now: the block records nothing (its
+        statistics are captured for the weight's gradient) and preconditions nothing (it goes by the
+        weight's gradient, :meth:`grad_matrix`); a bias that trains then takes the SGD path."""
+        return not self.module_weight.requires_grad
+
     def leave_to_sgd(self, reason: str) -> None:
         """Record nothing from now on (the block's parameters take the SGD path: its factors are
         never initialized, so it never has a decomposition), for ``reason`` (in :meth:`describe`)."""
@@ -206,11 +227,27 @@ class KroneckerBlock(ABC):
             warn_user(f"K-FAC layer '{self.name}' ({type(self).__name__}) was called under KFAC.mask() but counts "
                       f"every position in its statistics: {reason}", RuntimeWarning)
 
+    def parameters_text(self) -> str:
+        """Which parameters the block holds and what happens to them now, e.g. ``"weight+bias"``."""
+        if self.bias is None:
+            if self.frozen_bias is None:
+                return "weight"
+            return ("weight; its bias was frozen when KFAC was built, so the block is bias=False's "
+                    "(A without the bias column)")
+        weight, bias = self.weight.requires_grad, self.bias.requires_grad
+        if weight and not bias:
+            return ("weight+bias; the bias is frozen now: the weight is still preconditioned with the joint "
+                    "[W | b] factors (freeze the bias before building KFAC for bias=False's block)")
+        if bias and not weight:
+            return ("weight+bias; the weight is frozen now: the block records and preconditions nothing (it goes "
+                    "by the weight's gradient) and the bias takes the SGD path")
+        return "weight+bias"
+
     def describe(self) -> str:
-        """One line: the block kind and its factors' shapes and kinds."""
+        """One line: the block kind, its parameters now (:meth:`parameters_text`) and its factors'
+        shapes and kinds (whether allocated)."""
         parts = ", ".join(f"{name} {factor.describe()}" for name, factor in self.factors.items())
-        params = "weight+bias" if self.bias is not None else "weight"
-        text = f"{type(self).__name__} ({params}): {parts}"
+        text = f"{type(self).__name__} ({self.parameters_text()}): {parts}"
         if self.ignored_weight_sharing is not None:
             text += (f"; weight_sharing={self.ignored_weight_sharing!r} not implemented by {type(self).__name__}: "
                      "every use of the weight is a row ('expand')")
@@ -263,7 +300,7 @@ class KroneckerBlock(ABC):
 
     def accumulate(self, inputs: Tensor, grad_output: Tensor) -> None:
         """Add one (input, output-gradient) pair of a forward/backward to the pending sums."""
-        dtype = self.A.pending.dtype
+        dtype = self.A.dtype
         with torch.autocast(inputs.device.type, enabled=False):
             self.add_input_gram(inputs, dtype)
             self.add_output_gram(grad_output, dtype)

@@ -140,7 +140,7 @@ class EmbeddingBlock(KroneckerBlock):
         """Take the uses of a plain ``nn.Linear(D, V)`` head sharing this weight (see the module docstring)."""
         if self.head is not None or not isinstance(module, nn.Linear) or module.weight is not self.module_weight:
             return False
-        self.head = TiedHead(name, module, self.A.pending.dtype)
+        self.head = TiedHead(name, module, self.A.dtype)
         return True
 
     def captured_modules(self) -> list[nn.Module]:

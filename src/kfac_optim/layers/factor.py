@@ -1,6 +1,6 @@
 """Kronecker factors: one symmetric factor's pending statistics, running average and decomposition.
 
-Owns: accumulating Gram matrices (or a diagonal's counts) since the last fold, folding them into
+Owns: the factor's storage (allocated on first use), accumulating Gram matrices (or a diagonal's counts) since the last fold, folding them into
 the running average (non-finite batches discarded, no host sync), the decomposition held and when
 it is stale, checkpoint state and its validation; :func:`output_gram_scale`, the one place the
 output-gradient scaling of the conventions below is written.
@@ -105,11 +105,10 @@ class Factor:
     def __init__(self, dim: int, dtype: torch.dtype, device: torch.device, groups: int = 1) -> None:
         self.dim = dim
         self.groups = groups
-        shape = self.storage_shape(dim, groups)
-        self.pending = torch.zeros(shape, dtype=dtype, device=device)
-        self.pending_rows = 0
+        self.dtype = dtype
+        self.device = device
+        self.pending_rows = 0  # pending and running: allocated on first use (see allocated)
         self.pending_support: Support | None = None
-        self.running = torch.zeros(shape, dtype=dtype, device=device)
         self.support: Support | None = EMPTY_SUPPORT
         self.initialized = torch.zeros((), dtype=torch.bool, device=device)
         self.discarded = torch.zeros((), dtype=torch.int64, device=device)
@@ -126,6 +125,42 @@ class Factor:
     def storage_shape(dim: int, groups: int) -> tuple[int, ...]:
         return (dim, dim) if groups == 1 else (groups, dim, dim)
 
+    # -- storage, allocated on first use ------------------------------------------------------
+    # ``pending`` and ``running`` are plain attributes once they exist. Until then they are zeros
+    # that are not held: the first read allocates them (``__getattr__`` runs only for missing
+    # attributes, so reads after that cost nothing more). A factor of a layer frozen when the
+    # optimizer is built thus holds no memory until its layer records (a LoRA fine-tune's frozen
+    # base layers never do); :meth:`allocate` allocates both at once.
+
+    def __getattr__(self, name: str) -> Tensor:
+        if name in ("pending", "running") and "dim" in self.__dict__:
+            value = torch.zeros(self.storage_shape(self.dim, self.groups), dtype=self.dtype, device=self.device)
+            setattr(self, name, value)
+            return value
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the running factor's storage exists (False: it is zeros, never read or written)."""
+        return "running" in self.__dict__
+
+    def allocate(self) -> None:
+        """Allocate ``pending`` and ``running`` (zeros) now, if not yet."""
+        self.pending, self.running  # noqa: B018 (reading allocates)
+
+    def release(self) -> None:
+        """Drop the running factor's storage: it is zeros again, not held (a loaded never-allocated one)."""
+        self.__dict__.pop("running", None)
+
+    def held_bytes(self) -> tuple[int, int]:
+        """Bytes of ``(running, pending)`` allocated now (0 for storage never used)."""
+        return tuple(self.__dict__[n].nbytes if n in self.__dict__ else 0 for n in ("running", "pending"))  # type: ignore[return-value]
+
+    @property
+    def elements(self) -> int:
+        """Elements of one storage-shaped tensor (``pending`` or ``running``), allocated or not."""
+        return math.prod(self.storage_shape(self.dim, self.groups))
+
     @property
     def batch_shape(self) -> tuple[int, ...]:
         """Leading dimensions of the storage before the factor's own: ``()`` or ``(groups,)``."""
@@ -136,7 +171,8 @@ class Factor:
         return f"{self._shape_text()} dense"
 
     def _shape_text(self) -> str:
-        return "x".join(str(d) for d in self.running.shape)
+        text = "x".join(str(d) for d in self.storage_shape(self.dim, self.groups))
+        return text if self.allocated else f"{text} (not allocated yet)"
 
     def diagonal_of(self, matrix: Tensor) -> Tensor:
         """The diagonal entries of a tensor shaped as this factor's storage."""
@@ -323,10 +359,11 @@ class Factor:
         self.decomposed_key = None if decomposition is None else (version, shift)
 
     def state_dict(self) -> dict[str, Any]:
-        """The running factor (packed: :meth:`packed_running`), its health counters and its
-        decomposition (None if none yet)."""
+        """The running factor (packed: :meth:`packed_running`; None while never allocated: zeros, its
+        layer frozen since the optimizer was built), its health counters and its decomposition (None if
+        none yet)."""
         return {
-            "running": self.packed_running(),
+            "running": self.packed_running() if "running" in self.__dict__ else None,
             "initialized": self.initialized,
             "discarded": self.discarded,
             "version": self.version,
@@ -368,7 +405,7 @@ class Factor:
     def load_decomposition(self, state: dict[str, Tensor] | Tensor | None) -> linalg.Eigen | Tensor | None:
         """A :meth:`decomposition_state` (validated, :meth:`validate_decomposition`; an inverse packed
         or whole) on this factor's device."""
-        device = self.running.device
+        device = self.device
         if isinstance(state, dict):
             complement = state.get("complement")
             return linalg.Eigen(Q=state["Q"].to(device), d=state["d"].to(device),
@@ -414,12 +451,19 @@ class Factor:
             if key not in state:
                 raise ValueError(f"'{key}' is missing")
         tensors = {"running": state["running"], "initialized": state["initialized"], "discarded": state["discarded"]}
+        if tensors["running"] is None:  # never allocated when saved: zeros, so never initialized
+            del tensors["running"]
+            if not isinstance(state["initialized"], Tensor) or bool(state["initialized"]):
+                raise ValueError("'running' is None (never allocated) but 'initialized' is not False")
         _check_tensors(tensors)
         self.validate_decomposition(state["decomposition"])
         bound = state.get("rank_bound")
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
             raise ValueError(f"'rank_bound' must be None or an int >= 0, got {bound!r}")
-        _check_shapes(tensors, {"running": self._saved_shape(state["running"]), "initialized": (), "discarded": ()})
+        expected = {"initialized": (), "discarded": ()}
+        if "running" in tensors:
+            expected["running"] = self._saved_shape(tensors["running"])
+        _check_shapes(tensors, expected)
 
     def validate_result(self, state: Any) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable saved result of a background
@@ -439,9 +483,12 @@ class Factor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` (tensors move to this factor's device and dtypes; ``running``
-        packed or whole); the caller validates ``state`` first (:meth:`validate_state`)."""
-        device, dtype = self.running.device, self.running.dtype
-        self.running = unpack_running(state["running"].to(device, dtype), self.dim, self.groups, self.diagonal)
+        packed, whole, or None: never allocated); the caller validates ``state`` first (:meth:`validate_state`)."""
+        device, dtype = self.device, self.dtype
+        if state["running"] is None:
+            self.release()
+        else:
+            self.running = unpack_running(state["running"].to(device, dtype), self.dim, self.groups, self.diagonal)
         self.support = None
         self.initialized = state["initialized"].to(device, copy=True)
         self.discarded = state["discarded"].to(device, copy=True)
