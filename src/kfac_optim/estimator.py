@@ -123,7 +123,8 @@ class KroneckerEstimator:
         self.options = options
         self.method: Method = method_named(options.method)
         self.blocks, self.reports = discover(model, trainable, curvature.skip_layers, curvature.factor_dtype,
-                                             blocks=curvature.blocks, weight_sharing=curvature.weight_sharing)
+                                             blocks=curvature.blocks, weight_sharing=curvature.weight_sharing,
+                                             conv_positions=curvature.conv_positions)
         self._warn_about_discovery()
         # First (before any hook exists): with several ranks it checks they all built K-FAC alike.
         self.sharding = Sharding(self.blocks, runtime.grad_worker_fraction, runtime.process_group,

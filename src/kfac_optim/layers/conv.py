@@ -125,7 +125,7 @@ class ConvBlock(KroneckerBlock):
     """``nn.ConvNd`` (N = 1, 2, 3) with ``a`` the patches ``(N·L_out, C_in/g·prod(kernel))`` per group.
 
     Which positions become rows is :attr:`statistics` (``layers.conv_statistics``: every position,
-    "expand", by default; ``weight_sharing="reduce"`` or ``CurvatureConfig.conv_statistics`` set it).
+    "expand", by default; ``weight_sharing="reduce"`` or ``CurvatureConfig.conv_positions`` set it).
     """
 
     module: ConvNd

@@ -196,7 +196,7 @@ class ReduceAbove(ConvStatistics):
         return self.resolve(positions).rows_per_sample(positions)
 
 
-def check_conv_statistics(statistics: object, name: str = "conv_statistics") -> None:
+def check_conv_statistics(statistics: object, name: str = "conv_positions") -> None:
     """Raise ``TypeError`` naming ``name`` unless ``statistics`` is a :class:`ConvStatistics` or None."""
     if statistics is not None and not isinstance(statistics, ConvStatistics):
         raise TypeError(

@@ -24,6 +24,8 @@ from torch import Tensor, nn
 
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.layers.base import KroneckerBlock, WeightSharing
+from kfac_optim.layers.conv import ConvBlock
+from kfac_optim.layers.conv_statistics import ConvStatistics
 from kfac_optim.layers.declined import declined_reason, originals_reason
 
 SkipLayers = Sequence[str | type[nn.Module]]
@@ -153,6 +155,7 @@ def discover(
     factor_dtype: torch.dtype = torch.float32,
     blocks: BlockOverrides | None = None,
     weight_sharing: WeightSharing = "expand",
+    conv_positions: ConvStatistics | None = None,
 ) -> tuple[list[KroneckerBlock], list[ModuleReport]]:
     """The blocks of ``model`` (model order) and one report per module with trainable parameters.
 
@@ -163,7 +166,8 @@ def discover(
     (tied weights) is offered to that block (:meth:`KroneckerBlock.tie`); if it declines, the
     module's uses of the weight are left out of the statistics, with a warning. Every block gets
     ``weight_sharing`` (:meth:`KroneckerBlock.set_weight_sharing`); blocks that do not implement
-    it are named in a warning and in their reports.
+    it are named in a warning and in their reports. ``conv_positions`` (None: as ``weight_sharing``
+    says) is then every convolution block's :attr:`ConvBlock.statistics`.
 
     Raises:
         TypeError: ``blocks`` does not map ``nn.Module`` subclasses to ``KroneckerBlock`` subclasses.
@@ -202,6 +206,8 @@ def discover(
                 owner_of[param] = block
             if not block.set_weight_sharing(weight_sharing):
                 ignored_sharing.append(f"'{block.name}' ({type(block).__name__})")
+            if conv_positions is not None and isinstance(block, ConvBlock):
+                block.statistics = conv_positions
         found.extend(created)
         if created:
             decisions[name] = (created[0].name, "kfac", "")  # described below, once every tie is known
@@ -254,6 +260,7 @@ def discover_blocks(
     factor_dtype: torch.dtype = torch.float32,
     blocks: BlockOverrides | None = None,
     weight_sharing: WeightSharing = "expand",
+    conv_positions: ConvStatistics | None = None,
 ) -> list[KroneckerBlock]:
     """One block per supported module whose weight is among ``trainable``, in model order (see :func:`discover`)."""
-    return discover(model, trainable, skip_layers, factor_dtype, blocks, weight_sharing)[0]
+    return discover(model, trainable, skip_layers, factor_dtype, blocks, weight_sharing, conv_positions)[0]
