@@ -209,3 +209,14 @@ def test_the_cost_model_counts_grams_of_the_rows_each_kind_makes() -> None:
     assert Reduce().cost(samples, positions, columns, outputs) < Expand().cost(samples, positions, columns, outputs) / 50
     assert math.isclose(Expand().cost(samples, positions, columns, outputs, groups=2),
                         samples * positions * (grams / 2 + columns + outputs))
+
+
+@pytest.mark.parametrize("statistics", [Expand(), Reduce(), SampledPositions(8), ReduceAbove(20)])
+def test_a_conv_block_prices_its_statistics_from_the_input_shape(statistics: ConvStatistics) -> None:
+    """``ConvBlock.statistics_cost``: the kind's cost model at the layer's own geometry (here 2
+    groups, a bias, stride 2 and padding 1 on 9x7: 5x4 = 20 output positions; A 2·3·3 + 1 per group)."""
+    conv = nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2)
+    optimizer = KFAC(conv, lr=0.1, curvature=CurvatureConfig(conv_positions=statistics))
+    expected = statistics.cost(5, 20, 2 * (2 * 9 + 1), 6, 2)
+    assert optimizer.blocks[0].statistics_cost((5, 4, 9, 7)) == expected
+    assert optimizer.blocks[0].statistics_cost((4, 9, 7)) == statistics.cost(1, 20, 2 * (2 * 9 + 1), 6, 2)

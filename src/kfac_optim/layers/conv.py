@@ -171,14 +171,25 @@ class ConvBlock(KroneckerBlock):
             return F.pad(batched, [p for before_after in reversed(self.padding_sides()) for p in before_after])
         return F.pad(batched, conv._reversed_padding_repeated_twice, mode=conv.padding_mode)
 
-    def geometry(self, padded: Tensor) -> ConvGeometry:
-        """The layer's geometry on a padded input ``(N, C, *S_padded)``."""
+    def geometry(self, padded: tuple[int, ...]) -> ConvGeometry:
+        """The layer's geometry on a padded input of spatial size ``padded`` (``S_padded``)."""
         conv = self.module
         outputs = tuple(
             (size - d * (k - 1) - 1) // s + 1
-            for size, k, s, d in zip(padded.shape[2:], conv.kernel_size, conv.stride, conv.dilation, strict=True)
+            for size, k, s, d in zip(padded, conv.kernel_size, conv.stride, conv.dilation, strict=True)
         )
         return ConvGeometry(tuple(conv.kernel_size), tuple(conv.dilation), tuple(conv.stride), outputs)
+
+    def statistics_cost(self, input_shape: tuple[int, ...]) -> float:
+        """Multiply-adds of one capture's statistics for an input of ``input_shape`` (batched or
+        not), by :attr:`statistics`' cost model (:meth:`ConvStatistics.cost`): its rows' Gram
+        matrices and the entries read to build them. From shapes only (no tensor is touched)."""
+        dims = self.spatial_dims
+        samples = input_shape[0] if len(input_shape) == dims + 2 else 1
+        sides = self.padding_sides()
+        padded = tuple(size + before + after for size, (before, after) in zip(input_shape[-dims:], sides, strict=True))
+        positions = self.geometry(padded).positions
+        return self.statistics.cost(samples, positions, self.A.dim * self.groups, self.module.out_channels, self.groups)
 
     def input_columns(self, inputs: Tensor) -> tuple[Tensor, Support | None]:
         """``(columns (N, C_in·T, L'), support)``: :attr:`statistics`' patch columns (see
@@ -186,7 +197,7 @@ class ConvBlock(KroneckerBlock):
         read nothing but padding, :meth:`valid_taps`, and at most ``MAX_VALID_TAPS`` are valid),
         the support of ``A`` they span (else None: every column)."""
         padded = self.padded_input(inputs)
-        geometry = self.geometry(padded)
+        geometry = self.geometry(tuple(padded.shape[2:]))
         taps = self.valid_taps(tuple(inputs.shape[-self.spatial_dims :])) if self.skip_zero_taps else None
         if taps is not None and math.prod(hi - lo for lo, hi in taps) > MAX_VALID_TAPS:
             taps = None
@@ -197,7 +208,7 @@ class ConvBlock(KroneckerBlock):
         """``(N·L', C_in·prod(kernel))``: every group's patch columns, side by side (L' = L_out for
         "expand", 1 for "reduce": see :attr:`statistics`)."""
         padded = self.padded_input(inputs)
-        geometry = self.geometry(padded)
+        geometry = self.geometry(tuple(padded.shape[2:]))
         columns = self.statistics.resolve(geometry.positions).input_columns(padded, geometry, None)
         return columns.transpose(1, 2).reshape(-1, columns.shape[1])
 
@@ -268,7 +279,7 @@ class ConvBlock(KroneckerBlock):
     def patches(self, inputs: Tensor) -> Tensor:
         """The (batched) input's patches with the layer's geometry: ``(N, C_in·prod(kernel), L_out)``."""
         padded = self.padded_input(inputs)
-        return Expand().input_columns(padded, self.geometry(padded), None)
+        return Expand().input_columns(padded, self.geometry(tuple(padded.shape[2:])), None)
 
     def output_grad_rows(self, grad_output: Tensor) -> Tensor:
         """``(N·L', C_out)``: :attr:`statistics`' output-gradient columns as rows."""
