@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +131,9 @@ class ConvBlock(KroneckerBlock):
 
     module: ConvNd
     supports_weight_sharing = True
+    default_statistics: ClassVar[ConvStatistics] = Expand()
+    """:attr:`statistics` unless ``weight_sharing="reduce"`` (:class:`Reduce`) or
+    ``CurvatureConfig.conv_positions`` says otherwise."""
     # Leave out the patch columns of taps that only ever read zero padding (see the module docstring).
     skip_zero_taps = True
 
@@ -137,18 +141,18 @@ class ConvBlock(KroneckerBlock):
         self.groups = module.groups
         super().__init__(name, module, include_bias, factor_dtype)
         self._valid_taps: dict[tuple[int, ...], Taps | None] = {}
-        self.statistics: ConvStatistics = Expand()
+        self.statistics: ConvStatistics = self.default_statistics
         """Which output positions become rows of ``A`` and ``G`` (:class:`ConvStatistics`)."""
 
     @property
     def reduce(self) -> bool:  # type: ignore[override]
         """Whether :attr:`statistics` is :class:`Reduce` (``weight_sharing="reduce"``); setting it
-        sets :attr:`statistics` to :class:`Reduce` or :class:`Expand`."""
+        sets :attr:`statistics` to :class:`Reduce`, or (False) to :attr:`default_statistics`."""
         return isinstance(self.statistics, Reduce)
 
     @reduce.setter
     def reduce(self, value: bool) -> None:
-        self.statistics = Reduce() if value else Expand()
+        self.statistics = Reduce() if value else self.default_statistics
 
     @property
     def spatial_dims(self) -> int:
