@@ -141,6 +141,7 @@ class ConvBlock(KroneckerBlock):
         self.groups = module.groups
         super().__init__(name, module, include_bias, factor_dtype)
         self._valid_taps: dict[tuple[int, ...], Taps | None] = {}
+        self._forward_rows = 0
         self.statistics: ConvStatistics = self.default_statistics
         """Which output positions become rows of ``A`` and ``G`` (:class:`ConvStatistics`)."""
 
@@ -184,16 +185,18 @@ class ConvBlock(KroneckerBlock):
         )
         return ConvGeometry(tuple(conv.kernel_size), tuple(conv.dilation), tuple(conv.stride), outputs)
 
-    def statistics_cost(self, input_shape: tuple[int, ...]) -> float:
-        """Multiply-adds of one capture's statistics for an input of ``input_shape`` (batched or
-        not), by :attr:`statistics`' cost model (:meth:`ConvStatistics.cost`): its rows' Gram
-        matrices and the entries read to build them. From shapes only (no tensor is touched)."""
-        dims = self.spatial_dims
-        samples = input_shape[0] if len(input_shape) == dims + 2 else 1
-        sides = self.padding_sides()
-        padded = tuple(size + before + after for size, (before, after) in zip(input_shape[-dims:], sides, strict=True))
-        positions = self.geometry(padded).positions
-        return self.statistics.cost(samples, positions, self.A.dim * self.groups, self.module.out_channels, self.groups)
+    def forward_rows(self) -> int:
+        """The patches the layer's forward multiplied in the captures since the last fold (N·L per
+        call), whatever :attr:`statistics` made rows of."""
+        return self._forward_rows
+
+    def clear_pending(self) -> None:
+        super().clear_pending()
+        self._forward_rows = 0
+
+    def fold(self, decay: float, loss_reduction: str, grad_scale: float | Tensor = 1.0) -> None:
+        super().fold(decay, loss_reduction, grad_scale)
+        self._forward_rows = 0
 
     def input_columns(self, inputs: Tensor) -> tuple[Tensor, Support | None]:
         """``(columns (N, C_in·T, L'), support)``: :attr:`statistics`' patch columns (see
@@ -206,6 +209,7 @@ class ConvBlock(KroneckerBlock):
         if taps is not None and math.prod(hi - lo for lo, hi in taps) > MAX_VALID_TAPS:
             taps = None
         columns = self.statistics.resolve(geometry.positions).input_columns(padded, geometry, taps)
+        self._forward_rows += padded.shape[0] * geometry.positions
         return columns, None if taps is None else self.tap_support(taps)
 
     def input_rows(self, inputs: Tensor) -> Tensor:

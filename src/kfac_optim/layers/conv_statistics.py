@@ -3,8 +3,7 @@
 Owns: :class:`ConvStatistics`, the statistics kinds of a convolution block (:class:`Expand`,
 :class:`Reduce`, :class:`SampledPositions` and the rule :class:`ReduceAbove`), the patch
 columns and output-gradient columns each hands the block, the mean patch computed without
-unfolding, the fixed position subsets of :class:`SampledPositions`, and each kind's cost model
-(:meth:`ConvStatistics.cost`).
+unfolding, the fixed position subsets of :class:`SampledPositions`.
 Must not know: the factors' storage, groups (the block splits the columns per group), which
 kernel taps read only zero padding (the block says which taps to build), the optimizer.
 
@@ -19,7 +18,7 @@ bias a trailing 1) and output-gradients ``ĝ_{n,l}`` (``C_out``; ``ĝ = N·g`` f
   ``ā_n = 1/L Σ_l a_{n,l}`` (the mean patch; its bias entry is 1) and ``ĝ_n = Σ_l ĝ_{n,l}`` (the summed
   output-gradient), ``A = 1/N Σ_n ā_n ā_nᵀ``, ``G = 1/N Σ_n ĝ_n ĝ_nᵀ``. The mean patch is summed
   axis by axis from the padded input (no unfold): cost ``≈ N·C_in·k·L`` additions and two
-  N-row Gram matrices, ``N·((C_in·K)² + C_out²)``.
+  N-row Gram matrices, ``N·((C_in·K)² + C_out²)`` multiply-adds.
 - :class:`SampledPositions` (``count``, ``seed``): the same subset S of ``m = min(count, L)``
   positions for every sample and step, drawn once per output shape from a generator seeded with
   ``seed`` (reproducible, no state to save): ``A = 1/(N·m) Σ_{n, l∈S} a aᵀ``,
@@ -91,22 +90,6 @@ class ConvStatistics(ABC):
     def rows_per_sample(self, positions: int) -> int:
         """L', the rows per sample of a call with ``positions`` output positions per sample."""
 
-    def cost(self, samples: int, positions: int, columns: int, outputs: int, groups: int = 1) -> float:
-        """Multiply-adds of one call's statistics: the two Gram matrices of ``samples·L'`` rows
-        (``columns`` patch columns and ``outputs`` output channels, bias included, split in ``groups``)
-        and the reductions feeding them (one per patch and output entry read). A model of what the
-        block computes, for cost-based intervals; not a measurement."""
-        kind = self.resolve(positions)
-        if kind is not self:
-            return kind.cost(samples, positions, columns, outputs, groups)
-        rows = samples * self.rows_per_sample(positions)
-        grams = rows * (columns * columns + outputs * outputs) / groups
-        return grams + self.read_cost(samples, positions, columns, outputs)
-
-    def read_cost(self, samples: int, positions: int, columns: int, outputs: int) -> float:
-        """The entries read to build the columns (default: those of every row)."""
-        return samples * self.rows_per_sample(positions) * (columns + outputs)
-
 
 @dataclass(frozen=True)
 class Expand(ConvStatistics):
@@ -136,9 +119,6 @@ class Reduce(ConvStatistics):
 
     def rows_per_sample(self, positions: int) -> int:
         return 1
-
-    def read_cost(self, samples: int, positions: int, columns: int, outputs: int) -> float:
-        return samples * positions * (columns + outputs)
 
 
 @dataclass(frozen=True)
