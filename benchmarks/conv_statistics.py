@@ -180,7 +180,7 @@ def plot(cost: dict[str, object] | None, progress: dict[str, object] | None) -> 
     for (task, entry), axis in zip((progress or {"tasks": {}})["tasks"].items(), axes, strict=True):
         for kind, summary in entry["kinds"].items():
             curves = torch.tensor(summary["losses"])
-            smooth = F.avg_pool1d(curves.unsqueeze(1), 10, 1).squeeze(1)
+            smooth = F.avg_pool1d(curves.unsqueeze(1), min(10, curves.shape[1]), 1).squeeze(1)
             axis.plot(smooth.mean(0), label=f"{kind} ({summary['final_loss_mean']:.3f})")
         axis.set_yscale("log")
         axis.set_xlabel("step")

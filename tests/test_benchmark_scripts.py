@@ -18,6 +18,7 @@ from benchmarks import (
     amp_steps,
     comm_bytes,
     compiled_steps,
+    conv_statistics,
     peer_steps,
     scaling,
     step_time,
@@ -159,3 +160,14 @@ def test_compiled_steps_times_the_compiled_model_with_and_without_the_capture(tm
     assert kfac["per_step"]["factor_step"] == [False, True]  # factor interval 2, after the warmup step (armed)
     assert kfac["forward_backward_factor_steps_s"] > 0 and kfac["forward_backward_other_steps_s"] > 0
     assert saved["runs"]["sgd"]["whole_step_s"] > 0
+
+
+def test_conv_statistics_times_each_kind_and_trains_with_each(tmp_path: Path) -> None:
+    payload = conv_statistics.main(["--model", "resnet18", "--size", "16", "--batch", "2", "--repeats", "1",
+                                    "--kinds", "expand,reduce", "--steps", "2", "--seeds", "0", "--out", str(tmp_path)])
+    assert set(payload["cost"]["kinds"]) == {"expand", "reduce"}
+    assert set(payload["cost"]["kinds"]["reduce"]["per_layer_s"]) == set(payload["cost"]["kinds"]["expand"]["per_layer_s"])
+    for task in ("cnn", "cnn32"):
+        assert [len(losses) for losses in payload["progress"]["tasks"][task]["kinds"]["reduce"]["losses"]] == [2]
+    assert json.loads((tmp_path / "both.json").read_text())["cost"]["batch"] == 2
+    assert (tmp_path / "both.png").exists()
