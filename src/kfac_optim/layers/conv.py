@@ -1,11 +1,13 @@
 """K-FAC block for ``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d``: the rows are the input patches.
 
-Every output position of every sample is a row (R = the number of output positions), the
-"expand" approximation of Grosse & Martens (2016). Patches are channel-major, matching
-``W.view(out, -1)``. Any padding (ints, ``'same'``, non-zero padding modes), stride and dilation
-is applied as the layer applies it. A 1-d convolution is unfolded as the 2-d one with a ``(1, k)``
-kernel (the same rows, so it steps exactly as that ``Conv2d``); 3-d patches come from
-``Tensor.unfold`` along each spatial dimension.
+By default every output position of every sample is a row (R = the number of output positions),
+the "expand" approximation of Grosse & Martens (2016); which positions become rows, and how, is
+the block's :class:`~kfac_optim.layers.conv_statistics.ConvStatistics` (``Reduce``: one row per
+sample; ``SampledPositions``; the rule ``ReduceAbove``), which builds the columns from the input
+padded here. Patches are channel-major, matching ``W.view(out, -1)``. Any padding (ints,
+``'same'``, non-zero padding modes), stride and dilation is applied as the layer applies it. A 1-d
+convolution is unfolded as the 2-d one with a ``(1, k)`` kernel (the same rows, so it steps
+exactly as that ``Conv2d``); 3-d patches come from ``Tensor.unfold`` along each spatial dimension.
 
 Kernel taps that read only the zero padding for every output position (a 3x3 kernel with padding
 1 over a 1x1 feature map: 8 of its 9 taps) give patch columns that are zero in every row, whatever
@@ -283,11 +285,6 @@ class ConvBlock(KroneckerBlock):
         and of the bias."""
         channels = self.module.in_channels // self.groups
         return BoxSupport((channels, *self.module.kernel_size), ((0, channels), *taps), int(self.bias is not None))
-
-    def patches(self, inputs: Tensor) -> Tensor:
-        """The (batched) input's patches with the layer's geometry: ``(N, C_in·prod(kernel), L_out)``."""
-        padded = self.padded_input(inputs)
-        return Expand().input_columns(padded, self.geometry(tuple(padded.shape[2:])), None)
 
     def output_grad_rows(self, grad_output: Tensor) -> Tensor:
         """``(N·L', C_out)``: :attr:`statistics`' output-gradient columns as rows."""
