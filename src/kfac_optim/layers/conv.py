@@ -170,22 +170,31 @@ class ConvBlock(KroneckerBlock):
         """``tensor`` with its batch dim (an unbatched ``(C, *S)`` becomes ``(1, C, *S)``)."""
         return tensor if tensor.dim() == self.spatial_dims + 2 else tensor.unsqueeze(0)
 
-    def padded_input(self, inputs: Tensor) -> Tensor:
-        """The (batched) input padded as the layer pads it (any mode, ``'same'`` included): ``(N, C, *S_padded)``."""
+    def prepared_input(self, inputs: Tensor) -> tuple[Tensor, ConvGeometry]:
+        """The (batched) input and the call's geometry: plain zero padding (ints) is left to the
+        statistics (``geometry.padding``: ``F.unfold`` applies it without a copy); any other
+        (``'same'``, possibly asymmetric, or a non-zero padding mode) is applied here as the layer does."""
         batched = self.batched(inputs)
         conv = self.module
+        if conv.padding_mode == "zeros" and not isinstance(conv.padding, str):
+            padding = tuple(conv.padding)
+            spatial = tuple(size + 2 * p for size, p in zip(batched.shape[2:], padding, strict=True))
+            return batched, self.geometry(spatial, padding)
         if conv.padding_mode == "zeros":
-            return F.pad(batched, [p for before_after in reversed(self.padding_sides()) for p in before_after])
-        return F.pad(batched, conv._reversed_padding_repeated_twice, mode=conv.padding_mode)
+            padded = F.pad(batched, [p for before_after in reversed(self.padding_sides()) for p in before_after])
+        else:
+            padded = F.pad(batched, conv._reversed_padding_repeated_twice, mode=conv.padding_mode)
+        return padded, self.geometry(tuple(padded.shape[2:]))
 
-    def geometry(self, padded: tuple[int, ...]) -> ConvGeometry:
-        """The layer's geometry on a padded input of spatial size ``padded`` (``S_padded``)."""
+    def geometry(self, padded: tuple[int, ...], padding: tuple[int, ...] = ()) -> ConvGeometry:
+        """The layer's geometry on an input of padded spatial size ``padded`` (``padding``: the zero
+        padding still to apply, see :class:`ConvGeometry`)."""
         conv = self.module
         outputs = tuple(
             (size - d * (k - 1) - 1) // s + 1
             for size, k, s, d in zip(padded, conv.kernel_size, conv.stride, conv.dilation, strict=True)
         )
-        return ConvGeometry(tuple(conv.kernel_size), tuple(conv.dilation), tuple(conv.stride), outputs)
+        return ConvGeometry(tuple(conv.kernel_size), tuple(conv.dilation), tuple(conv.stride), outputs, padding)
 
     def forward_rows(self) -> int:
         """The patches the layer's forward multiplied in the captures since the last fold (N·L per
@@ -205,21 +214,19 @@ class ConvBlock(KroneckerBlock):
         ``layers.conv_statistics``) and, when only the valid taps' columns are built (the others
         read nothing but padding, :meth:`valid_taps`, and at most ``MAX_VALID_TAPS`` are valid),
         the support of ``A`` they span (else None: every column)."""
-        padded = self.padded_input(inputs)
-        geometry = self.geometry(tuple(padded.shape[2:]))
+        prepared, geometry = self.prepared_input(inputs)
         taps = self.valid_taps(tuple(inputs.shape[-self.spatial_dims :])) if self.skip_zero_taps else None
         if taps is not None and math.prod(hi - lo for lo, hi in taps) > MAX_VALID_TAPS:
             taps = None
-        columns = self.statistics.resolve(geometry.positions).input_columns(padded, geometry, taps)
-        self._forward_rows += padded.shape[0] * geometry.positions
+        columns = self.statistics.resolve(geometry.positions).input_columns(prepared, geometry, taps)
+        self._forward_rows += prepared.shape[0] * geometry.positions
         return columns, None if taps is None else self.tap_support(taps)
 
     def input_rows(self, inputs: Tensor) -> Tensor:
         """``(N·L', C_in·prod(kernel))``: every group's patch columns, side by side (L' = L_out for
         "expand", 1 for "reduce": see :attr:`statistics`)."""
-        padded = self.padded_input(inputs)
-        geometry = self.geometry(tuple(padded.shape[2:]))
-        columns = self.statistics.resolve(geometry.positions).input_columns(padded, geometry, None)
+        prepared, geometry = self.prepared_input(inputs)
+        columns = self.statistics.resolve(geometry.positions).input_columns(prepared, geometry, None)
         return columns.transpose(1, 2).reshape(-1, columns.shape[1])
 
     def add_input_gram(self, inputs: Tensor, dtype: torch.dtype) -> None:

@@ -48,13 +48,21 @@ Taps = tuple[tuple[int, int], ...]  # kernel offsets [lo, hi) per spatial dim
 
 @dataclass(frozen=True)
 class ConvGeometry:
-    """One call's geometry: the layer's ``kernel``, ``dilation``, ``stride`` and the ``outputs``
-    (output positions per spatial dim) of a padded input."""
+    """One call's geometry: the layer's ``kernel``, ``dilation``, ``stride``, the ``outputs``
+    (output positions per spatial dim) and ``padding``: the zero padding per spatial dim (both
+    sides) still to apply to the input handed over (``()``: it is padded already)."""
 
     kernel: tuple[int, ...]
     dilation: tuple[int, ...]
     stride: tuple[int, ...]
     outputs: tuple[int, ...]
+    padding: tuple[int, ...] = ()
+
+    def padded(self, inputs: Tensor) -> Tensor:
+        """``inputs (N, C, *S)`` with :attr:`padding` applied."""
+        if not any(self.padding):
+            return inputs
+        return F.pad(inputs, [p for size in reversed(self.padding) for p in (size, size)])
 
     @property
     def positions(self) -> int:
@@ -78,9 +86,10 @@ class ConvStatistics(ABC):
         return self
 
     @abstractmethod
-    def input_columns(self, padded: Tensor, geometry: ConvGeometry, taps: Taps | None) -> Tensor:
-        """``(N, C·T, L')`` from the input ``padded`` as the layer pads it, ``(N, C, *S_padded)``:
-        the patch columns of ``taps`` (None: every tap), channel-major, then row-major over the taps."""
+    def input_columns(self, inputs: Tensor, geometry: ConvGeometry, taps: Taps | None) -> Tensor:
+        """``(N, C·T, L')`` from the input ``(N, C, *S)``, padded as the layer pads it but for
+        ``geometry.padding``: the patch columns of ``taps`` (None: every tap), channel-major, then
+        row-major over the taps."""
 
     @abstractmethod
     def output_columns(self, grad_output: Tensor) -> Tensor:
@@ -95,8 +104,8 @@ class ConvStatistics(ABC):
 class Expand(ConvStatistics):
     """Every output position of every sample is a row (the module docstring's "expand")."""
 
-    def input_columns(self, padded: Tensor, geometry: ConvGeometry, taps: Taps | None) -> Tensor:
-        return unfold_columns(padded, geometry) if taps is None else tap_columns(padded, geometry, taps)
+    def input_columns(self, inputs: Tensor, geometry: ConvGeometry, taps: Taps | None) -> Tensor:
+        return unfold_columns(inputs, geometry) if taps is None else tap_columns(inputs, geometry, taps)
 
     def output_columns(self, grad_output: Tensor) -> Tensor:
         return grad_output.reshape(*grad_output.shape[:2], -1)
@@ -109,10 +118,10 @@ class Expand(ConvStatistics):
 class Reduce(ConvStatistics):
     """One row per sample: its mean patch and its summed output-gradient (the module docstring's "reduce")."""
 
-    def input_columns(self, padded: Tensor, geometry: ConvGeometry, taps: Taps | None) -> Tensor:
+    def input_columns(self, inputs: Tensor, geometry: ConvGeometry, taps: Taps | None) -> Tensor:
         if taps is not None:
-            return tap_columns(padded, geometry, taps).mean(2, keepdim=True)
-        return mean_patch(padded, geometry)
+            return tap_columns(inputs, geometry, taps).mean(2, keepdim=True)
+        return mean_patch(inputs, geometry)
 
     def output_columns(self, grad_output: Tensor) -> Tensor:
         return grad_output.reshape(*grad_output.shape[:2], -1).sum(2, keepdim=True)
@@ -138,9 +147,9 @@ class SampledPositions(ConvStatistics):
     def resolve(self, positions: int) -> ConvStatistics:
         return Expand() if positions <= self.count else self
 
-    def input_columns(self, padded: Tensor, geometry: ConvGeometry, taps: Taps | None) -> Tensor:
-        chosen = sampled_positions(geometry.positions, self.count, self.seed, padded.device)
-        return gathered_columns(padded, geometry, taps or geometry.all_taps(), chosen)
+    def input_columns(self, inputs: Tensor, geometry: ConvGeometry, taps: Taps | None) -> Tensor:
+        chosen = sampled_positions(geometry.positions, self.count, self.seed, inputs.device)
+        return gathered_columns(inputs, geometry, taps or geometry.all_taps(), chosen)
 
     def output_columns(self, grad_output: Tensor) -> Tensor:
         flat = grad_output.reshape(*grad_output.shape[:2], -1)
@@ -166,8 +175,8 @@ class ReduceAbove(ConvStatistics):
     def resolve(self, positions: int) -> ConvStatistics:
         return Reduce() if positions > self.positions else Expand()
 
-    def input_columns(self, padded: Tensor, geometry: ConvGeometry, taps: Taps | None) -> Tensor:
-        return self.resolve(geometry.positions).input_columns(padded, geometry, taps)
+    def input_columns(self, inputs: Tensor, geometry: ConvGeometry, taps: Taps | None) -> Tensor:
+        return self.resolve(geometry.positions).input_columns(inputs, geometry, taps)
 
     def output_columns(self, grad_output: Tensor) -> Tensor:
         return self.resolve(math.prod(grad_output.shape[2:])).output_columns(grad_output)
@@ -197,16 +206,18 @@ def sampled_positions(positions: int, count: int, seed: int, device: torch.devic
     return chosen.to(device)
 
 
-def unfold_columns(padded: Tensor, geometry: ConvGeometry) -> Tensor:
-    """``(N, C·K, L)``: every patch of ``padded (N, C, *S)`` (``F.unfold``; a 1-d input as the 2-d
-    one with a ``(1, k)`` kernel, 3-d from ``Tensor.unfold`` along each spatial dimension)."""
+def unfold_columns(inputs: Tensor, geometry: ConvGeometry) -> Tensor:
+    """``(N, C·K, L)``: every patch of ``inputs (N, C, *S)`` (``F.unfold``, which applies
+    ``geometry.padding`` itself; a 1-d input as the 2-d one with a ``(1, k)`` kernel, 3-d from
+    ``Tensor.unfold`` along each spatial dimension)."""
     kernel, dilation, stride = geometry.kernel, geometry.dilation, geometry.stride
     dims = len(kernel)
+    padding = geometry.padding or (0,) * dims
     if dims == 1:
-        return F.unfold(padded.unsqueeze(2), (1, *kernel), (1, *dilation), 0, (1, *stride))
+        return F.unfold(inputs.unsqueeze(2), (1, *kernel), (1, *dilation), (0, *padding), (1, *stride))
     if dims == 2:
-        return F.unfold(padded, kernel, dilation, 0, stride)
-    windows = padded
+        return F.unfold(inputs, kernel, dilation, padding, stride)
+    windows = geometry.padded(inputs)
     for axis, (k, d, s) in enumerate(zip(kernel, dilation, stride, strict=True)):
         windows = windows.unfold(2 + axis, d * (k - 1) + 1, s)[..., ::d]
     # (N, C, *S_out, *K) → (N, C, *K, *S_out) → (N, C·prod(K), prod(S_out))
@@ -215,9 +226,10 @@ def unfold_columns(padded: Tensor, geometry: ConvGeometry) -> Tensor:
     return windows.permute(order).reshape(batch, channels * math.prod(kernel), geometry.positions)
 
 
-def tap_columns(padded: Tensor, geometry: ConvGeometry, taps: Taps) -> Tensor:
+def tap_columns(inputs: Tensor, geometry: ConvGeometry, taps: Taps) -> Tensor:
     """``(N, C·T, L)``: the patch columns of ``taps`` at every output position, sliced tap by tap
-    from ``padded (N, C, *S)`` (strided views, then one stack)."""
+    from ``inputs (N, C, *S)`` padded (strided views, then one stack)."""
+    padded = geometry.padded(inputs)
     views = []
     for tap in itertools.product(*(range(lo, hi) for lo, hi in taps)):
         window = tuple(
@@ -229,9 +241,10 @@ def tap_columns(padded: Tensor, geometry: ConvGeometry, taps: Taps) -> Tensor:
     return stacked.reshape(stacked.shape[0], -1, geometry.positions)
 
 
-def gathered_columns(padded: Tensor, geometry: ConvGeometry, taps: Taps, positions: Tensor) -> Tensor:
+def gathered_columns(inputs: Tensor, geometry: ConvGeometry, taps: Taps, positions: Tensor) -> Tensor:
     """``(N, C·T, m)``: the patch columns of ``taps`` at the m flat output ``positions`` only, one
-    gather from ``padded (N, C, *S)`` (``N·C·T·m`` entries read, whatever L is)."""
+    gather from ``inputs (N, C, *S)`` padded (``N·C·T·m`` entries read, whatever L is)."""
+    padded = geometry.padded(inputs)
     dims = len(geometry.outputs)
     coordinates, remaining = [], positions
     for size in reversed(geometry.outputs):  # unravel the flat positions, last axis fastest
@@ -251,12 +264,12 @@ def gathered_columns(padded: Tensor, geometry: ConvGeometry, taps: Taps, positio
     return gathered.reshape(flat.shape[0], -1, positions.shape[0])
 
 
-def mean_patch(padded: Tensor, geometry: ConvGeometry) -> Tensor:
-    """``(N, C·K, 1)``: each sample's mean patch over its L output positions, from ``padded
-    (N, C, *S)`` one spatial axis at a time: along axis j, tap t's sum over the outputs is the
+def mean_patch(inputs: Tensor, geometry: ConvGeometry) -> Tensor:
+    """``(N, C·K, 1)``: each sample's mean patch over its L output positions, from ``inputs
+    (N, C, *S)`` padded, one spatial axis at a time: along axis j, tap t's sum over the outputs is the
     sum of the strided window starting at ``t·dilation`` (``Tensor.unfold`` views, no copy), so
     the first axis reads ``N·C·k·L_1·S_rest`` entries and no ``(N, C·K, L)`` unfold is made."""
-    summed = padded
+    summed = geometry.padded(inputs)
     for axis, (k, d, s, o) in enumerate(
         zip(geometry.kernel, geometry.dilation, geometry.stride, geometry.outputs, strict=True), start=2
     ):
