@@ -19,9 +19,9 @@ batch 32 of random bytes); ``--size`` and ``--batch`` change the images' side an
 ``CurvatureConfig(conv_positions=...)`` ("default": the library's default, ``expand``/``reduce``:
 ``Expand()``/``Reduce()``, ``sampled``: ``SampledPositions()``, ``reduce_above``: ``ReduceAbove()``),
 all interleaved with SGD; the order within a step rotates from step to step. Each K-FAC run's
-ratio to SGD's mean is reported, and its calibration's costs (``intervals.costs``: the
-SGD-equivalent step, a factor step's statistics, a decomposition round) with the statistics' ratio
-to that step.
+ratio to SGD's mean is reported (also after the first 3 steps), and the costs its automatic
+intervals decided from (``intervals.costs``: the SGD-equivalent step, a factor step's statistics, a
+decomposition round, in the intervals' units) with the statistics' ratio to that step.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(f"{name}: mean {kfac * 1e3:.1f} ms (median {entry['median_s'] * 1e3:.1f}; first {times[name][0]:.2f} s); "  # noqa: T201
               f"ratio {kfac / sgd:.2f}x ({entry['ratio_after_calibration']:.2f}x after the 3 calibration steps); "
               f"{intervals.describe()}"
-              + ("" if costs is None else f"; statistics {costs.factor:.2f} s = {costs.factor / costs.step:.2f}x the step"))
+              + ("" if costs is None else f"; statistics {costs.factor:.3g} = {costs.factor / costs.step:.2f}x the step "
+                 "(the intervals' units)"))
     for line in collect.lines:
         if line.startswith("K-FAC"):
             print(f"  {line}")  # noqa: T201
