@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,6 @@ from benchmarks.peers.tasks import TASKS, Task
 from benchmarks.step_time import build_model, capture_batch
 from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.layers import ConvStatistics, Expand, Reduce, ReduceAbove, SampledPositions, discover_blocks
-from pathlib import Path
 
 KINDS: dict[str, ConvStatistics] = {
     "expand": Expand(), "reduce": Reduce(), "sampled": SampledPositions(64), "reduce_above": ReduceAbove(),
