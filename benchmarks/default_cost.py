@@ -1,6 +1,7 @@
 """What the drop-in swap costs: ``KFAC(model)`` with nothing else against ``torch.optim.SGD``.
 
-Usage: ``python -m benchmarks.default_cost [--model resnet18|gpt] [--steps 200] [--threads 1] [--out FILE.json]``.
+Usage: ``python -m benchmarks.default_cost [--model resnet18|resnet50|gpt] [--size PX] [--batch B]
+[--steps 200] [--threads 1] [--conv-positions default,expand,reduce,...] [--out FILE.json]``.
 
 Two copies of the model (same seed) train on the same batches, one with ``torch.optim.SGD(params,
 lr)`` and one with ``KFAC(model, lr)`` (the library's defaults: automatic intervals, docs/api.md
@@ -10,13 +11,23 @@ load swing on a shared machine hits both alike; each step is ``zero_grad`` + for
 their ratio, the intervals K-FAC chose (counted from shapes, so the same on every run, docs/api.md
 "Automatic intervals") and the eigenbasis cap's truncations, and writes them as JSON
 (``--out``, default ``runs/default_cost_<model>.json``) with every step's time. Models: ``resnet18`` (32 px,
-batch 64, torchvision) and ``gpt`` (the peer benchmark's character GPT, ``benchmarks/peers/tasks.py``:
-2 layers, width 64, context 64, tied head; batch 32 of random bytes).
+batch 64, torchvision), ``resnet50`` (224 px, batch 32, torchvision, 1000 classes) and ``gpt`` (the peer
+benchmark's character GPT, ``benchmarks/peers/tasks.py``: 2 layers, width 64, context 64, tied head;
+batch 32 of random bytes); ``--size`` and ``--batch`` change the images' side and the batch.
+
+``--conv-positions`` runs one ``KFAC(model, lr)`` per entry, each with that
+``CurvatureConfig(conv_positions=...)`` ("default": the library's default, ``expand``/``reduce``:
+``Expand()``/``Reduce()``, ``sampled``: ``SampledPositions()``, ``reduce_above``: ``ReduceAbove()``),
+all interleaved with SGD; the order within a step rotates from step to step. Each K-FAC run's
+ratio to SGD's mean is reported (also after the first 3 steps), and the costs its automatic
+intervals decided from (``intervals.costs``: the SGD-equivalent step, a factor step's statistics, a
+decomposition round, in the intervals' units) with the statistics' ratio to that step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -33,20 +44,35 @@ from tqdm import tqdm
 
 from benchmarks.peers.tasks import CharGPT
 from benchmarks.step_time import build_model
-from kfac_optim import KFAC
+from kfac_optim import KFAC, CurvatureConfig
+from kfac_optim.layers import ConvStatistics, Expand, Reduce, ReduceAbove, SampledPositions
+
+IMAGE_MODELS = {"resnet18": (32, 64, 10), "resnet50": (224, 32, 1000)}
+"""Per torchvision model: default image side, batch and classes."""
+CONV_POSITIONS: dict[str, ConvStatistics | None] = {
+    "default": None, "expand": Expand(), "reduce": Reduce(), "sampled": SampledPositions(),
+    "reduce_above": ReduceAbove(),
+}
 
 
-def workload(name: str, steps: int) -> tuple[Callable[[], nn.Module], list[tuple[Tensor, Tensor]],
-                                              Callable[[Tensor, Tensor], Tensor]]:
+def workload(name: str, steps: int, size: int | None = None, batch: int | None = None
+             ) -> tuple[Callable[[], nn.Module], list[tuple[Tensor, Tensor]], Callable[[Tensor, Tensor], Tensor]]:
     """``(build the model, batches, loss(outputs, targets))``."""
     generator = torch.Generator().manual_seed(1)
-    if name == "resnet18":
-        batches = [(torch.randn(64, 3, 32, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator))
-                   for _ in range(steps)]
-        return lambda: build_model("resnet18", 32), batches, F.cross_entropy
-    tokens = [torch.randint(0, 256, (32, 65), generator=generator) for _ in range(steps)]
+    if name in IMAGE_MODELS:
+        default_size, default_batch, classes = IMAGE_MODELS[name]
+        size, batch = size or default_size, batch or default_batch
+        batches = [(torch.randn(batch, 3, size, size, generator=generator),
+                    torch.randint(0, classes, (batch,), generator=generator)) for _ in range(steps)]
+        return lambda: build_model(name, size, classes), batches, F.cross_entropy
+    tokens = [torch.randint(0, 256, (batch or 32, 65), generator=generator) for _ in range(steps)]
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
     return CharGPT, batches, lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _after_calibration(times: list[float]) -> float:
+    """The mean step after the automatic intervals' 3 calibration steps (all of them in a shorter run)."""
+    return statistics.fmean(times[3:] or times)
 
 
 class _Collect(logging.Handler):
@@ -62,30 +88,41 @@ class _Collect(logging.Handler):
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("resnet18", "gpt"), default="resnet18")
+    parser.add_argument("--model", choices=(*IMAGE_MODELS, "gpt"), default="resnet18")
+    parser.add_argument("--size", type=int, help="image side in px (default: 32 for resnet18, 224 for resnet50)")
+    parser.add_argument("--batch", type=int, help="batch size (default: 64 for resnet18, 32 otherwise)")
+    parser.add_argument("--conv-positions", default="default",
+                        help=f"comma-separated K-FAC runs, each a CurvatureConfig.conv_positions: {', '.join(CONV_POSITIONS)}")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, help="JSON path (default runs/default_cost_<model>.json)")
     args = parser.parse_args(argv)
+    variants = args.conv_positions.split(",")
+    unknown = [v for v in variants if v not in CONV_POSITIONS]
+    if unknown or len(set(variants)) != len(variants):
+        parser.error(f"--conv-positions: unknown or repeated {unknown or variants} (choose from {', '.join(CONV_POSITIONS)})")
     torch.set_num_threads(args.threads)
-    build, batches, loss_of = workload(args.model, args.steps)
+    build, batches, loss_of = workload(args.model, args.steps, args.size, args.batch)
     collect = _Collect()
     kfac_logger = logging.getLogger("kfac_optim")
     kfac_logger.addHandler(collect)
     previous_level = kfac_logger.level
     kfac_logger.setLevel(logging.INFO)
+    kfac_names = ["kfac" if v == "default" and len(variants) == 1 else f"kfac[{v}]" for v in variants]
+    names = ["sgd", *kfac_names]
     models, optimizers = {}, {}
-    for name in ("sgd", "kfac"):
+    for name in names:
         torch.manual_seed(0)
         models[name] = build().train()
     optimizers["sgd"] = torch.optim.SGD(models["sgd"].parameters(), lr=args.lr)
-    optimizers["kfac"] = KFAC(models["kfac"], lr=args.lr)
-    times: dict[str, list[float]] = {"sgd": [], "kfac": []}
+    for name, variant in zip(kfac_names, variants, strict=True):
+        optimizers[name] = KFAC(models[name], lr=args.lr, curvature=CurvatureConfig(conv_positions=CONV_POSITIONS[variant]))
+    times: dict[str, list[float]] = {name: [] for name in names}
     load_before = os.getloadavg()[0]
     try:
-        for x, y in tqdm(batches, desc=f"{args.model} SGD+KFAC steps", file=sys.stderr):
-            for name in ("sgd", "kfac"):
+        for index, (x, y) in enumerate(tqdm(batches, desc=f"{args.model} {'+'.join(names)} steps", file=sys.stderr)):
+            for name in names[index % len(names):] + names[: index % len(names)]:  # rotate the order
                 start = time.perf_counter()
                 optimizers[name].zero_grad(set_to_none=True)
                 loss_of(models[name](x), y).backward()
@@ -95,23 +132,37 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         kfac_logger.removeHandler(collect)
         kfac_logger.setLevel(previous_level)
     load_after = os.getloadavg()[0]
-    sgd, kfac = statistics.fmean(times["sgd"]), statistics.fmean(times["kfac"])
-    intervals = optimizers["kfac"].estimator.intervals
+    sgd = statistics.fmean(times["sgd"])
     result: dict[str, object] = {
-        "model": args.model, "steps": args.steps, "threads": args.threads, "torch": torch.__version__,
-        "load": [load_before, load_after],
-        "sgd_mean_s": sgd, "kfac_mean_s": kfac, "ratio": kfac / sgd,
-        "sgd_median_s": statistics.median(times["sgd"]), "kfac_median_s": statistics.median(times["kfac"]),
-        "intervals": intervals.describe(), "chosen": list(intervals.chosen or ()),
-        "method": repr(optimizers["kfac"].method), "log": collect.lines,
-        "sgd_step_s": times["sgd"], "kfac_step_s": times["kfac"],
+        "model": args.model, "size": args.size, "batch": len(batches[0][1]), "steps": args.steps,
+        "threads": args.threads, "torch": torch.__version__, "load": [load_before, load_after],
+        "sgd_mean_s": sgd, "sgd_median_s": statistics.median(times["sgd"]), "log": collect.lines,
+        "sgd_step_s": times["sgd"], "kfac": {},
     }
-    print(f"{args.model}, {args.steps} interleaved steps, {args.threads} thread(s), torch {torch.__version__}, "  # noqa: T201
-          f"load {load_before:.2f} -> {load_after:.2f}")
-    print(f"SGD mean {sgd * 1e3:.1f} ms (median {result['sgd_median_s'] * 1e3:.1f}); KFAC(model) mean "  # noqa: T201
-          f"{kfac * 1e3:.1f} ms (median {result['kfac_median_s'] * 1e3:.1f}; first {times['kfac'][0]:.2f} s); "
-          f"ratio {kfac / sgd:.2f}x")
-    print(f"{optimizers['kfac'].method!r}; {intervals.describe()}")  # noqa: T201
+    print(f"{args.model}, batch {result['batch']}, {args.steps} interleaved steps, {args.threads} thread(s), "  # noqa: T201
+          f"torch {torch.__version__}, load {load_before:.2f} -> {load_after:.2f}")
+    print(f"SGD mean {sgd * 1e3:.1f} ms (median {result['sgd_median_s'] * 1e3:.1f})")  # noqa: T201
+    for name, variant in zip(kfac_names, variants, strict=True):
+        kfac, intervals = statistics.fmean(times[name]), optimizers[name].estimator.intervals
+        costs = intervals.costs
+        entry = {
+            "conv_positions": variant, "mean_s": kfac, "median_s": statistics.median(times[name]),
+            "ratio": kfac / sgd, "intervals": intervals.describe(),
+            "ratio_after_calibration": _after_calibration(times[name]) / _after_calibration(times["sgd"]), "chosen": list(intervals.chosen or ()),
+            "costs": None if costs is None else dataclasses.asdict(costs),
+            "statistics_over_step": None if costs is None else costs.factor / costs.step,
+            "method": repr(optimizers[name].method), "step_s": times[name],
+        }
+        result["kfac"][name] = entry
+        if len(kfac_names) == 1:  # the single run's figures at the top level too, as before
+            result.update({"kfac_mean_s": kfac, "ratio": kfac / sgd, "kfac_median_s": entry["median_s"],
+                           "intervals": entry["intervals"], "chosen": entry["chosen"], "method": entry["method"],
+                           "kfac_step_s": times[name]})
+        print(f"{name}: mean {kfac * 1e3:.1f} ms (median {entry['median_s'] * 1e3:.1f}; first {times[name][0]:.2f} s); "  # noqa: T201
+              f"ratio {kfac / sgd:.2f}x ({entry['ratio_after_calibration']:.2f}x after the 3 calibration steps); "
+              f"{intervals.describe()}"
+              + ("" if costs is None else f"; statistics {costs.factor:.3g} = {costs.factor / costs.step:.2f}x the step "
+                 "(the intervals' units)"))
     for line in collect.lines:
         if line.startswith("K-FAC"):
             print(f"  {line}")  # noqa: T201

@@ -18,6 +18,7 @@ from benchmarks import (
     amp_steps,
     comm_bytes,
     compiled_steps,
+    conv_statistics,
     cost_constants,
     peer_steps,
     scaling,
@@ -170,3 +171,14 @@ def test_cost_constants_measures_each_kind_of_work_against_the_librarys_constant
     assert all(value > 0 for by_size in result["constants"].values() for value in by_size.values())
     assert json.loads((tmp_path / "cost_constants.json").read_text())["rate_flop_per_s"] > 0
     assert (tmp_path / "cost_constants.png").stat().st_size > 0
+
+
+def test_conv_statistics_times_each_kind_and_trains_with_each(tmp_path: Path) -> None:
+    payload = conv_statistics.main(["--model", "resnet18", "--size", "16", "--batch", "2", "--repeats", "1",
+                                    "--kinds", "expand,reduce", "--steps", "2", "--seeds", "0", "--out", str(tmp_path)])
+    assert set(payload["cost"]["kinds"]) == {"expand", "reduce"}
+    assert set(payload["cost"]["kinds"]["reduce"]["per_layer_s"]) == set(payload["cost"]["kinds"]["expand"]["per_layer_s"])
+    for task in ("cnn", "cnn32"):
+        assert [len(losses) for losses in payload["progress"]["tasks"][task]["kinds"]["reduce"]["losses"]] == [2]
+    assert json.loads((tmp_path / "both.json").read_text())["cost"]["batch"] == 2
+    assert (tmp_path / "both.png").exists()

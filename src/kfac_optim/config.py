@@ -38,7 +38,8 @@ from kfac_optim.damping import AdaptiveDamping, check_damping
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES
 from kfac_optim.intervals import AutoIntervals, auto_of, check_interval
-from kfac_optim.layers import KroneckerBlock
+from kfac_optim.layers import ConvStatistics, KroneckerBlock
+from kfac_optim.layers.conv_statistics import check_conv_statistics
 from kfac_optim.layers.registry import SkipLayers, check_block_overrides
 from kfac_optim.methods import EigenAdam, Method, method_named
 
@@ -90,7 +91,10 @@ class CurvatureConfig:
     :meth:`KFAC.sample_fisher`'s backward at targets drawn from the model).
     ``loss_reduction``: "mean" or "sum", how the training loss reduces over the batch (None:
     "mean"); it does not apply to ``fisher="sampled"``, whose loss is a sum (a ``ValueError`` there).
-    ``weight_sharing``: "expand" or "reduce" (docs/design.md §3). ``stagger``: spread the blocks'
+    ``weight_sharing``: "expand" or "reduce" (docs/design.md §3). ``conv_positions``: which output
+    positions of a convolution become rows (``kfac_optim.layers.conv_statistics``: ``Expand()``,
+    ``Reduce()``, ``SampledPositions(count, seed)``, ``ReduceAbove(positions)``), for every conv
+    block whatever ``weight_sharing`` says (None: as ``weight_sharing`` says). ``stagger``: spread the blocks'
     factor updates over the steps of each factor interval (``kfac_optim.stagger``).
     ``factor_dtype``, ``inv_dtype``: float32 or float64 for factors and decompositions.
     ``skip_layers``: module-name regexes (full match against the name or the class name) or module
@@ -102,6 +106,7 @@ class CurvatureConfig:
     fisher: Literal["empirical", "sampled"] = "empirical"
     loss_reduction: Literal["mean", "sum"] | None = None
     weight_sharing: Literal["expand", "reduce"] = "expand"
+    conv_positions: ConvStatistics | None = None
     stagger: bool = False
     factor_dtype: torch.dtype = torch.float32
     inv_dtype: torch.dtype = torch.float32
@@ -123,6 +128,7 @@ class CurvatureConfig:
             )
         if self.weight_sharing not in ("expand", "reduce"):
             raise ValueError(f"weight_sharing must be 'expand' or 'reduce', got {self.weight_sharing!r}")
+        check_conv_statistics(self.conv_positions, "CurvatureConfig.conv_positions")
         _check_bool("CurvatureConfig", "stagger", "stagger_factor_updates", self.stagger)
         for name in ("factor_dtype", "inv_dtype"):
             if getattr(self, name) not in (torch.float32, torch.float64):

@@ -5,7 +5,8 @@ Owns: the unit and the constants (below), and :func:`model_costs`, which adds up
 of a set of blocks from their factors' shapes, the rows of one batch and the method's own counts
 (``Method.decomposition_cost``, ``Method.precondition_cost``).
 Must not know: schedules, ranks, clocks, what a block kind is (it reads factors: their ``dim``,
-``groups``, ``diagonal`` and ``pending_rows``).
+``groups``, ``diagonal`` and ``pending_rows``, and a block's ``forward_rows()``: the rows its forward
+multiplied, more than ``A``'s when its statistics reduce them, as a conv's ``Reduce`` does).
 
 **Unit**: a *flop-equivalent* is the time one core takes for one floating-point operation of a large
 matrix product (``2·m·n·k`` per ``(m, k) @ (k, n)``). Work that does not run at that rate is
@@ -43,6 +44,8 @@ class Block(Protocol):
     """What the cost model reads of a block (``layers.base.KroneckerBlock``)."""
 
     factors: Mapping[str, Factor]
+
+    def forward_rows(self) -> int: ...
 
     @property
     def A(self) -> Factor: ...  # noqa: N802 (the paper's name)
@@ -117,31 +120,34 @@ def model_costs(blocks: Sequence[Block],
         return None
     step = factor = decomposition = precondition = 0.0
     for block in holding:
-        a, g = block.A, block.G
-        step += layer_cost(a, g) / STEP_EFFICIENCY + OPERATION * STEP_OPERATIONS
-        factor += sum(statistics_cost(f) + OPERATION * STATISTICS_OPERATIONS for f in block.factors.values())
+        a, g, uses = block.A, block.G, block.forward_rows()
+        step += layer_cost(a, g, uses) / STEP_EFFICIENCY + OPERATION * STEP_OPERATIONS
+        factor += sum(statistics_cost(f, f.pending_rows * uses // a.pending_rows) + OPERATION * STATISTICS_OPERATIONS
+                      for f in block.factors.values())
         decomposition += sum(decomposition_cost(a, g)) + OPERATION * DECOMPOSITION_OPERATIONS * sum(
             not f.diagonal for f in (a, g))
         precondition += precondition_cost(a, g) + OPERATION * PRECONDITION_OPERATIONS
     return StepCosts(step=step, factor=factor, decomposition=decomposition, precondition=precondition)
 
 
-def layer_cost(a: Factor, g: Factor) -> float:
-    """A layer's forward and backward over ``a.pending_rows`` input rows: matrix products for a
-    dense ``A`` (``in × out`` multiply-adds per row and group), a lookup of ``out`` elements per row
-    for a diagonal one (an embedding's or a normalization's)."""
+def layer_cost(a: Factor, g: Factor, rows: int) -> float:
+    """A layer's forward and backward over ``rows`` input rows (``KroneckerBlock.forward_rows``):
+    matrix products for a dense ``A`` (``in × out`` multiply-adds per row and group), a lookup of
+    ``out`` elements per row for a diagonal one (an embedding's or a normalization's)."""
     if a.diagonal:
-        return 3 * ELEMENT * a.pending_rows * g.dim * a.groups
-    return FORWARD_BACKWARD * a.pending_rows * a.dim * g.dim * a.groups
+        return 3 * ELEMENT * rows * g.dim * a.groups
+    return FORWARD_BACKWARD * rows * a.dim * g.dim * a.groups
 
 
-def statistics_cost(factor: Factor) -> float:
-    """A factor's capture and fold for its pending rows: the Gram product ``2·rows·dim²`` (the
-    diagonal's ``rows·dim`` squares), the passes over the rows, and the fold's over the factor."""
+def statistics_cost(factor: Factor, read_rows: int) -> float:
+    """A factor's capture and fold: the Gram product ``2·rows·dim²`` of its pending rows (the
+    diagonal's ``rows·dim`` squares), the passes over the ``read_rows`` rows the capture reads to
+    make them (its pending rows scaled by the layer's forward rows over ``A``'s: a conv's ``Reduce``
+    reads every position for one row per sample), and the fold's over the factor."""
     rows, dim, groups = factor.pending_rows, factor.dim, factor.groups
     if factor.diagonal:
-        return ELEMENT * (CAPTURE_PASSES * rows * dim + FOLD_PASSES * dim)
-    return groups * (2.0 * rows * dim * dim + ELEMENT * (CAPTURE_PASSES * rows * dim + FOLD_PASSES * dim * dim))
+        return ELEMENT * (CAPTURE_PASSES * read_rows * dim + FOLD_PASSES * dim)
+    return groups * (2.0 * rows * dim * dim + ELEMENT * (CAPTURE_PASSES * read_rows * dim + FOLD_PASSES * dim * dim))
 
 
 def dense_decomposition(dim: int, groups: int, per_cube: float) -> float:

@@ -129,7 +129,8 @@ class KroneckerEstimator:
         self.method: Method = method_named(options.method)
         self._model = model
         self.discovery = find_layers(model, trainable, curvature.skip_layers, curvature.factor_dtype,
-                                     blocks=curvature.blocks, weight_sharing=curvature.weight_sharing)
+                                     blocks=curvature.blocks, weight_sharing=curvature.weight_sharing,
+                                     conv_positions=curvature.conv_positions)
         self.blocks = self.discovery.blocks
         self._warn_about_discovery(trainable)
         # First (before any hook exists): with several ranks it checks they all built K-FAC alike.

@@ -13,6 +13,7 @@ from torch import nn
 from kfac_optim.layers.attention import InProjectionBlock, OutProjectionBlock, ProjectionBlock
 from kfac_optim.layers.base import KroneckerBlock
 from kfac_optim.layers.conv import ConvBlock
+from kfac_optim.layers.conv_statistics import ConvStatistics, Expand, Reduce, ReduceAbove, SampledPositions
 from kfac_optim.layers.embedding import EmbeddingBlock
 from kfac_optim.layers.factor import DiagonalFactor, Factor
 from kfac_optim.layers.linear import LinearBlock
@@ -43,6 +44,11 @@ __all__ = [
     "NormBlock",
     "RMSNormBlock",
     "ConvBlock",
+    "ConvStatistics",
+    "Expand",
+    "Reduce",
+    "ReduceAbove",
+    "SampledPositions",
     "DiagonalFactor",
     "EmbeddingBlock",
     "Factor",

@@ -281,6 +281,13 @@ class KroneckerBlock(ABC):
     def sample_count(self, inputs: Tensor) -> int:
         """N, the number of samples in a (possibly unbatched) input."""
 
+    def forward_rows(self) -> int:
+        """The input rows the layer's forward multiplied with its weight in the captures since the
+        last fold (what a step's forward and backward cost is counted from, ``kfac_optim.costs``):
+        ``A``'s pending rows by default; a block whose statistics make fewer rows than its
+        forward multiplies (a conv's ``Reduce``) counts the forward's."""
+        return self.A.pending_rows
+
     def parameters(self) -> list[nn.Parameter]:
         """The parameters this block preconditions: ``weight`` and, when included, ``bias``."""
         return [self.weight] if self.bias is None else [self.weight, self.bias]

@@ -1,11 +1,13 @@
 """K-FAC block for ``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d``: the rows are the input patches.
 
-Every output position of every sample is a row (R = the number of output positions), the
-"expand" approximation of Grosse & Martens (2016). Patches are channel-major, matching
-``W.view(out, -1)``. Any padding (ints, ``'same'``, non-zero padding modes), stride and dilation
-is applied as the layer applies it. A 1-d convolution is unfolded as the 2-d one with a ``(1, k)``
-kernel (the same rows, so it steps exactly as that ``Conv2d``); 3-d patches come from
-``Tensor.unfold`` along each spatial dimension.
+By default every output position of every sample is a row (R = the number of output positions),
+the "expand" approximation of Grosse & Martens (2016); which positions become rows, and how, is
+the block's :class:`~kfac_optim.layers.conv_statistics.ConvStatistics` (``Reduce``: one row per
+sample; ``SampledPositions``; the rule ``ReduceAbove``), which builds the columns from the input
+padded here. Patches are channel-major, matching ``W.view(out, -1)``. Any padding (ints,
+``'same'``, non-zero padding modes), stride and dilation is applied as the layer applies it. A 1-d
+convolution is unfolded as the 2-d one with a ``(1, k)`` kernel (the same rows, so it steps
+exactly as that ``Conv2d``); 3-d patches come from ``Tensor.unfold`` along each spatial dimension.
 
 Kernel taps that read only the zero padding for every output position (a 3x3 kernel with padding
 1 over a 1x1 feature map: 8 of its 9 taps) give patch columns that are zero in every row, whatever
@@ -22,15 +24,16 @@ are its slice of the patches and its ``g`` rows its slice of the output-gradient
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kfac_optim.layers.base import KroneckerBlock
+from kfac_optim.layers.conv_statistics import ConvGeometry, ConvStatistics, Expand, Reduce, Taps
 from kfac_optim.layers.factor import Support
 
 MIN_POSITIONS_FOR_COLUMNS = 64
@@ -42,7 +45,6 @@ MIN_POSITIONS_FOR_COLUMNS = 64
 MAX_VALID_TAPS = 1
 
 ConvNd = nn.Conv1d | nn.Conv2d | nn.Conv3d
-Taps = tuple[tuple[int, int], ...]  # kernel offsets [lo, hi) per spatial dim
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,15 @@ class BoxSupport:
 class ConvBlock(KroneckerBlock):
     """``nn.ConvNd`` (N = 1, 2, 3) with ``a`` the patches ``(N·L_out, C_in/g·prod(kernel))`` per group.
 
-    With ``reduce`` (weight sharing over positions, Eschenhagen et al. 2023's "reduce") one row per
-    sample: ``a_n`` the mean of its patches, ``g_n`` the sum of its output-gradients over positions.
+    Which positions become rows is :attr:`statistics` (``layers.conv_statistics``: every position,
+    "expand", by default; ``weight_sharing="reduce"`` or ``CurvatureConfig.conv_positions`` set it).
     """
 
     module: ConvNd
     supports_weight_sharing = True
+    default_statistics: ClassVar[ConvStatistics] = Expand()
+    """:attr:`statistics` unless ``weight_sharing="reduce"`` (:class:`Reduce`) or
+    ``CurvatureConfig.conv_positions`` says otherwise."""
     # Leave out the patch columns of taps that only ever read zero padding (see the module docstring).
     skip_zero_taps = True
 
@@ -138,44 +143,107 @@ class ConvBlock(KroneckerBlock):
         self.groups = module.groups
         super().__init__(name, module, include_bias, factor_dtype)
         self._valid_taps: dict[tuple[int, ...], Taps | None] = {}
+        self._forward_rows = 0
+        self.statistics: ConvStatistics = self.default_statistics
+        """Which output positions become rows of ``A`` and ``G`` (:class:`ConvStatistics`)."""
+
+    @property
+    def reduce(self) -> bool:  # type: ignore[override]
+        """Whether :attr:`statistics` is :class:`Reduce` (``weight_sharing="reduce"``); setting it
+        sets :attr:`statistics` to :class:`Reduce`, or (False) to :attr:`default_statistics`."""
+        return isinstance(self.statistics, Reduce)
+
+    @reduce.setter
+    def reduce(self, value: bool) -> None:
+        self.statistics = Reduce() if value else self.default_statistics
 
     @property
     def spatial_dims(self) -> int:
         return len(self.module.kernel_size)
 
+    def describe(self) -> str:
+        """As :meth:`KroneckerBlock.describe`, with :attr:`statistics` unless it is :class:`Expand`."""
+        text = super().describe()
+        return text if isinstance(self.statistics, Expand) else f"{text}; statistics {self.statistics!r}"
+
+    def batched(self, tensor: Tensor) -> Tensor:
+        """``tensor`` with its batch dim (an unbatched ``(C, *S)`` becomes ``(1, C, *S)``)."""
+        return tensor if tensor.dim() == self.spatial_dims + 2 else tensor.unsqueeze(0)
+
+    def prepared_input(self, inputs: Tensor) -> tuple[Tensor, ConvGeometry]:
+        """The (batched) input and the call's geometry: plain zero padding (ints) is left to the
+        statistics (``geometry.padding``: ``F.unfold`` applies it without a copy); any other
+        (``'same'``, possibly asymmetric, or a non-zero padding mode) is applied here as the layer does."""
+        batched = self.batched(inputs)
+        conv = self.module
+        if conv.padding_mode == "zeros" and not isinstance(conv.padding, str):
+            padding = tuple(conv.padding)
+            spatial = tuple(size + 2 * p for size, p in zip(batched.shape[2:], padding, strict=True))
+            return batched, self.geometry(spatial, padding)
+        if conv.padding_mode == "zeros":
+            padded = F.pad(batched, [p for before_after in reversed(self.padding_sides()) for p in before_after])
+        else:
+            padded = F.pad(batched, conv._reversed_padding_repeated_twice, mode=conv.padding_mode)
+        return padded, self.geometry(tuple(padded.shape[2:]))
+
+    def geometry(self, padded: tuple[int, ...], padding: tuple[int, ...] = ()) -> ConvGeometry:
+        """The layer's geometry on an input of padded spatial size ``padded`` (``padding``: the zero
+        padding still to apply, see :class:`ConvGeometry`)."""
+        conv = self.module
+        outputs = tuple(
+            (size - d * (k - 1) - 1) // s + 1
+            for size, k, s, d in zip(padded, conv.kernel_size, conv.stride, conv.dilation, strict=True)
+        )
+        return ConvGeometry(tuple(conv.kernel_size), tuple(conv.dilation), tuple(conv.stride), outputs, padding)
+
+    def forward_rows(self) -> int:
+        """The patches the layer's forward multiplied in the captures since the last fold (N·L per
+        call), whatever :attr:`statistics` made rows of."""
+        return self._forward_rows
+
+    def clear_pending(self) -> None:
+        super().clear_pending()
+        self._forward_rows = 0
+
+    def fold(self, decay: float, loss_reduction: str, grad_scale: float | Tensor = 1.0) -> None:
+        super().fold(decay, loss_reduction, grad_scale)
+        self._forward_rows = 0
+
+    def input_columns(self, inputs: Tensor) -> tuple[Tensor, Support | None]:
+        """``(columns (N, C_in·T, L'), support)``: :attr:`statistics`' patch columns (see
+        ``layers.conv_statistics``) and, when only the valid taps' columns are built (the others
+        read nothing but padding, :meth:`valid_taps`, and at most ``MAX_VALID_TAPS`` are valid),
+        the support of ``A`` they span (else None: every column)."""
+        prepared, geometry = self.prepared_input(inputs)
+        taps = self.valid_taps(tuple(inputs.shape[-self.spatial_dims :])) if self.skip_zero_taps else None
+        if taps is not None and math.prod(hi - lo for lo, hi in taps) > MAX_VALID_TAPS:
+            taps = None
+        columns = self.statistics.resolve(geometry.positions).input_columns(prepared, geometry, taps)
+        self._forward_rows += prepared.shape[0] * geometry.positions
+        return columns, None if taps is None else self.tap_support(taps)
+
     def input_rows(self, inputs: Tensor) -> Tensor:
-        """``(N·L_out, C_in·prod(kernel))``: every group's patch columns, side by side (``(N, ·)`` with reduce)."""
-        patches = self.patches(inputs)
-        if self.reduce:
-            return patches.mean(2)
-        return patches.transpose(1, 2).reshape(-1, patches.shape[1])
+        """``(N·L', C_in·prod(kernel))``: every group's patch columns, side by side (L' = L_out for
+        "expand", 1 for "reduce": see :attr:`statistics`)."""
+        prepared, geometry = self.prepared_input(inputs)
+        columns = self.statistics.resolve(geometry.positions).input_columns(prepared, geometry, None)
+        return columns.transpose(1, 2).reshape(-1, columns.shape[1])
 
     def add_input_gram(self, inputs: Tensor, dtype: torch.dtype) -> None:
-        """With enough output positions per sample (measured on CPU: ≥ 64), a batched Gram of the
-        patches as ``F.unfold`` returns them beats copying them into rows first. Only the valid
-        taps' columns when the others read nothing but padding (:meth:`valid_taps`) and at most
-        ``MAX_VALID_TAPS`` are valid."""
-        taps = self.valid_taps(tuple(inputs.shape[-self.spatial_dims :])) if self.skip_zero_taps else None
-        if taps is None or math.prod(hi - lo for lo, hi in taps) > MAX_VALID_TAPS:
-            patches, support = self.patches(inputs), None
-        else:
-            patches, support = self.tap_patches(inputs, taps), self.tap_support(taps)
-        patches = patches.to(dtype)
+        """With enough rows per sample (measured on CPU: ≥ 64), a batched Gram of the columns as
+        they are beats copying them into rows first."""
+        columns, support = self.input_columns(inputs)
+        columns = columns.to(dtype)
         append_ones = self.bias is not None
-        if self.reduce:
-            rows = patches.mean(2)
-            if self.groups > 1:
-                rows = rows.view(rows.shape[0], self.groups, -1).transpose(0, 1)
-            self.A.add_gram(rows, append_ones=append_ones, support=support)
-        elif self.groups > 1:
-            batch, columns, positions = patches.shape
-            per_group = patches.view(batch, self.groups, columns // self.groups, positions)
+        batch, width, positions = columns.shape
+        if self.groups > 1:
+            per_group = columns.view(batch, self.groups, width // self.groups, positions)
             rows = per_group.permute(1, 0, 3, 2).reshape(self.groups, batch * positions, -1)
             self.A.add_gram(rows, append_ones=append_ones, support=support)
-        elif patches.shape[2] >= MIN_POSITIONS_FOR_COLUMNS:
-            self.A.add_column_gram(patches, append_ones=append_ones, support=support)
+        elif positions >= MIN_POSITIONS_FOR_COLUMNS:
+            self.A.add_column_gram(columns, append_ones=append_ones, support=support)
         else:
-            rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
+            rows = columns.transpose(1, 2).reshape(-1, width)
             self.A.add_gram(rows, append_ones=append_ones, support=support)
 
     def padding_sides(self) -> list[tuple[int, int]]:
@@ -225,54 +293,11 @@ class ConvBlock(KroneckerBlock):
         channels = self.module.in_channels // self.groups
         return BoxSupport((channels, *self.module.kernel_size), ((0, channels), *taps), int(self.bias is not None))
 
-    def tap_patches(self, inputs: Tensor, taps: Taps) -> Tensor:
-        """The patches' columns of ``taps`` (see :meth:`valid_taps`), sliced offset by offset from the
-        zero-padded input: ``(N, C_in·T, L_out)`` for the ``T`` taps, channel-major and then
-        row-major over the taps like :meth:`patches`."""
-        conv = self.module
-        dims = self.spatial_dims
-        batched = inputs if inputs.dim() == dims + 2 else inputs.unsqueeze(0)
-        sides = self.padding_sides()
-        padded = F.pad(batched, [p for before_after in reversed(sides) for p in before_after])
-        outputs = [
-            (size + before + after - d * (k - 1) - 1) // s + 1
-            for size, k, s, d, (before, after) in zip(
-                batched.shape[2:], conv.kernel_size, conv.stride, conv.dilation, sides, strict=True
-            )
-        ]
-        views = []
-        for tap in itertools.product(*(range(lo, hi) for lo, hi in taps)):
-            window = tuple(
-                slice(t * d, t * d + s * (o - 1) + 1, s)
-                for t, d, s, o in zip(tap, conv.dilation, conv.stride, outputs, strict=True)
-            )
-            views.append(padded[(..., *window)])
-        stacked = torch.stack(views, dim=2)  # (N, C, T, *L_out)
-        return stacked.reshape(stacked.shape[0], -1, math.prod(outputs))
-
-    def patches(self, inputs: Tensor) -> Tensor:
-        """The (batched) input's patches with the layer's geometry: ``(N, C_in·prod(kernel), L_out)``."""
-        conv = self.module
-        dims = self.spatial_dims
-        batched = inputs if inputs.dim() == dims + 2 else inputs.unsqueeze(0)
-        zero_padding = conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
-        if not zero_padding:  # 'same' (possibly asymmetric) or a non-zero padding mode: pad as the layer does
-            mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
-            batched = F.pad(batched, conv._reversed_padding_repeated_twice, mode=mode)
-        padding = conv.padding if zero_padding else (0,) * dims
-        if dims == 1:
-            return F.unfold(
-                batched.unsqueeze(2), (1, *conv.kernel_size), (1, *conv.dilation), (0, *padding), (1, *conv.stride)
-            )
-        if dims == 2:
-            return F.unfold(batched, conv.kernel_size, conv.dilation, padding, conv.stride)
-        return _unfold_nd(batched, conv.kernel_size, conv.dilation, padding, conv.stride)
-
     def output_grad_rows(self, grad_output: Tensor) -> Tensor:
-        channels = grad_output.shape[-1 - self.spatial_dims]
-        if self.reduce:
-            return grad_output.reshape(-1, channels, math.prod(grad_output.shape[-self.spatial_dims :])).sum(2)
-        return grad_output.movedim(-1 - self.spatial_dims, -1).reshape(-1, channels)
+        """``(N·L', C_out)``: :attr:`statistics`' output-gradient columns as rows."""
+        batched = self.batched(grad_output)
+        columns = self.statistics.resolve(math.prod(batched.shape[2:])).output_columns(batched)
+        return columns.transpose(1, 2).reshape(-1, columns.shape[1])
 
     def add_output_gram(self, grad_output: Tensor, dtype: torch.dtype) -> None:
         rows = self.output_grad_rows(grad_output).to(dtype)
@@ -283,22 +308,3 @@ class ConvBlock(KroneckerBlock):
     def sample_count(self, inputs: Tensor) -> int:
         return inputs.shape[0] if inputs.dim() == self.spatial_dims + 2 else 1
 
-
-def _unfold_nd(
-    inputs: Tensor,
-    kernel_size: tuple[int, ...],
-    dilation: tuple[int, ...],
-    padding: tuple[int, ...],
-    stride: tuple[int, ...],
-) -> Tensor:
-    """``F.unfold`` for any number of spatial dims: ``(N, C, *S)`` → ``(N, C·prod(kernel), L_out)``."""
-    dims = len(kernel_size)
-    padded = F.pad(inputs, [p for size in reversed(padding) for p in (size, size)])
-    windows = padded
-    for axis, (k, d, s) in enumerate(zip(kernel_size, dilation, stride, strict=True)):
-        windows = windows.unfold(2 + axis, d * (k - 1) + 1, s)[..., ::d]
-    # (N, C, *S_out, *K) → (N, C, *K, *S_out) → (N, C·prod(K), prod(S_out))
-    batch, channels = windows.shape[:2]
-    out_shape = windows.shape[2 : 2 + dims]
-    order = (0, 1, *range(2 + dims, 2 + 2 * dims), *range(2, 2 + dims))
-    return windows.permute(order).reshape(batch, channels * math.prod(kernel_size), math.prod(out_shape))

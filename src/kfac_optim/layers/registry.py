@@ -27,6 +27,8 @@ from torch import Tensor, nn
 
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.layers.base import KroneckerBlock, WeightSharing
+from kfac_optim.layers.conv import ConvBlock
+from kfac_optim.layers.conv_statistics import ConvStatistics
 from kfac_optim.layers.declined import declined_reason, originals_reason
 
 SkipLayers = Sequence[str | type[nn.Module]]
@@ -254,10 +256,13 @@ def find_layers(
     factor_dtype: torch.dtype = torch.float32,
     blocks: BlockOverrides | None = None,
     weight_sharing: WeightSharing = "expand",
+    conv_positions: ConvStatistics | None = None,
 ) -> Discovery:
     """The blocks of ``model`` and the decisions behind them (see :func:`discover`), with warnings:
     tied weights a block declines, weight sharing a block does not implement, and subclasses of
-    registered types that override ``forward`` (:func:`forward_override`; one warning naming them)."""
+    registered types that override ``forward`` (:func:`forward_override`; one warning naming them).
+    ``conv_positions`` (None: as ``weight_sharing`` says) is every convolution block's
+    :attr:`ConvBlock.statistics`."""
     check_block_overrides(blocks)
     if trainable is None:
         trainable = {p for p in model.parameters() if p.requires_grad}
@@ -295,6 +300,8 @@ def find_layers(
                 owner_of[param] = block
             if not block.set_weight_sharing(weight_sharing):
                 ignored_sharing.append(f"'{block.name}' ({type(block).__name__})")
+            if conv_positions is not None and isinstance(block, ConvBlock):
+                block.statistics = conv_positions
         found.blocks.extend(created)
         if not created and owner is None:
             found.decide(module, "no_weight", "no block: its weight is not among the optimizer's parameters "
@@ -333,6 +340,7 @@ def discover(
     factor_dtype: torch.dtype = torch.float32,
     blocks: BlockOverrides | None = None,
     weight_sharing: WeightSharing = "expand",
+    conv_positions: ConvStatistics | None = None,
 ) -> tuple[list[KroneckerBlock], list[ModuleReport]]:
     """The blocks of ``model`` (model order) and one report per module with trainable parameters.
 
@@ -344,14 +352,15 @@ def discover(
     (tied weights) is offered to that block (:meth:`KroneckerBlock.tie`); if it declines, the
     module's uses of the weight are left out of the statistics, with a warning. Every block gets
     ``weight_sharing`` (:meth:`KroneckerBlock.set_weight_sharing`); blocks that do not implement
-    it are named in a warning and in their reports.
+    it are named in a warning and in their reports. ``conv_positions`` (None: as ``weight_sharing``
+    says) is then every convolution block's :attr:`ConvBlock.statistics`.
 
     Raises:
         TypeError: ``blocks`` does not map ``nn.Module`` subclasses to ``KroneckerBlock`` subclasses.
     """
     if trainable is None:
         trainable = {p for p in model.parameters() if p.requires_grad}
-    found = find_layers(model, trainable, skip_layers, factor_dtype, blocks, weight_sharing)
+    found = find_layers(model, trainable, skip_layers, factor_dtype, blocks, weight_sharing, conv_positions)
     return found.blocks, found.reports(model, trainable)
 
 
@@ -362,6 +371,7 @@ def discover_blocks(
     factor_dtype: torch.dtype = torch.float32,
     blocks: BlockOverrides | None = None,
     weight_sharing: WeightSharing = "expand",
+    conv_positions: ConvStatistics | None = None,
 ) -> list[KroneckerBlock]:
     """One block per supported module whose weight is among ``trainable``, in model order (see :func:`discover`)."""
-    return discover(model, trainable, skip_layers, factor_dtype, blocks, weight_sharing)[0]
+    return discover(model, trainable, skip_layers, factor_dtype, blocks, weight_sharing, conv_positions)[0]
