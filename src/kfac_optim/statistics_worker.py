@@ -1,4 +1,4 @@
-"""Statistics off the critical path: ``KFAC(async_statistics=True)``.
+"""Statistics off the critical path: ``KFAC(..., runtime=RuntimeConfig(async_statistics=True))``.
 
 Owns: one worker thread that runs statistics work (a captured pair's Gram products, a factor
 step's fold) in submission order, waiting for it, and surfacing its errors on the caller's thread.
@@ -85,6 +85,6 @@ class StatisticsWorker:
     def _raise_error(self) -> None:
         if self._error is not None:
             raise RuntimeError(
-                "K-FAC's statistics worker (async_statistics=True) failed; the statistics since then were "
-                "dropped and no more are computed"
+                "K-FAC's statistics worker (RuntimeConfig(async_statistics=True)) failed; the statistics since then "
+                "were dropped and no more are computed"
             ) from self._error
