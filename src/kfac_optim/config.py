@@ -119,7 +119,8 @@ class CurvatureConfig:
         if self.loss_reduction is not None and self.fisher == "sampled":
             raise ValueError(
                 f"CurvatureConfig(loss_reduction={self.loss_reduction!r}) does not apply to "
-                "CurvatureConfig(fisher='sampled') (sample_fisher's loss is a sum over samples): leave loss_reduction None"
+                "CurvatureConfig(fisher='sampled') (sample_fisher's loss is a sum over samples): leave "
+                "loss_reduction None"
             )
         if self.weight_sharing not in ("expand", "reduce"):
             raise ValueError(f"weight_sharing must be 'expand' or 'reduce', got {self.weight_sharing!r}")
