@@ -1,4 +1,4 @@
-"""Decompositions off the critical path: ``KFAC(..., asynchronous=AsyncConfig())``.
+"""Decompositions off the critical path: ``KFAC(async_decompositions=True)``.
 
 Owns: one worker thread that decomposes a round of factor snapshots, and handing the results
 back when the optimizer collects them; a round whose results were fetched early (to save them in a
