@@ -59,8 +59,8 @@ def torchvision_problem() -> str | None:
             f"torchvision {importlib.metadata.version('torchvision')} does not work with torch {torch.__version__} "
             f"({type(error).__name__}: {error}): they are not one build pair (a torchvision wheel works only with "
             "the torch build it was built for: the same version, CPU-only or the same CUDA). Fix: install both "
-            "from one index, `pip install --force-reinstall torch torchvision` (PyPI), or both CPU-only builds "
-            "with `--index-url https://download.pytorch.org/whl/cpu` added (README.md, Install)"
+            "as one pair: `pip install --force-reinstall torch torchvision` (PyPI's), or with "
+            "`--extra-index-url https://download.pytorch.org/whl/cpu` added for CPU-only builds (README.md, Install)"
         )
     return None
 
