@@ -4,8 +4,14 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
+# torchvision pins the torch release it was built for (``torch==X``), so pip never installs two
+# releases that do not match; it cannot check the build (CPU-only or CUDA): a mismatched build fails
+# one test, tests/test_install.py, which names the fix (README.md, Install).
 EXAMPLES = ["torchvision", "scikit-learn", "pyyaml", "tqdm", "matplotlib"]
-DEV = EXAMPLES + ["pytest"]
+# The trainers tests/test_trainers.py runs KFAC under (tested: pytorch-lightning 2.6.6, transformers
+# 5.24.0, accelerate 1.15.0); none of them pins torch.
+TRAINERS = ["pytorch-lightning>=2.6", "transformers>=5.0", "accelerate>=1.0"]
+DEV = EXAMPLES + TRAINERS + ["pytest"]
 PEERS = ["heavyball"]  # SOAP for `python -m benchmarks.peers` (optional: skipped without it)
 
 setup(
@@ -18,5 +24,5 @@ setup(
     packages=find_packages("src"),
     python_requires=">=3.10",
     install_requires=["torch>=2.1"],
-    extras_require={"examples": EXAMPLES, "dev": DEV, "peers": PEERS},
+    extras_require={"examples": EXAMPLES, "trainers": TRAINERS, "dev": DEV, "peers": PEERS},
 )

@@ -29,9 +29,8 @@ from pathlib import Path
 import math
 
 import torch
-import torchvision
 
-from benchmarks.plan_report import MIB, torchvision_block_dims
+from benchmarks.plan_report import MIB, torchvision_block_dims, torchvision_model
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES
 from kfac_optim.distributed.fsdp import MeshLayout, assign_routes
 from kfac_optim.distributed.plan import make_plan, work_items
@@ -116,7 +115,7 @@ def main() -> None:
     print(f"  preconditioned-gradient broadcasts at f=1/world per step: "
           f"{numbers['gradient_broadcast_per_step_mem_opt'] / MIB:.1f} MiB")
     with torch.device("meta"):
-        param_bytes = FP32 * sum(p.numel() for p in getattr(torchvision.models, args.model)(weights=None).parameters())
+        param_bytes = FP32 * sum(p.numel() for p in torchvision_model(args.model).parameters())
     fsdp = [fsdp_bytes(dims, param_bytes, args.fsdp_world, f) for f in (1.0, 1 / args.fsdp_world)]
     print(f"  FSDP2 at {args.fsdp_world} ranks, per step and rank (received): FSDP all-gathers "
           f"{fsdp[0]['fsdp_all_gather_per_step'] / MIB:.1f} MiB + reduce-scatter "

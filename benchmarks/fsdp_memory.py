@@ -36,12 +36,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-import torchvision
 from matplotlib.figure import Figure
 from torch import nn
 from tqdm import tqdm
 
-from benchmarks.plan_report import MIB
+from benchmarks.plan_report import MIB, torchvision_model
 from kfac_optim import KFAC, RuntimeConfig
 
 FRACTIONS = ("1", "1/world")
@@ -63,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build(kind: str, model_name: str) -> nn.Module:
     torch.manual_seed(0)
-    model = getattr(torchvision.models, model_name)(weights=None, num_classes=10)
+    model = torchvision_model(model_name, num_classes=10)
     if kind == "ddp":
         return nn.parallel.DistributedDataParallel(model)
     from torch.distributed.fsdp import fully_shard

@@ -18,7 +18,6 @@ import math
 from pathlib import Path
 
 import torch
-import torchvision
 
 from kfac_optim.distributed.plan import (
     STRATEGIES,
@@ -35,10 +34,19 @@ from kfac_optim.optimizer import block_dims
 MIB = 2**20
 
 
+def torchvision_model(model: str, **kwargs: object) -> torch.nn.Module:
+    """``torchvision.models.<model>(weights=None, **kwargs)``, randomly initialized (on the current
+    default device: under ``torch.device("meta")`` nothing is allocated). torchvision is imported
+    here, not with this module, so that importing the benchmarks never needs it."""
+    import torchvision
+
+    return getattr(torchvision.models, model)(weights=None, **kwargs)
+
+
 def torchvision_block_dims(model: str) -> dict[str, tuple[int, int]]:
     """``{name: (dim_A, dim_G)}`` of the K-FAC blocks of a torchvision model, built on the meta device."""
     with torch.device("meta"):
-        network = getattr(torchvision.models, model)(weights=None)
+        network = torchvision_model(model)
     return block_dims(network)
 
 
@@ -116,7 +124,7 @@ def plan_rows(
 def torchvision_work_items(model: str) -> tuple[int, tuple[WorkItem, ...]]:
     """The number of K-FAC blocks of a torchvision model and their work items (meta device)."""
     with torch.device("meta"):
-        network = getattr(torchvision.models, model)(weights=None)
+        network = torchvision_model(model)
     blocks = discover_blocks(network)
     return len(blocks), tuple(block_work_items(blocks))
 

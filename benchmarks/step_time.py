@@ -38,6 +38,10 @@ backward then no longer records), timed as forward + ``sample_fisher`` minus a f
 one plain backward (fwd+bwd minus forward) plus the statistics part. Its net extra cost per step
 is ``(sample_fisher − statistics)/f``.
 
+Decomposition steps: the amortized step hides them; the table also gives the length of the one
+step that folds and decomposes (``decomposition step, whole``), against SGD's step: the spike a
+training loop sees every ``--inverse-interval`` steps.
+
 Check: a whole non-factor step (``zero_grad``, fwd+bwd, ``step()``, inverse method) timed through
 the public API next to the sum of its parts (unarmed fwd+bwd + preconditioning + clip & update):
 a ratio well above 1 means work outside the parts above.
@@ -492,6 +496,10 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> tuple[list[list[s
     for method, total in totals.items():
         rows.append([f"KFAC step ({method}), amortized", "-", "-", f"{total:.2f}", "-",
                      f"{total / t['sgd_step']:.2f}x SGD", "-"])
+    spikes = {method: decomposition_step(t, method) for method in totals}
+    for method, spike in spikes.items():  # what the amortized mean hides: the step that decomposes
+        rows.append([f"decomposition step ({method}), whole", f"{spike:.2f}", f"1/{i}", "-", "-",
+                     f"{spike / t['sgd_step']:.2f}x SGD", "-"])
     goals = {
         "hooks_pct_of_sgd_ab": 100 * hooks / t["sgd_step"],
         "hooks_pct_of_sgd_direct": 100 * hooks_direct / t["sgd_step"],
@@ -499,8 +507,18 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> tuple[list[list[s
         "whole_non_factor_step_over_parts": t["whole_non_factor_step"] / parts,
         "sample_fisher_extra_pct_of_sgd": 100 * sample_fisher_extra / t["sgd_step"],
         **{f"kfac_{m}_over_sgd": v / t["sgd_step"] for m, v in totals.items()},
+        **{f"decomposition_step_{m}_over_sgd": v / t["sgd_step"] for m, v in spikes.items()},
     }
     return rows, goals
+
+
+def decomposition_step(t: dict[str, float], method: str) -> float:
+    """Milliseconds of one step that folds and decomposes (every decomposition step is a factor step
+    here): fwd+bwd, statistics, fold, every decomposition, preconditioning, KL clip and update.
+    The amortized step divides the decompositions by the interval; a training loop waits for all of
+    them on this step, unless they run under ``AsyncConfig`` (docs/api.md "Long decomposition steps")."""
+    return (t["fwd_bwd_plain"] + t["statistics"] + t["fold"] + t[f"decomposition_{method}"]
+            + t[f"precondition_{method}"] + t["clip_update"])
 
 
 def render(rows: list[list[str]]) -> str:

@@ -1,10 +1,13 @@
 """Shared test settings: deterministic, single-threaded CPU math; the ``apex`` marker on every
-test that uses the Apex stand-in's ``fake_apex`` fixture (tests/conftest_apex.py)."""
+test that uses the Apex stand-in's ``fake_apex`` fixture (tests/conftest_apex.py); a header line
+saying whether torchvision works with this torch (tests/test_install.py)."""
 
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import torchvision_problem
 
 
 @pytest.fixture(autouse=True)
@@ -25,3 +28,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "fake_apex" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.apex)
+
+
+def pytest_report_header() -> str:
+    """torch's version, and torchvision's state: the fix when the pair cannot work together."""
+    problem = torchvision_problem()
+    return f"torch {torch.__version__}; " + ("torchvision works with it" if problem is None else problem)

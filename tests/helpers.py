@@ -1,4 +1,5 @@
-"""Shared test helpers: small models' batches, dense references, optimizer state snapshots.
+"""Shared test helpers: small models' batches, dense references, optimizer state snapshots, and
+whether this environment's torchvision works with its torch (:func:`torchvision_problem`).
 
 One definition each (tests/test_test_layout.py checks that no helper name is defined in more
 than one test file). The distributed ones (spawning gloo ranks) are in tests/distributed_helpers.py.
@@ -6,6 +7,12 @@ than one test file). The distributed ones (spawning gloo ranks) are in tests/dis
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import importlib.util
+from types import ModuleType
+
+import pytest
 import torch
 
 from kfac_optim import KFAC
@@ -32,3 +39,36 @@ def running_factors(optimizer: KFAC) -> dict[str, torch.Tensor]:
     """A copy of every block's running factors, ``{"<block>.<A|G>": (dim, dim)}`` (later steps
     update them in place)."""
     return {f"{b.name}.{n}": f.running.clone() for b in optimizer.blocks for n, f in b.factors.items()}
+
+
+@functools.cache
+def torchvision_problem() -> str | None:
+    """Why torchvision cannot be used with this torch, with the fix; None when it imports (or is not
+    installed: then the tests that need it skip, see :func:`import_torchvision`).
+
+    A torchvision wheel is built against one torch build: pip checks the version (torchvision pins
+    ``torch==X``), not the build, so a CUDA torchvision beside a CPU-only torch of the same version
+    installs without a word and then fails at import (``operator torchvision::nms does not exist``).
+    """
+    if importlib.util.find_spec("torchvision") is None:
+        return None
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:  # noqa: BLE001 (any import failure is the problem we report)
+        return (
+            f"torchvision {importlib.metadata.version('torchvision')} does not work with torch {torch.__version__} "
+            f"({type(error).__name__}: {error}): they are not one build pair (a torchvision wheel works only with "
+            "the torch build it was built for: the same version, CPU-only or the same CUDA). Fix: install both "
+            "as one pair: `pip install --force-reinstall torch torchvision` (PyPI's), or with "
+            "`--extra-index-url https://download.pytorch.org/whl/cpu` added for CPU-only builds (README.md, Install)"
+        )
+    return None
+
+
+def import_torchvision() -> ModuleType:
+    """``torchvision``, or skip the calling test: not installed, or unusable with this torch (the one
+    check that fails then is tests/test_install.py, with the fix)."""
+    problem = torchvision_problem()
+    if problem is not None:
+        pytest.skip("torchvision does not work with this torch: tests/test_install.py says why and the fix")
+    return pytest.importorskip("torchvision")

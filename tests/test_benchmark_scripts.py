@@ -60,6 +60,12 @@ def test_step_time_reports_every_part_and_the_whole_step(tmp_path: Path) -> None
                 "clip_update", "whole_non_factor_step", "sample_fisher", "sample_fisher_floor"}
     assert expected <= set(saved["timings"]) and expected <= set(result["timings"])
     assert all(t["median"] > 0 for key, t in saved["timings"].items() if key in expected)
+    # the step that decomposes, whole: at least its decompositions, and longer than SGD's step
+    for method in ("eigen", "inverse"):
+        (row,) = [r for r in result["table"] if r[0] == f"decomposition step ({method}), whole"]
+        assert float(row[1]) >= 1e3 * saved["timings"][f"decomposition_{method}"]["median"]
+        assert result["goals"][f"decomposition_step_{method}_over_sgd"] == pytest.approx(
+            float(row[1]) / (1e3 * saved["timings"]["sgd_step"]["median"]), rel=1e-2)
     assert saved["goals"]["whole_non_factor_step_over_parts"] > 0
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from helpers import kron_solve
 from kfac_optim import KFAC, linalg
+from helpers import import_torchvision
 
 
 
@@ -215,7 +216,7 @@ def test_conv_over_maps_smaller_than_its_kernel_decomposes_in_float32(caplog: py
 def test_resnet18_layer4_first_step_decomposes_every_factor_in_float32(caplog: pytest.LogCaptureFixture) -> None:
     # torchvision's ResNet-18 at 32 px: layer4 sees 1x1 maps (the rest of the model decomposes as
     # before; preconditioning only layer4 keeps the test fast).
-    torchvision = pytest.importorskip("torchvision")
+    torchvision = import_torchvision()
     model = torchvision.models.resnet18(num_classes=10)
     others = [
         re.escape(name)

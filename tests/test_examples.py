@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import digits
-from examples.recipes import accumulation, amp, resume, transformer
+from examples.recipes import accumulation, amp, imagenet, resume, transformer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,6 +87,30 @@ def test_fsdp_recipe_under_torchrun_resumes_from_its_dcp_checkpoint_exactly(tmp_
     result = torchrun("examples.recipes.fsdp", "--steps", "12", "--batch-size", "16", directory=tmp_path, timeout_s=180)
     assert "2 ranks, resumed from the DCP checkpoint after 6 steps" in result.stdout
     assert "max parameter difference to the straight run 0.00e+00: True" in result.stdout
+
+
+def test_imagenet_shaped_recipe_checkpoints_on_rank_0_and_resumes_exactly_on_two_spawned_ranks(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """pytorch/examples' ImageNet script with KFAC: 2 gloo ranks by ``torch.multiprocessing.spawn``,
+    bf16 autocast, rank 0 alone saving ``optimizer.state_dict()`` after every epoch. 4 steps an
+    epoch, decompositions every 3 steps: epoch 1 ends right after a decomposition step (its
+    checkpoint resumes bit-identically), epochs 2 and 3 do not (their checkpoints must not block).
+    The run resumed from epoch 1 must end with the uninterrupted run's model, and the ranks agree.
+    ``--dist-timeout`` bounds every collective: a rank that waits for the others fails the test."""
+    common = ["--world-size", "2", "--epochs", "3", "--batch-size", "16", "--train-size", "64", "--val-size", "32",
+              "--factor-update-steps", "1", "--inv-update-steps", "3", "--amp", "bf16", "--dist-timeout", "30"]
+    assert imagenet.main([*common, "--keep-checkpoints", "--checkpoint-dir", str(tmp_path / "straight")]) == 0
+    assert imagenet.main([*common, "--resume", str(tmp_path / "straight" / "checkpoint-epoch1.pth.tar"),
+                          "--checkpoint-dir", str(tmp_path / "resumed")]) == 0
+    out = capfd.readouterr().out
+    assert out.count("2 ranks, parameters bit-identical on every rank: True") == 2
+    assert "=> loaded checkpoint" in out and "epoch 3/3" in out
+    straight, resumed = (torch.load(tmp_path / run / "checkpoint.pth.tar", weights_only=True)
+                         for run in ("straight", "resumed"))
+    assert straight["epoch"] == resumed["epoch"] == 3
+    assert straight["state_dict"].keys() == resumed["state_dict"].keys()
+    assert all(torch.equal(straight["state_dict"][k], resumed["state_dict"][k]) for k in straight["state_dict"])
 
 
 def test_main_job_runs_both_tasks_and_says_where_kfac_wins(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

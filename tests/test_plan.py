@@ -28,6 +28,7 @@ from kfac_optim.distributed.plan import (
     work_items,
 )
 from kfac_optim.optimizer import block_dims
+from helpers import import_torchvision
 
 torch.set_num_threads(1)
 
@@ -36,7 +37,7 @@ WORLDS = (2, 3, 4, 8)
 
 @pytest.fixture(scope="module")
 def resnet50_items() -> tuple[WorkItem, ...]:
-    torchvision = pytest.importorskip("torchvision")
+    torchvision = import_torchvision()
     with torch.device("meta"):  # the factor sizes only: nothing is allocated
         model = torchvision.models.resnet50()
     return work_items(block_dims(model))

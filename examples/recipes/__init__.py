@@ -1,5 +1,6 @@
 """Short runnable recipes: K-FAC under DDP, mixed precision, gradient accumulation, checkpoint/resume,
-and on a transformer.
+on a transformer, and in the shape of PyTorch's ImageNet example (`imagenet`: ``mp.spawn`` DDP,
+rank-0 checkpoints, ``--resume``, ``torch.amp``; synthetic images).
 
 Each is a module with ``--help``: ``python -m examples.recipes.<name>`` from the repository root
 (``torchrun ... -m examples.recipes.ddp`` for the distributed one). Most train a small MLP on a

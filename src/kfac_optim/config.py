@@ -123,8 +123,9 @@ class CurvatureConfig:
             raise ValueError(f"loss_reduction must be 'mean', 'sum' or None, got {self.loss_reduction!r}")
         if self.loss_reduction is not None and self.fisher == "sampled":
             raise ValueError(
-                f"loss_reduction={self.loss_reduction!r} does not apply to fisher='sampled' (sample_fisher's loss "
-                "is a sum over samples): leave loss_reduction None"
+                f"CurvatureConfig(loss_reduction={self.loss_reduction!r}) does not apply to "
+                "CurvatureConfig(fisher='sampled') (sample_fisher's loss is a sum over samples): leave "
+                "loss_reduction None"
             )
         if self.weight_sharing not in ("expand", "reduce"):
             raise ValueError(f"weight_sharing must be 'expand' or 'reduce', got {self.weight_sharing!r}")
@@ -165,8 +166,8 @@ class AsyncConfig:
             raise ValueError(f"async_delay must be >= 1, got {self.delay}")
         if self.delay is not None and not self.decompositions:
             raise ValueError(
-                f"AsyncConfig.delay (async_delay={self.delay}) needs AsyncConfig.decompositions=True "
-                "(async_decompositions): there is no round in flight to adopt late"
+                f"AsyncConfig(delay={self.delay}) needs AsyncConfig(decompositions=True) (the flat keywords "
+                "async_delay and async_decompositions of earlier releases): there is no round in flight to adopt late"
             )
 
 

@@ -178,8 +178,8 @@ class KroneckerEstimator:
         if (self.sharding.active and self.sharding.plan.broadcasts_gradients) or self.sharding.row_sharded is not None:
             raise ValueError(
                 f"method={self.method!r} keeps per-layer state on the ranks that precondition a layer, so it needs "
-                f"every rank to precondition every layer: grad_worker_fraction=1 and no FSDP2-sharded layers "
-                f"(got grad_worker_fraction={runtime.grad_worker_fraction!r})"
+                f"every rank to precondition every layer: RuntimeConfig(grad_worker_fraction=1) and no FSDP2-sharded "
+                f"layers (got RuntimeConfig.grad_worker_fraction={runtime.grad_worker_fraction!r})"
             )
 
     def _warn_about_discovery(self, trainable: set[Tensor]) -> None:
@@ -326,7 +326,7 @@ class KroneckerEstimator:
         if self.options.curvature.fisher != "sampled":
             raise RuntimeError(
                 "sample_fisher needs KFAC(..., curvature=CurvatureConfig(fisher='sampled')); this optimizer uses "
-                "fisher='empirical'"
+                "CurvatureConfig(fisher='empirical')"
             )
         fisher_lib.check_likelihood(likelihood)
         if not torch.is_grad_enabled():
@@ -426,15 +426,16 @@ class KroneckerEstimator:
             self._reported_overwritten |= overwritten
             warn_user(
                 f"K-FAC layer(s) {sorted(overwritten)}: an input or output-gradient was modified in place before "
-                "the statistics worker (async_statistics=True) read it (e.g. an input buffer refilled in place); "
-                "those statistics were dropped. Hand the model fresh tensors, or use async_statistics=False",
+                "the statistics worker (RuntimeConfig(async_statistics=True)) read it (e.g. an input buffer refilled "
+                "in place); those statistics were dropped. Hand the model fresh tensors, or use "
+                "RuntimeConfig(async_statistics=False)",
                 RuntimeWarning,
             )
         if not self._warned["apex in line"] and self._precision.under_apex():
             self._warned["apex in line"] = True
             warn_user(
-                "async_statistics=True does not apply under Apex amp (its loss scale is read during the backward "
-                "pass): the statistics are computed in line"
+                "RuntimeConfig(async_statistics=True) does not apply under Apex amp (its loss scale is read during the "
+                "backward pass): the statistics are computed in line"
             )
 
     def _assign_stagger_phases(self) -> None:

@@ -156,7 +156,9 @@ class MixedPrecision:
             warn_user(
                 "scaler.unscale_(optimizer) was called before scaler.step(optimizer), but KFAC was not "
                 "given the scaler: the K-FAC statistics carry an unknown loss scale and are dropped "
-                "(the factors are not updated). Pass KFAC(..., grad_scaler=scaler).",
+                "(the factors are not updated). Every such step drops them: if every step unscales "
+                "first (gradient clipping), the factors never change and layers without factors take "
+                "SGD's direction for the whole run. Pass KFAC(..., runtime=RuntimeConfig(grad_scaler=scaler)).",
                 RuntimeWarning,
             )
             self._warned_unscaled = True

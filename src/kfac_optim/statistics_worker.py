@@ -85,6 +85,6 @@ class StatisticsWorker:
     def _raise_error(self) -> None:
         if self._error is not None:
             raise RuntimeError(
-                "K-FAC's statistics worker (async_statistics=True) failed; the statistics since then were "
-                "dropped and no more are computed"
+                "K-FAC's statistics worker (RuntimeConfig(async_statistics=True)) failed; the statistics since then "
+                "were dropped and no more are computed"
             ) from self._error

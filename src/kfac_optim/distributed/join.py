@@ -86,7 +86,7 @@ class JoinSupport:
         """
         if self.sharding.active and self.sharding.plan.broadcasts_gradients:
             raise ValueError(
-                "KFAC under Join needs grad_worker_fraction=1 (comm-opt): with "
+                "KFAC under Join needs RuntimeConfig(grad_worker_fraction=1) (comm-opt): with "
                 f"{self.sharding.plan.grad_workers} gradient worker(s) per layer a rank that ran out of inputs "
                 "would have to precondition gradients it does not have"
             )

@@ -200,7 +200,7 @@ def resolve_grad_workers(grad_worker_fraction: float | str, world_size: int) -> 
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(
             f"grad_worker_fraction * world_size must be a divisor of world_size={world_size} "
-            f"(one of {divisors}), got grad_worker_fraction={grad_worker_fraction!r} "
+            f"(one of {divisors}), got RuntimeConfig.grad_worker_fraction={grad_worker_fraction!r} "
             f"-> {workers:g} gradient workers"
         )
     return count

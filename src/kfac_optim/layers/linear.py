@@ -133,7 +133,8 @@ class LinearBlock(KroneckerBlock):
                 self._warned_mismatch = True
                 warn_user(
                     f"K-FAC layer '{self.name}' was called with {held.shape[0]} and {input_sums.shape[0]} samples "
-                    "in one backward pass: weight_sharing='reduce' treats those calls as different samples"
+                    "in one backward pass: CurvatureConfig(weight_sharing='reduce') treats those calls as "
+                    "different samples"
                 )
             self.add_shared_grams()
             held = None

@@ -314,7 +314,8 @@ def find_layers(
         )
     if ignored_sharing:
         warn_user(
-            f"weight_sharing={weight_sharing!r} is not implemented by the block(s) of {', '.join(ignored_sharing)}: "
+            f"CurvatureConfig(weight_sharing={weight_sharing!r}) is not implemented by the block(s) of "
+            f"{', '.join(ignored_sharing)}: "
             "they make every use of the weight a row ('expand'; KroneckerBlock.supports_weight_sharing)"
         )
     if found.forward_overrides:
