@@ -26,7 +26,13 @@ forward every 5 steps is in the timed training time. ``kfac_eigen_noclip`` and
 ``kfac_eigen_lm_noclip``: the same two with ``kl_clip=None``, λ then the only trust region, as in
 Martens & Grosse (lr centre 0.03: at 0.3 and above both diverge on all three tasks within 60 steps).
 ``kfac_eigen_uncapped``: ``kfac_eigen`` with full eigenbases (``Eigen(max_rank=None)``), to measure
-the default eigenbasis cap (docs/api.md "Eigenbasis cap") against it.
+the default eigenbasis cap (docs/api.md "Eigenbasis cap") against it. The ``kfac_eigen*`` variants
+keep the trust region of their time (``UpdateConfig(trust_region="base_lr")``, where lr cancels while
+the clip binds). ``kfac_dropin``: ``KFAC(model, lr, momentum=0.9)`` with every other default (the
+eigen method, the ``"lr_squared"`` trust region: the lr sets the step) but the 5/50 intervals, on
+SGD's grid; ``kfac_dropin_graft``: the same with ``UpdateConfig(grafting="sgd")`` and
+``kl_clip=None`` (the lr sets the length as SGD's, per tensor), the design it was measured against
+(benchmarks/RESULTS.md "The lr is the knob").
 """
 
 from __future__ import annotations
@@ -46,18 +52,22 @@ from benchmarks.peers.tasks import Task
 OPTIMIZERS = ("sgd", "adamw", "muon", "kfac", "soap")
 """The default comparison."""
 _EIGEN_SETTINGS = {"momentum": 0.9, "damping": 0.1, "kl_clip": 1e-3, "factor_update_steps": 5, "inv_update_steps": 50,
-                   "method": "eigen"}
+                   "method": "eigen", "update": kfac_optim.UpdateConfig(trust_region="base_lr")}
+_DROP_IN = {"momentum": 0.9, "factor_update_steps": 5, "inv_update_steps": 50}
 _ADAPTIVE = {"damping": kfac_optim.AdaptiveDamping(initial=0.1, every=5)}
 KFAC_VARIANTS = {"kfac_eigen": _EIGEN_SETTINGS,
                  "kfac_eigen_lm": {**_EIGEN_SETTINGS, **_ADAPTIVE},
                  "kfac_eigen_noclip": {**_EIGEN_SETTINGS, "kl_clip": None},
                  "kfac_eigen_lm_noclip": {**_EIGEN_SETTINGS, **_ADAPTIVE, "kl_clip": None},
-                 "kfac_eigen_uncapped": {**_EIGEN_SETTINGS, "method": kfac_optim.Eigen(max_rank=None)}}
+                 "kfac_eigen_uncapped": {**_EIGEN_SETTINGS, "method": kfac_optim.Eigen(max_rank=None)},
+                 "kfac_dropin": _DROP_IN,
+                 "kfac_dropin_graft": {**_DROP_IN, "kl_clip": None, "update": kfac_optim.UpdateConfig(grafting="sgd")}}
 """K-FAC configurations measured against each other on request (module docstring)."""
 CHOICES = (*OPTIMIZERS, *KFAC_VARIANTS)
 """Every name ``--optimizers`` accepts."""
 CENTRES = {"sgd": 0.3, "adamw": 3e-3, "muon": 1e-2, "kfac": 3e-3, "soap": 3e-3, "kfac_eigen": 0.3,
-           "kfac_eigen_lm": 0.3, "kfac_eigen_noclip": 0.03, "kfac_eigen_lm_noclip": 0.03, "kfac_eigen_uncapped": 0.3}
+           "kfac_eigen_lm": 0.3, "kfac_eigen_noclip": 0.03, "kfac_eigen_lm_noclip": 0.03, "kfac_eigen_uncapped": 0.3,
+           "kfac_dropin": 0.3, "kfac_dropin_graft": 0.3}
 # The one K-FAC configuration: method "eigen_adam" (Adam's second moment in K-FAC's eigenbasis,
 # docs/design.md §3.1; Adam-scale lr, so the grid is centred as AdamW's), no KL clip (the step has
 # Adam's scale), SGD's momentum, and the 5/50 statistics/decomposition intervals of the repository's
