@@ -32,11 +32,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="batch sizes (default 128 512 2048: 250 to 15 steps per epoch of 32k samples)")
     parser.add_argument("--optimizers", nargs="+", choices=optimizers.CHOICES, default=list(NAMES),
                         help="optimizers (peers' names; default: the six above, SOAP skipped without heavyball)")
-    parser.add_argument("--grid-points", type=int, default=4, help="lrs per optimizer (one more at >= 4x the smallest batch)")
+    parser.add_argument("--grid-points", type=int, default=3,
+                        help="lrs per optimizer, sqrt(10) apart (default 3; one more above at >= 4x the smallest batch)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds at the chosen lr (default 3)")
-    parser.add_argument("--max-steps", type=int, default=800, help="steps per run at most (default 800)")
+    parser.add_argument("--max-steps", type=int, default=400, help="steps per run at most (default 400)")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each (default 2)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: cnn, batches 128 512, 1 lr... (CI)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: cnn, batches 128 256, 1 lr, 1 seed, 30 steps")
     parser.add_argument("--out", type=Path, default=Path("runs") / "large_batch", help="output folder")
     args = parser.parse_args(argv)
     if args.quick:

@@ -8,7 +8,7 @@ A run: one thread, seed, model, optimizer (``benchmarks.peers.optimizers.build``
 lr grids), one untimed forward/backward, then steps over shuffled epochs of the training split until
 both validation and test accuracy reached the task's target, the loss is not finite (diverged) or
 ``max_steps``. CPU time is ``time.process_time`` around zero_grad, forward, backward and step only.
-Accuracy is evaluated (untimed) at every step up to 20, every 5 up to 200, then every 10.
+Accuracy is evaluated (untimed) at every step up to 10, every 5 up to 100, then every 10.
 
 The protocol, per task and batch: each optimizer's lr grid, ``points`` rates spaced by sqrt(10) around
 its peers' centre (``optimizers.lr_grid``), widened at batches of at least 4x the smallest by one
@@ -59,7 +59,7 @@ class RunSpec:
 
 
 def _evaluated(step: int) -> bool:
-    return step <= 20 or (step <= 200 and step % 5 == 0) or step % 10 == 0
+    return step <= 10 or (step <= 100 and step % 5 == 0) or step % 10 == 0
 
 
 def _batches(x: torch.Tensor, y: torch.Tensor, batch: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

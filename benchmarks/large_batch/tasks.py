@@ -5,9 +5,9 @@ optimizer builders, which read ``weight_decay`` and the output ``heads``, build 
 Must not know: optimizers, the protocol.
 
 - ``cnn``: three 1-D convolutions (1→16 k5, 16→32 k3 s2, 32→32 k3 s2, ReLU) then 320→64→10; target
-  93% test accuracy.
-- ``mlp``: 40→256→256→10 ReLU MLP; target 90%.
-(The targets: about 400 AdamW steps at batch 128, lr 3e-3, in a calibration run.)
+  92% test accuracy.
+- ``mlp``: 40→256→256→10 ReLU MLP; target 88%.
+(The targets: about 200-300 AdamW steps at batch 128, lr 3e-3, in a calibration run.)
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Study:
 
 STUDIES: dict[str, Study] = {
     "cnn": Study(Task("cnn", "1-D CNN conv16-conv32-conv32-320x64-10 on MNIST-1D-style data", "accuracy", True,
-                      0, 0.0, 0.0, CNN1D, heads=("9",), kind="classify"), target=0.93),
+                      0, 0.0, 0.0, CNN1D, heads=("9",), kind="classify"), target=0.92),
     "mlp": Study(Task("mlp", "MLP 40-256-256-10 on MNIST-1D-style data", "accuracy", True, 0, 0.0, 0.0, MLP1D,
-                      heads=("5",), kind="classify"), target=0.90),
+                      heads=("5",), kind="classify"), target=0.88),
 }

@@ -529,6 +529,12 @@ class KroneckerEstimator:
         ).tolist()
         health = [flags[2 * i : 2 * i + 2] for i in range(len(factors))]
         self._report_nonfinite_directions(flags[2 * len(factors) :])
+        initialized = {}
+        for (block, _, _), (ready, _) in zip(factors, health):
+            initialized[block] = initialized.get(block, True) and bool(ready)
+        for block, ready in initialized.items():  # every rank alike: the factors are global here
+            if ready:
+                self.damping.refresh(block)
         for (block, name, factor), (initialized, discarded) in zip(factors, health):
             if discarded > factor.reported_discards:
                 warn_user(
@@ -541,10 +547,11 @@ class KroneckerEstimator:
                 continue
             if only_missing and factor.decomposition is not None:
                 continue
-            shift = block.shifts(method, damping)[name]
+            block_damping = self.damping.of(block, damping)
+            shift = block.shifts(method, block_damping)[name]
             if not factor.needs_decomposition(method, shift):
                 continue
-            drop_below = block.rank_thresholds(method, damping)[name]
+            drop_below = block.rank_thresholds(method, block_damping)[name]
             if self.background is not None and factor.decomposition is not None and not only_missing:
                 jobs.append(Job((block, name), factor.snapshot(), factor.version, method, shift, inv_dtype, drop_below))
             elif not factor.decompose(method, shift, inv_dtype, drop_below):
@@ -628,7 +635,7 @@ class KroneckerEstimator:
             grad = block.grad_matrix()
             if grad is None:
                 continue
-            preconditioned = block.precondition(grad, self.method, damping)
+            preconditioned = block.precondition(grad, self.method, self.damping.of(block, damping))
             if preconditioned is not None:
                 joint[block.name] = preconditioned
         with record_function("kfac.share_directions"):
@@ -650,7 +657,7 @@ class KroneckerEstimator:
             block = by_name[name]
             weight_grad, *bias_grad = fsdp.split_rows(whole, block.parameters())
             grad = block.joint_gradient(weight_grad, bias_grad[0] if bias_grad else None)
-            direction = block.precondition(grad, self.method, damping)
+            direction = block.precondition(grad, self.method, self.damping.of(block, damping))
             assert direction is not None, f"{name}: preconditioned where its decompositions are missing"
             return fsdp.join_rows([part for _, part in block.split(direction)])
 
