@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="optimizers (peers' names; default: the six above, SOAP skipped without heavyball)")
     parser.add_argument("--grid-points", type=int, default=3,
                         help="lrs per optimizer, sqrt(10) apart (default 3; one more above at >= 4x the smallest batch)")
+    parser.add_argument("--smallest-batch", type=int, default=None,
+                        help="batch the lr grid's widening counts from (default: the smallest of --batches)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds at the chosen lr (default 3)")
     parser.add_argument("--max-steps", type=int, default=400, help="steps per run at most (default 400)")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each (default 2)")
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                                "skipped": skipped, "tasks": {}}
-    total = sum(len(study.grid(n, b, min(args.batches), args.grid_points)) + args.seeds - 1
+    smallest = args.smallest_batch or min(args.batches)
+    total = sum(len(study.grid(n, b, smallest, args.grid_points)) + args.seeds - 1
                 for n in names for b in args.batches) * len(args.tasks)
     with tqdm(total=total, unit="run", desc="large-batch runs") as bar:
         def done(run: study.Run) -> None:
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         pool = study.Pool(args.jobs, done)
         try:
             for task in args.tasks:
-                grid_runs = pool.map(study.grid_specs(task, names, args.batches, args.grid_points, args.max_steps))
+                grid_runs = pool.map(study.grid_specs(task, names, args.batches, args.grid_points, args.max_steps,
+                                                            smallest))
                 chosen = study.choose(grid_runs)
                 seed_runs = pool.map(study.seed_specs(chosen, args.seeds))
                 rows = study.summarize(chosen, seed_runs)

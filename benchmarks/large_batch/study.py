@@ -7,7 +7,8 @@ Must not know: how optimizers are built (``benchmarks.peers.optimizers``), the p
 A run: one thread, seed, model, optimizer (``benchmarks.peers.optimizers.build``: the peers' builders and
 lr grids), one untimed forward/backward, then steps over shuffled epochs of the training split until
 both validation and test accuracy reached the task's target, the loss is not finite (diverged) or
-``max_steps``. CPU time is ``time.process_time`` around zero_grad, forward, backward and step only.
+``max_steps``. A K-FAC with ``fisher="sampled"`` gets ``sample_fisher(logits, "cross_entropy")``
+before the backward. CPU time is ``time.process_time`` around zero_grad, forward, backward and step only.
 Accuracy is evaluated (untimed) at every step up to 10, every 5 up to 100, then every 10.
 
 The protocol, per task and batch: each optimizer's lr grid, ``points`` rates spaced by sqrt(10) around
@@ -37,7 +38,9 @@ from multiprocessing import get_context
 from typing import Any
 
 import torch
+from torch import nn
 
+import kfac_optim
 from benchmarks.large_batch.data import splits
 from benchmarks.large_batch.tasks import STUDIES, Study
 from benchmarks.peers import optimizers
@@ -86,6 +89,7 @@ def train(spec: RunSpec) -> Run:
         history = [{"step": 0, "time_s": 0.0, "val": study.accuracy(model, "val"), "test": study.accuracy(model, "test")}]
         spent, step, diverged = 0.0, 0, False
         closure_step = optimizers.needs_closure(spec.optimizer)
+        sampled = isinstance(optimizer, kfac_optim.KFAC) and optimizer.options.curvature.fisher == "sampled"
         while step < spec.max_steps:
             x, y = next(batches)
             start = time.process_time()
@@ -93,7 +97,10 @@ def train(spec: RunSpec) -> Run:
                 loss = optimizer.step(_closure(study, model, optimizer, x, y))
             else:
                 optimizer.zero_grad(set_to_none=True)
-                loss = study.loss(model, x, y)
+                out = model(x)
+                if sampled:  # the sampled Fisher's backward, before the loss's (docs/api.md)
+                    optimizer.sample_fisher(out, "cross_entropy")
+                loss = nn.functional.cross_entropy(out, y)
                 loss.backward()
                 optimizer.step()
             spent += time.process_time() - start
@@ -163,9 +170,13 @@ def grid(name: str, batch: int, smallest: int, points: int) -> list[float]:
     return optimizers.lr_grid(name, points + 1 if batch >= 4 * smallest else points)
 
 
-def grid_specs(task: str, names: list[str], batches: list[int], points: int, max_steps: int) -> list[RunSpec]:
+def grid_specs(task: str, names: list[str], batches: list[int], points: int, max_steps: int,
+               smallest: int | None = None) -> list[RunSpec]:
+    """Seed-0 runs of every lr of every optimizer at every batch (``smallest``: the batch the grid's
+    widening counts from; default the smallest of ``batches``)."""
+    smallest = smallest or min(batches)
     return [RunSpec(task, n, b, lr, 0, max_steps) for b in batches for n in names
-            for lr in grid(n, b, min(batches), points)]
+            for lr in grid(n, b, smallest, points)]
 
 
 def choose(grid_runs: list[Run]) -> dict[tuple[str, int], Run]:
