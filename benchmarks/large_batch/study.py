@@ -167,7 +167,8 @@ class Pool:
 def grid(name: str, batch: int, smallest: int, points: int) -> list[float]:
     """The lr grid of ``name`` at ``batch``: the peers' ``points``-point grid, one point wider above at
     batches >= 4x the smallest (the same rule for every optimizer)."""
-    return optimizers.lr_grid(name, points + 1 if batch >= 4 * smallest else points)
+    rates = optimizers.lr_grid(name, points)
+    return rates + [float(f"{rates[-1] * 10 ** 0.5:.3g}")] if batch >= 4 * smallest else rates
 
 
 def grid_specs(task: str, names: list[str], batches: list[int], points: int, max_steps: int,
