@@ -33,8 +33,7 @@ eigen method, the ``"lr_squared"`` trust region: the lr sets the step) but the 5
 SGD's grid; ``kfac_dropin_graft``: the same with ``UpdateConfig(grafting="sgd")`` and
 ``kl_clip=None`` (the lr sets the length as SGD's, per tensor), the design it was measured against
 (benchmarks/RESULTS.md "The lr is the knob"). What the drop-in and EigenAdam need at large batches
-(``python -m benchmarks.large_batch``, docs/large_batch.md): ``kfac_dropin_relative``
-(``damping=RelativeDamping(1e-2)``), ``kfac_dropin_damping001`` (λ 0.01), ``kfac_dropin_lm``
+(``python -m benchmarks.large_batch``, docs/large_batch.md): ``kfac_dropin_damping001`` (λ 0.01), ``kfac_dropin_lm``
 (``AdaptiveDamping``), ``kfac_dropin_sampled`` (the sampled Fisher: the loop calls
 ``sample_fisher``) and ``kfac_beta2_099`` (EigenAdam with ``beta2=0.99``, Adam's usual, for 0.95).
 """
@@ -74,7 +73,6 @@ KFAC_VARIANTS = {"kfac_eigen": _EIGEN_SETTINGS,
                  "kfac_eigen_uncapped": {**_EIGEN_SETTINGS, "method": kfac_optim.Eigen(max_rank=None)},
                  "kfac_dropin": _DROP_IN,
                  "kfac_dropin_graft": {**_DROP_IN, "kl_clip": None, "update": kfac_optim.UpdateConfig(grafting="sgd")},
-                 "kfac_dropin_relative": {**_DROP_IN, "damping": kfac_optim.RelativeDamping(1e-2)},
                  "kfac_dropin_damping001": {**_DROP_IN, "damping": 0.01},
                  "kfac_dropin_lm": {**_DROP_IN, **_ADAPTIVE},
                  "kfac_dropin_sampled": {**_DROP_IN, "curvature": kfac_optim.CurvatureConfig(fisher="sampled")},
@@ -84,7 +82,7 @@ CHOICES = (*OPTIMIZERS, *KFAC_VARIANTS)
 """Every name ``--optimizers`` accepts."""
 CENTRES = {"sgd": 0.3, "adamw": 3e-3, "muon": 1e-2, "kfac": 3e-3, "soap": 3e-3, "kfac_eigen": 0.3,
            "kfac_eigen_lm": 0.3, "kfac_eigen_noclip": 0.03, "kfac_eigen_lm_noclip": 0.03, "kfac_eigen_uncapped": 0.3,
-           "kfac_dropin": 0.3, "kfac_dropin_graft": 0.3, "kfac_dropin_relative": 0.3, "kfac_dropin_damping001": 0.3,
+           "kfac_dropin": 0.3, "kfac_dropin_graft": 0.3, "kfac_dropin_damping001": 0.3,
            "kfac_dropin_lm": 0.3, "kfac_dropin_sampled": 0.3, "kfac_beta2_099": 3e-3}
 
 

@@ -2,7 +2,7 @@
 
 from kfac_optim import schedules
 from kfac_optim.config import AsyncConfig, CurvatureConfig, RuntimeConfig, UpdateConfig
-from kfac_optim.damping import AdaptiveDamping, RelativeDamping
+from kfac_optim.damping import AdaptiveDamping
 from kfac_optim.layers import KroneckerBlock, discover_blocks, register_block
 from kfac_optim.methods import DampedInverse, Eigen, EigenAdam, Method
 from kfac_optim.optimizer import KFAC
@@ -19,7 +19,6 @@ __all__ = [
     "KroneckerBlock",
     "Method",
     "MilestoneSchedule",
-    "RelativeDamping",
     "RuntimeConfig",
     "UpdateConfig",
     "__version__",

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kfac_optim.damping import AdaptiveDamping, RelativeDamping, check_damping
+from kfac_optim.damping import AdaptiveDamping, check_damping
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES
 from kfac_optim.intervals import AutoIntervals, auto_of, check_interval
@@ -44,7 +44,7 @@ from kfac_optim.methods import EigenAdam, Method, method_named
 
 IntSchedule = int | Callable[[int], int] | Literal["auto"] | AutoIntervals
 FloatSchedule = float | Callable[[int], float]
-Damping = FloatSchedule | AdaptiveDamping | RelativeDamping
+Damping = FloatSchedule | AdaptiveDamping
 
 
 
@@ -264,7 +264,7 @@ class KFACOptions:
     def __post_init__(self) -> None:
         if isinstance(self.damping, AdaptiveDamping):
             self._check_adaptive_damping()
-        elif not callable(self.damping) and not isinstance(self.damping, RelativeDamping):
+        elif not callable(self.damping):
             check_damping(self.damping)
         if self.kl_clip is not None and not 0 < self.kl_clip < math.inf:
             raise ValueError(f"kl_clip must be a finite number > 0 or None, got {self.kl_clip}")

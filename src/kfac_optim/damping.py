@@ -1,17 +1,9 @@
-"""The damping λ of each step: a schedule, relative to the factors' scale, or adapted by
-Levenberg–Marquardt (docs/design.md §4.2).
+"""The damping λ of each step: a schedule, or adapted by Levenberg–Marquardt (docs/design.md §4.2).
 
-Owns: :class:`AdaptiveDamping` and :class:`RelativeDamping` (the settings, validated), the rule behind
-each kind of ``damping`` (:func:`damping_rule`: :class:`ScheduledDamping` for a float or a callable,
-:class:`FactorScaledDamping` for a ``RelativeDamping``, :class:`LevenbergMarquardt` for an
-``AdaptiveDamping``), the adaptive rule's state (λ and the last reduction ratio, saved in
-checkpoints) and its quadratic model; each block's λ (:meth:`DampingRule.of`).
-
-**Relative damping**: ``RelativeDamping(value)`` damps each block by ``value`` times the mean
-eigenvalue of its ``G ⊗ A``, ``(tr A / dim A)·(tr G / dim G)``, read from the running factors at
-the block's decomposition steps (:meth:`DampingRule.refresh`; two host syncs per block there, as the
-inverse method's π): the same ``value`` then means the same on a loss whose Fisher is 1e-6 (an
-autoencoder's MSE) and one whose Fisher is of order 1 (a classifier's cross-entropy).
+Owns: :class:`AdaptiveDamping` (the setting, validated), the rule behind each kind of ``damping``
+(:func:`damping_rule`: :class:`ScheduledDamping` for a float or a callable, :class:`LevenbergMarquardt`
+for an ``AdaptiveDamping``), the adaptive rule's state (λ and the last reduction ratio, saved in
+checkpoints) and its quadratic model.
 Must not know: param groups' SGD settings, the KL clip, how blocks precondition (the optimizer
 hands it the parameters, the closure and the blocks at the points below).
 
@@ -49,8 +41,8 @@ from torch import Tensor
 from kfac_optim.layers import KroneckerBlock
 from kfac_optim.schedules import resolve
 
-__all__ = ["AdaptiveDamping", "DampingRule", "FactorScaledDamping", "LevenbergMarquardt", "RelativeDamping",
-           "ScheduledDamping", "damping_rule", "kronecker_quadratic"]
+__all__ = ["AdaptiveDamping", "DampingRule", "LevenbergMarquardt", "ScheduledDamping", "damping_rule",
+           "kronecker_quadratic"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +58,9 @@ def check_damping(value: float) -> float:
     return value
 
 
-def _check_positive(name: str, value: Any, owner: str = "AdaptiveDamping") -> None:
+def _check_positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
-        raise ValueError(f"{owner}.{name} must be a finite number > 0, got {value!r}")
+        raise ValueError(f"AdaptiveDamping.{name} must be a finite number > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -104,21 +96,6 @@ class AdaptiveDamping:
         object.__setattr__(self, "factor", float(self.omega) if self.omega is not None else (19 / 20) ** self.every)
 
 
-@dataclass(frozen=True)
-class RelativeDamping:
-    """``damping=RelativeDamping(value)``: each block's λ is ``value`` × the mean eigenvalue of its
-    ``G ⊗ A`` at its last decomposition step (module docstring); ``value`` a float > 0 or a
-    callable ``step -> float`` (a schedule of the relative value)."""
-
-    value: float | Callable[[int], float] = 1e-2
-
-    def __post_init__(self) -> None:
-        if not callable(self.value):
-            if isinstance(self.value, bool) or not isinstance(self.value, numbers.Real):
-                raise TypeError(f"RelativeDamping.value must be a real number or a callable, got {self.value!r}")
-            _check_positive("value", self.value, "RelativeDamping")
-
-
 Closure = Callable[[], Any]
 
 
@@ -134,13 +111,6 @@ class DampingRule(ABC):
         """Called by ``step()`` before anything changes; a :class:`Measurement` to finish after
         the update, or None (no measurement at this step)."""
         return None
-
-    def of(self, block: KroneckerBlock, damping: float) -> float:
-        """Block ``block``'s λ when the step's λ is ``damping`` (by default ``damping`` itself)."""
-        return damping
-
-    def refresh(self, block: KroneckerBlock) -> None:
-        """Called at each decomposition step of ``block``, before its decompositions (by default nothing)."""
 
     @property
     def reduction_ratio(self) -> float | None:
@@ -164,25 +134,6 @@ class ScheduledDamping(DampingRule):
 
     def at(self, step: int) -> float:
         return check_damping(resolve(self.damping, step))
-
-
-class FactorScaledDamping(ScheduledDamping):
-    """``RelativeDamping``: λ of a block = the step's relative value × the block's scale
-    ``(tr A / dim A)·(tr G / dim G)`` from its running factors at its last decomposition step."""
-
-    def __init__(self, config: RelativeDamping) -> None:
-        super().__init__(config.value)
-        self.scales: dict[str, float] = {}
-
-    def refresh(self, block: KroneckerBlock) -> None:
-        scale = block.A.mean_eigenvalue() * block.G.mean_eigenvalue()
-        if math.isfinite(scale) and scale > 0:  # else (no statistics yet, a zero factor) the last scale stays
-            self.scales[block.name] = scale
-
-    def of(self, block: KroneckerBlock, damping: float) -> float:
-        if block.name not in self.scales:  # a decomposition held without a refresh here (none so far)
-            self.refresh(block)
-        return damping * self.scales.get(block.name, 1.0)
 
 
 @dataclass
@@ -291,16 +242,13 @@ def check_state(state: Any) -> None:
         raise ValueError(f"K-FAC checkpoint: 'damping' rho must be a number or None, got {rho!r}")
 
 
-def damping_rule(damping: float | Callable[[int], float] | AdaptiveDamping | RelativeDamping,
-                 distributed: bool = False) -> DampingRule:
+def damping_rule(damping: float | Callable[[int], float] | AdaptiveDamping, distributed: bool = False) -> DampingRule:
     """The rule of a ``damping`` setting; ``distributed``: several ranks, or FSDP2-sharded layers.
 
     Raises:
         NotImplementedError: ``AdaptiveDamping`` when ``distributed`` (its ρ would need the losses
             and the curvature term summed over the ranks; not built yet).
     """
-    if isinstance(damping, RelativeDamping):
-        return FactorScaledDamping(damping)
     if not isinstance(damping, AdaptiveDamping):
         return ScheduledDamping(damping)
     if distributed:

@@ -537,12 +537,6 @@ class KroneckerEstimator:
         ).tolist()
         health = [flags[2 * i : 2 * i + 2] for i in range(len(factors))]
         self._report_nonfinite_directions(flags[2 * len(factors) :])
-        initialized = {}
-        for (block, _, _), (ready, _) in zip(factors, health):
-            initialized[block] = initialized.get(block, True) and bool(ready)
-        for block, ready in initialized.items():  # every rank alike: the factors are global here
-            if ready:
-                self.damping.refresh(block)
         for (block, name, factor), (initialized, discarded) in zip(factors, health):
             if discarded > factor.reported_discards:
                 warn_user(
@@ -555,11 +549,10 @@ class KroneckerEstimator:
                 continue
             if only_missing and factor.decomposition is not None:
                 continue
-            block_damping = self.damping.of(block, damping)
-            shift = block.shifts(method, block_damping)[name]
+            shift = block.shifts(method, damping)[name]
             if not factor.needs_decomposition(method, shift):
                 continue
-            drop_below = block.rank_thresholds(method, block_damping)[name]
+            drop_below = block.rank_thresholds(method, damping)[name]
             if self.background is not None and factor.decomposition is not None and not only_missing:
                 jobs.append(Job((block, name), factor.snapshot(), factor.version, method, shift, inv_dtype, drop_below))
             elif not factor.decompose(method, shift, inv_dtype, drop_below):
@@ -643,7 +636,7 @@ class KroneckerEstimator:
             grad = block.grad_matrix()
             if grad is None:
                 continue
-            preconditioned = block.precondition(grad, self.method, self.damping.of(block, damping))
+            preconditioned = block.precondition(grad, self.method, damping)
             if preconditioned is not None:
                 joint[block.name] = preconditioned
         with record_function("kfac.share_directions"):
@@ -665,7 +658,7 @@ class KroneckerEstimator:
             block = by_name[name]
             weight_grad, *bias_grad = fsdp.split_rows(whole, block.parameters())
             grad = block.joint_gradient(weight_grad, bias_grad[0] if bias_grad else None)
-            direction = block.precondition(grad, self.method, self.damping.of(block, damping))
+            direction = block.precondition(grad, self.method, damping)
             assert direction is not None, f"{name}: preconditioned where its decompositions are missing"
             return fsdp.join_rows([part for _, part in block.split(direction)])
 
