@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 from tqdm import tqdm
 
 from benchmarks.large_batch import projection, study
@@ -142,6 +143,7 @@ def plot(results: dict[str, Any]) -> Figure:
         axis.set(xscale="log", yscale="log", xlabel="batch", ylabel="steps to target (median of seeds)",
                  title=f"{task}: to {results['tasks'][task]['target']:.0%} test accuracy")
         axis.set_xticks(batches, [str(b) for b in batches])
+        axis.xaxis.set_minor_formatter(NullFormatter())
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8)
     figure.tight_layout()
