@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import kron_solve
-from kfac_optim import KFAC
+from kfac_optim import KFAC, UpdateConfig
 
 DTYPES = {"factor_dtype": torch.float64, "inv_dtype": torch.float64}
 
@@ -200,7 +200,8 @@ def test_kl_clip_scales_the_direction_by_nu() -> None:
     reference_layer.load_state_dict(layer.state_dict())
     _, grad, unclipped = one_kfac_step(reference_layer, x, target, damping=damping)
 
-    optimizer = KFAC(layer, lr=lr, kl_clip=kl_clip, damping=damping, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+    optimizer = KFAC(layer, lr=lr, kl_clip=kl_clip, damping=damping, update=UpdateConfig(trust_region="base_lr"),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
     before = joint_weight(layer)
     mean_loss(layer, x, target).backward()
     optimizer.step()

@@ -108,9 +108,10 @@ def test_unsupported_layers_in_a_kfac_model_follow_the_sgd_rule() -> None:
         F.cross_entropy(model(x), y).backward()
         before, grad = bn.weight.detach().clone(), bn.weight.grad.clone()
         optimizer.step()
-        d = grad + 1e-3 * before
-        buffer = d if buffer is None else 0.9 * buffer + d
-        assert torch.equal(bn.weight.detach(), before - 0.1 * buffer)
+        # SGD's own arithmetic (torch.optim.sgd's order of operations: `add(…, alpha=…)` rounds once)
+        d = grad.add(before, alpha=1e-3)
+        buffer = d.clone() if buffer is None else buffer.mul(0.9).add(d)
+        assert torch.equal(bn.weight.detach(), before.add(buffer, alpha=-0.1))
 
 
 def test_lr_scheduler_drives_kfac() -> None:

@@ -14,6 +14,7 @@ from torch import nn
 from kfac_optim import KFAC, CurvatureConfig, UpdateConfig
 
 DOUBLE = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64, factor_decay=0.0)
+BASE_LR = UpdateConfig(trust_region="base_lr")  # the rule whose base lr these tests pin (lr cancels while binding)
 SKIP_2 = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64, skip_layers=("2",))
 
 
@@ -104,7 +105,8 @@ def test_while_the_kl_bound_binds_the_step_scales_with_the_scheduled_lr(schedule
     net = _net()
     start = [p.detach().clone() for p in net.parameters()]
     lr = torch.tensor(base_lr) if tensor_lr else base_lr
-    optimizer = KFAC(net, lr=lr, kl_clip=kl_clip, curvature=DOUBLE, inv_update_steps=1, factor_update_steps=1)
+    optimizer = KFAC(net, lr=lr, kl_clip=kl_clip, curvature=DOUBLE, inv_update_steps=1, factor_update_steps=1,
+                     update=UpdateConfig(trust_region="base_lr"))
     scheduler = SCHEDULES[schedule](optimizer)
     lengths, lrs = [], []
     for _ in range(6):
@@ -116,6 +118,29 @@ def test_while_the_kl_bound_binds_the_step_scales_with_the_scheduled_lr(schedule
         assert (lr_t / base_lr) ** 2 * inner * base_lr**2 > kl_clip  # still binding at lr_t
         assert length == pytest.approx(lr_t * nu * float(direction.norm()), rel=1e-2)
         assert length / lengths[0] == pytest.approx(lr_t / lrs[0], rel=1e-2)
+
+
+@pytest.mark.parametrize("kl_clip", [None, 1e-4], ids=["default kl_clip", "kl_clip 1e-4"])
+def test_doubling_the_base_lr_doubles_the_clipped_step(kl_clip: float | None) -> None:
+    """The default trust region (``"lr_squared"``): ``ν = sqrt(kl_clip / ⟨V, ∇⟩) < 1`` does not
+    depend on the lr, so while the clip binds the first step is ``lr·ν·V``: twice the lr, twice the
+    step (under ``"base_lr"`` or ``"scheduled_lr"`` the lr cancels and the step stays the same)."""
+    settings: dict[str, Any] = {} if kl_clip is None else {"kl_clip": kl_clip}
+    direction, grad = _kfac_direction_and_gradient()
+    bound = KFAC(_net(), **settings).options.kl_clip
+    assert bound is not None
+    nu = (bound / float(direction @ grad)) ** 0.5
+    assert nu < 0.5  # the clip binds at both lrs
+    steps = []
+    for lr in (0.1, 0.2):
+        net = _net()
+        before = _params(net)
+        optimizer = KFAC(net, lr=lr, curvature=DOUBLE, inv_update_steps=1, factor_update_steps=1, **settings)
+        _backward(net)
+        optimizer.step()
+        steps.append(_flat(before) - _flat(_params(net)))
+    torch.testing.assert_close(steps[0], 0.1 * nu * direction, rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(steps[1], 2 * steps[0], rtol=1e-9, atol=1e-14)
 
 
 def test_the_scheduled_lr_trust_region_keeps_the_step_fixed_while_binding() -> None:
@@ -150,12 +175,12 @@ def test_at_a_constant_lr_the_base_lr_trust_region_is_the_old_rule_bit_for_bit()
 def test_the_base_lr_is_saved_with_the_param_groups_and_restored() -> None:
     """The base lr is the group's lr when built; a resumed optimizer keeps the saved one."""
     net = _net()
-    optimizer = KFAC(net, lr=0.4, kl_clip=1e-4, curvature=DOUBLE, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(net, lr=0.4, kl_clip=1e-4, curvature=DOUBLE, factor_update_steps=1, inv_update_steps=10, update=BASE_LR)
     _backward(net)
     optimizer.step()
     optimizer.param_groups[0]["lr"] = 0.1
     state = optimizer.state_dict()
-    resumed = KFAC(_net(), lr=0.1, kl_clip=1e-4, curvature=DOUBLE, factor_update_steps=1, inv_update_steps=10)
+    resumed = KFAC(_net(), lr=0.1, kl_clip=1e-4, curvature=DOUBLE, factor_update_steps=1, inv_update_steps=10, update=BASE_LR)
     resumed.load_state_dict(state)
     assert resumed.param_groups[0]["kfac_base_lr"] == 0.4
     assert resumed.trust_region_lr(resumed.param_groups[0]) == 0.4
@@ -163,7 +188,7 @@ def test_the_base_lr_is_saved_with_the_param_groups_and_restored() -> None:
 
 def test_the_base_lr_is_each_groups_lr_when_built_whatever_a_scheduler_does() -> None:
     net = _net()
-    optimizer = KFAC(net, lr=0.4, params=[{"params": net[0].parameters(), "lr": 0.2}, {"params": net[2].parameters()}], factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(net, lr=0.4, params=[{"params": net[0].parameters(), "lr": 0.2}, {"params": net[2].parameters()}], factor_update_steps=1, inv_update_steps=10, update=BASE_LR)
     torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
     assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.02, 0.04])
     assert [optimizer.trust_region_lr(group) for group in optimizer.param_groups] == [0.2, 0.4]
@@ -171,11 +196,11 @@ def test_the_base_lr_is_each_groups_lr_when_built_whatever_a_scheduler_does() ->
 
 def test_a_state_dict_of_an_earlier_release_takes_the_schedulers_initial_lr() -> None:
     net = _net()
-    optimizer = KFAC(net, lr=0.4, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(net, lr=0.4, factor_update_steps=1, inv_update_steps=10, update=BASE_LR)
     torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
     state = optimizer.state_dict()
     del state["param_groups"][0]["kfac_base_lr"]
-    resumed = KFAC(_net(), lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    resumed = KFAC(_net(), lr=0.1, factor_update_steps=1, inv_update_steps=10, update=BASE_LR)
     resumed.load_state_dict(state)
     assert resumed.trust_region_lr(resumed.param_groups[0]) == 0.4
 
@@ -209,7 +234,8 @@ def test_decoupled_decay_enters_neither_the_direction_nor_the_clip() -> None:
     for decay in (0.0, wd):
         net = _net()
         optimizer = KFAC(net, lr=lr, momentum=0.9, weight_decay=decay, kl_clip=1e-5, curvature=DOUBLE,
-                         update=UpdateConfig(decoupled_weight_decay=True), factor_update_steps=1, inv_update_steps=10)
+                         update=UpdateConfig(trust_region="base_lr", decoupled_weight_decay=True),
+                         factor_update_steps=1, inv_update_steps=10)
         before = _params(net)
         _backward(net)
         optimizer.step()

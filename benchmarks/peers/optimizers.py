@@ -26,7 +26,16 @@ forward every 5 steps is in the timed training time. ``kfac_eigen_noclip`` and
 ``kfac_eigen_lm_noclip``: the same two with ``kl_clip=None``, λ then the only trust region, as in
 Martens & Grosse (lr centre 0.03: at 0.3 and above both diverge on all three tasks within 60 steps).
 ``kfac_eigen_uncapped``: ``kfac_eigen`` with full eigenbases (``Eigen(max_rank=None)``), to measure
-the default eigenbasis cap (docs/api.md "Eigenbasis cap") against it.
+the default eigenbasis cap (docs/api.md "Eigenbasis cap") against it. The ``kfac_eigen*`` variants
+keep the trust region of their time (``UpdateConfig(trust_region="base_lr")``, where lr cancels while
+the clip binds). ``kfac_dropin``: ``KFAC(model, lr, momentum=0.9)`` with every other default (the
+eigen method, the ``"lr_squared"`` trust region: the lr sets the step) but the 5/50 intervals, on
+SGD's grid; ``kfac_dropin_graft``: the same with ``UpdateConfig(grafting="sgd")`` and
+``kl_clip=None`` (the lr sets the length as SGD's, per tensor), the design it was measured against
+(benchmarks/RESULTS.md "The lr is the knob"). What the drop-in and EigenAdam need at large batches
+(``python -m benchmarks.large_batch``, docs/large_batch.md): ``kfac_dropin_damping001`` (λ 0.01), ``kfac_dropin_lm``
+(``AdaptiveDamping``), ``kfac_dropin_sampled`` (the sampled Fisher: the loop calls
+``sample_fisher``) and ``kfac_beta2_099`` (EigenAdam with ``beta2=0.99``, Adam's usual, for 0.95).
 """
 
 from __future__ import annotations
@@ -45,19 +54,6 @@ from benchmarks.peers.tasks import Task
 
 OPTIMIZERS = ("sgd", "adamw", "muon", "kfac", "soap")
 """The default comparison."""
-_EIGEN_SETTINGS = {"momentum": 0.9, "damping": 0.1, "kl_clip": 1e-3, "factor_update_steps": 5, "inv_update_steps": 50,
-                   "method": "eigen"}
-_ADAPTIVE = {"damping": kfac_optim.AdaptiveDamping(initial=0.1, every=5)}
-KFAC_VARIANTS = {"kfac_eigen": _EIGEN_SETTINGS,
-                 "kfac_eigen_lm": {**_EIGEN_SETTINGS, **_ADAPTIVE},
-                 "kfac_eigen_noclip": {**_EIGEN_SETTINGS, "kl_clip": None},
-                 "kfac_eigen_lm_noclip": {**_EIGEN_SETTINGS, **_ADAPTIVE, "kl_clip": None},
-                 "kfac_eigen_uncapped": {**_EIGEN_SETTINGS, "method": kfac_optim.Eigen(max_rank=None)}}
-"""K-FAC configurations measured against each other on request (module docstring)."""
-CHOICES = (*OPTIMIZERS, *KFAC_VARIANTS)
-"""Every name ``--optimizers`` accepts."""
-CENTRES = {"sgd": 0.3, "adamw": 3e-3, "muon": 1e-2, "kfac": 3e-3, "soap": 3e-3, "kfac_eigen": 0.3,
-           "kfac_eigen_lm": 0.3, "kfac_eigen_noclip": 0.03, "kfac_eigen_lm_noclip": 0.03, "kfac_eigen_uncapped": 0.3}
 # The one K-FAC configuration: method "eigen_adam" (Adam's second moment in K-FAC's eigenbasis,
 # docs/design.md §3.1; Adam-scale lr, so the grid is centred as AdamW's), no KL clip (the step has
 # Adam's scale), SGD's momentum, and the 5/50 statistics/decomposition intervals of the repository's
@@ -66,6 +62,28 @@ CENTRES = {"sgd": 0.3, "adamw": 3e-3, "muon": 1e-2, "kfac": 3e-3, "soap": 3e-3, 
 # AdamW's in one run, against 0.14 for the eigen method in another (seed 0, 4 lrs each).
 KFAC_SETTINGS = {"momentum": 0.9, "kl_clip": None, "factor_update_steps": 5, "inv_update_steps": 50,
                  "method": "eigen_adam"}
+_EIGEN_SETTINGS = {"momentum": 0.9, "damping": 0.1, "kl_clip": 1e-3, "factor_update_steps": 5, "inv_update_steps": 50,
+                   "method": "eigen", "update": kfac_optim.UpdateConfig(trust_region="base_lr")}
+_DROP_IN = {"momentum": 0.9, "factor_update_steps": 5, "inv_update_steps": 50}
+_ADAPTIVE = {"damping": kfac_optim.AdaptiveDamping(initial=0.1, every=5)}
+KFAC_VARIANTS = {"kfac_eigen": _EIGEN_SETTINGS,
+                 "kfac_eigen_lm": {**_EIGEN_SETTINGS, **_ADAPTIVE},
+                 "kfac_eigen_noclip": {**_EIGEN_SETTINGS, "kl_clip": None},
+                 "kfac_eigen_lm_noclip": {**_EIGEN_SETTINGS, **_ADAPTIVE, "kl_clip": None},
+                 "kfac_eigen_uncapped": {**_EIGEN_SETTINGS, "method": kfac_optim.Eigen(max_rank=None)},
+                 "kfac_dropin": _DROP_IN,
+                 "kfac_dropin_graft": {**_DROP_IN, "kl_clip": None, "update": kfac_optim.UpdateConfig(grafting="sgd")},
+                 "kfac_dropin_damping001": {**_DROP_IN, "damping": 0.01},
+                 "kfac_dropin_lm": {**_DROP_IN, **_ADAPTIVE},
+                 "kfac_dropin_sampled": {**_DROP_IN, "curvature": kfac_optim.CurvatureConfig(fisher="sampled")},
+                 "kfac_beta2_099": {**KFAC_SETTINGS, "method": kfac_optim.EigenAdam(beta2=0.99)}}
+"""K-FAC configurations measured against each other on request (module docstring)."""
+CHOICES = (*OPTIMIZERS, *KFAC_VARIANTS)
+"""Every name ``--optimizers`` accepts."""
+CENTRES = {"sgd": 0.3, "adamw": 3e-3, "muon": 1e-2, "kfac": 3e-3, "soap": 3e-3, "kfac_eigen": 0.3,
+           "kfac_eigen_lm": 0.3, "kfac_eigen_noclip": 0.03, "kfac_eigen_lm_noclip": 0.03, "kfac_eigen_uncapped": 0.3,
+           "kfac_dropin": 0.3, "kfac_dropin_graft": 0.3, "kfac_dropin_damping001": 0.3,
+           "kfac_dropin_lm": 0.3, "kfac_dropin_sampled": 0.3, "kfac_beta2_099": 3e-3}
 
 
 def lr_grid(name: str, points: int) -> list[float]:

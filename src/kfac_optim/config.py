@@ -201,12 +201,17 @@ class RuntimeConfig:
 class UpdateConfig:
     """How the preconditioned directions become the step (docs/design.md §4.1); every rank must share it.
 
-    ``trust_region``: the lr at which the KL bound ``kl_clip`` holds. "base_lr" (the default): ν is
+    ``trust_region``: the lr at which the KL bound ``kl_clip`` holds. "lr_squared" (the default): at
+    lr 1, i.e. ``ν = min(1, sqrt(kl_clip / |Σ ⟨V, ∇⟩|))`` bounds the direction and the applied step
+    ``lr_t·ν·V`` has the KL bound ``kl_clip·lr_t²``: the lr (and its schedule) sets the step's length
+    whether the clip binds or not, as SGD's does (docs/design.md §4.1). "base_lr": ν is
     computed at each param group's base lr (its ``"kfac_base_lr"``: its lr when the optimizer was
     built or the group added, see ``KFAC.trust_region_lr``), so while the clip binds the applied
     step ``lr_t·ν·V`` scales with the scheduled lr: the bound at ``lr_t`` is
-    ``kl_clip·(lr_t / base_lr)²``. "scheduled_lr": ν at the scheduled lr (the rule of
-    earlier releases; the step does not follow a schedule while the clip binds).
+    ``kl_clip·(lr_t / base_lr)²``, so the base lr cancels while the clip binds (the default of
+    earlier releases: ``kl_clip=c`` there is ``kl_clip=c / base_lr²`` under "lr_squared" for one param
+    group). "scheduled_lr": ν at the scheduled lr (the rule before that; the step does not follow a
+    schedule while the clip binds).
     ``decoupled_weight_decay``: the group's ``weight_decay`` as ``p ← p·(1 − lr·weight_decay)``,
     outside the direction, momentum and clip (as ``torch.optim.AdamW``); False: SGD's coupled decay.
     ``grafting``: "sgd" or "adam": per parameter tensor, K-FAC's direction with the norm of that
@@ -214,15 +219,16 @@ class UpdateConfig:
     ``adam_betas``, ``adam_eps``: Adam's, for ``grafting="adam"``.
     """
 
-    trust_region: Literal["base_lr", "scheduled_lr"] = "base_lr"
+    trust_region: Literal["lr_squared", "base_lr", "scheduled_lr"] = "lr_squared"
     decoupled_weight_decay: bool = False
     grafting: Literal["sgd", "adam"] | None = None
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
 
     def __post_init__(self) -> None:
-        if self.trust_region not in ("base_lr", "scheduled_lr"):
-            raise ValueError(f"UpdateConfig.trust_region must be 'base_lr' or 'scheduled_lr', got {self.trust_region!r}")
+        if self.trust_region not in ("lr_squared", "base_lr", "scheduled_lr"):
+            raise ValueError("UpdateConfig.trust_region must be 'lr_squared', 'base_lr' or 'scheduled_lr', "
+                             f"got {self.trust_region!r}")
         _check_bool("UpdateConfig", "decoupled_weight_decay", "decoupled_weight_decay", self.decoupled_weight_decay)
         if self.grafting not in (None, "sgd", "adam"):
             raise ValueError(f"UpdateConfig.grafting must be 'sgd', 'adam' or None, got {self.grafting!r}")
@@ -254,7 +260,7 @@ class KFACOptions:
     """
 
     damping: Damping = 0.1
-    kl_clip: float | None = 1e-3
+    kl_clip: float | None = 1e-2
     factor_update_steps: IntSchedule = "auto"
     inv_update_steps: IntSchedule = "auto"
     method: Literal["eigen", "inverse", "eigen_adam"] | Method = "eigen"

@@ -17,7 +17,8 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
     if k % inv_update_steps(k) == 0:     refresh eig(A), eig(G)   (or the π-damped inverses;
                                          AsyncConfig: adopt the worker's last round, start one)
     V   = (G ⊗ A + λI)⁻¹ ∇W                               (per layer)
-    ν   = min(1, sqrt(kl_clip / |Σ_layers lr₀² ⟨V, ∇W⟩|))    (lr₀: the group's base lr, §4.1)
+    ν   = min(1, sqrt(kl_clip / |Σ_layers lr₀² ⟨V, ∇W⟩|))    (lr₀ = 1 by default: the KL bound of the
+                                                          applied step is kl_clip·lr²; UpdateConfig.trust_region, §4.1)
     d   = ν·V  for K-FAC parameters,  ∇p  for every other parameter
           (UpdateConfig.grafting: no ν; d = M·‖s‖/‖M‖ per tensor, see kfac_optim.grafting)
           (method="eigen_adam": every other parameter takes Adam's step instead, with no SGD
@@ -98,8 +99,9 @@ class KFAC(Optimizer, Joinable):
             ``kfac_optim.AdaptiveDamping``: λ adapted every few steps by Levenberg–Marquardt from
             the reduction ratio of the quadratic model; it needs ``step(closure)`` (docs/api.md
             "Adaptive damping").
-        kl_clip: bound on the KL-divergence estimate of the update at each group's base lr (the
-            step follows an lr schedule; ``UpdateConfig.trust_region``); None disables clipping.
+        kl_clip: bound on the KL-divergence estimate of the direction at lr 1, so the applied step
+            ``lr·ν·V`` has the bound ``kl_clip·lr²`` and the lr sets its length as SGD's
+            (``UpdateConfig.trust_region``); None disables clipping.
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable), or
             "auto" (default) / a ``kfac_optim.intervals.AutoIntervals``: chosen from the cost
             counted from the layers' and the first batch's shapes, reproducible; a
@@ -397,8 +399,9 @@ class KFAC(Optimizer, Joinable):
     def _clip_to_trust_region(self, directions: dict[Tensor, Tensor]) -> None:
         """Scale every direction by ``ν = min(1, sqrt(kl_clip / |Σ lr₀² ⟨d, ∇p⟩|))`` in place.
 
-        ``lr₀`` is the parameter's group's :meth:`trust_region_lr`, so the bound on the applied step
-        ``lr·ν·d`` at the scheduled ``lr`` is ``kl_clip·(lr/lr₀)²`` (docs/design.md §4.1).
+        ``lr₀`` is the parameter's group's :meth:`trust_region_lr` (1 under the default
+        ``trust_region="lr_squared"``), so the bound on the applied step ``lr·ν·d`` at the scheduled
+        ``lr`` is ``kl_clip·(lr/lr₀)²`` (docs/design.md §4.1).
 
         The sum runs over the layers whose term is finite: a layer with a non-finite gradient has a
         non-finite direction (its preconditioner mixes all its entries) and is left out, so one bad
@@ -459,8 +462,11 @@ class KFAC(Optimizer, Joinable):
         "base_lr": the group's ``"kfac_base_lr"``: its lr when it was added to the optimizer (set
         it to choose; ``state_dict()`` carries it); a group loaded from a state dict of an earlier
         release gets its ``"initial_lr"`` (set by ``torch.optim.lr_scheduler``), else its lr now.
-        "scheduled_lr": the group's lr.
+        "scheduled_lr": the group's lr. "lr_squared" (the default): 1 for every group, so ν bounds the
+        direction and the applied step ``lr·ν·V`` has the KL bound ``kl_clip·lr²``.
         """
+        if self._options.update.trust_region == "lr_squared":
+            return 1.0
         if self._options.update.trust_region == "scheduled_lr":
             return group["lr"]
         if "kfac_base_lr" not in group:

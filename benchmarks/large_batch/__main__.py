@@ -1,0 +1,3 @@
+from benchmarks.large_batch.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,228 @@
+"""One run to a target, and the protocol: an lr grid per optimizer and batch, then seeds at the chosen lr.
+
+Owns: the run (steps to a target accuracy and the CPU time of the training steps), the lr grid at each
+batch, the selection on validation, the seeds, the summary per batch and the critical batch.
+Must not know: how optimizers are built (``benchmarks.peers.optimizers``), the projection to GPUs.
+
+A run: one thread, seed, model, optimizer (``benchmarks.peers.optimizers.build``: the peers' builders and
+lr grids), one untimed forward/backward, then steps over shuffled epochs of the training split until
+both validation and test accuracy reached the task's target, the loss is not finite (diverged) or
+``max_steps``. A K-FAC with ``fisher="sampled"`` gets ``sample_fisher(logits, "cross_entropy")``
+before the backward. CPU time is ``time.process_time`` around zero_grad, forward, backward and step only.
+Accuracy is evaluated (untimed) at every step up to 10, every 5 up to 100, then every 10.
+
+The protocol, per task and batch: each optimizer's lr grid, ``points`` rates spaced by sqrt(10) around
+its peers' centre (``optimizers.lr_grid``), widened at batches of at least 4x the smallest by one
+point above (10x the centre) for every optimizer alike, on seed 0; the lr with the fewest steps to
+the target on **validation** wins (ties and no-reach: the higher final validation accuracy); then
+seeds 1..n-1 at that lr, and the seed-0 run joins them. Steps and CPU time to the target are read on
+**test** (interpolated between evaluations, ``benchmarks.peers.analysis.time_to``).
+
+**Critical batch** (an optimizer's, on a task): between neighbouring batches ``B₁ < B₂`` of the sweep
+the per-doubling gain is ``(steps(B₁)/steps(B₂)) ** (1/log2(B₂/B₁))``; the critical batch is the
+largest batch reached while every gain so far is at least 1.5 (doubling the batch still cuts the
+steps by 1.5x or more), the smallest batch if the first gain is below it, and "> largest" is not
+claimed: the largest batch of the sweep is the most the sweep can show.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from typing import Any
+
+import torch
+from torch import nn
+
+import kfac_optim
+from benchmarks.large_batch.data import splits
+from benchmarks.large_batch.tasks import STUDIES, Study
+from benchmarks.peers import optimizers
+from benchmarks.peers.analysis import time_to
+
+Run = dict[str, Any]
+CRITICAL_GAIN = 1.5
+"""Per-doubling cut in steps that counts as still gaining from the batch."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    task: str
+    optimizer: str
+    batch: int
+    lr: float
+    seed: int
+    max_steps: int
+
+
+def _evaluated(step: int) -> bool:
+    return step <= 10 or (step <= 100 and step % 5 == 0) or step % 10 == 0
+
+
+def _batches(x: torch.Tensor, y: torch.Tensor, batch: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(len(x), generator=generator)
+        for start in range(0, len(x) - batch + 1, batch):
+            index = order[start:start + batch]
+            yield x[index], y[index]
+
+
+def train(spec: RunSpec) -> Run:
+    """One run (module docstring): the spec, its evaluations, steps, CPU seconds per step, warnings."""
+    torch.set_num_threads(1)
+    study = STUDIES[spec.task]
+    torch.manual_seed(spec.seed)
+    model = study.task.build()
+    batches = _batches(*splits().train, spec.batch, spec.seed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = optimizers.build(spec.optimizer, model, spec.lr, study.task)
+        study.loss(model, *next(batches)).backward()  # untimed warm-up
+        optimizer.zero_grad(set_to_none=True)
+        history = [{"step": 0, "time_s": 0.0, "val": study.accuracy(model, "val"), "test": study.accuracy(model, "test")}]
+        spent, step, diverged = 0.0, 0, False
+        closure_step = optimizers.needs_closure(spec.optimizer)
+        sampled = isinstance(optimizer, kfac_optim.KFAC) and optimizer.options.curvature.fisher == "sampled"
+        while step < spec.max_steps:
+            x, y = next(batches)
+            start = time.process_time()
+            if closure_step:
+                loss = optimizer.step(_closure(study, model, optimizer, x, y))
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                out = model(x)
+                if sampled:  # the sampled Fisher's backward, before the loss's (docs/api.md)
+                    optimizer.sample_fisher(out, "cross_entropy")
+                loss = nn.functional.cross_entropy(out, y)
+                loss.backward()
+                optimizer.step()
+            spent += time.process_time() - start
+            step += 1
+            if not math.isfinite(loss.item()):
+                diverged = True
+                break
+            if _evaluated(step) or step == spec.max_steps:
+                row = {"step": step, "time_s": spent, "val": study.accuracy(model, "val"),
+                       "test": study.accuracy(model, "test")}
+                history.append(row)
+                if row["val"] >= study.target and row["test"] >= study.target:
+                    break
+    return {**asdict(spec), "history": history, "diverged": diverged, "steps": step, "step_s": spent / max(step, 1),
+            "warnings": sorted({f"{w.category.__name__}: {w.message}" for w in caught})}
+
+
+def _closure(study: Study, model: torch.nn.Module, optimizer: Any, x: torch.Tensor,
+             y: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = study.loss(model, x, y)
+        if torch.is_grad_enabled():
+            loss.backward()
+        return loss
+    return closure
+
+
+def to_target(run: Run, split: str, clock: str = "step") -> float:
+    """Steps (``clock="time_s"``: CPU seconds) at which ``split`` accuracy reached the target; inf if never."""
+    return time_to(run["history"], STUDIES[run["task"]].target, True, split, clock)
+
+
+def selection_key(run: Run) -> tuple[float, float]:
+    """Smaller is better: steps to the target on validation, then minus the final validation accuracy."""
+    final_val = -math.inf if run["diverged"] else run["history"][-1]["val"]
+    return to_target(run, "val"), -final_val
+
+
+class Pool:
+    """Runs specs inline (``jobs`` 1) or in ``jobs`` spawned processes, calling ``on_done`` per finished run."""
+
+    def __init__(self, jobs: int, on_done: Callable[[Run], None]) -> None:
+        self.on_done = on_done
+        self.pool = ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) if jobs > 1 else None
+
+    def map(self, specs: Iterable[RunSpec]) -> list[Run]:
+        if self.pool is None:
+            runs = []
+            for spec in specs:
+                runs.append(train(spec))
+                self.on_done(runs[-1])
+            return runs
+        futures: list[Future[Run]] = [self.pool.submit(train, spec) for spec in specs]
+        for future in futures:
+            future.add_done_callback(lambda f: self.on_done(f.result()))
+        return [future.result() for future in futures]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def grid(name: str, batch: int, smallest: int, points: int) -> list[float]:
+    """The lr grid of ``name`` at ``batch``: the peers' ``points``-point grid, one point wider above at
+    batches >= 4x the smallest (the same rule for every optimizer)."""
+    rates = optimizers.lr_grid(name, points)
+    return rates + [float(f"{rates[-1] * 10 ** 0.5:.3g}")] if batch >= 4 * smallest else rates
+
+
+def grid_specs(task: str, names: list[str], batches: list[int], points: int, max_steps: int,
+               smallest: int | None = None) -> list[RunSpec]:
+    """Seed-0 runs of every lr of every optimizer at every batch (``smallest``: the batch the grid's
+    widening counts from; default the smallest of ``batches``)."""
+    smallest = smallest or min(batches)
+    return [RunSpec(task, n, b, lr, 0, max_steps) for b in batches for n in names
+            for lr in grid(n, b, smallest, points)]
+
+
+def choose(grid_runs: list[Run]) -> dict[tuple[str, int], Run]:
+    """The seed-0 run of the chosen lr per (optimizer, batch)."""
+    best: dict[tuple[str, int], Run] = {}
+    for run in grid_runs:
+        key = (run["optimizer"], run["batch"])
+        if key not in best or selection_key(run) < selection_key(best[key]):
+            best[key] = run
+    return best
+
+
+def seed_specs(chosen: dict[tuple[str, int], Run], seeds: int) -> list[RunSpec]:
+    return [RunSpec(r["task"], r["optimizer"], r["batch"], r["lr"], seed, r["max_steps"])
+            for r in chosen.values() for seed in range(1, seeds)]
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def summarize(chosen: dict[tuple[str, int], Run], seed_runs: list[Run]) -> list[dict[str, Any]]:
+    """Per (optimizer, batch): the chosen lr, per-seed and median steps and CPU seconds to the target on
+    test (inf: never), and the median CPU ms per step."""
+    rows = []
+    for (name, batch), first in sorted(chosen.items(), key=lambda item: (item[0][1], item[0][0])):
+        runs = [first] + [r for r in seed_runs if (r["optimizer"], r["batch"]) == (name, batch)]
+        steps = [to_target(r, "test") for r in runs]
+        seconds = [to_target(r, "test", "time_s") for r in runs]
+        rows.append({"optimizer": name, "batch": batch, "lr": first["lr"], "steps": steps, "seconds": seconds,
+                     "median_steps": _median(steps), "median_s": _median(seconds),
+                     "step_ms": 1e3 * _median([r["step_s"] for r in runs]),
+                     "diverged": sum(r["diverged"] for r in runs)})
+    return rows
+
+
+def critical_batch(steps_by_batch: dict[int, float]) -> int | None:
+    """The critical batch of one optimizer (module docstring); None if it never reached the target."""
+    batches = sorted(b for b, s in steps_by_batch.items() if math.isfinite(s))
+    if not batches:
+        return None
+    critical = batches[0]
+    for small, large in zip(batches, batches[1:]):
+        gain = (steps_by_batch[small] / steps_by_batch[large]) ** (1 / math.log2(large / small))
+        if gain < CRITICAL_GAIN:
+            break
+        critical = large
+    return critical
