@@ -687,7 +687,7 @@ def test_fullgraph_aot_compiled_models_follow_the_eager_rule(kind: str) -> None:
 
 
 class TwoHeads(nn.Module):
-    """A shared trunk and two task heads (the multi-task loop of README "What feeds the factors")."""
+    """A shared trunk and two task heads (the multi-task loop of docs/guide.md "What feeds the factors")."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -17,7 +17,7 @@ pair is handed to the block. Nothing is computed in the forward pass, so:
 ``register_full_backward_hook`` is deliberately not used (it breaks on in-place ops after the layer).
 The input is taken however the layer was called (positionally or by keyword).
 
-Which backward records (docs/design.md §4, "Capture"; README "What feeds the factors"): a block
+Which backward records (docs/design.md §4, "Capture"; docs/guide.md "What feeds the factors"): a block
 records the output-gradients of the backward pass that writes its parameters' ``.grad`` (its
 weight's ``AccumulateGrad`` node runs in that graph task: :func:`~kfac_optim.layers.hooks.writes_gradient`),
 once per forward. So ``torch.autograd.grad`` side passes (monitoring, input gradients for FGSM or
