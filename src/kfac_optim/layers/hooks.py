@@ -74,7 +74,7 @@ class InertHook:
 
 class CopiedAsInert:
     """A hook object that a deep-copied or pickled model gets as an :class:`InertHook`: a hook
-    records only for the module object it was registered on (docs/design.md §4, "Lifetime")."""
+    records only for the module object it was registered on (docs/design.md §4, "Capture lifecycle")."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> InertHook:
         return InertHook()
