@@ -58,7 +58,7 @@ With ``every_backward=False`` (the sampled Fisher) output-gradients are recorded
 :meth:`StatisticsCapture.recording`, the optimizer's extra backward pass at sampled targets; the
 training loss's own backward then passes the hooks without recording.
 
-With a statistics worker (``KFAC(async_statistics=True)``, see ``statistics_worker``) a recorded
+With a statistics worker (``RuntimeConfig(async_statistics=True)``, see ``statistics_worker``) a recorded
 pair is handed on by the worker instead of inside the backward pass, with the backward pass it
 came from (:func:`~kfac_optim.layers.hooks.in_graph_task`). The pair's tensors are read then, so
 a pair whose input or output-gradient was modified in place in between (a reused input buffer)

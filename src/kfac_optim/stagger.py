@@ -1,6 +1,6 @@
 """Staggered factor updates: which blocks fold their statistics on which step.
 
-Owns: the phase of every block (``KFAC(..., stagger_factor_updates=True)``) and which blocks
+Owns: the phase of every block (``KFAC(..., curvature=CurvatureConfig(stagger=True))``) and which blocks
 fold at a step. Must not know: capture hooks, factor math, collectives (the optimizer passes
 in the statistics costs, summed over ranks).
 

@@ -33,7 +33,7 @@ def current_graph_task() -> int:
 @contextlib.contextmanager
 def in_graph_task(task: int) -> Iterator[None]:
     """Record statistics captured in graph task ``task`` as if inside it, on another thread (the
-    statistics worker of ``KFAC(async_statistics=True)``): per-backward bookkeeping such as
+    statistics worker of ``RuntimeConfig(async_statistics=True)``): per-backward bookkeeping such as
     :meth:`KroneckerBlock.count_samples` sees the backward pass the pair came from."""
     _replayed_task.id = task
     try:
