@@ -1,6 +1,6 @@
 """Checkpoints of ``KFAC(asynchronous=AsyncConfig())`` taken while a round of decompositions is in flight.
 
-A round starts at a decomposition step and is adopted at the next one (or ``async_delay`` steps
+A round starts at a decomposition step and is adopted at the next one (or ``AsyncConfig.delay`` steps
 later). ``state_dict()`` saves it (waiting for the worker), so a run resumed from it adopts the same
 decompositions at the same step as the run that never stopped: parameters bit-identical.
 """
@@ -21,7 +21,7 @@ from kfac_optim import KFAC, AsyncConfig, RuntimeConfig
 
 STEPS = 12
 # Decomposition steps 0, 3, 6, 9: step 0 decomposes in line, step 3 hands a round to the worker,
-# adopted at step 6 (async_delay None) or 5 (async_delay 2).
+# adopted at step 6 (delay None) or 5 (delay 2).
 SETTINGS = dict(
     lr=0.05, momentum=0.9, damping=0.05, factor_update_steps=1, inv_update_steps=3, asynchronous=AsyncConfig()
 )
@@ -91,7 +91,7 @@ def assert_same_rounds(a: dict, b: dict) -> None:
 def test_resume_while_a_round_is_in_flight_continues_bit_identically(
     async_delay: int | None, save_at: int, async_statistics: bool
 ) -> None:
-    # save_at 4 and 5: step 3's round is in flight (adopted at 6, or at 5 with async_delay 2);
+    # save_at 4 and 5: step 3's round is in flight (adopted at 6, or at 5 with delay 2);
     # (None, 6): step 6 adopted it and started the next one. (2, 5): saved right before adopting.
     settings = dict(asynchronous=AsyncConfig(delay=async_delay), runtime=RuntimeConfig(async_statistics=async_statistics))
     reference, reference_optimizer = fresh(**settings)

@@ -1,4 +1,4 @@
-"""``KFAC(async_statistics=True)``: statistics on a worker thread (docs/design.md §4).
+"""``KFAC(runtime=RuntimeConfig(async_statistics=True))``: statistics on a worker thread (docs/design.md §4).
 
 The contract is exactness: the worker runs the same work in the same order as the in-line mode,
 so parameters and factors must be bit-identical (``torch.equal``) to an in-line run of the same

@@ -256,7 +256,7 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
 
 def async_resumed(rank: int, world: int) -> dict[str, Any]:
     """Async runs saved at SAVE_AT, a round in flight (submitted at step 2; adopted at 4, or at 3
-    with async_delay=1), resumed on fresh models from each rank's own checkpoint or from rank 0's."""
+    with AsyncConfig(delay=1)), resumed on fresh models from each rank's own checkpoint or from rank 0's."""
     results: dict[str, Any] = {}
     for delay in (None, 1):
         model, optimizer = ddp_run(rank, world, 1.0, steps=range(SAVE_AT), asynchronous=AsyncConfig(delay=delay))
@@ -281,7 +281,7 @@ def async_resumed(rank: int, world: int) -> dict[str, Any]:
 
 def async_delay_with_a_rank_that_decomposes_nothing(rank: int, world: int) -> dict[str, Any]:
     """One Linear under mem-opt: one rank owns both factors, the other none, yet both must adopt
-    (and share) at the async_delay step."""
+    (and share) at the delayed adoption step."""
     torch.manual_seed(0)
     model = DDP(nn.Linear(16, 3))
     optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction="mem-opt"), asynchronous=AsyncConfig(delay=1), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})

@@ -1,4 +1,4 @@
-"""The sampled (true) Fisher: ``KFAC(fisher="sampled")`` and ``KFAC.sample_fisher``.
+"""The sampled (true) Fisher: ``KFAC(curvature=CurvatureConfig(fisher="sampled"))`` and ``KFAC.sample_fisher``.
 
 References from first principles: targets drawn by hand with the same generator, per-sample
 output-gradients from autograd on each sample's own loss, the Fisher's closed forms for the

@@ -314,12 +314,11 @@ def fsdp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str,
     fsdp_train(model, optimizer, range(STEPS), rank, world, data=token_shard)
     results["params new blocks"] = full_parameters(model)
 
-    from kfac_optim import CurvatureConfig
     from kfac_optim.layers import LinearBlock
 
     blocks = {Transposed: type("TransposedBlock", (LinearBlock,), {})}
-    options = {key: value for key, value in OPTIONS.items() if key != "factor_decay"}
-    curvature = CurvatureConfig(factor_decay=OPTIONS["factor_decay"], blocks=blocks)
+    options = {key: value for key, value in OPTIONS.items() if key != "curvature"}
+    curvature = CurvatureConfig(factor_decay=OPTIONS["curvature"].factor_decay, blocks=blocks)
     try:
         KFAC(fully_shard(nn.Sequential(Transposed())), curvature=curvature, **{"factor_update_steps": 1, "inv_update_steps": 10, **options})
     except ValueError as error:

@@ -1,4 +1,4 @@
-"""Staggered factor updates (``KFAC(..., stagger_factor_updates=True)``, ``kfac_optim.stagger``):
+"""Staggered factor updates (``KFAC(..., curvature=CurvatureConfig(stagger=True))``, ``kfac_optim.stagger``):
 which layers capture and fold on which step, and the factors they build."""
 
 from __future__ import annotations
