@@ -8,6 +8,7 @@
   lead-in of that document (of that section, when one is given).
 - Every relative Markdown link of the README and the documents points at a file that exists and,
   with ``#anchor``, at one of its headings.
+- The README stays a five-minute read.
 """
 
 from __future__ import annotations
@@ -125,3 +126,10 @@ def test_every_relative_link_resolves() -> None:
             elif anchor and target.suffix == ".md" and anchor not in {slug(h) for _, h in headings(target)}:
                 broken.append(f"{path.relative_to(ROOT)}: {link} (no such heading)")
     assert broken == []
+
+
+def test_the_readme_is_a_five_minute_read() -> None:
+    """At most 250 lines, the optimizer in use within the first 60 (issue 27); the rest lives in docs/."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250
+    assert any("KFAC(" in line for line in lines[:60])
