@@ -39,6 +39,8 @@ OPTIONS: dict[str, Any] = dict(
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 assert_same = partial(assert_same_tensors, **TOLERANCE)  # rtol=0, atol=0 for bit-identity
 STAGGER: dict[str, Any] = dict(curvature=CurvatureConfig(factor_decay=0.9, stagger=True), factor_update_steps=3)  # phases 0-2 over 4 blocks
+DEFAULT_INTERVALS: dict[str, Any] = dict(factor_update_steps="auto", inv_update_steps="auto")
+DEFAULT_STEPS = 12  # past the first automatic decomposition interval (at least 10)
 
 
 class DdpNet(nn.Module):
@@ -219,6 +221,10 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
     for fraction in (1.0, "mem-opt"):  # truncated decompositions (and their σ) travel to the other rank
         model, optimizer = ddp_run(rank, world, fraction, method=CAPPED)
         results[f"params capped {fraction}"] = parameters(model)
+
+    model, optimizer = ddp_run(rank, world, 1.0, steps=range(DEFAULT_STEPS), **DEFAULT_INTERVALS)
+    results["params default intervals"] = parameters(model)
+    results["chosen default intervals"] = optimizer.estimator.intervals.chosen
 
     model, optimizer = ddp_run(rank, world, "mem-opt", **STAGGER)
     results["params stagger"] = parameters(model)
@@ -407,6 +413,16 @@ def test_hybrid_ranks_hold_decompositions_of_their_own_blocks_only(ddp_four_rank
     held = [results["decomposed blocks eigen"] for results in ddp_four_ranks]
     assert sum(held) == 2 * 4  # 4 blocks, 2 gradient workers each
     assert all(0 < count < 4 for count in held)
+
+
+def test_two_ranks_with_the_default_intervals_equal_one_process(ddp_two_ranks) -> None:
+    """The automatic intervals are counted from each rank's own shapes, without a collective: both
+    ranks choose what one process chooses (this net's costs are per-layer overheads, not rows), and
+    the run equals the one process's."""
+    model, optimizer = single_process(steps=DEFAULT_STEPS, **DEFAULT_INTERVALS)
+    for results in ddp_two_ranks:
+        assert results["chosen default intervals"] == optimizer.estimator.intervals.chosen
+        assert_same(results["params default intervals"], parameters(model))
 
 
 def test_global_factors_equal_one_process_factors(ddp_two_ranks) -> None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC
-from kfac_optim.intervals import AutoIntervals, IntervalSchedule, StepCosts, check_state
+from kfac_optim.intervals import AutoIntervals, IntervalSchedule, MeasuredIntervals, StepCosts, check_state
 
 COSTS = StepCosts(step=0.1, factor=0.05, decomposition=3.5)  # ResNet-18-like: seconds
 
@@ -55,7 +55,8 @@ def test_the_cost_model_keeps_the_amortized_curvature_work_within_the_budget() -
 
 def test_calibration_then_injected_costs_give_the_same_intervals_every_run(caplog: pytest.LogCaptureFixture) -> None:
     model = intervals_mlp()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=AutoIntervals(costs=COSTS), inv_update_steps=AutoIntervals(costs=COSTS))
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=MeasuredIntervals(costs=COSTS),
+                     inv_update_steps=MeasuredIntervals(costs=COSTS))
     assert [optimizer.is_factor_step(k) for k in range(3)] == [True, True, False]
     assert [optimizer.is_inverse_step(k) for k in range(3)] == [True, False, False]
     assert "factor_update_steps=auto (measuring)" in optimizer.describe()
@@ -78,7 +79,7 @@ def test_an_explicit_interval_is_kept_and_the_other_chosen() -> None:
 
 def test_measured_intervals_are_decided_once_and_bounded() -> None:
     model = intervals_mlp()
-    optimizer = KFAC(model, lr=0.1)  # the default: "auto", measured here
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=MeasuredIntervals(), inv_update_steps=MeasuredIntervals())
     train(optimizer, model, 3)
     assert optimizer.estimator.intervals.chosen is None  # decided at the start of step 3
     train(optimizer, model, 2, first=3)
@@ -185,7 +186,7 @@ def run_schedule(schedule: IntervalSchedule, clock: FakeClock, steps: range,
 def test_later_decomposition_rounds_are_measured_again_and_the_inverse_interval_follows() -> None:
     # Decompositions cost 0.1 s at the calibration (low-rank factors), 10 s from step 20 on (full rank).
     clock, sums = FakeClock(), []
-    schedule = IntervalSchedule("auto", "auto", torch.device("cpu"), clock=clock)
+    schedule = IntervalSchedule(MeasuredIntervals(), MeasuredIntervals(), torch.device("cpu"), clock=clock)
     run_schedule(schedule, clock, range(0, 4), lambda step: 0.1, sums)
     # SGD-equivalent step 0.9 s, preconditioning 0.1 s: share (0.45 − 0.1)/2 = 0.175 s
     assert asdict(schedule.costs) == pytest.approx(dict(step=0.9, factor=0.5, decomposition=0.1, precondition=0.1))
@@ -204,13 +205,15 @@ def test_later_decomposition_rounds_are_measured_again_and_the_inverse_interval_
     assert schedule.chosen == (3, 45)
     assert [k for k in range(32, 200) if schedule.is_inverse_step(k)][:2] == [45, 90]
     # a loop without zero_grad(): the step is measured from the previous step's end (loading included)
-    schedule = IntervalSchedule("auto", "auto", torch.device("cpu"), clock=clock)
+    schedule = IntervalSchedule(MeasuredIntervals(), MeasuredIntervals(), torch.device("cpu"), clock=clock)
     run_schedule(schedule, clock, range(0, 4), lambda step: 0.1, sums, zero_grad=False)
     assert schedule.costs.step == pytest.approx(1.2) and schedule.costs.factor == pytest.approx(0.5)
     # not under AsyncConfig (remeasure=False), nor with injected costs or an explicit inverse interval
-    for schedule in (IntervalSchedule("auto", "auto", torch.device("cpu"), remeasure=False, clock=clock),
-                     IntervalSchedule(AutoIntervals(costs=COSTS), AutoIntervals(costs=COSTS), torch.device("cpu"), clock=clock),
-                     IntervalSchedule("auto", 12, torch.device("cpu"), clock=clock)):
+    for schedule in (IntervalSchedule(MeasuredIntervals(), MeasuredIntervals(), torch.device("cpu"), remeasure=False,
+                                      clock=clock),
+                     IntervalSchedule(MeasuredIntervals(costs=COSTS), MeasuredIntervals(costs=COSTS), torch.device("cpu"),
+                                      clock=clock),
+                     IntervalSchedule(MeasuredIntervals(), 12, torch.device("cpu"), clock=clock)):
         sums.clear()
         run_schedule(schedule, clock, range(0, 40), lambda step: 10.0 if step > 10 else 0.1, sums)
         assert len(sums) == (1 if schedule.auto.costs is None else 0)

@@ -35,7 +35,8 @@ from kfac_optim.capture import StatisticsCapture
 from kfac_optim.config import KFACOptions, RuntimeConfig
 from kfac_optim.damping import DampingRule, damping_rule
 from kfac_optim.diagnostics import warn_user
-from kfac_optim.intervals import IntervalSchedule
+from kfac_optim.costs import model_costs
+from kfac_optim.intervals import IntervalSchedule, StepCosts
 from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.sharding import Sharding
 from kfac_optim.layers import KroneckerBlock, discover, discover_blocks
@@ -222,7 +223,7 @@ class KroneckerEstimator:
             only = self._stagger.modules_at(step, self.intervals.factor_interval(step))
             self.capture.arm(bool(only), only)
         else:
-            self.capture.arm(bool(self.folding_blocks(step)))
+            self.capture.arm(bool(self.blocks) and self.intervals.captures_at(step))
 
     def advance(self) -> None:
         """Count a step and arm the hooks for the next one."""
@@ -309,7 +310,7 @@ class KroneckerEstimator:
         step, damping = self.steps, self.damping_at(self.steps)
         self.capture.flush()  # pairs held for a backward that kept its graph (capture.py)
         self.capture.drop_without_gradient()
-        self.intervals.begin_step(step, self._average_costs)  # "auto": decide after the calibration steps
+        self.intervals.begin_step(step, self._average_costs, self._counted_costs)  # "auto": decide when undecided
         if self.sharding.decompositions_missing:  # a loaded checkpoint lacks some: from its factors
             self._decomposition_step(damping, only_missing=True)
         folding = self.folding_blocks(step)
@@ -325,6 +326,13 @@ class KroneckerEstimator:
             self.sharding.share_decompositions(self.method, self.options.curvature.inv_dtype)
         if self._statistics is not None:  # after any wait for the worker above
             self._report_statistics_worker()
+
+    def _counted_costs(self) -> StepCosts | None:
+        """The default automatic intervals' costs, counted from the blocks' shapes and the rows they
+        captured since the last step (``kfac_optim.costs``; None: none captured). The same on every
+        rank whose batch has the same shape, so no collective decides them."""
+        self.settle_statistics()  # async_statistics: the rows are counted on the worker
+        return model_costs(self.blocks, self.method.decomposition_cost, self.method.precondition_cost)
 
     def _average_costs(self, costs: list[float]) -> list[float]:
         """The calibration's costs summed over ranks (one all-reduce, at the same step on every rank)."""

@@ -1,18 +1,31 @@
-"""K-FAC's update intervals: constants, schedules, or chosen from the measured cost ("auto").
+"""K-FAC's update intervals: constants, schedules, or chosen from a cost model ("auto").
 
 Owns: which steps fold statistics (factor steps) and which refresh decompositions (decomposition
-steps); for ``"auto"`` (:class:`AutoIntervals`, the default of ``KFAC``) the calibration that
-times the first steps, the later decomposition rounds' re-measurement, the cost model that turns
-the costs into intervals, and the chosen intervals' state (saved in checkpoints, docs/api.md
-"Automatic intervals").
-Must not know: blocks, factors, the optimizer (the estimator calls it at the points below).
+steps); for ``"auto"`` the choice of the intervals from the costs of K-FAC's work against the step
+it is added to (the budget rule below), and the chosen intervals' state (saved in checkpoints,
+docs/api.md "Automatic intervals"). Two kinds of automatic intervals:
 
-**Calibration** (``c`` = the first step the schedule runs undecided: 0, or the step a checkpoint
-saved during calibration resumes at): step ``c`` folds and decomposes, ``c + 1`` folds, ``c + 2``
-does neither; the auto intervals decide at the start of step ``c + 3``. Measured, in seconds of
-wall time from a step's start to the end of its ``step()`` call (forward, backward and the step),
-a step's start being the ``optimizer.zero_grad()`` before it, or the previous step's end when the
-loop does not call ``zero_grad`` (so work between the two, e.g. loading the next batch, is left out):
+- :class:`AutoIntervals` (the default of ``KFAC``, ``"auto"``): the costs are *counted* from
+  shapes (``kfac_optim.costs``: the blocks' factor sizes, one batch's rows, the method), so the
+  intervals are a pure function of the model, the batch shapes and the settings: the same on every
+  run, and on every rank without a collective (DDP's ranks hold the same layers and, as its
+  samplers give them, batches of the same shape). They are decided at the start of the first step
+  whose statistics were captured (step 0 in a plain loop): that step and every one before it fold
+  and decompose, as under any interval, so no statistics are lost while deciding.
+- :class:`MeasuredIntervals` (opt-in, **not reproducible**: it reads the clock, so two runs may
+  differ): the costs measured in wall time on the first steps and re-measured later, below.
+
+Must not know: blocks, factors, the optimizer (the estimator calls it at the points below, and
+hands it the counted costs).
+
+**Measured calibration** (:class:`MeasuredIntervals`; ``c`` = the first step the schedule runs
+undecided: 0, or the step a checkpoint saved during calibration resumes at): step ``c`` folds and
+decomposes, ``c + 1`` folds, ``c + 2`` does neither; the intervals are decided at the start of step
+``c + 3`` (whose statistics are captured, and folded if it is a factor step under the decision).
+Measured, in seconds of wall time from a step's start to the end of its ``step()`` call (forward,
+backward and the step), a step's start being the ``optimizer.zero_grad()`` before it, or the
+previous step's end when the loop does not call ``zero_grad`` (so work between the two, e.g.
+loading the next batch, is left out):
 
 - ``precondition``: K-FAC's preconditioning of step ``c + 2``, timed around it;
 - ``step``: step ``c + 2`` minus its ``precondition``: the SGD-equivalent step (forward,
@@ -23,19 +36,20 @@ loop does not call ``zero_grad`` (so work between the two, e.g. loading the next
 The four are averaged over ranks (one all-reduce, at step ``c + 3`` on every rank), so every
 rank takes the same intervals.
 
-**Re-measurement.** The factors' rank grows over the first folds (a factor of ``n`` rows has rank
-≤ ``n``; ``linalg.symmetric_eigen`` decomposes a low-rank one in far less than ``eigh``'s time), so
-the calibration's decompositions and preconditioning are the cheapest of the run. After the
-decision, every synchronous decomposition round (not under ``AsyncConfig``, whose rounds run on
-the worker) is timed again, decompositions and that step's preconditioning, averaged over ranks
-at the start of the next step (one all-reduce, the same step on every rank), averaged with the
-previous estimate (half each: the load of a shared machine swings) and the decomposition interval
-chosen again from them; the factor interval stays. On CUDA the calibration
-steps and these rounds synchronize the device to be timed (a decomposition round syncs the host
-anyway); every other step adds no host sync.
+**Re-measurement** (:class:`MeasuredIntervals` only). The factors' rank grows over the first folds
+(a factor of ``n`` rows has rank ≤ ``n``; ``linalg.symmetric_eigen`` decomposes a low-rank one in
+far less than ``eigh``'s time), so the calibration's decompositions and preconditioning are the
+cheapest of the run. After the decision, every synchronous decomposition round (not under
+``AsyncConfig``, whose rounds run on the worker) is timed again, decompositions and that step's
+preconditioning, averaged over ranks at the start of the next step (one all-reduce, the same step
+on every rank), averaged with the previous estimate (half each: the load of a shared machine
+swings) and the decomposition interval chosen again from them; the factor interval stays. On
+CUDA the calibration steps and these rounds synchronize the device to be timed (a decomposition
+round syncs the host anyway); every other step adds no host sync. The counted costs of
+:class:`AutoIntervals` are those of full-rank factors, so they are not revised.
 
-**Cost model.** A step then costs ``step + precondition + factor / I_f + decomposition / I_d`` on
-average. The budget is ``overhead × step`` (a fraction of the SGD-equivalent step); the
+**Budget rule** (both kinds). A step costs ``step + precondition + factor / I_f + decomposition / I_d``
+on average. The budget is ``overhead × step`` (a fraction of the SGD-equivalent step); the
 preconditioning, paid every step, comes out of it first, and each kind of curvature work gets half
 of what is left, ``share = (overhead·step − precondition) / 2``::
 
@@ -44,9 +58,10 @@ of what is left, ``share = (overhead·step − precondition) / 2``::
 
 (both at their caps when the preconditioning alone exceeds the budget), so the curvature's cost
 stays ≤ ``overhead × step`` unless a cap binds (the floor of 10 keeps K-FAC's customary
-decomposition interval when decompositions are cheap). The preconditioning's own cost is not set
-by an interval: ``methods.Eigen``'s eigenbasis cap bounds it. An explicit ``factor_update_steps``
-or ``inv_update_steps`` (int or callable) is kept as given.
+decomposition interval when decompositions are cheap). When a cap binds, one warning says so and
+how to override it. The preconditioning's own cost is not set by an interval: ``methods.Eigen``'s
+eigenbasis cap bounds it. An explicit ``factor_update_steps`` or ``inv_update_steps`` (int or
+callable) is kept as given.
 """
 
 from __future__ import annotations
@@ -61,12 +76,13 @@ from typing import Any
 
 import torch
 
+from kfac_optim.diagnostics import warn_user
 from kfac_optim.schedules import resolve
 
 logger = logging.getLogger(__name__)
 
 CALIBRATION_STEPS = 3
-"""Steps ``c, c + 1, c + 2`` are measured; the intervals hold from step ``c + 3``."""
+""":class:`MeasuredIntervals`: steps ``c, c + 1, c + 2`` are measured; the intervals hold from step ``c + 3``."""
 
 MIN_AUTO_INVERSE = 10
 """The smallest automatic decomposition interval (the customary K-FAC value)."""
@@ -83,8 +99,10 @@ def check_interval(name: str, value: int) -> int:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Measured (or given) seconds: the SGD-equivalent ``step``, a factor step's extra, one
-    decomposition round, and one step's ``precondition`` (0 in checkpoints of earlier releases)."""
+    """The costs the budget rule weighs: the SGD-equivalent ``step``, a factor step's extra, one
+    decomposition round, and one step's ``precondition`` (0 in checkpoints of earlier releases).
+    In flop-equivalents (``kfac_optim.costs``) for :class:`AutoIntervals`, in seconds for
+    :class:`MeasuredIntervals`; only their ratios matter."""
 
     step: float
     factor: float
@@ -102,11 +120,12 @@ class StepCosts:
 
 @dataclass(frozen=True)
 class AutoIntervals:
-    """``factor_update_steps`` / ``inv_update_steps`` chosen from the measured cost (module docstring).
+    """``factor_update_steps`` / ``inv_update_steps`` chosen from the costs counted from shapes
+    (deterministic; module docstring and ``kfac_optim.costs``).
 
     ``overhead``: the budget of the curvature's amortized cost, as a fraction of a plain step (> 0).
-    ``costs``: given costs instead of measured ones (deterministic intervals, e.g. in tests; the
-    calibration's schedule is followed all the same). ``max_factor``, ``max_inverse``: caps.
+    ``costs``: given costs instead of counted ones (in any unit: only ratios matter).
+    ``max_factor``, ``max_inverse``: caps.
     ``KFAC(factor_update_steps="auto")`` is ``AutoIntervals()``; give the same value to both
     arguments, or to one of them to keep the other explicit.
     """
@@ -117,14 +136,15 @@ class AutoIntervals:
     max_inverse: int = 500
 
     def __post_init__(self) -> None:
+        kind = type(self).__name__
         if isinstance(self.overhead, bool) or not (isinstance(self.overhead, (int, float)) and 0 < self.overhead < math.inf):
-            raise ValueError(f"AutoIntervals.overhead must be a finite number > 0, got {self.overhead!r}")
+            raise ValueError(f"{kind}.overhead must be a finite number > 0, got {self.overhead!r}")
         if self.costs is not None and not isinstance(self.costs, StepCosts):
-            raise TypeError(f"AutoIntervals.costs must be a StepCosts or None, got {type(self.costs).__name__}")
-        check_interval("AutoIntervals.max_factor", self.max_factor)
-        check_interval("AutoIntervals.max_inverse", self.max_inverse)
+            raise TypeError(f"{kind}.costs must be a StepCosts or None, got {type(self.costs).__name__}")
+        check_interval(f"{kind}.max_factor", self.max_factor)
+        check_interval(f"{kind}.max_inverse", self.max_inverse)
         if self.max_inverse < MIN_AUTO_INVERSE:
-            raise ValueError(f"AutoIntervals.max_inverse must be >= {MIN_AUTO_INVERSE}, got {self.max_inverse}")
+            raise ValueError(f"{kind}.max_inverse must be >= {MIN_AUTO_INVERSE}, got {self.max_inverse}")
 
     def choose(self, costs: StepCosts, factor: int | None, inverse: int | None) -> tuple[int, int]:
         """``(I_f, I_d)`` for ``costs``; ``factor`` / ``inverse``: an explicit one to keep (None: choose)."""
@@ -139,6 +159,16 @@ class AutoIntervals:
             inverse = interval(costs.decomposition, MIN_AUTO_INVERSE, self.max_inverse)
             inverse = math.ceil(inverse / factor) * factor
         return factor, inverse
+
+
+@dataclass(frozen=True)
+class MeasuredIntervals(AutoIntervals):
+    """Automatic intervals from the cost *measured* in wall time on the first steps, and re-measured
+    at later decomposition rounds (module docstring). Opt-in and **not reproducible**: the clock
+    decides which steps fold and decompose, so two runs with the same seed may differ (use
+    :class:`AutoIntervals`, the default, for reproducible runs). ``costs``: given costs instead of
+    measured ones (the calibration's schedule is followed all the same). Fields as :class:`AutoIntervals`.
+    """
 
 
 def auto_of(factor: Any, inverse: Any) -> AutoIntervals | None:
@@ -163,29 +193,31 @@ def auto_of(factor: Any, inverse: Any) -> AutoIntervals | None:
 class IntervalSchedule:
     """The factor and decomposition steps of one optimizer (module docstring).
 
-    ``factor``, ``inverse``: the settings (int, callable, ``"auto"`` or :class:`AutoIntervals`);
-    ``device``: where the work runs (CUDA is synchronized on measured steps to time it);
-    ``remeasure``: time the synchronous decomposition rounds after the decision (False when the
-    decompositions run on a background worker); ``clock``: seconds, monotonic.
+    ``factor``, ``inverse``: the settings (int, callable, ``"auto"``, :class:`AutoIntervals` or
+    :class:`MeasuredIntervals`); ``device``: where the work runs (CUDA is synchronized on measured
+    steps to time it); ``remeasure``: time the synchronous decomposition rounds after the decision
+    (False when the decompositions run on a background worker); ``clock``: seconds, monotonic.
     """
 
     def __init__(self, factor: Interval | AutoIntervals, inverse: Interval | AutoIntervals,
                  device: torch.device, remeasure: bool = True,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.auto = auto_of(factor, inverse)
+        self.measured = isinstance(self.auto, MeasuredIntervals)
         self._factor = None if _is_auto(factor) else factor
         self._inverse = None if _is_auto(inverse) else inverse
         self._device = device
         self._remeasure = remeasure
         self._clock = clock
-        self.chosen: tuple[int, int] | None = None  # (I_f, I_d) once decided
+        self.chosen: tuple[int, int | None] | None = None  # (I_f, I_d) once decided; I_d None when explicit
         self.costs: StepCosts | None = None
-        self._start = 0  # the calibration's first step c
+        self._start = 0  # the measured calibration's first step c
         self._ends: dict[int, float] = {}  # clock at the end of calibration steps
         self._starts: dict[int, float] = {}  # clock at their zero_grad(), when the loop calls it
         self._decomposition: float | None = None
         self._precondition: float | None = None
         self._round: int | None = None  # a decomposition round timed after the decision, to average
+        self._warned_cap = False
 
     @property
     def calibrating(self) -> bool:
@@ -193,6 +225,10 @@ class IntervalSchedule:
 
     def _offset(self, step: int) -> int:
         return step - self._start
+
+    def _timing(self) -> bool:
+        """Whether the calibration measures (a :class:`MeasuredIntervals` without given costs, undecided)."""
+        return self.calibrating and self.measured and self.auto.costs is None
 
     def factor_interval(self, step: int) -> int:
         """The explicit factor interval at ``step`` (``CurvatureConfig.stagger`` needs one)."""
@@ -205,35 +241,48 @@ class IntervalSchedule:
         if self._factor is not None:
             return step % check_interval("factor_update_steps", resolve(self._factor, step)) == 0
         if self.chosen is None:
-            return self._offset(step) in (0, 1)
+            return self._offset(step) in (0, 1) if self.measured else True
         return step % self.chosen[0] == 0
 
     def is_inverse_step(self, step: int) -> bool:
         if self._inverse is not None:
             return step % check_interval("inv_update_steps", resolve(self._inverse, step)) == 0
         if self.chosen is None:
-            return self._offset(step) == 0
+            return self._offset(step) == 0 if self.measured else True
         return step % self.chosen[1] == 0
 
-    # -- calibration (the estimator's calls) -------------------------------------------------
+    def captures_at(self, step: int) -> bool:
+        """Whether the hooks capture for ``step``: its factor steps, and the step whose start decides
+        the measured intervals (its statistics are folded if the decision makes it a factor step)."""
+        return self.is_factor_step(step) or (self.measured and self.calibrating
+                                             and self._offset(step) == CALIBRATION_STEPS)
 
-    def begin_step(self, step: int, average_over_ranks: Callable[[list[float]], list[float]]) -> None:
-        """At the start of a step's curvature work: decide when the calibration's steps are done, or
-        choose the decomposition interval again after a re-measured round (module docstring)."""
-        if self.calibrating and step - self._start == CALIBRATION_STEPS:
-            self._decide(average_over_ranks)
+    # -- the decision (the estimator's calls) ------------------------------------------------
+
+    def begin_step(self, step: int, average_over_ranks: Callable[[list[float]], list[float]],
+                   counted: Callable[[], StepCosts | None] = lambda: None) -> None:
+        """At the start of a step's curvature work, before its fold: decide while undecided
+        (:class:`AutoIntervals`: from the given or ``counted`` costs, None while no statistics were
+        captured; :class:`MeasuredIntervals`: when the calibration's steps are done), or choose the
+        measured decomposition interval again after a re-measured round (module docstring)."""
+        if self.calibrating and not self.measured:
+            costs = self.auto.costs if self.auto.costs is not None else counted()
+            if costs is not None:
+                self._decide(costs, step)
+        elif self.calibrating and step - self._start == CALIBRATION_STEPS:
+            self._decide(self._measured_over_ranks(average_over_ranks), step)
         elif self._round is not None and step > self._round:
             self._redecide(average_over_ranks)
 
     def _measuring_round(self) -> bool:
         """Whether a decomposition step now is one re-measured after the decision."""
-        return (self._remeasure and self.chosen is not None and self.auto is not None and self.auto.costs is None
+        return (self._remeasure and self.chosen is not None and self.measured and self.auto.costs is None
                 and self._inverse is None)
 
     @contextmanager
     def timing_decomposition(self, step: int) -> Iterator[None]:
         """Around a decomposition step: time it when it is the calibration's or a re-measured round."""
-        calibration = self.calibrating and self.auto.costs is None and self._offset(step) == 0
+        calibration = self._timing() and self._offset(step) == 0
         with self._stopwatch(calibration or self._measuring_round()) as elapsed:
             yield
         if elapsed:
@@ -246,8 +295,7 @@ class IntervalSchedule:
     def timing_precondition(self, step: int) -> Iterator[None]:
         """Around a step's preconditioning: time it on the calibration's plain step and on a
         re-measured decomposition round."""
-        timed = (self.calibrating and self.auto.costs is None and self._offset(step) == CALIBRATION_STEPS - 1) \
-            or self._round == step
+        timed = (self._timing() and self._offset(step) == CALIBRATION_STEPS - 1) or self._round == step
         with self._stopwatch(timed) as elapsed:
             yield
         if elapsed:
@@ -269,13 +317,13 @@ class IntervalSchedule:
 
     def step_started(self, step: int) -> None:
         """At ``optimizer.zero_grad()`` before step ``step``: note the time when it is one the calibration measures."""
-        if self.calibrating and self.auto.costs is None and 0 <= self._offset(step) < CALIBRATION_STEPS:
+        if self._timing() and 0 <= self._offset(step) < CALIBRATION_STEPS:
             self._synchronize()
             self._starts[self._offset(step)] = self._clock()
 
     def step_ended(self, step: int) -> None:
         """At the end of a step: note the time when it is one the calibration measures."""
-        if self.calibrating and self.auto.costs is None and 0 <= self._offset(step) < CALIBRATION_STEPS:
+        if self._timing() and 0 <= self._offset(step) < CALIBRATION_STEPS:
             self._synchronize()
             self._ends[self._offset(step)] = self._clock()
 
@@ -296,23 +344,26 @@ class IntervalSchedule:
         return StepCosts(step=max(plain - precondition, 1e-9), factor=max(0.0, (ends[1] - starts[1]) - plain),
                          decomposition=decomposition, precondition=precondition)
 
-    def _decide(self, average_over_ranks: Callable[[list[float]], list[float]]) -> None:
-        assert self.auto is not None
+    def _measured_over_ranks(self, average_over_ranks: Callable[[list[float]], list[float]]) -> StepCosts:
+        """The calibration's costs (given, or measured and averaged over ranks: one all-reduce)."""
         if self.auto.costs is not None:
-            costs = self.auto.costs
-        else:
-            local = self._measured()
-            step, factor, decomposition, precondition, ranks = average_over_ranks(
-                [local.step, local.factor, local.decomposition, local.precondition, 1.0])
-            costs = StepCosts(step / ranks, factor / ranks, decomposition / ranks, precondition / ranks)
-        explicit_factor = None if self._factor is None else self.factor_interval(self._start + CALIBRATION_STEPS)
+            return self.auto.costs
+        local = self._measured()
+        step, factor, decomposition, precondition, ranks = average_over_ranks(
+            [local.step, local.factor, local.decomposition, local.precondition, 1.0])
+        return StepCosts(step / ranks, factor / ranks, decomposition / ranks, precondition / ranks)
+
+    def _decide(self, costs: StepCosts, step: int) -> None:
+        assert self.auto is not None
+        explicit_factor = None if self._factor is None else self.factor_interval(step)
         explicit_inverse = 0 if self._inverse is not None else None
         factor, inverse = self.auto.choose(costs, explicit_factor, explicit_inverse)
-        self.chosen, self.costs = (factor, inverse), costs
+        self.chosen, self.costs = (factor, None if self._inverse is not None else inverse), costs
         self._ends.clear()
         self._starts.clear()
         self._decomposition = self._precondition = None
         logger.info("K-FAC %s", self.describe())
+        self._warn_at_caps()
 
     def _redecide(self, average_over_ranks: Callable[[list[float]], list[float]]) -> None:
         """The decomposition interval from the last re-measured round's costs, averaged over ranks."""
@@ -327,19 +378,43 @@ class IntervalSchedule:
                         self._round)
         self.chosen, self.costs = (self.chosen[0], inverse), costs
         self._round = self._decomposition = self._precondition = None
+        self._warn_at_caps()
+
+    def _warn_at_caps(self) -> None:
+        """One warning (per optimizer) when an automatic interval is at its cap: K-FAC then refreshes
+        its curvature as rarely as allowed, for the rest of the run."""
+        assert self.auto is not None and self.chosen is not None
+        capped = [f"{name}={value} (its cap {cap})" for name, value, cap, auto in (
+            ("factor_update_steps", self.chosen[0], self.auto.max_factor, self._factor is None),
+            ("inv_update_steps", self.chosen[1], self.auto.max_inverse, self._inverse is None),
+        ) if auto and value is not None and value >= cap]
+        if not capped or self._warned_cap:
+            return
+        self._warned_cap = True
+        warn_user(
+            f"K-FAC's automatic intervals reached their caps: {', '.join(capped)}, so the curvature is refreshed "
+            f"that rarely for the rest of the run: its work costs more than the budget of {self.auto.overhead:g}× "
+            f"the step ({self.describe()}). To override, pass factor_update_steps= / inv_update_steps= as ints, or "
+            f"an {type(self.auto).__name__}(overhead=..., max_factor=..., max_inverse=...) (docs/api.md "
+            "'Automatic intervals')",
+            RuntimeWarning,
+        )
 
     def describe(self) -> str:
         """One line: the intervals in effect and where they came from."""
         def text(name: str, value: Any, chosen: int | None) -> str:
             if value is not None:
                 return f"{name}={value!r}"
-            return f"{name}={chosen} (auto)" if chosen is not None else f"{name}=auto (measuring)"
+            if chosen is not None:
+                return f"{name}={chosen} (auto)"
+            return f"{name}=auto ({'measuring' if self.measured else 'counted at the first step with statistics'})"
 
         chosen = self.chosen or (None, None)
         line = f"intervals: {text('factor_update_steps', self._factor, chosen[0])}, " \
                f"{text('inv_update_steps', self._inverse, chosen[1])}"
         if self.costs is not None:
-            line += f" from {_seconds(self.costs)}, budget {self.auto.overhead:g}× the step"
+            line += f" from {_seconds(self.costs) if self.measured else _counted(self.costs)}, " \
+                    f"budget {self.auto.overhead:g}× the step"
             if self.costs.precondition >= self.auto.overhead * self.costs.step:
                 line += " (the preconditioning alone exceeds it: intervals at their caps)"
         return line
@@ -347,23 +422,28 @@ class IntervalSchedule:
     # -- checkpoints -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any] | None:
-        """``{"factor": I_f, "inverse": I_d, "costs": {...}}`` once chosen, else None."""
+        """``{"factor": I_f, "inverse": I_d, "costs": {...}}`` once chosen (an explicit interval's
+        entry None), else None."""
         if self.chosen is None:
             return None
-        return {"factor": self.chosen[0], "inverse": self.chosen[1], "costs": asdict(self.costs)}
+        return {"factor": None if self._factor is not None else self.chosen[0],
+                "inverse": None if self._inverse is not None else self.chosen[1], "costs": asdict(self.costs)}
 
     def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
-        """Restore :meth:`state_dict` (checked by :func:`check_state`) at ``step``; None: calibrate
-        afresh from ``step``. Explicit intervals are kept as given."""
+        """Restore :meth:`state_dict` (checked by :func:`check_state`) at ``step``; None, or a state
+        without an interval this schedule chooses (saved where it was explicit): decide afresh from
+        ``step``. Explicit intervals are kept as given."""
         self._start, self._decomposition, self._precondition, self._round = step, None, None, None
         self._ends.clear()
         self._starts.clear()
         if self.auto is None:
             return
-        if state is None:
+        factor = None if state is None else state["factor"] if self._factor is None else self.factor_interval(step)
+        inverse = None if state is None or self._inverse is not None else state["inverse"]
+        if factor is None or (inverse is None and self._inverse is None):
             self.chosen, self.costs = None, None
         else:
-            self.chosen, self.costs = (state["factor"], state["inverse"]), StepCosts(**state["costs"])
+            self.chosen, self.costs = (factor, inverse), StepCosts(**state["costs"])
 
 
 def check_state(state: Any) -> None:
@@ -377,10 +457,12 @@ def check_state(state: Any) -> None:
     if not isinstance(state, dict) or not {"factor", "inverse", "costs"} <= set(state):
         raise ValueError("K-FAC checkpoint: 'intervals' must be None or a dict with 'factor', 'inverse' and 'costs'")
     for name in ("factor", "inverse"):
+        if state[name] is None:  # an explicit interval's
+            continue
         try:
             check_interval(name, state[name])
         except ValueError as error:
-            raise ValueError(f"K-FAC checkpoint, 'intervals': {error}") from None
+            raise ValueError(f"K-FAC checkpoint, 'intervals': {error} (or None for an explicit one)") from None
     try:
         StepCosts(**state["costs"])
     except (TypeError, ValueError) as error:
@@ -394,3 +476,9 @@ def _is_auto(value: Any) -> bool:
 def _seconds(costs: StepCosts) -> str:
     return (f"step {costs.step * 1e3:.1f} ms (SGD-equivalent), preconditioning {costs.precondition * 1e3:.1f} ms, "
             f"factor work {costs.factor * 1e3:.1f} ms, decompositions {costs.decomposition * 1e3:.1f} ms")
+
+
+def _counted(costs: StepCosts) -> str:
+    return (f"counted costs (flop-equivalents, kfac_optim.costs): step {costs.step:.3g} (SGD-equivalent), "
+            f"preconditioning {costs.precondition:.3g}, factor work {costs.factor:.3g}, "
+            f"decompositions {costs.decomposition:.3g}")

@@ -29,7 +29,7 @@ from typing import ClassVar, Protocol
 import torch
 from torch import Tensor
 
-from kfac_optim import linalg
+from kfac_optim import costs, linalg
 
 Decomposition = linalg.Eigen | Tensor
 
@@ -87,6 +87,17 @@ class Method(ABC):
         that its decomposition costs O(n²·rank) rather than O(n³); False (the default): it does not."""
         return False
 
+    def decomposition_cost(self, a: FactorView, g: FactorView) -> tuple[float, float]:
+        """The cost of decomposing ``a`` and ``g`` once, in ``kfac_optim.costs``' flop-equivalents
+        (the default automatic intervals' cost model). Default: a full ``eigh`` of every dense
+        factor, one elementwise pass over a diagonal one."""
+        return _factor_cost(a, costs.EIGH), _factor_cost(g, costs.EIGH)
+
+    def precondition_cost(self, a: FactorView, g: FactorView) -> float:
+        """One step's preconditioning of the pair's ``(out, in)`` gradient, in flop-equivalents. Default:
+        rotating into both full eigenbases and back (four products) and a few elementwise passes."""
+        return _rotations(a, g, a.dim, g.dim, products=2) + _elementwise(a, g, passes=4)
+
     @abstractmethod
     def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
         """The preconditioned joint gradient from the factors' decompositions (in their dtype).
@@ -141,6 +152,29 @@ def _reuse(held: list[Tensor] | None, wanted: list[tuple[tuple[int, ...], torch.
     return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in wanted]
 
 
+def _factor_cost(factor: FactorView, per_cube: float) -> float:
+    """A dense factor's decomposition at ``per_cube·n³`` per block; a diagonal one's elementwise pass."""
+    if factor.diagonal:
+        return costs.ELEMENT * factor.dim
+    return costs.dense_decomposition(factor.dim, factor.groups, per_cube)
+
+
+def _rotations(a: FactorView, g: FactorView, a_columns: int, g_columns: int, products: int) -> float:
+    """``products`` multiplications of the ``(out, in)`` gradient by each dense side's basis of
+    ``a_columns`` / ``g_columns`` columns (a diagonal side is not rotated)."""
+    total = 0.0
+    if not a.diagonal:
+        total += products * costs.rotation_cost(g.dim, a.dim, a_columns, a.groups)
+    if not g.diagonal:
+        total += products * costs.rotation_cost(a.dim, g.dim, g_columns, g.groups)
+    return total
+
+
+def _elementwise(a: FactorView, g: FactorView, passes: int) -> float:
+    """``passes`` elementwise passes over the pair's ``(out, in)`` gradient."""
+    return costs.ELEMENT * passes * a.dim * g.dim * max(a.groups, g.groups)
+
+
 DEFAULT_MAX_RANK = 128
 """:class:`Eigen`'s default eigenbasis cap (docs/api.md "Eigenbasis cap"; measured in docs/tuning.md)."""
 
@@ -180,6 +214,29 @@ class Eigen(Method):
         (it then travels with its isotropic ``complement``: ``σ``, or 0 when it has none, which a
         receiver tells from ``Q``'s columns, see ``linalg.Eigen``)."""
         return self.max_rank is not None and not factor.diagonal and factor.groups == 1 and factor.dim > self.max_rank
+
+    def _capped_in_pair(self, factor: FactorView, a: FactorView, g: FactorView) -> bool:
+        """Whether the cap truncates ``factor`` of the pair ``(a, g)`` once its rank exceeds the cap."""
+        return _thin_solve(a, g) and self.capped(factor)
+
+    def decomposition_cost(self, a: FactorView, g: FactorView) -> tuple[float, float]:
+        """A capped factor (of a thin-solved pair): the randomized range eigensolver at the cap's
+        columns (``costs.RANGE·n²·(max_rank + oversampling)``); the others as :class:`Method`'s."""
+        def cost(factor: FactorView) -> float:
+            if self._capped_in_pair(factor, a, g):
+                columns = self.max_rank + linalg.LOW_RANK_OVERSAMPLE
+                return costs.RANGE * float(factor.dim) ** 2 * columns
+            return _factor_cost(factor, costs.EIGH)
+
+        return cost(a), cost(g)
+
+    def precondition_cost(self, a: FactorView, g: FactorView) -> float:
+        """The rotations of ``linalg.eigen_precondition`` (or of the complement's solve, about three
+        products per capped side) at each basis's columns: ``max_rank`` for a capped side."""
+        a_columns = self.max_rank if self._capped_in_pair(a, a, g) else a.dim
+        g_columns = self.max_rank if self._capped_in_pair(g, a, g) else g.dim
+        capped = a_columns < a.dim or g_columns < g.dim
+        return _rotations(a, g, a_columns, g_columns, products=3 if capped else 2) + _elementwise(a, g, passes=4)
 
     def decompose(
         self, factor: FactorView, shift: float, dtype: torch.dtype, drop_below: float | None = None
@@ -287,6 +344,14 @@ class DampedInverse(Method):
         root = damping**0.5
         return pi * root, root / pi
 
+    def decomposition_cost(self, a: FactorView, g: FactorView) -> tuple[float, float]:
+        """A Cholesky inverse per dense factor (``costs.INVERSE·n³``)."""
+        return _factor_cost(a, costs.INVERSE), _factor_cost(g, costs.INVERSE)
+
+    def precondition_cost(self, a: FactorView, g: FactorView) -> float:
+        """``G⁻¹ ∇ A⁻¹``: one product per dense side."""
+        return _rotations(a, g, a.dim, g.dim, products=1)
+
     def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
         ia, ig = a.decomposition, g.decomposition
         if not (a.diagonal or g.diagonal or a.groups > 1):
@@ -383,6 +448,10 @@ class EigenAdam(Eigen):
     def rank_thresholds(self, a: FactorView, g: FactorView, damping: float) -> tuple[float | None, float | None]:
         """None, None: full bases (every rotated entry has its own second moment)."""
         return None, None
+
+    def precondition_cost(self, a: FactorView, g: FactorView) -> float:
+        """Full rotations and Adam's elementwise update of the rotated gradient (about ten passes)."""
+        return _rotations(a, g, a.dim, g.dim, products=2) + _elementwise(a, g, passes=10)
 
     def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
         # Three tensors shaped as ∇ per call (R, one scratch, the result) and the rest in place:

@@ -1,0 +1,151 @@
+"""The cost model of the default automatic intervals: K-FAC's work and the step it is added to,
+counted from shapes (docs/api.md "Automatic intervals", docs/design.md §4).
+
+Owns: the unit and the constants (below), and :func:`model_costs`, which adds up one step's costs
+of a set of blocks from their factors' shapes, the rows of one batch and the method's own counts
+(``Method.decomposition_cost``, ``Method.precondition_cost``).
+Must not know: schedules, ranks, clocks, what a block kind is (it reads factors: their ``dim``,
+``groups``, ``diagonal`` and ``pending_rows``).
+
+**Unit**: a *flop-equivalent* is the time one core takes for one floating-point operation of a large
+matrix product (``2·m·n·k`` per ``(m, k) @ (k, n)``). Work that does not run at that rate is
+counted at its measured rate in this unit: the constants below were measured with one thread on
+the project's CPU box (``eigh`` of ``n = 512…1024`` at 15-19 ``n³``, a Cholesky inverse at
+4-5 ``n³``, the capped randomized eigensolver at 19-28 ``n²·c``, an elementwise pass at 40-60 per
+element of ``n = 1024…4096``) and rounded. They are constants, so the intervals are a pure
+function of the model, one batch's shapes and the settings: the same on every run and every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+from kfac_optim.intervals import StepCosts
+
+logger = logging.getLogger(__name__)
+
+
+class Factor(Protocol):
+    """What the cost model reads of a factor (``layers.factor.Factor``)."""
+
+    dim: int
+    groups: int
+    diagonal: bool
+    pending_rows: int
+
+
+class Block(Protocol):
+    """What the cost model reads of a block (``layers.base.KroneckerBlock``)."""
+
+    factors: Mapping[str, Factor]
+
+    @property
+    def A(self) -> Factor: ...  # noqa: N802 (the paper's name)
+
+    @property
+    def G(self) -> Factor: ...  # noqa: N802
+
+EIGH = 20.0
+"""``eigh`` of a dense ``(n, n)`` factor: ``EIGH·n³`` flop-equivalents."""
+
+INVERSE = 5.0
+"""A damped Cholesky inverse of a dense ``(n, n)`` factor: ``INVERSE·n³``."""
+
+RANGE = 25.0
+"""The randomized range eigensolver (``linalg._top_eigh``, the eigenbasis cap) of an ``(n, n)``
+factor at ``c`` columns: ``RANGE·n²·c``."""
+
+ELEMENT = 50.0
+"""One memory-bound pass over one element (read-modify-write of float32): copies, folds, scaling."""
+
+FOLD_PASSES = 4
+"""Elementwise passes over a dense factor per fold (the running average's scale and add, the
+pending sum's clear, its symmetric fill)."""
+
+CAPTURE_PASSES = 4
+"""Elementwise passes over a factor's captured rows (detaching, reshaping or unfolding them,
+casting to the factor dtype, the bias column's sums)."""
+
+FORWARD_BACKWARD = 6.0
+"""Matrix-product flops of a layer's forward and backward per multiply-add of its weight with one
+input row: 2 forward, 2 for the input's gradient, 2 for the weight's."""
+
+STEP_EFFICIENCY = 0.25
+"""The fraction of the matrix-product rate a training step's forward and backward reach, the work of
+the layers K-FAC does not precondition (activations, normalization, attention's score products,
+the loss, the optimizer's update) and Python's overhead included: the SGD step's cost is
+``Σ FORWARD_BACKWARD·rows·in·out / STEP_EFFICIENCY + OPERATION·STEP_OPERATIONS`` over the layers. Calibrated on ``benchmarks.default_cost``
+(ResNet-18 and the char GPT, docs/tuning.md), whose measured SGD steps are 5-20× their K-FAC
+layers' matrix-product time."""
+
+
+OPERATION = 1e6
+"""The fixed cost of one tensor operation, Python and dispatch included (about 5 µs of a CPU core):
+on small layers it outweighs the arithmetic, on both sides of the budget."""
+
+STEP_OPERATIONS = 60
+"""Operations a layer adds to a step's forward, backward and update (its module call, autograd's
+nodes, the optimizer's per-parameter work), in :data:`OPERATION` units."""
+
+STATISTICS_OPERATIONS = 5
+"""Operations per factor of a factor step (the capture's reshape and Gram product, the fold)."""
+
+DECOMPOSITION_OPERATIONS = 5
+"""Operations per dense factor of a decomposition round (the solver's call, the rank checks)."""
+
+PRECONDITION_OPERATIONS = 15
+"""Operations per block of a step's preconditioning (the joint gradient, the products, the split)."""
+
+
+def model_costs(blocks: Sequence[Block],
+                decomposition_cost: Callable[[Factor, Factor], tuple[float, float]],
+                precondition_cost: Callable[[Factor, Factor], float]) -> StepCosts | None:
+    """One step's costs (flop-equivalents) of ``blocks`` from the statistics they hold pending now
+    (one batch's rows: call before the fold), or None when none holds any.
+
+    ``decomposition_cost(A, G)``: the decompositions of a block's two factors (``Method.decomposition_cost``);
+    ``precondition_cost(A, G)``: one step's preconditioning of its gradient (``Method.precondition_cost``).
+    A block that holds no rows (a frozen or silent one) is left out: it has no factors to decompose.
+    """
+    holding = [block for block in blocks if block.A.pending_rows]
+    if not holding:
+        return None
+    step = factor = decomposition = precondition = 0.0
+    for block in holding:
+        a, g = block.A, block.G
+        step += layer_cost(a, g) / STEP_EFFICIENCY + OPERATION * STEP_OPERATIONS
+        factor += sum(statistics_cost(f) + OPERATION * STATISTICS_OPERATIONS for f in block.factors.values())
+        decomposition += sum(decomposition_cost(a, g)) + OPERATION * DECOMPOSITION_OPERATIONS * sum(
+            not f.diagonal for f in (a, g))
+        precondition += precondition_cost(a, g) + OPERATION * PRECONDITION_OPERATIONS
+    return StepCosts(step=step, factor=factor, decomposition=decomposition, precondition=precondition)
+
+
+def layer_cost(a: Factor, g: Factor) -> float:
+    """A layer's forward and backward over ``a.pending_rows`` input rows: matrix products for a
+    dense ``A`` (``in × out`` multiply-adds per row and group), a lookup of ``out`` elements per row
+    for a diagonal one (an embedding's or a normalization's)."""
+    if a.diagonal:
+        return 3 * ELEMENT * a.pending_rows * g.dim * a.groups
+    return FORWARD_BACKWARD * a.pending_rows * a.dim * g.dim * a.groups
+
+
+def statistics_cost(factor: Factor) -> float:
+    """A factor's capture and fold for its pending rows: the Gram product ``2·rows·dim²`` (the
+    diagonal's ``rows·dim`` squares), the passes over the rows, and the fold's over the factor."""
+    rows, dim, groups = factor.pending_rows, factor.dim, factor.groups
+    if factor.diagonal:
+        return ELEMENT * (CAPTURE_PASSES * rows * dim + FOLD_PASSES * dim)
+    return groups * (2.0 * rows * dim * dim + ELEMENT * (CAPTURE_PASSES * rows * dim + FOLD_PASSES * dim * dim))
+
+
+def dense_decomposition(dim: int, groups: int, per_cube: float) -> float:
+    """``groups`` decompositions of a dense ``(dim, dim)`` factor at ``per_cube·dim³`` each."""
+    return groups * per_cube * float(dim) ** 3
+
+
+def rotation_cost(out: int, inner: int, columns: int, groups: int = 1) -> float:
+    """Multiplying an ``(out, inner)`` gradient-shaped matrix by an ``(inner, columns)`` basis."""
+    return 2.0 * groups * out * inner * columns
