@@ -152,3 +152,16 @@ def test_the_kfac_argument_table_names_every_parameter() -> None:
     table = table[: table.index("\n\n")]
     names = [n for row in table.splitlines()[2:] for n in re.findall(r"`(\w+)`", row.split(" | ")[0])]
     assert sorted(names) == sorted(n for n, _, _ in actual_parameters(kfac_optim.KFAC))
+
+
+def test_every_dotted_name_the_documents_use_exists() -> None:
+    """``kfac_optim.a.b`` anywhere in the README or docs/ names a module or attribute that exists."""
+    root = API.parent.parent
+    missing = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for name in sorted(set(re.findall(r"\bkfac_optim(?:\.\w+)+", path.read_text(encoding="utf-8")))):
+            try:
+                resolve(name)
+            except (AttributeError, AssertionError):
+                missing.append(f"{path.name}: {name}")
+    assert missing == []
