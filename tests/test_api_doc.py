@@ -1,5 +1,6 @@
 """docs/api.md's signatures and config tables are the code's: each documented ``name(parameters)``
-against ``inspect.signature``, each config table against the dataclass's fields.
+against ``inspect.signature``, each config table against the dataclass's fields; and every
+``kfac_optim.a.b`` the README and docs/ name exists.
 
 What counts as a documented signature (so the page can still show calls as examples):
 - a line of a fenced block without a language that starts ``KFAC(`` or ``kfac_optim.NAME(`` (it may
