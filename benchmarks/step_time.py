@@ -32,7 +32,7 @@ Parts and their floors (the bare torch calls of the same shapes, timed in the sa
   KL clip + update          the ``kfac.kl_clip`` + ``kfac.sgd`` ranges (inverse method); floor: a
                             ``torch.optim.SGD`` step on the same parameters + one dot per block
 
-Sampled Fisher (``KFAC(fisher="sampled")``, not in the amortized step above): ``sample_fisher`` on
+Sampled Fisher (``CurvatureConfig(fisher="sampled")``, not in the amortized step above): ``sample_fisher`` on
 factor steps (sampling, one more backward, and the statistics it records, which the training
 backward then no longer records), timed as forward + ``sample_fisher`` minus a forward; floor:
 one plain backward (fwd+bwd minus forward) plus the statistics part. Its net extra cost per step

@@ -8,13 +8,13 @@ wraps it in the optimizer and times ``zero_grad`` + forward + backward + ``step(
 step by step. Runs:
 
   sync     ``KFAC(model, ...)`` with the workload's intervals (decompositions in line)
-  async    the same with ``async_decompositions=True`` (decompositions on a worker)
-  stagger  ``sync`` with ``stagger_factor_updates=True`` (each layer folds on its own step of the interval)
-  async-stagger  ``async`` with ``stagger_factor_updates=True``
+  async    the same with ``asynchronous=AsyncConfig()`` (decompositions on a worker)
+  stagger  ``sync`` with ``CurvatureConfig(stagger=True)`` (each layer folds on its own step of the interval)
+  async-stagger  ``async`` with ``CurvatureConfig(stagger=True)``
   statistics ``sync`` with ``async_statistics=True`` (Gram products and folds on a worker thread)
   async-statistics  ``async`` with ``async_statistics=True``: decompositions and statistics off the
            step's critical path
-  async-stagger-statistics  ``async-statistics`` with ``stagger_factor_updates=True``
+  async-stagger-statistics  ``async-statistics`` with ``CurvatureConfig(stagger=True)``
   defaults ``KFAC(model, lr, momentum, weight_decay)``: the library's default intervals and damping
            (what a user swapping SGD for K-FAC meets first)
   sgd      ``torch.optim.SGD`` (the floor)

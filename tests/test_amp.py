@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers import running_factors, seeded_batch
-from kfac_optim import KFAC
+from kfac_optim import KFAC, CurvatureConfig, RuntimeConfig
 from tests.distributed_helpers import spawn
 
 OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, inv_update_steps=2)
@@ -64,9 +64,9 @@ def amp_run(
     ``fisher="sampled"``: K-FAC's sampled Fisher with targets drawn from a per-step generator."""
     model = model or make_amp_net()
     scaler = None if init_scale is None else torch.amp.GradScaler("cpu", init_scale=init_scale)
-    extra = {"grad_scaler": scaler} if pass_scaler else {}
+    extra = {"runtime": RuntimeConfig(grad_scaler=scaler)} if pass_scaler else {}
     if fisher != "empirical":
-        extra["fisher"] = fisher
+        extra["curvature"] = CurvatureConfig(fisher=fisher)
     optimizer = make_optimizer(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}, **extra) if make_optimizer is KFAC else make_optimizer(model)
     input_dtype = next(model.parameters()).dtype
     for step in range(steps):
@@ -194,7 +194,7 @@ def test_with_kfac_off_the_update_is_sgd_with_grad_scaler_bit_for_bit() -> None:
     def kfac_without_blocks(model: nn.Module) -> KFAC:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return KFAC(model, lr=0.05, momentum=0.9, weight_decay=1e-3, skip_layers=[nn.Linear, nn.Conv2d], factor_update_steps=1, inv_update_steps=10)
+            return KFAC(model, lr=0.05, momentum=0.9, weight_decay=1e-3, curvature=CurvatureConfig(skip_layers=[nn.Linear, nn.Conv2d]), factor_update_steps=1, inv_update_steps=10)
 
     def sgd(model: nn.Module) -> torch.optim.SGD:
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
@@ -247,7 +247,7 @@ def test_the_deprecated_torch_cuda_amp_grad_scaler_is_accepted() -> None:
         scaler = torch.cuda.amp.GradScaler()
     model, optimizer, _ = amp_run(2, dtype=None, init_scale=None, make_optimizer=KFAC)
     reference = copy.deepcopy(model)
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}, grad_scaler=scaler)
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}, runtime=RuntimeConfig(grad_scaler=scaler))
     for step in range(2):  # a disabled scaler: scale(), step() and the statistics are plain
         x, y = amp_batch(step)
         optimizer.zero_grad()

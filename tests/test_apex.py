@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from conftest_apex import fake_apex, scaled_step  # noqa: F401  (fake_apex is a fixture)
 from helpers import running_factors
-from kfac_optim import KFAC
+from kfac_optim import KFAC, CurvatureConfig
 
 OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, inv_update_steps=2)
 LEVELS = ["O1", "O2"]
@@ -231,13 +231,13 @@ def test_sampled_fisher_statistics_are_left_unscaled_under_apex(fake_apex: Modul
             optimizer.step()
 
     model = make_apex_mlp()
-    model, optimizer = fake_apex.initialize(model, KFAC(model, fisher="sampled", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), opt_level=opt_level,
+    model, optimizer = fake_apex.initialize(model, KFAC(model, curvature=CurvatureConfig(fisher="sampled"), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), opt_level=opt_level,
                                             verbosity=0)
     fake_apex._amp_state.loss_scalers[0]._loss_scale = 2.0**12
     train(model, optimizer, under_apex=True)
     end_apex(fake_apex)
     control_model = make_apex_mlp()
-    control = KFAC(control_model, fisher="sampled", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    control = KFAC(control_model, curvature=CurvatureConfig(fisher="sampled"), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     train(control_model, control, under_apex=False)
     torch.testing.assert_close(running_factors(optimizer), running_factors(control), rtol=3e-2, atol=1e-3)
     torch.testing.assert_close(owned_params(optimizer), owned_params(control), rtol=2e-2, atol=2e-3)

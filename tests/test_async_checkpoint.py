@@ -1,6 +1,6 @@
-"""Checkpoints of ``KFAC(async_decompositions=True)`` taken while a round of decompositions is in flight.
+"""Checkpoints of ``KFAC(asynchronous=AsyncConfig())`` taken while a round of decompositions is in flight.
 
-A round starts at a decomposition step and is adopted at the next one (or ``async_delay`` steps
+A round starts at a decomposition step and is adopted at the next one (or ``AsyncConfig.delay`` steps
 later). ``state_dict()`` saves it (waiting for the worker), so a run resumed from it adopts the same
 decompositions at the same step as the run that never stopped: parameters bit-identical.
 """
@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import seeded_batch
-from kfac_optim import KFAC
+from kfac_optim import KFAC, AsyncConfig, RuntimeConfig
 
 STEPS = 12
 # Decomposition steps 0, 3, 6, 9: step 0 decomposes in line, step 3 hands a round to the worker,
-# adopted at step 6 (async_delay None) or 5 (async_delay 2).
+# adopted at step 6 (delay None) or 5 (delay 2).
 SETTINGS = dict(
-    lr=0.05, momentum=0.9, damping=0.05, factor_update_steps=1, inv_update_steps=3, async_decompositions=True
+    lr=0.05, momentum=0.9, damping=0.05, factor_update_steps=1, inv_update_steps=3, asynchronous=AsyncConfig()
 )
 
 
@@ -91,9 +91,9 @@ def assert_same_rounds(a: dict, b: dict) -> None:
 def test_resume_while_a_round_is_in_flight_continues_bit_identically(
     async_delay: int | None, save_at: int, async_statistics: bool
 ) -> None:
-    # save_at 4 and 5: step 3's round is in flight (adopted at 6, or at 5 with async_delay 2);
+    # save_at 4 and 5: step 3's round is in flight (adopted at 6, or at 5 with delay 2);
     # (None, 6): step 6 adopted it and started the next one. (2, 5): saved right before adopting.
-    settings = dict(async_delay=async_delay, async_statistics=async_statistics)
+    settings = dict(asynchronous=AsyncConfig(delay=async_delay), runtime=RuntimeConfig(async_statistics=async_statistics))
     reference, reference_optimizer = fresh(**settings)
     checkpoint_run(reference, reference_optimizer, range(STEPS))
 
@@ -118,10 +118,10 @@ def test_resume_while_a_round_is_in_flight_continues_bit_identically(
 
 
 def test_a_checkpoint_between_rounds_holds_none() -> None:
-    model, optimizer = fresh(async_delay=1)
+    model, optimizer = fresh(asynchronous=AsyncConfig(delay=1))
     checkpoint_run(model, optimizer, range(5))  # step 3's round was adopted at step 4
     assert optimizer.state_dict()["kfac"]["round"] is None
-    model, optimizer = fresh(async_decompositions=False)
+    model, optimizer = fresh(asynchronous=AsyncConfig(decompositions=False))
     checkpoint_run(model, optimizer, range(4))
     assert optimizer.state_dict()["kfac"]["round"] is None
 
@@ -130,7 +130,7 @@ def test_synchronous_optimizer_adopts_a_saved_round_at_once() -> None:
     model, optimizer = fresh()
     checkpoint_run(model, optimizer, range(4))
     checkpoint = saved(model, optimizer)
-    _, synchronous = resumed(checkpoint, async_decompositions=False)
+    _, synchronous = resumed(checkpoint, asynchronous=AsyncConfig(decompositions=False))
     for block in synchronous.blocks:
         for name, factor in block.factors.items():
             held = checkpoint["optimizer"]["kfac"]["round"]["factors"][block.name][name]
@@ -141,7 +141,7 @@ def test_synchronous_optimizer_adopts_a_saved_round_at_once() -> None:
 
 def test_checkpoints_without_a_round_load_into_an_async_optimizer() -> None:
     # From before rounds were saved (no entry), and from a synchronous run (None).
-    model, optimizer = fresh(async_decompositions=False)
+    model, optimizer = fresh(asynchronous=AsyncConfig(decompositions=False))
     checkpoint_run(model, optimizer, range(4))
     checkpoint = saved(model, optimizer)
     old = copy.deepcopy(checkpoint)
@@ -166,7 +166,7 @@ def test_a_failed_result_in_the_round_is_reported_when_adopted() -> None:
     head = checkpoint["optimizer"]["kfac"]["round"]["factors"]["head"]
     assert optimizer.blocks[1].A.decomposed_key[0] == head["A"]["version"]
     with pytest.warns(RuntimeWarning, match=r"'head'.*decomposition of G failed"):  # adopted at once
-        resumed(checkpoint, async_decompositions=False)
+        resumed(checkpoint, asynchronous=AsyncConfig(decompositions=False))
 
 
 def state_of(optimizer: KFAC) -> list:
@@ -200,11 +200,11 @@ def assert_equal_states(a: list, b: list) -> None:
     ],
 )
 def test_a_bad_round_is_rejected_before_anything_changes(edit, match: str) -> None:
-    model, optimizer = fresh(async_delay=2)
+    model, optimizer = fresh(asynchronous=AsyncConfig(delay=2))
     checkpoint_run(model, optimizer, range(4))
     checkpoint = saved(model, optimizer)
     edit(checkpoint["optimizer"]["kfac"]["round"])
-    target_model, target = fresh(async_delay=2)
+    target_model, target = fresh(asynchronous=AsyncConfig(delay=2))
     checkpoint_run(target_model, target, range(5))  # step 3's round adopted at 5
     before = state_of(target)
     with pytest.raises(ValueError, match=match):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import kron_solve
-from kfac_optim import KFAC, linalg
+from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, linalg
 from helpers import import_torchvision
 
 
@@ -223,7 +223,7 @@ def test_resnet18_layer4_first_step_decomposes_every_factor_in_float32(caplog: p
         for name, module in model.named_modules()
         if isinstance(module, (nn.Conv2d, nn.Linear)) and not name.startswith("layer4.")
     ]
-    optimizer = KFAC(model, lr=0.1, momentum=0.9, skip_layers=others, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(model, lr=0.1, momentum=0.9, curvature=CurvatureConfig(skip_layers=others), factor_update_steps=1, inv_update_steps=10)
     assert [b.name for b in optimizer.blocks] == [
         "layer4.0.conv1", "layer4.0.conv2", "layer4.0.downsample.0", "layer4.1.conv1", "layer4.1.conv2",
     ]
@@ -277,7 +277,7 @@ def test_async_round_is_adopted_at_the_next_decomposition_step() -> None:
     # inv_update_steps=3: step 0 decomposes in line; step 3 snapshots the factors and hands them
     # to the worker; step 6 adopts exactly their decompositions (layers use step 0's until then).
     net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3))
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=3, async_decompositions=True, factor_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, inv_update_steps=3, asynchronous=AsyncConfig(), factor_update_steps=1)
     block = optimizer.blocks[0]
     snapshots = {}
     for step in range(7):
@@ -298,7 +298,7 @@ def test_async_round_is_adopted_at_the_next_decomposition_step() -> None:
 
 def test_async_delay_adopts_the_round_that_many_steps_later() -> None:
     net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3))
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=4, async_decompositions=True, async_delay=1, factor_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, inv_update_steps=4, asynchronous=AsyncConfig(delay=1), factor_update_steps=1)
     block = optimizer.blocks[0]
     for step in range(6):
         F.cross_entropy(net(torch.randn(16, 20)), torch.randint(0, 3, (16,))).backward()
@@ -309,7 +309,7 @@ def test_async_delay_adopts_the_round_that_many_steps_later() -> None:
             assert block.A.decomposed_key == (1, 0.0)  # step 0's, while step 4's round is in flight
     assert block.A.decomposed_key == (submitted, 0.0)  # adopted at step 5
     with pytest.raises(ValueError, match="async_delay"):
-        KFAC(net, async_decompositions=True, async_delay=0, factor_update_steps=1, inv_update_steps=10)
+        KFAC(net, asynchronous=AsyncConfig(delay=0), factor_update_steps=1, inv_update_steps=10)
 
 
 def test_the_eigenbasis_cap_in_the_optimizer_is_described_logged_and_checkpointed(caplog: pytest.LogCaptureFixture) -> None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kfac_optim import KFAC
+from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, RuntimeConfig
 from kfac_optim.distributed.comm import Communicator
 from kfac_optim.methods import Eigen
 from tests.distributed_helpers import assert_same_tensors, spawn
@@ -34,11 +34,11 @@ STEPS = 6
 SAVE_AT = 3  # right after a decomposition step (inv_update_steps=2: steps 0, 2, 4)
 DEADLINE_S = 90.0
 OPTIONS: dict[str, Any] = dict(
-    lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.1, kl_clip=1e-2, factor_decay=0.9, inv_update_steps=2
+    lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.1, kl_clip=1e-2, curvature=CurvatureConfig(factor_decay=0.9), inv_update_steps=2
 )
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 assert_same = partial(assert_same_tensors, **TOLERANCE)  # rtol=0, atol=0 for bit-identity
-STAGGER: dict[str, Any] = dict(stagger_factor_updates=True, factor_update_steps=3)  # phases 0-2 over 4 blocks
+STAGGER: dict[str, Any] = dict(curvature=CurvatureConfig(factor_decay=0.9, stagger=True), factor_update_steps=3)  # phases 0-2 over 4 blocks
 DEFAULT_INTERVALS: dict[str, Any] = dict(factor_update_steps="auto", inv_update_steps="auto")
 DEFAULT_STEPS = 12  # past the first automatic decomposition interval (at least 10)
 
@@ -172,7 +172,7 @@ def ddp_run(
     rank: int, world: int, fraction: float | str, steps: range = range(STEPS), **kwargs: Any
 ) -> tuple[DDP, KFAC]:
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, grad_worker_fraction=fraction, **{"factor_update_steps": 1, "inv_update_steps": 10, **{**OPTIONS, **kwargs}})
+    optimizer = KFAC(model, **{"runtime": RuntimeConfig(grad_worker_fraction=fraction), "factor_update_steps": 1, "inv_update_steps": 10, **{**OPTIONS, **kwargs}})
     ddp_train(model, optimizer, steps, rank, world)
     return model, optimizer
 
@@ -212,14 +212,14 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
     ddp_train(model, optimizer, range(STEPS), rank, world, after_step=record_received_storage)
     results["received decomposition storage"] = storage
 
-    model, optimizer = ddp_run(rank, world, 1.0, fisher="sampled")
+    model, optimizer = ddp_run(rank, world, 1.0, curvature=CurvatureConfig(factor_decay=0.9, fisher="sampled"))
     results["params sampled"] = parameters(model)
     results["factors sampled"] = global_factors(optimizer)
 
-    model, optimizer = ddp_run(rank, world, 1.0, async_decompositions=True)
+    model, optimizer = ddp_run(rank, world, 1.0, asynchronous=AsyncConfig())
     results["params async"] = parameters(model)
     results["factors async"] = global_factors(optimizer)
-    model, optimizer = ddp_run(rank, world, 1.0, async_decompositions=True, async_statistics=True)
+    model, optimizer = ddp_run(rank, world, 1.0, asynchronous=AsyncConfig(), runtime=RuntimeConfig(grad_worker_fraction=1.0, async_statistics=True))
     results["params async statistics"] = parameters(model)
     results["factors async statistics"] = global_factors(optimizer)
     results.update(async_resumed(rank, world))
@@ -239,7 +239,7 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
 
     model = DDP(make_ddp_net(extra_layers=True), find_unused_parameters=True)
     model.module.use_branch = rank == 0
-    optimizer = KFAC(model, grad_worker_fraction="mem-opt", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction="mem-opt"), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), rank, world)
     results["params unused"] = parameters(model)
     results["factors unused"] = global_factors(optimizer)
@@ -255,7 +255,7 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
 
     for fraction, method in MODERN_RUNS:
         model = DDP(make_ddp_net(modern=True))
-        optimizer = KFAC(model, grad_worker_fraction=fraction, method=method, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+        optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction), method=method, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
         ddp_train(model, optimizer, range(STEPS), rank, world)
         results[f"modern params {fraction} {method}"] = parameters(model)
         results[f"modern factors {fraction} {method}"] = global_factors(optimizer)
@@ -269,10 +269,10 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
 
 def async_resumed(rank: int, world: int) -> dict[str, Any]:
     """Async runs saved at SAVE_AT, a round in flight (submitted at step 2; adopted at 4, or at 3
-    with async_delay=1), resumed on fresh models from each rank's own checkpoint or from rank 0's."""
+    with AsyncConfig(delay=1)), resumed on fresh models from each rank's own checkpoint or from rank 0's."""
     results: dict[str, Any] = {}
     for delay in (None, 1):
-        model, optimizer = ddp_run(rank, world, 1.0, steps=range(SAVE_AT), async_decompositions=True, async_delay=delay)
+        model, optimizer = ddp_run(rank, world, 1.0, steps=range(SAVE_AT), asynchronous=AsyncConfig(delay=delay))
         buffer = io.BytesIO()
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
         ddp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
@@ -285,7 +285,7 @@ def async_resumed(rank: int, world: int) -> dict[str, Any]:
             inner = make_ddp_net()
             inner.load_state_dict(saved["model"])
             model = DDP(inner)
-            optimizer = KFAC(model, async_decompositions=True, async_delay=delay, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+            optimizer = KFAC(model, asynchronous=AsyncConfig(delay=delay), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
             optimizer.load_state_dict(saved["optimizer"])
             ddp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
             results[f"params async {delay} resumed from {source}"] = parameters(model)
@@ -294,10 +294,10 @@ def async_resumed(rank: int, world: int) -> dict[str, Any]:
 
 def async_delay_with_a_rank_that_decomposes_nothing(rank: int, world: int) -> dict[str, Any]:
     """One Linear under mem-opt: one rank owns both factors, the other none, yet both must adopt
-    (and share) at the async_delay step."""
+    (and share) at the delayed adoption step."""
     torch.manual_seed(0)
     model = DDP(nn.Linear(16, 3))
-    optimizer = KFAC(model, grad_worker_fraction="mem-opt", async_decompositions=True, async_delay=1, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction="mem-opt"), asynchronous=AsyncConfig(delay=1), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     for step in range(4):  # decomposition steps 0 (in line) and 2 (a round, adopted at 3)
         x, y = ddp_shard(step, rank, world)
         optimizer.zero_grad()
@@ -311,7 +311,7 @@ def resume(rank: int, world: int, checkpoint: Path, fraction: float | str) -> di
     inner = make_ddp_net()
     inner.load_state_dict(saved["model"])
     model = DDP(inner) if world > 1 else inner
-    optimizer = KFAC(model, grad_worker_fraction=fraction, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     optimizer.load_state_dict(saved["optimizer"])
     ddp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
     return parameters(model)
@@ -475,7 +475,7 @@ def test_no_sync_accumulation_equals_one_large_batch(ddp_two_ranks, ddp_referenc
 def test_async_decompositions_under_ddp_equal_one_process_with_the_shards_as_micro_batches(ddp_two_ranks) -> None:
     """Each rank adopts the worker's round at the same step; owners broadcast what they adopted."""
     model = make_ddp_net()
-    optimizer = KFAC(model, async_decompositions=True, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, asynchronous=AsyncConfig(), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), micro_batches=2)
     for results in ddp_two_ranks:
         assert_same(results["params async"], parameters(model))
@@ -528,7 +528,7 @@ def test_staggered_factor_updates_under_ddp_equal_one_process(ddp_two_ranks) -> 
 def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_batches(ddp_two_ranks) -> None:
     """Each rank draws targets for its shard; one process drawing the same per shard agrees."""
     model = make_ddp_net()
-    optimizer = KFAC(model, fisher="sampled", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS, "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")})
     ddp_train(model, optimizer, range(STEPS), micro_batches=2)
     factors = saved_factors(optimizer.state_dict())
     for results in ddp_two_ranks:
@@ -605,7 +605,7 @@ def test_two_rank_checkpoint_resumes_on_three_ranks(three_ranks, ddp_reference) 
 
 
 def test_single_process_ignores_the_fraction_and_holds_every_decomposition() -> None:
-    model, optimizer = single_process(grad_worker_fraction="mem-opt")
+    model, optimizer = single_process(runtime=RuntimeConfig(grad_worker_fraction="mem-opt"))
     assert all(f.decomposition is not None for block in optimizer.blocks for f in block.factors.values())
     assert_same(parameters(model), parameters(single_process()[0]), rtol=0, atol=0)
 

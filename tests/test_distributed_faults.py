@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kfac_optim import KFAC
+from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, RuntimeConfig
 from kfac_optim.schedules import MilestoneSchedule
 from tests.distributed_helpers import load_results, results_file, run_ranks
 from tests.test_distributed import STEPS, ddp_train, make_ddp_net, parameters, saved_factors
@@ -35,7 +35,7 @@ WORLD = 2
 DEADLINE_S = 120.0
 GROUP_TIMEOUT_S = 30.0  # the default group: generous, a loaded box is slow
 FAULT_TIMEOUT_S = 5.0  # the groups that are broken on purpose
-OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, damping=0.1, kl_clip=1e-2, factor_decay=0.9, inv_update_steps=2)
+OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, damping=0.1, kl_clip=1e-2, curvature=CurvatureConfig(factor_decay=0.9), inv_update_steps=2)
 JOIN_BATCHES = (6, 4)  # per rank: rank 1 runs out of inputs two steps early
 DEAD_RANK_EXIT_CODE = 17
 
@@ -66,24 +66,23 @@ MISMATCHES: dict[str, tuple[tuple[Callable[[], nn.Module], dict[str, Any]], ...]
     "damping": ((make_ddp_net, dict(damping=0.1)), (make_ddp_net, dict(damping=0.2))),
     "inv_update_steps": ((make_ddp_net, dict(inv_update_steps=10)), (make_ddp_net, dict(inv_update_steps=5))),
     "method": ((make_ddp_net, dict(method="eigen")), (make_ddp_net, dict(method="inverse"))),
-    "factor_dtype": ((make_ddp_net, {}), (make_ddp_net, dict(factor_dtype=torch.float64))),
-    "grad_worker_fraction": ((make_ddp_net, dict(grad_worker_fraction=1.0)), (make_ddp_net, dict(grad_worker_fraction="mem-opt"))),
+    "factor_dtype": ((make_ddp_net, {}), (make_ddp_net, dict(curvature=CurvatureConfig(factor_dtype=torch.float64)))),
+    "grad_worker_fraction": ((make_ddp_net, dict(runtime=RuntimeConfig(grad_worker_fraction=1.0))), (make_ddp_net, dict(runtime=RuntimeConfig(grad_worker_fraction="mem-opt")))),
     "damping schedule": (
         (make_ddp_net, dict(damping=MilestoneSchedule(0.1, milestones=(100,), gamma=0.5))),
         (make_ddp_net, dict(damping=MilestoneSchedule(0.1, milestones=(200,), gamma=0.5))),
     ),
-    "skip_layers": ((make_ddp_net, {}), (make_ddp_net, dict(skip_layers=["fc2"]))),
-    "async_decompositions": ((make_ddp_net, {}), (make_ddp_net, dict(async_decompositions=True))),
+    "skip_layers": ((make_ddp_net, {}), (make_ddp_net, dict(curvature=CurvatureConfig(skip_layers=["fc2"])))),
+    "async_decompositions": ((make_ddp_net, {}), (make_ddp_net, dict(asynchronous=AsyncConfig()))),
     "async_delay": (
-        (make_ddp_net, dict(async_decompositions=True, async_delay=1)),
-        (make_ddp_net, dict(async_decompositions=True, async_delay=2)),
+        (make_ddp_net, dict(asynchronous=AsyncConfig(delay=1))),
+        (make_ddp_net, dict(asynchronous=AsyncConfig(delay=2))),
     ),
     "layer shapes": ((lambda: Wide(8), {}), (lambda: Wide(9), {})),
     "same settings spelled differently": (
-        (make_ddp_net, dict(grad_worker_fraction="comm-opt", damping=MilestoneSchedule(0.1, milestones=(100,)))),
+        (make_ddp_net, dict(runtime=RuntimeConfig(grad_worker_fraction="comm-opt"), damping=MilestoneSchedule(0.1, milestones=(100,)))),
         # async_statistics changes no result (the same factors, computed later): ranks may differ in it
-        (make_ddp_net, dict(grad_worker_fraction=1.0, damping=MilestoneSchedule(0.1, milestones=(100,)),
-                          async_statistics=True)),
+        (make_ddp_net, dict(runtime=RuntimeConfig(grad_worker_fraction=1.0, async_statistics=True), damping=MilestoneSchedule(0.1, milestones=(100,)))),
     ),
 }
 
@@ -135,7 +134,7 @@ def uneven_inputs(rank: int) -> dict[str, Any]:
     results["after"] = state(model, optimizer)
 
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, grad_worker_fraction="mem-opt", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction="mem-opt"), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     results["refused mem-opt"] = outcome(lambda: Join([model, optimizer]))
     model = DDP(make_ddp_net())
     optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
@@ -164,7 +163,7 @@ def state_dict_on_rank_zero(rank: int, directory: Path) -> dict[str, Any]:
     group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S))  # short: a mismatch fails fast
     for fraction in (1.0, "mem-opt"):
         model = DDP(make_ddp_net(), process_group=group)
-        optimizer = KFAC(model, process_group=group, grad_worker_fraction=fraction,
+        optimizer = KFAC(model, runtime=RuntimeConfig(process_group=group, grad_worker_fraction=fraction),
                          **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
         ddp_train(model, optimizer, range(3), rank, WORLD)  # step 2 decomposed: the factors are global
         if fraction == 1.0:
@@ -208,7 +207,7 @@ def resume_checkpoint(path: Path, fraction: float | str, group: Any, rank: int, 
     inner = make_ddp_net()
     inner.load_state_dict(saved["model"])
     model = DDP(inner, process_group=group) if world > 1 else inner
-    optimizer = KFAC(model, process_group=group, grad_worker_fraction=fraction,
+    optimizer = KFAC(model, runtime=RuntimeConfig(process_group=group, grad_worker_fraction=fraction),
                      **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     optimizer.load_state_dict(saved["optimizer"])
     ddp_train(model, optimizer, range(int(path.stem[-1]) + 1, STEPS), rank, world)
@@ -220,7 +219,7 @@ def dead_peer(rank: int, directory: Path, results: dict[str, Any]) -> dict[str, 
     from K-FAC's collective within the timeout."""
     group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S))
     model = DDP(make_ddp_net(), process_group=group)
-    optimizer = KFAC(model, process_group=group, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(process_group=group), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(4), rank, WORLD)
     if rank == 1:  # dies as step 4, a decomposition step, begins
         torch.save(results, results_file(directory, every_fault, rank))

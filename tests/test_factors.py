@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import kron_solve
-from kfac_optim import KFAC, UpdateConfig
+from kfac_optim import KFAC, CurvatureConfig, UpdateConfig
 
-DTYPES = {"factor_dtype": torch.float64, "inv_dtype": torch.float64}
+DTYPES = {"curvature": CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64)}
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +79,7 @@ def joint_weight(layer: nn.Module) -> torch.Tensor:
 
 def one_kfac_step(layer: nn.Module, x: torch.Tensor, target: torch.Tensor, **kwargs) -> tuple[KFAC, torch.Tensor, torch.Tensor]:
     """Take one step with lr=1 and no momentum: returns the optimizer, ∇W and the applied direction."""
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, **DTYPES, **{"factor_update_steps": 1, "inv_update_steps": 10, **kwargs})
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES, **kwargs})
     before = joint_weight(layer)
     mean_loss(layer, x, target).backward()
     grad = joint_grad(layer).clone()
@@ -165,7 +165,8 @@ def test_inverse_method_is_pi_damped_kronecker_inverse() -> None:
 
 def test_running_average_first_update_then_decay() -> None:
     layer = nn.Linear(3, 2)
-    optimizer = KFAC(layer, lr=0.0, factor_decay=0.75, inv_update_steps=100, **{"factor_update_steps": 1, **DTYPES})
+    optimizer = KFAC(layer, lr=0.0, inv_update_steps=100, factor_update_steps=1,
+                     curvature=CurvatureConfig(factor_decay=0.75, factor_dtype=torch.float64, inv_dtype=torch.float64))
     batches = [(torch.randn(8, 3), torch.randn(8, 2)) for _ in range(3)]
     expected = None
     for x, target in batches:
@@ -184,7 +185,8 @@ def test_sum_reduction_gives_the_same_factors_as_mean() -> None:
     for reduction in ("mean", "sum"):
         torch.manual_seed(1)
         layer = nn.Linear(3, 2)
-        optimizer = KFAC(layer, lr=0.0, loss_reduction=reduction, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+        optimizer = KFAC(layer, lr=0.0, factor_update_steps=1, inv_update_steps=10,
+                         curvature=CurvatureConfig(loss_reduction=reduction, factor_dtype=torch.float64, inv_dtype=torch.float64))
         loss = mean_loss(layer, x, target) * (8 if reduction == "sum" else 1)
         loss.backward()
         optimizer.step()

@@ -1,7 +1,7 @@
 """KFAC inside the training loops people write: hook lifecycle, copies, faults, checkpoints.
 
 Each test reproduces a failure seen with ordinary training code (issue 11) and states the
-behaviour that replaced it (docs/design.md, "Failure modes").
+behaviour that replaced it (docs/guide.md, "Failure modes").
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import seeded_batch
-from kfac_optim import KFAC
+from kfac_optim import KFAC, CurvatureConfig
 
 
 def faults_mlp() -> nn.Module:
@@ -48,7 +48,7 @@ def test_gradient_penalty_records_plain_tensors_once_per_step() -> None:
     torch.manual_seed(0)
     net = faults_mlp()
     reference_net = copy.deepcopy(net)  # no optimizer: gradients computed directly below
-    optimizer = KFAC(net, lr=0.1, factor_decay=0.0, inv_update_steps=1000, factor_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, curvature=CurvatureConfig(factor_decay=0.0), inv_update_steps=1000, factor_update_steps=1)
     x, y = faults_batch()
     x.requires_grad_(True)
     loss = F.cross_entropy(net(x), y)
@@ -126,7 +126,7 @@ def test_recreating_the_optimizer_keeps_one_hook_per_layer() -> None:
 def test_a_deep_copied_model_does_not_feed_the_originals_factors() -> None:
     torch.manual_seed(0)
     net = faults_mlp()
-    optimizer = KFAC(net, lr=0.1, factor_decay=0.0, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(net, lr=0.1, curvature=CurvatureConfig(factor_decay=0.0), factor_update_steps=1, inv_update_steps=10)
     ema = copy.deepcopy(net)  # an EMA / teacher copy made after the optimizer
     x, y = faults_batch()
     F.cross_entropy(net(x), y).backward()
@@ -270,7 +270,7 @@ def test_checkpoint_with_a_non_finite_tensor_is_rejected(field: str) -> None:
 
 
 def test_a_non_finite_running_factor_is_reset_by_the_next_fold() -> None:
-    net, optimizer = trained(steps=1, factor_decay=0.9)
+    net, optimizer = trained(steps=1, curvature=CurvatureConfig(factor_decay=0.9))
     factor = optimizer.blocks[0].A
     factor.running.fill_(float("nan"))  # however it got there
     x, y = faults_batch(seed=5)

@@ -30,13 +30,13 @@ import torch.nn.utils.prune
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kfac_optim import KFAC
+from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.layers import ModuleReport
 from kfac_optim.layers.factor import unpack_running
 
 OPEN = pytest.mark.xfail(strict=True, reason="issue 22: fixed in the next round")
 
-OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": None, "factor_decay": 0.9, "inv_update_steps": 1}
+OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": None, "curvature": CurvatureConfig(factor_decay=0.9), "inv_update_steps": 1}
 STEPS = 3
 
 
@@ -691,7 +691,7 @@ def test_fullgraph_aot_compiled_models_follow_the_eager_rule(kind: str) -> None:
 
 
 class TwoHeads(nn.Module):
-    """A shared trunk and two task heads (the multi-task loop of README "What feeds the factors")."""
+    """A shared trunk and two task heads (the multi-task loop of docs/guide.md "What feeds the factors")."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -779,7 +779,7 @@ def test_compiled_multihead_attention_keeps_its_tensor_hooks_and_warns_once() ->
 
 DDP_STEPS = 10
 DDP_BATCH = 8
-DDP_OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": 1e-2, "factor_decay": 0.9, "inv_update_steps": 2}
+DDP_OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": 1e-2, "curvature": CurvatureConfig(factor_decay=0.9), "inv_update_steps": 2}
 
 
 def train_lm(model: nn.Module, optimizer: KFAC, rank: int = 0, world: int = 1) -> dict[str, Tensor]:

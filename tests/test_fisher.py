@@ -1,4 +1,4 @@
-"""The sampled (true) Fisher: ``KFAC(fisher="sampled")`` and ``KFAC.sample_fisher``.
+"""The sampled (true) Fisher: ``KFAC(curvature=CurvatureConfig(fisher="sampled"))`` and ``KFAC.sample_fisher``.
 
 References from first principles: targets drawn by hand with the same generator, per-sample
 output-gradients from autograd on each sample's own loss, the Fisher's closed forms for the
@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from helpers import seeded_batch
-from kfac_optim import KFAC
+from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.fisher import sampled_loss
 
 N, D_IN, HIDDEN, D_OUT = 6, 5, 7, 3
@@ -35,7 +35,7 @@ class TwoLayer(nn.Module):
 def make(dtype: torch.dtype = torch.float64, **options) -> tuple[TwoLayer, KFAC]:
     torch.manual_seed(0)
     model = TwoLayer().to(dtype)
-    defaults = dict(lr=0.1, fisher="sampled", factor_decay=0.0, factor_dtype=dtype, inv_dtype=dtype, inv_update_steps=1)
+    defaults = dict(lr=0.1, curvature=CurvatureConfig(fisher="sampled", factor_decay=0.0, factor_dtype=dtype, inv_dtype=dtype), inv_update_steps=1)
     return model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **{**defaults, **options}})
 
 
@@ -166,7 +166,7 @@ def test_loss_scaling_does_not_change_sampled_factors() -> None:
 def test_sampled_fisher_errors_name_the_argument() -> None:
     model = TwoLayer()
     with pytest.raises(ValueError, match="fisher"):
-        KFAC(model, fisher="true", factor_update_steps=1, inv_update_steps=10)
+        KFAC(model, curvature=CurvatureConfig(fisher="true"), factor_update_steps=1, inv_update_steps=10)
     empirical = KFAC(model, factor_update_steps=1, inv_update_steps=10)
     with pytest.raises(RuntimeError, match="fisher='sampled'"):
         empirical.sample_fisher(model(torch.randn(2, D_IN)), "cross_entropy")
@@ -277,7 +277,7 @@ def test_sampled_sequence_fisher_has_the_empirical_fisher_units() -> None:
 
     torch.manual_seed(0)
     model = TwoLayer().double()
-    empirical = KFAC(model, lr=0.1, factor_decay=0.0, factor_dtype=torch.float64, inv_dtype=torch.float64, factor_update_steps=1, inv_update_steps=10)
+    empirical = KFAC(model, lr=0.1, curvature=CurvatureConfig(factor_decay=0.0, factor_dtype=torch.float64, inv_dtype=torch.float64), factor_update_steps=1, inv_update_steps=10)
     F.cross_entropy(model(x).reshape(-1, D_OUT), targets.reshape(-1)).backward()
     empirical.step()
     for s, e in zip(sampled.blocks, empirical.blocks, strict=True):

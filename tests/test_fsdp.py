@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_optim import KFAC
+from kfac_optim import KFAC, CurvatureConfig, RuntimeConfig
 from kfac_optim.distributed.fsdp import MeshLayout, assign_routes, mesh_layout, service_groups
 from kfac_optim.distributed.plan import make_plan, work_items
 from tests.distributed_helpers import assert_same_tensors, spawn
@@ -31,7 +31,7 @@ STEPS = 5
 SAVE_AT = 3  # right after a decomposition step (inv_update_steps=2: steps 0, 2, 4)
 DEADLINE_S = 150.0
 OPTIONS: dict[str, Any] = dict(
-    lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.1, kl_clip=1e-2, factor_decay=0.9, inv_update_steps=2
+    lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.1, kl_clip=1e-2, curvature=CurvatureConfig(factor_decay=0.9), inv_update_steps=2
 )
 SGD_OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True)
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -228,7 +228,7 @@ def kfac_run(
     rank: int, world: int, fraction: float, mesh: Any = None, root_only: bool = False, **fsdp_kwargs: Any
 ) -> dict[str, torch.Tensor]:
     model = sharded_model(mesh, root_only, **fsdp_kwargs)
-    optimizer = KFAC(model, grad_worker_fraction=fraction, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     fsdp_train(model, optimizer, range(STEPS), rank, world)
     SENT[fraction] = optimizer.estimator.sharding.comm.bytes_sent["fsdp_rows"]
     return full_parameters(model)
@@ -243,7 +243,7 @@ def sgd_runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
     results = {}
     for name, build in (
         ("torch sgd", lambda m: torch.optim.SGD(m.parameters(), **SGD_OPTIONS)),
-        ("kfac off", lambda m: KFAC(m, skip_layers=[nn.Linear, nn.Conv2d], **{"factor_update_steps": 1, "inv_update_steps": 10, **SGD_OPTIONS})),
+        ("kfac off", lambda m: KFAC(m, curvature=CurvatureConfig(skip_layers=[nn.Linear, nn.Conv2d]), **{"factor_update_steps": 1, "inv_update_steps": 10, **SGD_OPTIONS})),
     ):
         model = sharded_model()
         fsdp_train(model, build(model), range(STEPS), rank, world)
@@ -288,11 +288,11 @@ def fsdp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str,
     results["params bf16"] = kfac_run(rank, world, 0.5, mp_policy=policy)
     results.update(sgd_runs(rank, world))
     model = sharded_model()
-    train_sampled(model, KFAC(model, grad_worker_fraction=0.5, fisher="sampled", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), range(STEPS), rank, world)
+    train_sampled(model, KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS, "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")}), range(STEPS), rank, world)
     results["params sampled"] = full_parameters(model)
     model = sharded_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    train_sampled(model, KFAC(model, grad_worker_fraction=0.5, fisher="sampled", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), range(STEPS), rank, world,
+    train_sampled(model, KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS, "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")}), range(STEPS), rank, world,
                   scaler=scaler)
     results["params sampled grad scaler"] = full_parameters(model)
     model = sharded_model()
@@ -309,29 +309,28 @@ def fsdp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str,
 
     model = make_token_model()
     fully_shard(model)
-    optimizer = KFAC(model, grad_worker_fraction=0.5, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     results["new blocks"] = sorted(type(block).__name__ for block in optimizer.blocks)
     fsdp_train(model, optimizer, range(STEPS), rank, world, data=token_shard)
     results["params new blocks"] = full_parameters(model)
 
-    from kfac_optim import CurvatureConfig
     from kfac_optim.layers import LinearBlock
 
     blocks = {Transposed: type("TransposedBlock", (LinearBlock,), {})}
-    options = {key: value for key, value in OPTIONS.items() if key != "factor_decay"}
-    curvature = CurvatureConfig(factor_decay=OPTIONS["factor_decay"], blocks=blocks)
+    options = {key: value for key, value in OPTIONS.items() if key != "curvature"}
+    curvature = CurvatureConfig(factor_decay=OPTIONS["curvature"].factor_decay, blocks=blocks)
     try:
         KFAC(fully_shard(nn.Sequential(Transposed())), curvature=curvature, **{"factor_update_steps": 1, "inv_update_steps": 10, **options})
     except ValueError as error:
         results["rows of different lengths error"] = str(error)
 
     model = sharded_model()
-    optimizer = KFAC(model, grad_worker_fraction=0.5, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     fsdp_train(model, optimizer, range(SAVE_AT), rank, world)
     save_checkpoint(model, optimizer, directory / "dcp")
     plain = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}  # DTensor shards, per rank
     model = sharded_model()
-    optimizer = KFAC(model, grad_worker_fraction=0.5, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     model.load_state_dict(plain["model"])
     optimizer.load_state_dict(plain["optimizer"])
     fsdp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
@@ -407,7 +406,7 @@ def test_sampled_fisher_on_two_fsdp_ranks_equals_one_process_with_the_shards_as_
     """``sample_fisher`` back-propagates to the hooked layer outputs, so it records under FSDP2 too
     (differentiating w.r.t. the sharded parameters reached no layer: no statistics at all)."""
     model = make_fsdp_net()
-    optimizer = KFAC(model, fisher="sampled", **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS, "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")})
     train_sampled(model, optimizer, range(STEPS), micro_batches=2)
     assert all(f.running.abs().sum() > 0 for b in optimizer.blocks for f in b.factors.values())
     for results in fsdp_two_ranks:

@@ -595,7 +595,7 @@ def test_sequence_first_linear_blocks_count_the_length_as_samples_and_the_optimi
     for layer, inputs, batch_dim in ((first, x, 0), (seq, x.transpose(0, 1), 1)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            optimizer = KFAC(layer, lr=0.1, loss_reduction=loss_reduction, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+            optimizer = KFAC(layer, lr=0.1, curvature=CurvatureConfig(loss_reduction=loss_reduction, factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
         notes = [str(w.message) for w in caught if "sequence-first attention" in str(w.message)]
         assert len(notes) == batch_dim, notes  # a warning for the sequence-first layer only
         reduce(layer(inputs).pow(2)).backward()
@@ -694,7 +694,7 @@ def test_reduce_makes_one_row_per_sample_for_linear_leading_dims(bias: bool) -> 
     g_hat = per_sample_output_grads(layer, x, target).sum(1)  # (N, out)
     A_ref, G_ref = reference_factors(with_bias_column(x.mean(1), bias), g_hat, 5)
     layer.zero_grad()
-    optimizer, grad, direction = one_kfac_step(layer, x, target, damping=0.1, weight_sharing="reduce")
+    optimizer, grad, direction = one_kfac_step(layer, x, target, damping=0.1, curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64, inv_dtype=torch.float64))
     torch.testing.assert_close(optimizer.blocks[0].A.running, A_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(optimizer.blocks[0].G.running, G_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(direction, kron_solve(G_ref, A_ref, grad, 0.1), rtol=1e-9, atol=1e-12)
@@ -708,7 +708,7 @@ def test_reduce_makes_one_row_per_sample_for_conv_positions(groups: int) -> None
     patches = conv_patches_nd(layer, x).reshape(3, 7, -1).mean(1)  # (N, C·K)
     g_hat = per_sample_output_grads(layer, x, target).sum(-1)  # (N, C_out)
     layer.zero_grad()
-    optimizer, _, _ = one_kfac_step(layer, x, target, damping=0.1, weight_sharing="reduce")
+    optimizer, _, _ = one_kfac_step(layer, x, target, damping=0.1, curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64, inv_dtype=torch.float64))
     block = optimizer.blocks[0]
     per_in, per_out = patches.shape[1] // groups, 4 // groups
     for j in range(groups):
@@ -733,7 +733,7 @@ def test_reduce_for_attention_is_one_row_per_sample_per_projection() -> None:
     g_hat = [g.reshape(n, N, -1).sum(0) for g, n in zip(g_rows, lengths, strict=True)]
     a_rows = [query.mean(0), key.mean(0), key.mean(0), attended.detach().mean(0)]
     mha.zero_grad()
-    optimizer = KFAC(mha, lr=1.0, kl_clip=None, damping=0.1, weight_sharing="reduce", **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+    optimizer = KFAC(mha, lr=1.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
     out, _ = mha(query, key, key, need_weights=False)
     (0.5 * ((out - target) ** 2).sum(-1).sum(0).mean()).backward()
     optimizer.step()
@@ -792,7 +792,7 @@ def test_a_module_called_several_times_per_forward_matches_the_dense_reference(s
     target = torch.randn(shape)
     A_ref, G_ref = rnn_reference(layer, inputs, target, sharing)
     layer.zero_grad()
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, weight_sharing=sharing, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(weight_sharing=sharing, factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
     before = torch.cat([layer.weight.detach(), layer.bias.detach()[:, None]], 1)
     rnn_loss(rnn_forward(layer, inputs)[1][-1], target).backward()
     grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1)
@@ -818,7 +818,7 @@ def test_reduce_across_calls_makes_one_row_per_sample_per_backward_under_gradien
             grads = torch.autograd.grad(0.5 * ((outputs[-1][n] - target[n]) ** 2).sum(), outputs, retain_graph=True)
             g_rows.append(sum(g[n] for g in grads))
     A_ref, G_ref = reference_factors(torch.cat(a_rows), torch.stack(g_rows), 8)
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, weight_sharing="reduce", **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
     for inputs, target in zip(batches, targets, strict=True):  # each micro-batch loss: mean over the step's 8 samples
         (rnn_loss(rnn_forward(layer, inputs)[1][-1], target) / 2).backward()
     optimizer.step()
@@ -832,7 +832,7 @@ def test_reduce_across_calls_drops_the_held_sums_of_a_discarded_backward() -> No
     layer = nn.Linear(3, 3)
     inputs, target = [torch.randn(4, 3) for _ in range(2)], torch.randn(4, 3)
     A_ref, G_ref = rnn_reference(layer, inputs, target, "reduce")
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, weight_sharing="reduce", **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
     rnn_loss(rnn_forward(layer, [torch.randn(4, 3) for _ in range(2)])[1][-1], torch.randn(4, 3)).backward()
     optimizer.zero_grad()
     rnn_loss(rnn_forward(layer, inputs)[1][-1], target).backward()
@@ -885,7 +885,7 @@ def test_tied_embedding_and_head_use_the_nearest_kronecker_product_of_both_uses(
     nearest = S[0] * torch.outer(U[:, 0], Vh[0])
 
     model.zero_grad()
-    optimizer = KFAC(model, lr=1.0, kl_clip=None, damping=0.1, weight_sharing=sharing, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+    optimizer = KFAC(model, lr=1.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(weight_sharing=sharing, factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
     before = model.embedding.weight.detach().clone()
     (0.5 * ((model(tokens)[2] - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
     grad = model.embedding.weight.grad.clone()
@@ -943,7 +943,7 @@ def test_tied_factors_are_the_nearest_kronecker_product_of_each_uses_running_ave
     U, S, Vh = torch.linalg.svd(rearranged, full_matrices=False)
     nearest = S[0] * torch.outer(U[:, 0], Vh[0])
 
-    optimizer = KFAC(model, lr=0.0, kl_clip=None, damping=0.1, factor_decay=decay, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+    optimizer = KFAC(model, lr=0.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(factor_decay=decay, factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
     for tokens, target in batches:
         optimizer.zero_grad()
         (0.5 * ((model(tokens)[2] - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
@@ -965,7 +965,7 @@ def test_a_tied_block_resumes_from_a_checkpoint_with_both_uses_running_averages(
             optimizer.step()
 
     def build(model: TiedModel) -> KFAC:
-        return KFAC(model, lr=0.1, momentum=0.9, damping=0.1, factor_decay=0.5, inv_update_steps=1, **{"factor_update_steps": 1, **DTYPES})
+        return KFAC(model, lr=0.1, momentum=0.9, damping=0.1, curvature=CurvatureConfig(factor_decay=0.5, factor_dtype=torch.float64, inv_dtype=torch.float64), inv_update_steps=1, factor_update_steps=1)
 
     torch.manual_seed(0)
     straight = TiedModel(V, D)
@@ -998,7 +998,7 @@ def test_reduce_across_calls_with_the_sampled_fisher_records_only_the_sampled_ba
     A_ref, G_ref = rnn_reference(layer, inputs, sampled, "reduce")
     G_ref = G_ref * (2 / 3) ** 2  # the sampled loss is F.mse_loss per sample: ĝ = (2/D)(out − t)
     layer.zero_grad()
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, weight_sharing="reduce", fisher="sampled", **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(weight_sharing="reduce", fisher="sampled", factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
     out = rnn_forward(layer, inputs)[1][-1]
     optimizer.sample_fisher(out, "mse", generator=torch.Generator().manual_seed(3))
     rnn_loss(out, target).backward()

@@ -1,4 +1,4 @@
-"""Every code block of the README (and of docs/api.md) runs, so the documentation cannot rot.
+"""Every code block of the README (and of docs/api.md and docs/guide.md) runs, so the documentation cannot rot.
 
 A ```python block runs as is, in a fresh namespace holding the names the README's text assumes:
 `model`, `loader`, `loss_fn`, `device` (a tiny CPU stand-in for each), `torch`, `nn`, `F`,
@@ -29,7 +29,7 @@ from conftest_apex import install_fake_apex
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-DOCS = (README, ROOT / "docs" / "api.md")
+DOCS = (README, ROOT / "docs" / "api.md", ROOT / "docs" / "guide.md")
 BLOCK = re.compile(r"(?:<!-- readme-test: (?P<directive>[^>]*?) -->\n)?```(?P<lang>\w+)\n(?P<code>.*?)```", re.S)
 
 
@@ -83,7 +83,7 @@ def test_python_block_runs(directive: str, code: str, line: str, monkeypatch: py
 
 def test_every_module_a_readme_command_runs_exists() -> None:
     modules = []
-    for _, code, _ in blocks("bash"):
+    for _, code, _ in (block for path in DOCS for block in blocks("bash", path)):
         for command in code.replace("\\\n", " ").splitlines():
             words = shlex.split(command, comments=True)
             if words[:1] in (["python"], ["torchrun"]) and "-m" in words:

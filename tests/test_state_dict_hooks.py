@@ -1,4 +1,4 @@
-"""State-dict hooks and old SGD checkpoints (docs/api.md "Checkpoints").
+"""State-dict hooks and old SGD checkpoints (docs/api.md "state_dict()").
 
 - A user's ``register_state_dict_post_hook`` sees the whole state, K-FAC's ``"kfac"`` entry included.
 - A user's ``register_load_state_dict_pre_hook`` runs before K-FAC checks the ``"kfac"`` entry, so it

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_optim import KFAC, CurvatureConfig, UpdateConfig
+from kfac_optim import KFAC, CurvatureConfig, RuntimeConfig, UpdateConfig
 from kfac_optim.intervals import AutoIntervals
 
 
@@ -76,25 +76,25 @@ VALIDATION_TABLE = [
     bad({"inv_update_steps": "automatic"}, ValueError, "inv_update_steps.*'auto'"),
     bad({"factor_update_steps": AutoIntervals(overhead=1.0), "inv_update_steps": AutoIntervals()}, ValueError,
         "factor_update_steps=.*inv_update_steps=.*same AutoIntervals", id="two different AutoIntervals"),
-    bad({"curvature": CurvatureConfig(stagger=True), "factor_update_steps": "auto"}, ValueError,
+    bad({"curvature": Later(CurvatureConfig, stagger=True), "factor_update_steps": "auto"}, ValueError,
         "stagger.*explicit factor_update_steps",
         id="stagger with auto intervals"),
     # the advanced ones
-    bad({"factor_decay": 1.0}, ValueError, "factor_decay"),
-    bad({"factor_decay": -0.1}, ValueError, "factor_decay"),
-    bad({"loss_reduction": "none"}, ValueError, "loss_reduction"),
-    bad({"weight_sharing": "sum"}, ValueError, "weight_sharing"),
-    bad({"skip_layers": "0"}, TypeError, "skip_layers"),
-    bad({"skip_layers": None}, TypeError, "skip_layers"),
-    bad({"skip_layers": [5]}, TypeError, "skip_layers"),
-    bad({"skip_layers": ["("]}, ValueError, "skip_layers"),
-    bad({"factor_dtype": torch.float16}, ValueError, "factor_dtype"),
-    bad({"inv_dtype": torch.bfloat16}, ValueError, "inv_dtype"),
-    bad({"grad_worker_fraction": 1.5}, ValueError, "grad_worker_fraction"),
-    bad({"grad_worker_fraction": "fastest"}, ValueError, "grad_worker_fraction"),
-    bad({"grad_scaler": object()}, TypeError, "grad_scaler"),
-    bad({"async_statistics": 1}, TypeError, "async_statistics.* must be a bool"),
-    bad({"stagger_factor_updates": 1}, TypeError, "stagger_factor_updates"),
+    bad({"curvature": Later(CurvatureConfig, factor_decay=1.0)}, ValueError, "factor_decay"),
+    bad({"curvature": Later(CurvatureConfig, factor_decay=-0.1)}, ValueError, "factor_decay"),
+    bad({"curvature": Later(CurvatureConfig, loss_reduction="none")}, ValueError, "loss_reduction"),
+    bad({"curvature": Later(CurvatureConfig, weight_sharing="sum")}, ValueError, "weight_sharing"),
+    bad({"curvature": Later(CurvatureConfig, skip_layers="0")}, TypeError, "skip_layers"),
+    bad({"curvature": Later(CurvatureConfig, skip_layers=None)}, TypeError, "skip_layers"),
+    bad({"curvature": Later(CurvatureConfig, skip_layers=[5])}, TypeError, "skip_layers"),
+    bad({"curvature": Later(CurvatureConfig, skip_layers=["("])}, ValueError, "skip_layers"),
+    bad({"curvature": Later(CurvatureConfig, factor_dtype=torch.float16)}, ValueError, "factor_dtype"),
+    bad({"curvature": Later(CurvatureConfig, inv_dtype=torch.bfloat16)}, ValueError, "inv_dtype"),
+    bad({"runtime": Later(RuntimeConfig, grad_worker_fraction=1.5)}, ValueError, "grad_worker_fraction"),
+    bad({"runtime": Later(RuntimeConfig, grad_worker_fraction="fastest")}, ValueError, "grad_worker_fraction"),
+    bad({"runtime": Later(RuntimeConfig, grad_scaler=object())}, TypeError, "grad_scaler"),
+    bad({"runtime": Later(RuntimeConfig, async_statistics=1)}, TypeError, "async_statistics.* must be a bool"),
+    bad({"curvature": Later(CurvatureConfig, stagger=1)}, TypeError, "stagger_factor_updates"),
     # the update rule
     bad({"update": {"grafting": "adam"}}, TypeError, "update", id="update=dict"),
     bad({"update": Later(UpdateConfig, trust_region="peak")}, ValueError, "trust_region"),

@@ -15,7 +15,7 @@ from test_factors import _float64  # noqa: F401 (autouse fixture)
 from test_layers import conv_patches_nd
 from torch import nn
 
-from kfac_optim import KFAC
+from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.layers import ConvBlock
 from kfac_optim.layers import conv as conv_module
 from kfac_optim.layers.factor import Support
@@ -209,7 +209,7 @@ def zero_taps_train(skip: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[t
     monkeypatch.setattr(ConvBlock, "skip_zero_taps", skip)
     torch.manual_seed(0)
     net = shrinking_net()
-    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=2, factor_dtype=torch.float64)
+    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=2, curvature=CurvatureConfig(factor_dtype=torch.float64))
     for _ in range(5):
         x, y = torch.randn(8, 3, 4, 4), torch.randint(0, 3, (8,))
         optimizer.zero_grad()

@@ -1,11 +1,11 @@
-"""Decompositions off the critical path: ``KFAC(async_decompositions=True)``.
+"""Decompositions off the critical path: ``KFAC(asynchronous=AsyncConfig())``.
 
 Owns: one worker thread that decomposes a round of factor snapshots, and handing the results
 back when the optimizer collects them; a round whose results were fetched early (to save them in a
 checkpoint, :meth:`BackgroundDecompositions.wait`) or restored from one (:meth:`~BackgroundDecompositions.hold`)
 is held until collected, so saving does not change when it is adopted.
 Must not know: layers, ranks, schedules (the optimizer decides what to snapshot and when to
-collect; see ``KFAC._decomposition_step`` for the step at which results are adopted).
+collect, and at which step results are adopted: docs/design.md §4, step 3).
 
 The worker only reads its snapshots (copies taken on the optimizer's thread), so the optimizer
 keeps folding into the running factors meanwhile. On CUDA the worker runs on its own stream,

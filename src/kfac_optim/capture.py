@@ -33,7 +33,7 @@ carries the real positions of its forward, fitted to its layer's input by the bl
 backward that writes ``.grad`` (:attr:`StatisticsCapture.transformed_skipped`, warned once by the
 estimator). A block whose layer takes the SGD path (``KroneckerBlock.sgd_reason``) is not hooked.
 
-Which backward records (docs/design.md §4, "Capture"; README "What feeds the factors"): a block
+Which backward records (docs/design.md §4, "Capture"; docs/guide.md "What feeds the factors"): a block
 records the output-gradients of the backward pass that writes its parameters' ``.grad`` (its
 weight's ``AccumulateGrad`` node runs in that graph task: :func:`~kfac_optim.layers.hooks.writes_gradient`),
 once per forward. So ``torch.autograd.grad`` side passes (monitoring, input gradients for FGSM or
@@ -74,7 +74,7 @@ With ``every_backward=False`` (the sampled Fisher) output-gradients are recorded
 :meth:`StatisticsCapture.recording`, the optimizer's extra backward pass at sampled targets; the
 training loss's own backward then passes the hooks without recording.
 
-With a statistics worker (``KFAC(async_statistics=True)``, see ``statistics_worker``) a recorded
+With a statistics worker (``RuntimeConfig(async_statistics=True)``, see ``statistics_worker``) a recorded
 pair is handed on by the worker instead of inside the backward pass, with the backward pass it
 came from (:func:`~kfac_optim.layers.hooks.in_graph_task`). The pair's tensors are read then, so
 a pair whose input or output-gradient was modified in place in between (a reused input buffer)

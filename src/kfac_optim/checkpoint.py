@@ -56,7 +56,7 @@ Decompositions are not saved: under ``grad_worker_fraction < 1`` each rank holds
 ones; they are recomputed from the factors at the first step after loading (identical to the
 saved run's when the checkpoint follows a decomposition step, as the factors then are those
 decomposed). The health counters (``discarded``, ``failures``) are one rank's. For the same
-reason the round of decompositions in flight under ``async_decompositions`` (which
+reason the round of decompositions in flight under ``AsyncConfig`` (which
 ``KFAC.state_dict()`` saves) is left out: a run resumed from DCP holds no round, decomposes its
 factors in line at its first step, and so does not continue bit-identically with the saved run.
 

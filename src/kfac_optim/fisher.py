@@ -1,7 +1,7 @@
 """Sampled targets for the true Fisher: losses at targets drawn from the model's own predictions.
 
 Owns: the supported likelihoods and the loss whose output-gradients give G's statistics when
-``KFAC(fisher="sampled")``.
+``KFAC(curvature=CurvatureConfig(fisher="sampled"))``.
 Must not know: hooks, blocks, the step.
 
 The empirical Fisher (docs/design.md §3) takes G from the gradients of the training loss at the data's

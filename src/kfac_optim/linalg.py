@@ -40,7 +40,7 @@ class Eigen:
         return self.Q.shape[1] < self.Q.shape[0]
 
 
-# Rank selection (DESIGN §3 eigen damping). Preconditioning weighs the eigenpair (i, j) of
+# Rank selection (docs/design.md §3, the eigen method). Preconditioning weighs the eigenpair (i, j) of
 # G ⊗ A by 1/(d_G,i·d_A,j + λ); a dropped eigenvalue counts as 0, i.e. its weight becomes 1/λ,
 # a relative change of d_G,i·d_A,j/(d_G,i·d_A,j + λ) ≤ d_A,j·tr(G)/λ. Dropping the eigenvalues of
 # A at or below RANK_RTOL·λ/tr(G) (and of G at or below RANK_RTOL·λ/tr(A)) therefore changes every

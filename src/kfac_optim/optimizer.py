@@ -117,7 +117,7 @@ class KFAC(Optimizer, Joinable):
             GradScaler, the statistics thread.
         update: :class:`~kfac_optim.config.UpdateConfig`: how directions become the step: the
             trust region's base lr, decoupled weight decay, grafting.
-        **deprecated: the flat keywords of earlier releases (``fisher=``, ``async_delay=``, ...),
+        **deprecated: the flat keywords of earlier releases (``kfac_optim.config.DEPRECATED_KEYWORDS``),
             accepted with a ``DeprecationWarning`` naming their new spelling (docs/api.md).
 
     Mixed precision: ``scaler.step(optimizer)`` with a ``torch.amp.GradScaler`` skips the whole

@@ -16,12 +16,12 @@ call ``step()`` with ``optimizer.found_inf`` and ``optimizer.grad_scale`` set (t
   ``s⁻²`` as a device tensor, so no per-layer sync.
 
 After ``scaler.unscale_(optimizer)`` (gradient clipping) ``GradScaler.step`` sets ``grad_scale``
-to None: the gradients are already unscaled, the statistics are not. ``KFAC(grad_scaler=scaler)``
+to None: the gradients are already unscaled, the statistics are not. ``KFAC(runtime=RuntimeConfig(grad_scaler=scaler))``
 names the scaler whose (not yet updated) scale is read then; without it the step's statistics
 cannot be corrected and are dropped with a warning (the factors are never corrupted, but they
 are not updated either).
 
-Statistics of the sampled Fisher (``KFAC(fisher="sampled")``) come from an extra backward pass
+Statistics of the sampled Fisher (``CurvatureConfig(fisher="sampled")``) come from an extra backward pass
 that is never loss-scaled: ``MixedPrecision(statistics_loss_scaled=False)`` leaves them alone
 (gradients are still unscaled as above).
 

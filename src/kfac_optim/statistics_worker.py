@@ -1,4 +1,4 @@
-"""Statistics off the critical path: ``KFAC(async_statistics=True)``.
+"""Statistics off the critical path: ``KFAC(runtime=RuntimeConfig(async_statistics=True))``.
 
 Owns: one worker thread that runs statistics work (a captured pair's Gram products, a factor
 step's fold) in submission order, waiting for it, and surfacing its errors on the caller's thread.

@@ -36,7 +36,7 @@ def current_graph_task() -> int:
 @contextlib.contextmanager
 def in_graph_task(task: int) -> Iterator[None]:
     """Record statistics captured in graph task ``task`` as if inside it, on another thread (the
-    statistics worker of ``KFAC(async_statistics=True)``): per-backward bookkeeping such as
+    statistics worker of ``RuntimeConfig(async_statistics=True)``): per-backward bookkeeping such as
     :meth:`KroneckerBlock.count_samples` sees the backward pass the pair came from."""
     _replayed_task.id = task
     try:
@@ -102,7 +102,7 @@ class InertHook:
 
 class CopiedAsInert:
     """A hook object that a deep-copied or pickled model gets as an :class:`InertHook`: a hook
-    records only for the module object it was registered on (docs/design.md §4, "Lifetime")."""
+    records only for the module object it was registered on (docs/design.md §4, "Capture lifecycle")."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> InertHook:
         return InertHook()
