@@ -326,7 +326,7 @@ def test_ranks_stay_identical_when_training_goes_on_after_join(ranks) -> None:
 @pytest.mark.parametrize(
     ("key", "expected"),
     [
-        ("refused mem-opt", "ValueError: KFAC under Join needs grad_worker_fraction=1"),
+        ("refused mem-opt", "ValueError: KFAC under Join needs RuntimeConfig(grad_worker_fraction=1)"),
         ("refused optimizer first", "ValueError: Join: pass the DDP model before the KFAC optimizer"),
         ("refused model only", "ValueError: the DDP model runs under Join but its KFAC optimizer does not"),
     ],

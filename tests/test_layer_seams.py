@@ -63,7 +63,7 @@ def test_block_overrides_reject_entries_that_are_not_module_and_block_classes() 
 
 def test_a_block_that_does_not_implement_reduce_keeps_expand_and_says_so() -> None:
     model = nn.Sequential(Twice(3), nn.Linear(3, 3))
-    message = r"weight_sharing='reduce' is not implemented by the block\(s\) of '0' \(RowsOnly\)"
+    message = r"CurvatureConfig\(weight_sharing='reduce'\) is not implemented by the block\(s\) of '0' \(RowsOnly\)"
     with pytest.warns(UserWarning, match=message):
         (custom, linear), reports = discover(model, blocks={Twice: RowsOnly}, weight_sharing="reduce")
     assert not custom.reduce and linear.reduce

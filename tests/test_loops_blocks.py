@@ -158,16 +158,18 @@ def test_a_subclass_overriding_forward_inherits_no_block_and_is_named_once_with_
 # Today: no warning.
 def test_an_lr_of_zero_at_construction_warns_and_the_clip_is_indeed_off() -> None:
     """The warning's reason, checked: built at lr 0 and warmed up by hand to 0.1, the run is the
-    run without a KL clip, bit for bit (ν = 1 at every step)."""
+    run without a KL clip, bit for bit (ν = 1 at every step). The clip at the base lr is
+    ``trust_region="base_lr"``; the default (``"lr_squared"``) does not depend on it (below)."""
     runs = []
+    base_lr = UpdateConfig(trust_region="base_lr")
     for kl_clip, lr in ((1e-3, 0.0), (None, 0.0)):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
         if kl_clip is not None:
             with pytest.warns(UserWarning, match=r"lr=0 .* never clips .* scheduler"):
-                optimizer = KFAC(model, lr=lr, kl_clip=kl_clip, **FIXED)
+                optimizer = KFAC(model, lr=lr, kl_clip=kl_clip, update=base_lr, **FIXED)
         else:
-            optimizer = KFAC(model, lr=lr, kl_clip=kl_clip, **FIXED)
+            optimizer = KFAC(model, lr=lr, kl_clip=kl_clip, update=base_lr, **FIXED)
         for group in optimizer.param_groups:
             group["lr"] = 0.1  # the hand-written warmup's peak
         train_steps(model, optimizer, range(3))
@@ -181,6 +183,24 @@ def test_an_lr_of_zero_at_construction_warns_and_the_clip_is_indeed_off() -> Non
         optimizer = KFAC(model, lr=0.1, **FIXED)
         torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
+def test_under_the_default_trust_region_a_run_built_at_lr_zero_is_the_run_built_at_its_peak() -> None:
+    """``"lr_squared"`` takes ν at lr 1, so a hand-written warmup from lr 0 clips as a run built at
+    the peak lr does: no warning, and the same parameters bit for bit."""
+    runs = []
+    for built_at in (0.0, 0.1):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            optimizer = KFAC(model, lr=built_at, kl_clip=1e-3, **FIXED)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1
+        train_steps(model, optimizer, range(3))
+        runs.append(model)
+    for (name, a), b in zip(runs[0].named_parameters(), runs[1].parameters(), strict=True):
+        assert torch.equal(a, b), name
 
 
 # -- 4. eigen_adam: the parameters outside K-FAC follow Adam ---------------------------------------

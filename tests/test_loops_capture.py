@@ -388,10 +388,11 @@ def test_nested_jagged_inputs_through_linear_layers_give_the_factors_of_the_real
 
 def test_a_nested_input_to_a_block_without_nested_support_is_refused_naming_the_layer() -> None:
     model = nn.Sequential(nn.Embedding(7, 3))
-    loop_kfac(model)
+    optimizer = loop_kfac(model)  # kept: the hooks live as long as the optimizer
     batch = torch.nested.nested_tensor([torch.tensor([1, 2]), torch.tensor([3])], layout=torch.jagged)
     with pytest.raises(TypeError, match=r"K-FAC layer '0' \(EmbeddingBlock\) cannot record a nested tensor"):
         model(batch)
+    del optimizer
 
 
 def test_a_sequence_first_model_with_one_sequence_is_not_taken_for_batch_free() -> None:

@@ -179,9 +179,10 @@ def test_no_code_passes_kfac_a_flat_keyword() -> None:
 def test_no_document_or_docstring_spells_a_setting_the_old_way() -> None:
     """The README, docs/ and the docstrings and comments of src/, tests/, examples/ and benchmarks/.
     Left out: what defines or tests the old spellings (kfac_optim/config.py, docs/api.md's migration
-    table, this file and test_config.py) and the records of past runs and changes
+    table, this file, test_config.py and test_message_spelling.py) and the records of past runs and changes
     (benchmarks/RESULTS.md, CHANGELOG.md), which keep the spelling of their time."""
-    exempt = {ROOT / "src" / "kfac_optim" / "config.py", Path(__file__).resolve(), ROOT / "tests" / "test_config.py"}
+    exempt = {ROOT / "src" / "kfac_optim" / "config.py", Path(__file__).resolve(), ROOT / "tests" / "test_config.py",
+              ROOT / "tests" / "test_message_spelling.py"}
     paths = [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md")), *sorted(ROOT.glob("src/**/*.py")),
              *sorted(ROOT.glob("tests/**/*.py")), *sorted(ROOT.glob("examples/**/*.py")),
              *sorted(ROOT.glob("benchmarks/**/*.py"))]

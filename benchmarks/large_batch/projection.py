@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torchvision
 from torch import nn
 
 from benchmarks.comm_bytes import comm_bytes
+from benchmarks.plan_report import torchvision_model
 from kfac_optim.distributed.plan import eigh_cost, make_plan, work_items
 
 
@@ -61,7 +61,7 @@ WORLDS = (8, 16, 32, 64, 128, 256)
 def resnet50_layers() -> list[dict[str, int]]:
     """Per conv / linear layer of ResNet-50 at 224 px: in (with bias / kernel), out, output positions."""
     with torch.device("meta"):
-        model = torchvision.models.resnet50(weights=None)
+        model = torchvision_model("resnet50")
         layers: list[dict[str, int]] = []
 
         def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:

@@ -399,8 +399,8 @@ class StatisticsCapture:
                 self._warn_untraced(block, untraced)
         if output.is_nested and not block.takes_nested:
             raise TypeError(f"K-FAC layer '{block.name}' ({type(block).__name__}) cannot record a nested tensor input "
-                            "(torch.nested): pad it and pass the mask with KFAC.mask(), or skip_layers="
-                            f"[{block.name!r}]")
+                            "(torch.nested): pad it and pass the mask with KFAC.mask(), or "
+                            f"curvature=CurvatureConfig(skip_layers=[{block.name!r}])")
         capture = weakref.ref(self)
         positions = None if self.positions is None else block.mask_of(layer_input, self.positions)
         tapped = self._new_tapped(block, layer_input, param, self.model_calls, positions)

@@ -140,7 +140,7 @@ class KroneckerBlock(ABC):
             raise ValueError(
                 f"K-FAC layer '{name}' ({type(module).__name__}) has uninitialized (lazy) parameters, so K-FAC cannot "
                 "size its factors: run one forward pass (e.g. on a sample batch) before creating KFAC, or pass "
-                f"skip_layers=[{name!r}] to leave it to SGD"
+                f"curvature=CurvatureConfig(skip_layers=[{name!r}]) to leave it to SGD"
             )
         claimed.add(weight)
         include_bias = bias is not None and bias in trainable and bias not in claimed
