@@ -19,6 +19,7 @@ from tqdm import tqdm
 from benchmarks.large_batch import projection, study
 from benchmarks.large_batch.tasks import STUDIES
 from benchmarks.peers import optimizers
+from benchmarks.peers.protocol import Runner
 
 NAMES = {"sgd": "SGD", "adamw": "AdamW", "muon": "Muon", "soap": "SOAP", "kfac_dropin": "K-FAC drop-in",
          "kfac": "EigenAdam"}
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(f"{run['task']}/{run['optimizer']} b{run['batch']} lr {run['lr']:.3g}")
             bar.update()
 
-        pool = study.Pool(args.jobs, done)
+        pool = Runner(args.jobs, done, run=study.train)
         try:
             for task in args.tasks:
                 grid_runs = pool.map(study.grid_specs(task, names, args.batches, args.grid_points, args.max_steps,

@@ -31,10 +31,8 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from multiprocessing import get_context
 from typing import Any
 
 import torch
@@ -138,30 +136,6 @@ def selection_key(run: Run) -> tuple[float, float]:
     """Smaller is better: steps to the target on validation, then minus the final validation accuracy."""
     final_val = -math.inf if run["diverged"] else run["history"][-1]["val"]
     return to_target(run, "val"), -final_val
-
-
-class Pool:
-    """Runs specs inline (``jobs`` 1) or in ``jobs`` spawned processes, calling ``on_done`` per finished run."""
-
-    def __init__(self, jobs: int, on_done: Callable[[Run], None]) -> None:
-        self.on_done = on_done
-        self.pool = ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) if jobs > 1 else None
-
-    def map(self, specs: Iterable[RunSpec]) -> list[Run]:
-        if self.pool is None:
-            runs = []
-            for spec in specs:
-                runs.append(train(spec))
-                self.on_done(runs[-1])
-            return runs
-        futures: list[Future[Run]] = [self.pool.submit(train, spec) for spec in specs]
-        for future in futures:
-            future.add_done_callback(lambda f: self.on_done(f.result()))
-        return [future.result() for future in futures]
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
 
 
 def grid(name: str, batch: int, smallest: int, points: int) -> list[float]:

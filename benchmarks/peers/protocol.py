@@ -113,20 +113,22 @@ def score(run: Run, higher_is_better: bool) -> float:
 
 
 class Runner:
-    """Runs specs inline (``jobs`` 1) or in ``jobs`` spawned worker processes, reporting each finished run."""
+    """Runs specs inline (``jobs`` 1) or in ``jobs`` spawned worker processes, reporting each finished
+    run. ``run``: what runs one spec (a module-level function, so that workers can import it): this
+    module's :func:`train` by default; ``benchmarks.large_batch`` passes its own."""
 
-    def __init__(self, jobs: int, on_done: Callable[[Run], None]) -> None:
-        self.jobs, self.on_done = jobs, on_done
+    def __init__(self, jobs: int, on_done: Callable[[Any], None], run: Callable[[Any], Any] | None = None) -> None:
+        self.jobs, self.on_done, self.run = jobs, on_done, train if run is None else run
         self.pool = ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) if jobs > 1 else None
 
-    def map(self, specs: Iterable[RunSpec]) -> list[Run]:
+    def map(self, specs: Iterable[Any]) -> list[Any]:
         if self.pool is None:
             runs = []
             for spec in specs:
-                runs.append(train(spec))
+                runs.append(self.run(spec))
                 self.on_done(runs[-1])
             return runs
-        futures: list[Future[Run]] = [self.pool.submit(train, spec) for spec in specs]
+        futures: list[Future[Any]] = [self.pool.submit(self.run, spec) for spec in specs]
         for future in futures:
             future.add_done_callback(lambda f: self.on_done(f.result()))
         return [future.result() for future in futures]
