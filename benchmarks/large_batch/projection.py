@@ -50,7 +50,8 @@ class Assumptions:
     inv_every: int = 100
     """K-FAC's intervals (KAISA's ResNet-50 ImageNet settings)."""
     kfac_epochs_ratio: float = 55 / 90
-    """K-FAC's epochs to 75.9% over SGD's on ResNet-50/ImageNet as reported by the seeds (KAISA, SC20)."""
+    """K-FAC's epochs to 75.9% over SGD's on ResNet-50/ImageNet, as recalled from the seeds (KAISA, SC20);
+    not checked against the paper (docs/large_batch.md)."""
 
 
 EIGH_FLOPS_PER_DIM3 = 9.0
