@@ -99,8 +99,9 @@ def test_a_method_declares_its_basis_and_never_gets_another() -> None:
     class Full(Eigen):
         basis: ClassVar[Basis] = Basis.FULL
 
-    layer = nn.Linear(64, 3)  # A 65x65 of rank 2 (two rows): Eigen holds it thin (65, 2), a FULL method whole
+    # A 65x65 of rank 2 (two rows): Eigen holds it thin (65, 2), a method declaring FULL whole.
     for method, columns in ((Eigen(max_rank=None), 2), (Full(max_rank=None), 65)):
+        layer = nn.Linear(64, 3)
         optimizer = KFAC(layer, lr=0.1, method=method, factor_update_steps=1, inv_update_steps=10)
         layer(torch.randn(2, 64)).sum().backward()
         optimizer.step()
