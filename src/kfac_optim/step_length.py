@@ -53,7 +53,7 @@ class NoClip:
         return directions
 
 
-def copy_lr(lr: float | Tensor) -> float | Tensor:
+def _copy_lr(lr: float | Tensor) -> float | Tensor:
     """A param group's lr as its base lr: a float as is, a tensor lr cloned (a scheduler updates it in place)."""
     return lr.clone() if isinstance(lr, Tensor) else lr
 
@@ -72,7 +72,7 @@ class TrustRegion:
     def add_group(self, group: dict[str, Any], index: int) -> None:
         """Save the group's lr now as its base lr, ``"kfac_base_lr"`` (unless the group names one),
         and warn once when the clip is computed at a base lr of 0 (ν = 1 always)."""
-        group.setdefault("kfac_base_lr", copy_lr(group["lr"]))
+        group.setdefault("kfac_base_lr", _copy_lr(group["lr"]))
         if (self._warned_zero_base_lr or self.kl_clip is None or self.rule != "base_lr"
                 or float(group["kfac_base_lr"]) != 0.0):
             return
@@ -95,7 +95,7 @@ class TrustRegion:
         if self.rule == "scheduled_lr":
             return group["lr"]
         if "kfac_base_lr" not in group:
-            group["kfac_base_lr"] = copy_lr(group.get("initial_lr", group["lr"]))
+            group["kfac_base_lr"] = _copy_lr(group.get("initial_lr", group["lr"]))
         return group["kfac_base_lr"]
 
 
