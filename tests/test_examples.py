@@ -100,9 +100,11 @@ def test_imagenet_shaped_recipe_checkpoints_on_rank_0_and_resumes_exactly_on_two
     ``--dist-timeout`` bounds every collective: a rank that waits for the others fails the test."""
     common = ["--world-size", "2", "--epochs", "3", "--batch-size", "16", "--train-size", "64", "--val-size", "32",
               "--factor-update-steps", "1", "--inv-update-steps", "3", "--amp", "bf16", "--dist-timeout", "30"]
-    assert imagenet.main([*common, "--keep-checkpoints", "--checkpoint-dir", str(tmp_path / "straight")]) == 0
+    assert imagenet.main([*common, "--keep-checkpoints", "--checkpoint-dir", str(tmp_path / "straight"),
+                          "--dist-url", f"file://{tmp_path / 'rendezvous-straight'}"]) == 0
     assert imagenet.main([*common, "--resume", str(tmp_path / "straight" / "checkpoint-epoch1.pth.tar"),
-                          "--checkpoint-dir", str(tmp_path / "resumed")]) == 0
+                          "--checkpoint-dir", str(tmp_path / "resumed"),
+                          "--dist-url", f"file://{tmp_path / 'rendezvous-resumed'}"]) == 0
     out = capfd.readouterr().out
     assert out.count("2 ranks, parameters bit-identical on every rank: True") == 2
     assert "=> loaded checkpoint" in out and "epoch 3/3" in out

@@ -25,7 +25,7 @@ FLOAT64 = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64)
 
 
 @pytest.fixture(autouse=True)
-def _float64() -> Iterator[None]:
+def _default_float64() -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     yield

@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also keep every epoch's checkpoint as checkpoint-epoch<N>.pth.tar")
     parser.add_argument("--world-size", type=int, default=1, help="processes to spawn (ranks)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
+    parser.add_argument("--dist-url", help="the ranks' rendezvous, as main.py's (default: a free TCP port here); "
+                        "a file:// URL (a path that does not exist yet) needs no port")
     parser.add_argument("--dist-timeout", type=float, default=1800.0, help="process group timeout (seconds)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--image-size", type=int, default=16)
@@ -84,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.world_size == 1:
         return main_worker(0, args)
-    with socket.socket() as free:  # a free port on this machine for the ranks' rendezvous
-        free.bind(("127.0.0.1", 0))
-        args.dist_url = f"tcp://127.0.0.1:{free.getsockname()[1]}"
+    if args.dist_url is None:
+        with socket.socket() as free:  # a free port on this machine for the ranks' rendezvous
+            free.bind(("127.0.0.1", 0))
+            args.dist_url = f"tcp://127.0.0.1:{free.getsockname()[1]}"
     try:
         mp.spawn(spawned_worker, nprocs=args.world_size, args=(args,))
     except mp.ProcessExitedException:  # a rank's own check failed (rank 0 printed which)
@@ -190,7 +193,8 @@ def main_worker(rank: int, args: argparse.Namespace) -> int:
 
     status = 0 if not distributed else ranks_agree(model, rank, args.world_size, device)
     if distributed:
-        dist.destroy_process_group()
+        dist.barrier()  # every rank done with its collectives before any tears gloo down (an early
+        dist.destroy_process_group()  # teardown crashed a rank at exit once: "terminate called")
     return status
 
 
