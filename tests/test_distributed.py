@@ -164,7 +164,7 @@ def symmetric_matrices(seed: int) -> list[torch.Tensor]:
     return [m + m.T for m in matrices]
 
 
-MODERN_RUNS = [(1.0, "eigen"), ("mem-opt", "inverse")]
+MODERN_RUNS = [(1.0, "eigen"), ("mem-opt", "inverse"), ("mem-opt", "root")]  # root: its Eigen bases travel
 CAPPED = Eigen(max_rank=4)  # fc1's A (33), conv's A (10), fc2's A and G (8 each), head's A (7): truncated at step 0 (12 rows)
 
 

@@ -158,6 +158,15 @@ def test_the_package_has_no_import_cycle() -> None:
     assert not components(graph), "import cycles:\n" + cycle_report(graph)
 
 
+
+def test_the_optimizer_leaves_the_step_length_to_its_owner() -> None:
+    """``optimizer.py`` hands the step's length to ``step_length.py``, which alone touches FSDP2's
+    shards for it (issue 27: the KL clip no longer reaches into ``distributed.fsdp`` from the optimizer)."""
+    graph = import_graph()
+    assert "kfac_optim.distributed.fsdp" not in graph["kfac_optim.optimizer"]
+    assert "kfac_optim.step_length" in graph["kfac_optim.optimizer"]
+
+
 if __name__ == "__main__":
     graph = import_graph()
     if components(graph):

@@ -5,6 +5,7 @@ from kfac_optim.config import AsyncConfig, CurvatureConfig, RuntimeConfig, Updat
 from kfac_optim.damping import AdaptiveDamping
 from kfac_optim.layers import KroneckerBlock, discover_blocks, register_block
 from kfac_optim.methods import DampedInverse, Eigen, EigenAdam, Method
+from kfac_optim.methods_root import RootKronecker  # registers method="root"
 from kfac_optim.optimizer import KFAC
 from kfac_optim.schedules import MilestoneSchedule
 
@@ -19,6 +20,7 @@ __all__ = [
     "KroneckerBlock",
     "Method",
     "MilestoneSchedule",
+    "RootKronecker",
     "RuntimeConfig",
     "UpdateConfig",
     "__version__",

@@ -165,7 +165,7 @@ class KroneckerEstimator:
         self._checked_capture = False
         self._warned_bias: set[str] = set()  # blocks warned about a bias frozen or unfrozen after construction
         # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (counted by the
-        # optimizer's KL clip, left out of ν), on the device; and per block, how many were reported.
+        # KL clip, step_length.KLClip, left out of ν), on the device; and per block, how many were reported.
         self.nonfinite_directions = torch.zeros(len(self.parameters()), dtype=torch.int64, device=device)
         self._reported_nonfinite = [0] * len(self.blocks)
         self.arm()

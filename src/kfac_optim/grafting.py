@@ -1,11 +1,12 @@
 """Grafting (Agarwal et al. 2020, "Disentangling adaptive gradient methods from learning rates";
 Distributed Shampoo's default): K-FAC's direction with the step length of a simple optimizer.
 
-Owns: the per-parameter-tensor graft of ``UpdateConfig(grafting=...)`` and the graft optimizer's
+Owns: the per-parameter-tensor grafts of ``UpdateConfig(grafting=...)`` (:class:`SGDGraft`,
+:class:`AdamGraft`, two of ``kfac_optim.step_length``'s step lengths) and the graft optimizer's
 state (Adam's moments, in the optimizer's ``state[p]`` so ``state_dict()`` carries them); Adam's
 step for the parameters that ``method="eigen_adam"`` leaves outside K-FAC (:class:`AdamOutsideKFAC`,
 the same step and state).
-Must not know: the curvature, the blocks, SGD's update (``KFAC._sgd_update`` applies the result).
+Must not know: the curvature, the blocks, the KL clip, SGD's update (``KFAC._sgd_update`` applies the result).
 
 For every parameter ``p`` with a gradient ``∇p`` (docs/design.md §4.1)::
 
@@ -22,15 +23,13 @@ and SGD's update then runs on ``d`` (under "adam" with momentum 0: Adam's ``m`` 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from kfac_optim.config import UpdateConfig
-
-__all__ = ["AdamOutsideKFAC", "Grafting", "adam_step"]
+__all__ = ["AdamGraft", "AdamOutsideKFAC", "SGDGraft", "adam_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,33 +37,44 @@ _TINY = 1e-30
 """Floor of ``‖M‖``: a zero direction stays zero instead of becoming nan."""
 
 
-class Grafting:
-    """``d = M·‖s‖/‖M‖`` per parameter tensor (see the module docstring); ``config.grafting`` is set."""
+class SGDGraft:
+    """``UpdateConfig(grafting="sgd")``: ``d = V·‖∇p‖/‖V‖`` per K-FAC parameter tensor; every other
+    parameter keeps its gradient (SGD's path). A :class:`kfac_optim.step_length.StepLength`."""
 
-    def __init__(self, config: UpdateConfig) -> None:
-        if config.grafting is None:
-            raise ValueError("Grafting needs UpdateConfig.grafting set ('sgd' or 'adam')")
-        self.kind = config.grafting
-        self.betas = config.adam_betas
-        self.eps = config.adam_eps
+    def __init__(self, row_sharded: bool) -> None:
+        _refuse_row_sharding(row_sharded)
 
-    def directions(self, params: Iterable[Tensor], state: dict[Tensor, dict[str, Any]],
-                   preconditioned: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
-        """The grafted direction ``d`` of every parameter in ``params`` with a gradient, by parameter.
+    def apply(self, directions: dict[Tensor, Tensor], groups: list[dict[str, Any]],
+              state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, Tensor]:
+        """The grafted direction of every parameter of ``groups`` with a gradient and a K-FAC
+        direction ``V`` in ``directions`` (scaled in place), by parameter."""
+        grafted: dict[Tensor, Tensor] = {}
+        for p in _with_gradients(groups):
+            direction = directions.get(p)
+            if direction is not None:
+                grafted[p] = direction.mul_(_norm_ratio(p.grad, direction))
+        return grafted
 
-        ``preconditioned``: K-FAC's ``V`` by parameter (the parameters it preconditions). Under "sgd"
-        the parameters without ``V`` are left out (SGD's path uses their gradient, ``s = ∇p``).
-        """
-        params = [p for p in params if p.grad is not None]
-        if self.kind == "adam":
-            _refuse_sparse(params, "UpdateConfig.grafting='adam'")
+
+class AdamGraft:
+    """``UpdateConfig(grafting="adam")``: ``d = M·‖s‖/‖M‖`` per K-FAC parameter tensor, ``d = s`` for
+    every other parameter with a gradient (the module docstring); Adam's moments and the average
+    ``M`` in ``state[p]``. A :class:`kfac_optim.step_length.StepLength`."""
+
+    def __init__(self, betas: tuple[float, float], eps: float, row_sharded: bool) -> None:
+        _refuse_row_sharding(row_sharded)
+        self.betas = betas
+        self.eps = eps
+
+    def apply(self, directions: dict[Tensor, Tensor], groups: list[dict[str, Any]],
+              state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, Tensor]:
+        """The grafted direction ``d`` of every parameter of ``groups`` with a gradient, by parameter
+        (``directions``: K-FAC's ``V`` by parameter, the parameters it preconditions)."""
+        params = list(_with_gradients(groups))
+        _refuse_sparse(params, "UpdateConfig.grafting='adam'")
         grafted: dict[Tensor, Tensor] = {}
         for p in params:
-            direction = preconditioned.get(p)
-            if self.kind == "sgd":
-                if direction is not None:
-                    grafted[p] = direction.mul_(_norm_ratio(p.grad, direction))
-                continue
+            direction = directions.get(p)
             step = adam_step(p.grad, state[p], self.betas, self.eps)
             if direction is None:
                 grafted[p] = step
@@ -76,6 +86,16 @@ class Grafting:
             grafted[p] = average * _norm_ratio(step, average)
         return grafted
 
+
+def _with_gradients(groups: list[dict[str, Any]]) -> Iterator[Tensor]:
+    """The parameters of ``groups`` that have a gradient, in group order."""
+    return (p for group in groups for p in group["params"] if p.grad is not None)
+
+
+def _refuse_row_sharding(row_sharded: bool) -> None:
+    """``NotImplementedError`` under FSDP2 row sharding (a tensor's norm would need its shards' sums)."""
+    if row_sharded:
+        raise NotImplementedError("UpdateConfig.grafting is not supported with FSDP2-sharded parameters")
 
 
 def adam_step(grad: Tensor, state: dict[str, Any], betas: tuple[float, float], eps: float) -> Tensor:

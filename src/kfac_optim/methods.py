@@ -13,6 +13,13 @@ Factor kinds (see ``layers.factor``): **dense** ``(n, n)``, or ``(k, n, n)`` for
 blocks (grouped convolutions), and **diagonal** ``(n,)``. A joint gradient is ``(out, in)`` (or
 ``(k, out, in)``) with ``G`` on the left and ``A`` on the right.
 
+Basis: each method declares the decomposition its :meth:`Method.precondition` takes
+(:attr:`Method.basis`, a :class:`Basis`): full eigenbases, eigenbases that may be thin or capped
+with an isotropic complement, or damped inverses. A method that defines ``precondition`` must
+declare its basis (``TypeError`` at class definition otherwise), and an eigen method that needs
+full bases refuses the eigenbasis cap at construction (``ValueError`` naming the method and
+``max_rank``): no method is handed a basis it did not declare.
+
 Method state: a method may keep per-block tensors across steps (:attr:`Method.stateful`, e.g.
 :class:`EigenAdam`'s second moments). They live in the dict the block hands to
 :meth:`Method.precondition` (``KroneckerBlock.method_state``), saved with the block's state.
@@ -24,6 +31,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import ClassVar, Protocol
 
 import torch
@@ -58,13 +66,38 @@ class FactorView(Protocol):
 
 
 
+class Basis(Enum):
+    """The decomposition of a dense factor that a method's :meth:`Method.precondition` takes
+    (a diagonal factor is always its eigenvalues, its basis the identity)."""
+
+    FULL = "full"
+    """Full eigenbases: ``linalg.Eigen`` with ``Q (..., n, n)``, every eigenvalue, no complement."""
+    CAPPED = "capped"
+    """Eigenbases that may be thin (``Q (n, r)``, the dropped eigenvalues counting as 0) or capped
+    with an isotropic complement ``σ`` (``linalg.Eigen.complement``): :class:`Eigen`'s solve."""
+    INVERSE = "inverse"
+    """Damped inverses ``(F + shift·I)⁻¹ (..., n, n)``: :class:`DampedInverse`'s."""
+
+
 class Method(ABC):
     """A way to apply ``(G ⊗ A + λI)⁻¹`` (exactly or approximately) from per-factor decompositions."""
 
     name: str
+    basis: ClassVar[Basis]
+    """The decomposition :meth:`precondition` takes (:class:`Basis`). A class that defines
+    ``precondition`` declares it in its own body (checked when the class is defined), so a
+    subclass never inherits a basis its own ``precondition`` was not written for."""
     stateful: ClassVar[bool] = False
     """Whether :meth:`precondition` keeps per-block state across steps in its ``state`` argument
     (it must then see every step's gradient of its blocks on the rank that holds the state)."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "precondition" in vars(cls) and not isinstance(vars(cls).get("basis"), Basis):
+            raise TypeError(
+                f"{cls.__name__} defines precondition but does not declare the basis it takes: set the class "
+                f"attribute basis = Basis.FULL, Basis.CAPPED or Basis.INVERSE (kfac_optim.methods.Basis)"
+            )
 
     @abstractmethod
     def decompose(
@@ -198,22 +231,35 @@ class Eigen(Method):
     (``linalg.symmetric_eigen``, ``linalg.complement_precondition``). Factors within the cap, and
     a capped one's factor of rank ≤ ``max_rank``, are solved exactly as without it. ``describe()``
     names the factors the cap applies to, and the log each factor it truncates.
+
+    Subclasses reuse its decompositions, shipping and costs with their own ``precondition`` and
+    :attr:`~Method.basis`: one declaring :attr:`Basis.FULL` gets full eigenbases (no thin bases, no
+    cap: ``max_rank`` must be None, else ``ValueError`` at construction naming the method and cap).
     """
 
     max_rank: int | None = field(default=DEFAULT_MAX_RANK, kw_only=True)
 
     name: ClassVar[str] = "eigen"
+    basis: ClassVar[Basis] = Basis.CAPPED
 
     def __post_init__(self) -> None:
         if self.max_rank is not None and (isinstance(self.max_rank, bool) or not isinstance(self.max_rank, int)
                                           or self.max_rank < 1):
             raise ValueError(f"Eigen max_rank must be an int >= 1 or None, got {self.max_rank!r}")
+        if self.basis is Basis.INVERSE:
+            raise TypeError(f"{type(self).__name__} is an Eigen: its basis must be Basis.FULL or Basis.CAPPED, not INVERSE")
+        if self.basis is Basis.FULL and self.max_rank is not None:
+            raise ValueError(
+                f"{type(self).__name__} takes full eigenbases (basis=Basis.FULL), so the eigenbasis cap does not "
+                f"apply to it: max_rank must be None, got max_rank={self.max_rank!r}"
+            )
 
     def capped(self, factor: FactorView) -> bool:
         """Whether the cap applies to ``factor``'s layout: dense, ungrouped and wider than ``max_rank``
         (it then travels with its isotropic ``complement``: ``σ``, or 0 when it has none, which a
-        receiver tells from ``Q``'s columns, see ``linalg.Eigen``)."""
-        return self.max_rank is not None and not factor.diagonal and factor.groups == 1 and factor.dim > self.max_rank
+        receiver tells from ``Q``'s columns, see ``linalg.Eigen``). Never under :attr:`Basis.FULL`."""
+        return (self.basis is Basis.CAPPED and self.max_rank is not None and not factor.diagonal
+                and factor.groups == 1 and factor.dim > self.max_rank)
 
     def _capped_in_pair(self, factor: FactorView, a: FactorView, g: FactorView) -> bool:
         """Whether the cap truncates ``factor`` of the pair ``(a, g)`` once its rank exceeds the cap."""
@@ -260,8 +306,9 @@ class Eigen(Method):
 
     def rank_thresholds(self, a: FactorView, g: FactorView, damping: float) -> tuple[float | None, float | None]:
         """For two dense ungrouped factors (the solve of ``linalg.eigen_precondition``), each factor's
-        :func:`linalg.rank_threshold` from the other's trace; None otherwise."""
-        if not _thin_solve(a, g):
+        :func:`linalg.rank_threshold` from the other's trace; None otherwise, and always None under
+        :attr:`Basis.FULL` (full bases: every eigenvalue kept)."""
+        if self.basis is not Basis.CAPPED or not _thin_solve(a, g):
             return None, None
         traces = torch.stack([torch.trace(a.running), torch.trace(g.running)]).tolist()
         return linalg.rank_threshold(damping, traces[1]), linalg.rank_threshold(damping, traces[0])
@@ -329,6 +376,7 @@ class DampedInverse(Method):
     so a wide factor costs O(n³) to invert and O(out·in·n) per step to apply."""
 
     name = "inverse"
+    basis: ClassVar[Basis] = Basis.INVERSE
 
     def decompose(
         self, factor: FactorView, shift: float, dtype: torch.dtype, drop_below: float | None = None
@@ -435,19 +483,15 @@ class EigenAdam(Eigen):
     """No eigenbasis cap: every rotated entry has its own second moment, so the bases stay full."""
 
     name: ClassVar[str] = "eigen_adam"
+    basis: ClassVar[Basis] = Basis.FULL
     stateful: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if self.max_rank is not None:
-            raise ValueError(f"EigenAdam keeps full eigenbases (no eigenbasis cap): max_rank must be None, got {self.max_rank!r}")
+        super().__post_init__()
         if not 0.0 <= self.beta2 < 1.0:
             raise ValueError(f"EigenAdam beta2 must be in [0, 1), got {self.beta2}")
         if not 0.0 < self.eps < math.inf:
             raise ValueError(f"EigenAdam eps must be a finite number > 0, got {self.eps}")
-
-    def rank_thresholds(self, a: FactorView, g: FactorView, damping: float) -> tuple[float | None, float | None]:
-        """None, None: full bases (every rotated entry has its own second moment)."""
-        return None, None
 
     def precondition_cost(self, a: FactorView, g: FactorView) -> float:
         """Full rotations and Adam's elementwise update of the rotated gradient (about ten passes)."""
@@ -472,12 +516,21 @@ class EigenAdam(Eigen):
 
 
 METHODS: dict[str, type[Method]] = {"eigen": Eigen, "inverse": DampedInverse, "eigen_adam": EigenAdam}
-"""The methods the optimizer's ``method`` argument names."""
+"""The methods the optimizer's ``method`` argument names (:func:`register_method` adds one)."""
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Register ``cls`` under its ``name`` for the optimizer's ``method`` argument (usable as a class
+    decorator; a method in its own module registers itself there). ``ValueError`` when the name is
+    taken by another class."""
+    if METHODS.setdefault(cls.name, cls) is not cls:
+        raise ValueError(f"method name {cls.name!r} is taken by {METHODS[cls.name].__name__}")
+    return cls
 
 
 def method_named(name: str | Method) -> Method:
-    """The :class:`Method` for ``"eigen"``, ``"inverse"`` or ``"eigen_adam"`` (its defaults; a
-    :class:`Method` is returned as is)."""
+    """The :class:`Method` registered as ``name`` (:data:`METHODS`: ``"eigen"``, ``"inverse"``,
+    ``"eigen_adam"``, ...) with its defaults; a :class:`Method` is returned as is."""
     if isinstance(name, Method):
         return name
     if name not in METHODS:

@@ -1,9 +1,10 @@
 """``KFAC``: a ``torch.optim.Optimizer`` whose ``step()`` is the whole K-FAC update.
 
 Owns: the ``torch.optim`` contract (param groups, SGD's arguments, ``state``), the order of work
-inside ``step()``, the KL clip and SGD's update.
+inside ``step()`` and SGD's update.
 Delegates: the curvature (blocks, statistics, factors, decompositions, preconditioning) to a
-``KroneckerEstimator`` (``estimator.py``); settings to ``config.py``; checkpoints to
+``KroneckerEstimator`` (``estimator.py``); the step's length (KL clip, graft or none) to a
+``StepLength`` (``step_length.py``); settings to ``config.py``; checkpoints to
 ``checkpoint.py``; loss scaling to ``precision.py``; ``Join`` to ``distributed/join.py``.
 
 One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient ``∇W``
@@ -55,23 +56,18 @@ from kfac_optim.config import (
     from_deprecated_keywords,
 )
 from kfac_optim.diagnostics import warn_user
-from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.estimator import LARGE_FACTOR_DIM, KroneckerEstimator, block_dims, unwrap_model
-from kfac_optim.grafting import AdamOutsideKFAC, Grafting
+from kfac_optim.grafting import AdamOutsideKFAC
 from kfac_optim.layers import ModuleReport, discover_blocks
 from kfac_optim.layers.positions import RealPositions
 from kfac_optim.methods import EigenAdam, Method, method_named
 from kfac_optim.precision import MixedPrecision
+from kfac_optim.step_length import StepLength, TrustRegion, step_length_for
 
 __all__ = ["KFAC", "LARGE_FACTOR_DIM", "block_dims", "discover_blocks"]
 
 logger = logging.getLogger(__name__)
-
-
-def _copy_lr(lr: float | Tensor) -> float | Tensor:
-    """``lr``, a tensor cloned (schedulers fill a tensor lr in place)."""
-    return lr.clone() if isinstance(lr, Tensor) else lr
 
 
 class KFAC(Optimizer, Joinable):
@@ -165,7 +161,7 @@ class KFAC(Optimizer, Joinable):
         curvature, asynchronous, runtime = from_deprecated_keywords(deprecated, curvature, asynchronous, runtime)
         self._options = KFACOptions(damping, kl_clip, factor_update_steps, inv_update_steps, method,
                                     curvature, asynchronous, update or UpdateConfig())
-        self._warned_zero_base_lr = False
+        self._trust_region = TrustRegion(self._options.kl_clip, self._options.update.trust_region)
         self.model = unwrap_model(model)
         if params is None:  # frozen ones too, as SGD(model.parameters()): a layer unfrozen later then trains
             params = list(self.model.parameters())
@@ -183,7 +179,8 @@ class KFAC(Optimizer, Joinable):
         self.estimator = KroneckerEstimator(self.model, trainable, self._options, runtime, self._precision)
         self._join = JoinSupport(self.estimator.sharding, self.estimator.shadow_step, self, model)
         self._checkpointing = checkpoint.Checkpointing(self, self.estimator)
-        self._grafting = self._make_grafting()
+        self._step_length: StepLength = step_length_for(self._options, self._trust_region, self.estimator.parameters,
+                                                        self.estimator.sharding, self.estimator.nonfinite_directions)
         self._outside_adam = self._make_outside_adam()
         logger.info("%s", self.describe())
 
@@ -204,14 +201,6 @@ class KFAC(Optimizer, Joinable):
                   if getattr(module, "sparse", False) is True and any(p in trainable for p in module.parameters(False))]
         if sparse:
             raise ValueError(f"{what} needs dense gradients: module {sparse[0]!r} has sparse=True")
-
-    def _make_grafting(self) -> Grafting | None:
-        """``UpdateConfig.grafting``'s graft (None without), refused under FSDP2 row sharding."""
-        if self._options.update.grafting is None:
-            return None
-        if self.estimator.sharding.row_sharded is not None:
-            raise NotImplementedError("UpdateConfig.grafting is not supported with FSDP2-sharded parameters")
-        return Grafting(self._options.update)
 
     def _make_outside_adam(self) -> AdamOutsideKFAC | None:
         """Under ``EigenAdam`` (an Adam-scale lr), Adam's step for the parameters without a K-FAC
@@ -380,11 +369,7 @@ class KFAC(Optimizer, Joinable):
 
         estimator.update_curvature(statistics_scale)   # fold on factor steps, decompose on decomposition steps
         directions = estimator.precondition()           # V = (G ⊗ A + λI)⁻¹ ∇W, by parameter
-        if self._grafting is not None:                  # M·‖s‖/‖M‖ (kl_clip is None)
-            params = (p for group in self.param_groups for p in group["params"])
-            directions = self._grafting.directions(params, self.state, directions)
-        if self._options.kl_clip is not None and directions:
-            self._clip_to_trust_region(directions)      # ν·V
+        directions = self._step_length.apply(directions, self.param_groups, self.state)  # ν·V, M·‖s‖/‖M‖ or V
         adam: dict[Tensor, Tensor] = {}
         if self._outside_adam is not None:              # eigen_adam: Adam's step for the other parameters
             adam = self._outside_adam.directions(self.param_groups, self.state, directions)
@@ -395,66 +380,11 @@ class KFAC(Optimizer, Joinable):
         estimator.advance()
         return loss
 
-    @record_function("kfac.kl_clip")
-    def _clip_to_trust_region(self, directions: dict[Tensor, Tensor]) -> None:
-        """Scale every direction by ``ν = min(1, sqrt(kl_clip / |Σ lr₀² ⟨d, ∇p⟩|))`` in place.
-
-        ``lr₀`` is the parameter's group's :meth:`trust_region_lr` (1 under the default
-        ``trust_region="lr_squared"``), so the bound on the applied step ``lr·ν·d`` at the scheduled
-        ``lr`` is ``kl_clip·(lr/lr₀)²`` (docs/design.md §4.1).
-
-        The sum runs over the layers whose term is finite: a layer with a non-finite gradient has a
-        non-finite direction (its preconditioner mixes all its entries) and is left out, so one bad
-        entry cannot make every layer's update non-finite through ν. Such layers are counted on the
-        device and reported by the estimator at the next decomposition step (no host sync here).
-        FSDP2-sharded parameters contribute their rows' terms, summed over the shards.
-        """
-        lr_of = {p: self.trust_region_lr(group) for group in self.param_groups for p in group["params"]}
-        estimator = self.estimator
-        zero = estimator.nonfinite_directions.new_zeros((), dtype=next(iter(directions.values())).dtype)
-
-        def term(param: Tensor) -> Tensor:
-            if param not in directions or param.grad is None:
-                return zero
-            rows, grad = fsdp.local(directions[param]), fsdp.local(param.grad)
-            return torch.vdot(rows.reshape(-1), grad.to(rows.dtype).reshape(-1)) * lr_of[param] ** 2
-
-        # one per K-FAC parameter, in block order; 0 for those without a direction
-        params = estimator.parameters()
-        per_parameter = torch.stack([term(param) for param in params])
-        if estimator.sharding.row_sharded is not None:  # one all-reduce of the terms over the shard group
-            sharded = [fsdp.is_sharded(p) for p in params]
-            summed = estimator.sharding.sum_over_shards(per_parameter.clone())
-            per_parameter = torch.stack([summed[i] if s else per_parameter[i] for i, s in enumerate(sharded)])
-        finite = torch.isfinite(per_parameter)
-        estimator.nonfinite_directions += ~finite
-        kl_estimate = per_parameter.where(finite, 0.0).sum().abs()
-        nu = (self._options.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
-        torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``Optimizer.add_param_group``; the group's lr now is also saved as its base lr,
         ``"kfac_base_lr"`` (a clone of a tensor lr), unless the group names one (docs/design.md §4.1)."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        group.setdefault("kfac_base_lr", _copy_lr(group["lr"]))
-        self._warn_about_zero_base_lr(group)
-
-    def _warn_about_zero_base_lr(self, group: dict[str, Any]) -> None:
-        """Warn once when a group's base lr is 0 while the KL clip is computed at it: ν = 1 always."""
-        options = self._options
-        if (self._warned_zero_base_lr or options.kl_clip is None or options.update.trust_region != "base_lr"
-                or float(group["kfac_base_lr"]) != 0.0):
-            return
-        self._warned_zero_base_lr = True
-        warn_user(
-            f"param group {len(self.param_groups) - 1} has lr=0 when added to KFAC: the KL clip (kl_clip="
-            f"{options.kl_clip}) bounds each step at the group's base lr, its lr when it was added, and at 0 it "
-            "never clips (ν = 1), so once a hand-written warmup raises the lr the steps are unclipped (tens of times "
-            "those of a run built at the peak lr). Build KFAC at the peak lr and warm up with a scheduler "
-            "(torch.optim.lr_scheduler.LambdaLR or LinearLR), which keeps the base lr; or set the group's "
-            "'kfac_base_lr' to the peak lr (docs/design.md §4.1)"
-        )
+        self._trust_region.add_group(self.param_groups[-1], len(self.param_groups) - 1)
 
     def trust_region_lr(self, group: dict[str, Any]) -> float | Tensor:
         """The lr at which the KL bound ``kl_clip`` holds for ``group`` (``UpdateConfig.trust_region``).
@@ -465,13 +395,7 @@ class KFAC(Optimizer, Joinable):
         "scheduled_lr": the group's lr. "lr_squared" (the default): 1 for every group, so ν bounds the
         direction and the applied step ``lr·ν·V`` has the KL bound ``kl_clip·lr²``.
         """
-        if self._options.update.trust_region == "lr_squared":
-            return 1.0
-        if self._options.update.trust_region == "scheduled_lr":
-            return group["lr"]
-        if "kfac_base_lr" not in group:
-            group["kfac_base_lr"] = _copy_lr(group.get("initial_lr", group["lr"]))
-        return group["kfac_base_lr"]
+        return self._trust_region.lr(group)
 
     @record_function("kfac.sgd")
     def _sgd_update(self, directions: dict[Tensor, Tensor], adam: dict[Tensor, Tensor]) -> None:
