@@ -35,7 +35,11 @@ SGD's grid; ``kfac_dropin_graft``: the same with ``UpdateConfig(grafting="sgd")`
 (benchmarks/RESULTS.md "The lr is the knob"). What the drop-in and EigenAdam need at large batches
 (``python -m benchmarks.large_batch``, docs/large_batch.md): ``kfac_dropin_damping001`` (λ 0.01), ``kfac_dropin_lm``
 (``AdaptiveDamping``), ``kfac_dropin_sampled`` (the sampled Fisher: the loop calls
-``sample_fisher``) and ``kfac_beta2_099`` (EigenAdam with ``beta2=0.99``, Adam's usual, for 0.95).
+``sample_fisher``) and ``kfac_beta2_099`` (EigenAdam with ``beta2=0.99``, Adam's usual, for 0.95). ``kfac_ema``:
+``KFAC_SETTINGS`` with ``dampening=0.9``, so the momentum buffer is Adam's first moment (an EMA,
+``m ← 0.9 m + 0.1 d``) instead of SGD's sum (``m ← 0.9 m + d``, up to 10× the direction): the
+update of the preconditioned layers then has AdamW's RMS at equal lr (on AdamW's grid;
+``python -m benchmarks.peers.update_rms``, docs/tuning.md "EigenAdam on the GPT").
 """
 
 from __future__ import annotations
@@ -76,14 +80,15 @@ KFAC_VARIANTS = {"kfac_eigen": _EIGEN_SETTINGS,
                  "kfac_dropin_damping001": {**_DROP_IN, "damping": 0.01},
                  "kfac_dropin_lm": {**_DROP_IN, **_ADAPTIVE},
                  "kfac_dropin_sampled": {**_DROP_IN, "curvature": kfac_optim.CurvatureConfig(fisher="sampled")},
-                 "kfac_beta2_099": {**KFAC_SETTINGS, "method": kfac_optim.EigenAdam(beta2=0.99)}}
+                 "kfac_beta2_099": {**KFAC_SETTINGS, "method": kfac_optim.EigenAdam(beta2=0.99)},
+                 "kfac_ema": {**KFAC_SETTINGS, "dampening": 0.9}}
 """K-FAC configurations measured against each other on request (module docstring)."""
 CHOICES = (*OPTIMIZERS, *KFAC_VARIANTS)
 """Every name ``--optimizers`` accepts."""
 CENTRES = {"sgd": 0.3, "adamw": 3e-3, "muon": 1e-2, "kfac": 3e-3, "soap": 3e-3, "kfac_eigen": 0.3,
            "kfac_eigen_lm": 0.3, "kfac_eigen_noclip": 0.03, "kfac_eigen_lm_noclip": 0.03, "kfac_eigen_uncapped": 0.3,
            "kfac_dropin": 0.3, "kfac_dropin_graft": 0.3, "kfac_dropin_damping001": 0.3,
-           "kfac_dropin_lm": 0.3, "kfac_dropin_sampled": 0.3, "kfac_beta2_099": 3e-3}
+           "kfac_dropin_lm": 0.3, "kfac_dropin_sampled": 0.3, "kfac_beta2_099": 3e-3, "kfac_ema": 3e-3}
 
 
 def lr_grid(name: str, points: int) -> list[float]:
