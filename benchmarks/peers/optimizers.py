@@ -39,7 +39,7 @@ SGD's grid; ``kfac_dropin_graft``: the same with ``UpdateConfig(grafting="sgd")`
 ``KFAC_SETTINGS`` with ``dampening=0.9``, so the momentum buffer is Adam's first moment (an EMA,
 ``m ← 0.9 m + 0.1 d``) instead of SGD's sum (``m ← 0.9 m + d``, up to 10× the direction): the
 update of the preconditioned layers then has AdamW's RMS at equal lr (on AdamW's grid;
-``python -m benchmarks.peers.update_rms``, docs/tuning.md "EigenAdam on the GPT").
+``python -m benchmarks.peers.update_rms``, docs/tuning.md "Replacing AdamW").
 """
 
 from __future__ import annotations

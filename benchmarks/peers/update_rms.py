@@ -4,7 +4,7 @@
 task, seed 0) with each configuration and reports, per parameter kind (K-FAC-preconditioned
 matrices, the tied embedding/head, LayerNorms, position embedding, biases), the RMS of the
 update ``Δp / lr`` averaged over the last half of the steps, and the final training loss. It owns
-only this measurement (docs/tuning.md "EigenAdam on the GPT"); it must not know the peers' protocol.
+only this measurement (docs/tuning.md "Replacing AdamW"); it must not know the peers' protocol.
 """
 
 from __future__ import annotations
