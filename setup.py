@@ -6,9 +6,9 @@ from setuptools import find_packages, setup
 
 # torchvision pins the torch release it was built for (``torch==X``), so pip never installs two
 # releases that do not match; it cannot check the build (CPU-only or CUDA): a mismatched build fails
-# one test, tests/test_install.py, which names the fix (README.md, Install).
+# one test, tests/project/test_install.py, which names the fix (README.md, Install).
 EXAMPLES = ["torchvision", "scikit-learn", "pyyaml", "tqdm", "matplotlib"]
-# The trainers tests/test_trainers.py runs KFAC under (tested: pytorch-lightning 2.6.6, transformers
+# The trainers tests/scripts/test_trainers.py runs KFAC under (tested: pytorch-lightning 2.6.6, transformers
 # 5.24.0, accelerate 1.15.0); none of them pins torch.
 TRAINERS = ["pytorch-lightning>=2.6", "transformers>=5.0", "accelerate>=1.0"]
 DEV = EXAMPLES + TRAINERS + ["pytest"]

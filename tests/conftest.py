@@ -1,6 +1,6 @@
 """Shared test settings: deterministic, single-threaded CPU math; the ``apex`` marker on every
 test that uses the Apex stand-in's ``fake_apex`` fixture (tests/conftest_apex.py); a header line
-saying whether torchvision works with this torch (tests/test_install.py)."""
+saying whether torchvision works with this torch (tests/project/test_install.py)."""
 
 from pathlib import Path
 

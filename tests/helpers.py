@@ -1,7 +1,7 @@
 """Shared test helpers: small models' batches, dense references, optimizer state snapshots, and
 whether this environment's torchvision works with its torch (:func:`torchvision_problem`).
 
-One definition each (tests/test_test_layout.py checks that no helper name is defined in more
+One definition each (tests/project/test_test_layout.py checks that no helper name is defined in more
 than one test file). The distributed ones (spawning gloo ranks) are in tests/distributed_helpers.py.
 """
 
@@ -67,8 +67,8 @@ def torchvision_problem() -> str | None:
 
 def import_torchvision() -> ModuleType:
     """``torchvision``, or skip the calling test: not installed, or unusable with this torch (the one
-    check that fails then is tests/test_install.py, with the fix)."""
+    check that fails then is tests/project/test_install.py, with the fix)."""
     problem = torchvision_problem()
     if problem is not None:
-        pytest.skip("torchvision does not work with this torch: tests/test_install.py says why and the fix")
+        pytest.skip("torchvision does not work with this torch: tests/project/test_install.py says why and the fix")
     return pytest.importorskip("torchvision")

@@ -13,7 +13,7 @@ Autograd sums the output-gradient over the batch before the block's hook sees it
 ``s_t = Σ_b g_bt`` and the per-sample rows ``g_bt`` are gone. No ``G`` built from ``s`` is a
 per-sample Fisher: ``E[s sᵀ] = μμᵀ + (F − μμᵀ)/N`` (μ the mean per-sample gradient) mixes both terms
 with weights that depend on N, so its statistics depend on the batch size and the world size.
-Measured on the tiny GPT of tests/test_feeding.py (trace of ``G``, mean of 8 batches, B=8 over
+Measured on the tiny GPT of tests/integration/test_feeding.py (trace of ``G``, mean of 8 batches, B=8 over
 B=128): the per-sample reference (the token embedding's ``G``, which has the same rows ``∂ℓ/∂h``)
 1.00; counting the T positions as samples (the old behaviour) 1.67; weight sharing over the known
 batch size, ``G = N Σ_t s_t s_tᵀ``, 0.10 (and 22x the reference at B=128). So such a layer takes

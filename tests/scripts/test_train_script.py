@@ -24,7 +24,7 @@ from examples.training.models import build_network
 from examples.training.optimizers import LRFactor
 from helpers import import_torchvision
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "configs" / "digits.yaml"
 TIMINGS = {"time_s", "epoch_s", "step_s", "images_per_s"}
 
@@ -146,7 +146,7 @@ def test_gradient_accumulation_matches_one_large_batch(tmp_path: Path) -> None:
 
 
 def _resnet50_smoke(tmp_path: Path, run: str, *extra: str) -> dict:
-    import_torchvision()  # torchvision's ResNet-50: skipped where torchvision is unusable (tests/test_install.py)
+    import_torchvision()  # torchvision's ResNet-50: skipped where torchvision is unusable (tests/project/test_install.py)
     status = run_main(
         "--config", ROOT / "configs" / "imagenet_resnet50.yaml", "--runs", run, "--amp", "bf16", "--epochs", 1,
         "--batch-size", 2, "--out-dir", tmp_path, "--set", "data.name=synthetic", "--set", "data.image_size=32",

@@ -39,7 +39,7 @@ def message_text(node: ast.AST) -> str:
 def test_the_library_s_warnings_and_errors_recommend_the_current_spelling() -> None:
     """Every message the library warns, logs or raises names settings as they are spelled now
     (``KFAC(..., runtime=RuntimeConfig(grad_scaler=scaler))``, not the deprecated ``grad_scaler=``)."""
-    root = Path(__file__).parents[1] / "src" / "kfac_optim"
+    root = Path(__file__).parents[2] / "src" / "kfac_optim"
     offenders = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

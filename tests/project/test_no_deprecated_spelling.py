@@ -23,7 +23,7 @@ from examples.training.config import load_experiment
 from examples.training.optimizers import build_optimizer
 from kfac_optim.config import FLAT_KEYWORDS
 
-CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 
 
 def small_model() -> nn.Module:
@@ -65,7 +65,7 @@ def test_flat_config_keys_reach_the_configs_without_deprecation_warnings(overrid
 def test_recipes_and_benchmarks_spell_kfac_without_deprecated_keywords() -> None:
     """No deprecated flat keyword is passed to a ``KFAC(...)`` call in examples/ or benchmarks/ (a
     scan of the calls' own keywords: the distributed ones need process groups to run)."""
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     offenders = []
     for path in [*root.glob("examples/**/*.py"), *root.glob("benchmarks/**/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -80,7 +80,7 @@ def test_recipes_and_benchmarks_spell_kfac_without_deprecated_keywords() -> None
 
 # -- the rest of the repository: code, docstrings, documents and the suite itself ------------------
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 OLD_NAMES = re.compile(r"\b(?:async_decompositions|async_delay|stagger_factor_updates)\b")
 """Flat keywords that are no config field's name: any mention is the old spelling."""
 MIGRATION = "### Migrating from flat keywords"
@@ -181,8 +181,8 @@ def test_no_document_or_docstring_spells_a_setting_the_old_way() -> None:
     Left out: what defines or tests the old spellings (kfac_optim/config.py, docs/api.md's migration
     table, this file, test_config.py and test_message_spelling.py) and the records of past runs and changes
     (benchmarks/RESULTS.md, CHANGELOG.md), which keep the spelling of their time."""
-    exempt = {ROOT / "src" / "kfac_optim" / "config.py", Path(__file__).resolve(), ROOT / "tests" / "test_config.py",
-              ROOT / "tests" / "test_message_spelling.py"}
+    exempt = {ROOT / "src" / "kfac_optim" / "config.py", Path(__file__).resolve(), ROOT / "tests" / "optim" / "test_config.py",
+              ROOT / "tests" / "project" / "test_message_spelling.py"}
     paths = [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md")), *sorted(ROOT.glob("src/**/*.py")),
              *sorted(ROOT.glob("tests/**/*.py")), *sorted(ROOT.glob("examples/**/*.py")),
              *sorted(ROOT.glob("benchmarks/**/*.py"))]

@@ -28,7 +28,7 @@ import torch
 
 import kfac_optim
 
-API = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+API = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 ANY = object()  # a documented default of `...`
 
 

@@ -19,8 +19,8 @@ from kfac_optim import KFAC
 from kfac_optim.checkpoint import FORMAT
 from kfac_optim.layers.factor import unpack_running
 from kfac_optim.methods import Eigen
-from tests.test_distributed import ddp_train, make_ddp_net
-from tests.test_feeding import TinyLM, lm_batch, lm_loss
+from tests.distributed.test_distributed import ddp_train, make_ddp_net
+from tests.integration.test_feeding import TinyLM, lm_batch, lm_loss
 
 WIDTHS = (400, 300, 10)  # Linear(400, 300), Linear(300, 10): A 401 and 301, G 300 and 10
 MAX_RANK = Eigen().max_rank  # the default eigenbasis cap

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from helpers import torchvision_problem
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Packages whose import imports torchvision (Lightning imports torchmetrics, which imports torchvision).
 IMPORT_TORCHVISION = {"torchvision", "torchmetrics", "pytorch_lightning", "lightning"}
 

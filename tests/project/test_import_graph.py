@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = "kfac_optim"
-SOURCE = Path(__file__).resolve().parent.parent / "src" / PACKAGE
+SOURCE = Path(__file__).resolve().parents[2] / "src" / PACKAGE
 
 
 def module_files(root: Path = SOURCE) -> dict[str, Path]:

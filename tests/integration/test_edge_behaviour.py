@@ -198,7 +198,7 @@ def test_the_large_factor_note_starts_at_dim_4096_exactly(caplog: pytest.LogCapt
     """docs/api.md: factors of dim >= 4096 decomposed at full rank are named; here A of the first
     Linear is 4095 + 1 (bias) = 4096 and G of the second is 4096, while G of the first, A of the
     second (no bias) and A of the third (4094 + 1) are 4095, one short of it. Full eigenbases (no
-    cap): under the default cap none is named (tests/test_public_surface.py)."""
+    cap): under the default cap none is named (tests/project/test_public_surface.py)."""
     with torch.device("meta"):  # only the sizes matter: nothing is allocated
         model = nn.Sequential(nn.Linear(4095, 4095), nn.Linear(4095, 4096, bias=False), nn.Linear(4094, 2))
     with caplog.at_level(logging.WARNING):

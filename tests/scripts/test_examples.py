@@ -18,7 +18,7 @@ import torch
 from benchmarks import digits
 from examples.recipes import accumulation, amp, imagenet, resume, transformer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bf16_recipe_trains_close_to_fp32(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,9 +6,9 @@ A ```python block runs as is, in a fresh namespace holding the names the README'
   `<!-- readme-test: autoencoder -->`  `model` and `loader` are a small regression (y = x);
   `<!-- readme-test: apex -->`         runs under the Apex stand-in (tests/apex_standin);
   `<!-- readme-test: excerpt of PATH -->` every line of the block occurs, in order, in PATH,
-                                       a script that runs in the suite (tests/test_examples.py).
+                                       a script that runs in the suite (tests/scripts/test_examples.py).
 In ```bash blocks, every `python -m MODULE` and `torchrun ... -m MODULE` names a module that exists
-(the commands themselves run, on tiny settings, in tests/test_examples.py and test_train_script.py).
+(the commands themselves run, on tiny settings, in tests/scripts/test_examples.py and test_train_script.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 import kfac_optim
 from conftest_apex import install_fake_apex
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = (README, ROOT / "docs" / "api.md", ROOT / "docs" / "guide.md")
 BLOCK = re.compile(r"(?:<!-- readme-test: (?P<directive>[^>]*?) -->\n)?```(?P<lang>\w+)\n(?P<code>.*?)```", re.S)

@@ -34,7 +34,7 @@ KFAC_ARGS: dict[str, Any] = dict(lr=0.1, momentum=0.9, factor_update_steps=1, in
 def trainer_package(name: str) -> ModuleType:
     """``import name``, or skip: not installed, or torchvision (which it may import) is broken here."""
     if torchvision_problem() is not None:
-        pytest.skip("torchvision does not work with this torch: tests/test_install.py says why and the fix")
+        pytest.skip("torchvision does not work with this torch: tests/project/test_install.py says why and the fix")
     return pytest.importorskip(name)
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from kfac_optim import KFAC, Eigen
 from kfac_optim.layers import LinearBlock
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted([*(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "examples").rglob("*.py")])
 KFAC_ATTRIBUTES = {"options", "blocks", "model", "param_groups", "state"}
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import kfac_optim
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "src" / "kfac_optim"
 DOCUMENTS = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "RESULTS.md",
              *sorted((ROOT / "docs").glob("*.md"))]
-CITING = [*DOCUMENTS, *sorted(SOURCE.rglob("*.py")), *sorted((ROOT / "tests").glob("*.py")),
+CITING = [*DOCUMENTS, *sorted(SOURCE.rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py")),
           *sorted((ROOT / "benchmarks").rglob("*.py")), *sorted((ROOT / "examples").rglob("*.py"))]
 NAMED = {"README": "README.md", "RESULTS.md": "benchmarks/RESULTS.md", "api.md": "docs/api.md",
          "design.md": "docs/design.md", "tuning.md": "docs/tuning.md", "guide.md": "docs/guide.md",
