@@ -118,7 +118,7 @@ def round_state(estimator: KroneckerEstimator) -> dict[str, Any] | None:
     "version": the factor version it decomposes, "shift": the shift it was given}}}}``: the
     factors this rank decomposes.
     """
-    results = estimator.background.wait() if estimator.background is not None else []
+    results, adopt_at = estimator.decomposer.saved_round()
     if not results:
         return None
     factors: dict[str, dict[str, Any]] = {}
@@ -129,7 +129,7 @@ def round_state(estimator: KroneckerEstimator) -> dict[str, Any] | None:
             "version": job.version,
             "shift": job.shift,
         }
-    return {"adopt_at": estimator.adopt_at, "factors": factors}
+    return {"adopt_at": adopt_at, "factors": factors}
 
 
 def load_kfac_state_dict(estimator: KroneckerEstimator, kfac_state: Any) -> None:

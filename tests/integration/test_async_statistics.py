@@ -148,7 +148,7 @@ def test_async_statistics_train_bit_identically_to_in_line(case: str) -> None:
 def blocked_worker(optimizer: KFAC) -> threading.Event:
     """Hold the optimizer's statistics worker until the returned event is set."""
     release = threading.Event()
-    optimizer.estimator._statistics.submit(release.wait)  # type: ignore[union-attr]
+    optimizer.estimator.statistics.worker.submit(release.wait)  # type: ignore[union-attr]
     return release
 
 

@@ -320,7 +320,7 @@ def test_the_eigenbasis_cap_in_the_optimizer_is_described_logged_and_checkpointe
     optimizer = KFAC(net, lr=0.1, method=Eigen(max_rank=8), factor_update_steps=1, inv_update_steps=2)
     assert "eigenbasis cap max_rank=8" in optimizer.describe() and "0.A (41), 0.G (12)" in optimizer.describe()
     assert "2.A (13)" in optimizer.describe()  # 12 inputs + bias > 8: capped too; 2.G (3) is not
-    caplog.set_level(logging.INFO, logger="kfac_optim.estimator")
+    caplog.set_level(logging.INFO, logger="kfac_optim.reporter")
     for _ in range(3):  # 3 batches of 32 rows: rank 40 + 1 > 8
         F.cross_entropy(net(torch.randn(32, 40)), torch.randint(0, 3, (32,))).backward()
         optimizer.step()
