@@ -100,7 +100,8 @@ class KroneckerEstimator:
         self.sharding = Sharding(self.blocks, runtime.grad_worker_fraction, runtime.process_group,
                                  runtime.bucket_bytes, settings=options.rank_settings())
         self._check_method_state_is_local(runtime)
-        self.statistics = statistics_pipeline(self.blocks, model, precision, every_backward=curvature.fisher == "empirical",
+        self.statistics = statistics_pipeline(self.blocks, model, precision,
+                                              every_backward=curvature.fisher == "empirical",
                                               on_worker=runtime.async_statistics, decay=curvature.factor_decay,
                                               reduction=curvature.reduction)
         self.capture = self.statistics.capture
