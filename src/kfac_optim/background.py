@@ -4,7 +4,7 @@ Owns: one worker thread that decomposes a round of factor snapshots, and handing
 back when the optimizer collects them; a round whose results were fetched early (to save them in a
 checkpoint, :meth:`BackgroundDecompositions.wait`) or restored from one (:meth:`~BackgroundDecompositions.hold`)
 is held until collected, so saving does not change when it is adopted.
-Must not know: layers, ranks, schedules (the decomposer, ``decomposer.py``, decides what to snapshot and when to
+Must not know: layers, ranks, schedules (``decomposition_steps.py`` decides what to snapshot and when to
 collect, and at which step results are adopted: docs/design.md §4, step 3).
 
 The worker only reads its snapshots (copies taken on the optimizer's thread), so the optimizer

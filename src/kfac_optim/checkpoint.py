@@ -118,7 +118,7 @@ def round_state(estimator: KroneckerEstimator) -> dict[str, Any] | None:
     "version": the factor version it decomposes, "shift": the shift it was given}}}}``: the
     factors this rank decomposes.
     """
-    results, adopt_at = estimator.decomposer.saved_round()
+    results, adopt_at = estimator.decomposition_steps.saved_round()
     if not results:
         return None
     factors: dict[str, dict[str, Any]] = {}

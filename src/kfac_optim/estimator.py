@@ -3,8 +3,8 @@
 Owns: the blocks (discovery), the step count that schedules the curvature work, and the step's
 verbs over four objects chosen once at construction: the statistics pipeline (capture and fold, in
 line or on the statistics worker: ``statistics_pipeline.py``), the fold schedule (all blocks on
-factor steps, or staggered: ``fold_schedule.py``), the decomposer (in line or in background rounds:
-``decomposer.py``) and the reporter (one-time warnings, ``describe()``, ``memory_usage()``:
+factor steps, or staggered: ``fold_schedule.py``), the decomposition steps (in line or in background
+rounds: ``decomposition_steps.py``) and the reporter (one-time warnings, ``describe()``, ``memory_usage()``:
 ``reporter.py``); the directions come from ``directions.py``.
 Talks to the distributed layer through the ``Sharding`` it builds from ``RuntimeConfig`` and to
 loss scaling through the ``MixedPrecision`` it is given.
@@ -31,7 +31,7 @@ from kfac_optim import fisher as fisher_lib
 from kfac_optim.config import KFACOptions, RuntimeConfig
 from kfac_optim.costs import model_costs
 from kfac_optim.damping import DampingRule, damping_rule
-from kfac_optim.decomposer import Decomposer, Round, decomposer
+from kfac_optim.decomposition_steps import DecompositionSteps, Round, decomposition_steps
 from kfac_optim.distributed.sharding import Sharding
 from kfac_optim.fold_schedule import fold_schedule
 from kfac_optim.intervals import IntervalSchedule, StepCosts
@@ -109,11 +109,12 @@ class KroneckerEstimator:
         # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (counted by the
         # step's length, step_length.py, left out of ν), on the device; reported at decomposition steps.
         self.nonfinite_directions = torch.zeros(len(self.parameters()), dtype=torch.int64, device=device)
-        self.decomposer: Decomposer = decomposer(self.blocks, self.method, curvature.inv_dtype, self.sharding,
-                                                 self.reporter, self.nonfinite_directions, options.asynchronous)
+        self.decomposition_steps: DecompositionSteps = decomposition_steps(
+            self.blocks, self.method, curvature.inv_dtype, self.sharding, self.reporter, self.nonfinite_directions,
+            options.asynchronous)
         self.steps = 0
         self.intervals = IntervalSchedule(options.factor_update_steps, options.inv_update_steps, device,
-                                          remeasure=self.decomposer.remeasures)
+                                          remeasure=self.decomposition_steps.remeasures)
         self.folds = fold_schedule(self.blocks, self.intervals, stagger=curvature.stagger,
                                    sum_over_ranks=self.sharding.sum_over_ranks)
         self.damping: DampingRule = damping_rule(options.damping,
@@ -178,7 +179,7 @@ class KroneckerEstimator:
         self.intervals.begin_step(step, self._average_costs, self._counted_costs)  # "auto": decide when undecided
         if self.sharding.decompositions_missing:  # a loaded checkpoint lacks some: from its factors
             self.statistics.settle()
-            self.decomposer.complete(damping)
+            self.decomposition_steps.complete(damping)
         folding = self.folds.blocks_at(step)
         if folding:
             self._fold(folding, statistics_scale)
@@ -188,9 +189,9 @@ class KroneckerEstimator:
             self.reporter.bias_changes()
             with self.intervals.timing_decomposition(step):
                 self.statistics.settle()
-                self.decomposer.step(damping, step)
+                self.decomposition_steps.step(damping, step)
         else:
-            self.decomposer.between(step)  # AsyncConfig.delay: adopt a round due now
+            self.decomposition_steps.between(step)  # AsyncConfig.delay: adopt a round due now
         self.statistics.report()  # after any wait for the worker above
 
     def _fold(self, folding: list[KroneckerBlock], statistics_scale: float | Tensor) -> None:
@@ -299,16 +300,16 @@ class KroneckerEstimator:
                 round_saved: bool, intervals: dict | None = None, damping: dict | None = None) -> None:
         """Load validated blocks (``checkpoint.py``), the chosen automatic intervals (None: none
         chosen, calibrate from the next step), ``AdaptiveDamping``'s state (None: none saved) and
-        hand the decomposer the saved round in flight (``results``, to adopt at ``adopt_at``;
+        hand the decomposition steps the saved round in flight (``results``, to adopt at ``adopt_at``;
         ``round_saved``: whether the checkpoint held one; ``Decomposer.restore``)."""
         self.statistics.settle()  # work in flight writes into the factors being replaced
-        self.decomposer.drop_round()
+        self.decomposition_steps.drop_round()
         self.steps = int(steps)
         self.intervals.load_state_dict(intervals, self.steps)
         self.damping.load_state_dict(damping)
         for block in self.blocks:
             if block.name in saved:
                 block.load_state_dict(saved[block.name])
-        self.decomposer.restore(results, adopt_at, round_saved)
+        self.decomposition_steps.restore(results, adopt_at, round_saved)
         self.sharding.loaded()
         self.arm()

@@ -171,7 +171,7 @@ def test_a_failed_result_in_the_round_is_reported_when_adopted() -> None:
 
 def state_of(optimizer: KFAC) -> list:
     factors = [f for block in optimizer.blocks for f in block.factors.values()]
-    return [optimizer.steps, optimizer.estimator.decomposer.adopt_at] + [
+    return [optimizer.steps, optimizer.estimator.decomposition_steps.adopt_at] + [
         (f.version, f.decomposed_key, f.running.clone(), None if f.decomposition is None else f.decomposition.Q.clone())
         for f in factors
     ]

@@ -1,7 +1,7 @@
 """The estimator reads as the step (issue 27): its modes are objects chosen once at construction.
 
 ``estimator.py`` keeps the step's verbs and hands the modes to the statistics pipeline, the fold
-schedule, the decomposer and the reporter; it never reaches the machinery of a mode itself (the
+schedule, the decomposition steps and the reporter; it never reaches the machinery of a mode itself (the
 statistics worker, the background decompositions, the stagger phases, FSDP2's rows, the capture).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from test_import_graph import SOURCE, import_graph
 
-MODE_OBJECTS = ("statistics_pipeline", "fold_schedule", "decomposer", "reporter", "directions")
+MODE_OBJECTS = ("statistics_pipeline", "fold_schedule", "decomposition_steps", "reporter", "directions")
 
 
 def test_the_estimator_is_short_and_its_mode_objects_are_modules_of_their_own() -> None:

@@ -1,11 +1,12 @@
-"""The decomposer: the decomposition steps, in line or with rounds on the background worker.
+"""The decomposition steps, in line or with rounds on the background worker.
 
 Owns: a decomposition step (make the factors global, decompose what this rank owns, share), the
 decomposition step's one host sync (the factors' health flags and the non-finite directions' count,
 handed to the ``Reporter``), and with ``AsyncConfig`` the rounds of ``BackgroundDecompositions``:
 which factors go to the worker, the step a round is adopted at (``adopt_at``), adopting it, and
-its part of a checkpoint (:meth:`InLineDecomposer.saved_round`, :meth:`InLineDecomposer.restore`).
-Chosen once, at construction (:func:`decomposer`).
+its part of a checkpoint (:meth:`InLineDecompositionSteps.saved_round`, :meth:`InLineDecompositionSteps.restore`).
+Chosen once, at construction (:func:`decomposition_steps`). (How one factor is decomposed is the
+method's business: ``methods.py``.)
 Must not know: statistics (the caller settles them first), schedules (the caller says which steps
 decompose), checkpoints' format (``checkpoint.py``), the optimizer.
 """
@@ -33,7 +34,7 @@ Round = list[tuple[Job, Result]]
 """A round of decompositions: each job with its result (None: it failed)."""
 
 
-class InLineDecomposer:
+class InLineDecompositionSteps:
     """Every decomposition computed in the decomposition step, by ``method`` in ``inv_dtype``.
 
     ``blocks``: all of them; ``sharding``: which factors this rank decomposes, and the collectives
@@ -145,7 +146,7 @@ class InLineDecomposer:
         self.adopt(results)
 
 
-class BackgroundDecomposer(InLineDecomposer):
+class BackgroundDecompositionSteps(InLineDecompositionSteps):
     """``AsyncConfig``: a factor's first decomposition in line, the others in rounds on the
     background worker from snapshots; a round submitted at a decomposition step is adopted at the
     next one, or ``config.delay`` steps later (the same step on every rank), then shared."""
@@ -208,13 +209,13 @@ class BackgroundDecomposer(InLineDecomposer):
             self.adopt_at = adopt_at  # on every rank alike, as it decides a collective
 
 
-Decomposer = InLineDecomposer
-"""The decomposer's interface (:class:`BackgroundDecomposer` is one)."""
+DecompositionSteps = InLineDecompositionSteps
+"""The decomposition steps' interface (:class:`BackgroundDecompositionSteps` is one)."""
 
 
-def decomposer(blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype, sharding: Sharding,
-               reporter: Reporter, nonfinite: Tensor, asynchronous: AsyncConfig | None) -> Decomposer:
+def decomposition_steps(blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype, sharding: Sharding,
+               reporter: Reporter, nonfinite: Tensor, asynchronous: AsyncConfig | None) -> DecompositionSteps:
     """Rounds on the background worker with ``asynchronous`` (``KFACOptions.asynchronous``), in line otherwise."""
     if asynchronous is None:
-        return InLineDecomposer(blocks, method, inv_dtype, sharding, reporter, nonfinite)
-    return BackgroundDecomposer(blocks, method, inv_dtype, sharding, reporter, nonfinite, asynchronous)
+        return InLineDecompositionSteps(blocks, method, inv_dtype, sharding, reporter, nonfinite)
+    return BackgroundDecompositionSteps(blocks, method, inv_dtype, sharding, reporter, nonfinite, asynchronous)
