@@ -1,11 +1,12 @@
 """``KFAC``: a ``torch.optim.Optimizer`` whose ``step()`` is the whole K-FAC update.
 
-Owns: the ``torch.optim`` contract (param groups, SGD's arguments, ``state``), the order of work
-inside ``step()`` and SGD's update.
+Owns: the ``torch.optim`` contract (param groups, SGD's arguments, ``state``) and the order of work
+inside ``step()``.
 Delegates: the curvature (blocks, statistics, factors, decompositions, preconditioning) to a
 ``KroneckerEstimator`` (``estimator.py``); the step's length (KL clip, graft or none) to a
-``StepLength`` (``step_length.py``); settings to ``config.py``; checkpoints to
-``checkpoint.py``; loss scaling to ``precision.py``; ``Join`` to ``distributed/join.py``.
+``StepLength`` (``step_length.py``); Adam's step outside K-FAC to ``grafting.py``; SGD's update
+to ``sgd_update.py``; the read-only views to ``optimizer_views.py``; settings to ``config.py``;
+checkpoints to ``checkpoint.py``; loss scaling to ``precision.py``; ``Join`` to ``distributed/join.py``.
 
 One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient ``∇W``
 (docs/design.md §4; ``k`` is the step counter, ``λ`` the damping at ``k``)::
