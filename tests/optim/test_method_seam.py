@@ -92,27 +92,27 @@ SETTINGS: dict[str, Any] = dict(lr=0.1, momentum=0.9, damping=DAMPING, kl_clip=N
                                 factor_update_steps=1, inv_update_steps=2)
 
 
-def make_net() -> nn.Sequential:
+def seam_net() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
 
 
-def batch(step: int, rank: int = 0, world: int = 1) -> tuple[Tensor, Tensor]:
+def seam_batch(step: int, rank: int = 0, world: int = 1) -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(100 + step)
     x, y = torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator)
     shard = slice(rank * 8 // world, (rank + 1) * 8 // world)
     return x[shard], y[shard]
 
 
-def train(model: nn.Module, optimizer: KFAC, steps: range, rank: int = 0, world: int = 1) -> None:
+def seam_train(model: nn.Module, optimizer: KFAC, steps: range, rank: int = 0, world: int = 1) -> None:
     for step in steps:
-        x, y = batch(step, rank, world)
+        x, y = seam_batch(step, rank, world)
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
 
 
-def parameters(model: nn.Module) -> list[Tensor]:
+def seam_parameters(model: nn.Module) -> list[Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -140,12 +140,12 @@ def test_one_step_is_the_dense_diagonal_reference() -> None:
 
 
 def test_checkpoint_holds_its_own_format_and_resumes_bit_exactly() -> None:
-    model = make_net()
+    model = seam_net()
     optimizer = KFAC(model, **SETTINGS)
-    train(model, optimizer, range(3))  # decomposed at steps 0 and 2, factors folded since: the saved one is needed
+    seam_train(model, optimizer, range(3))  # decomposed at steps 0 and 2, factors folded since: the saved one is needed
     state = copy.deepcopy(optimizer.state_dict())
     saved_model = copy.deepcopy(model.state_dict())
-    train(model, optimizer, range(3, 6))
+    seam_train(model, optimizer, range(3, 6))
 
     for block in optimizer.blocks:
         for name, factor in block.factors.items():
@@ -154,28 +154,28 @@ def test_checkpoint_holds_its_own_format_and_resumes_bit_exactly() -> None:
     held = sum(f.decomposition.nbytes for block in optimizer.blocks for f in block.factors.values())
     assert optimizer.memory_usage()["decompositions"] == held
 
-    resumed_model = make_net()
+    resumed_model = seam_net()
     resumed_model.load_state_dict(saved_model)
     resumed = KFAC(resumed_model, **SETTINGS)
     resumed.load_state_dict(state)
-    train(resumed_model, resumed, range(3, 6))
-    for a, b in zip(parameters(model), parameters(resumed_model), strict=True):
+    seam_train(resumed_model, resumed, range(3, 6))
+    for a, b in zip(seam_parameters(model), seam_parameters(resumed_model), strict=True):
         assert torch.equal(a, b)
 
     broken = copy.deepcopy(state)
     broken["kfac"]["blocks"]["0"]["factors"]["A"]["decomposition"] = {"inverse_diagonal": torch.ones(3)}
     with pytest.raises(ValueError, match=r"layer '0', factor A: 'decomposition' must be \{'inverse_diagonal'"):
-        KFAC(make_net(), **SETTINGS).load_state_dict(broken)
+        KFAC(seam_net(), **SETTINGS).load_state_dict(broken)
 
 
 def seam_scenario(rank: int, world: int, directory: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     for fraction in (1.0, 0.5):
-        model = DDP(make_net())
+        model = DDP(seam_net())
         optimizer = KFAC(model, **SETTINGS, runtime=RuntimeConfig(grad_worker_fraction=fraction))
-        train(model, optimizer, range(4), rank, world)
-        results[f"params {fraction}"] = parameters(model.module)
+        seam_train(model, optimizer, range(4), rank, world)
+        results[f"params {fraction}"] = seam_parameters(model.module)
         results[f"owned {fraction}"] = optimizer.owned_factors
         results[f"decompositions {fraction}"] = {
             f"{block.name}.{name}": None if factor.decomposition is None else factor.decomposition.clone()
@@ -187,9 +187,9 @@ def seam_scenario(rank: int, world: int, directory: Path) -> dict[str, Any]:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 def test_two_ranks_ship_its_decompositions_and_equal_one_process(tmp_path: Path) -> None:
     ranks = spawn(seam_scenario, 2, tmp_path, deadline_s=90.0)
-    model = make_net()
-    train(model, KFAC(model, **SETTINGS), range(4))
-    reference = parameters(model)
+    model = seam_net()
+    seam_train(model, KFAC(model, **SETTINGS), range(4))
+    reference = seam_parameters(model)
     for fraction in (1.0, 0.5):
         for results in ranks:
             for actual, expected in zip(results[f"params {fraction}"], reference, strict=True):
