@@ -412,9 +412,15 @@ def register_method(cls: type[Method]) -> type[Method]:
 
 def method_named(name: str | Method) -> Method:
     """The :class:`Method` registered as ``name`` (:data:`METHODS`: ``"eigen"``, ``"inverse"``,
-    ``"eigen_adam"``, ...) with its defaults; a :class:`Method` is returned as is."""
+    ``"eigen_adam"``, ...) with its defaults; a :class:`Method` is returned as is. ``TypeError`` when
+    the method has no :attr:`Method.decomposer`."""
     if isinstance(name, Method):
-        return name
-    if name not in METHODS:
+        method = name
+    elif name not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {name!r}")
-    return METHODS[name]()
+    else:
+        method = METHODS[name]()
+    if not isinstance(getattr(method, "decomposer", None), Decomposer):
+        raise TypeError(f"method {type(method).__name__} has no decomposer: set Method.decomposer to a "
+                        "kfac_optim.decompositions.Decomposer (how its factors are decomposed, shipped and saved)")
+    return method

@@ -201,3 +201,18 @@ def test_two_ranks_ship_its_decompositions_and_equal_one_process(tmp_path: Path)
     for key in owned[0] | owned[1]:
         held = [results["decompositions 1.0"][key] for results in ranks]
         assert held[0] is not None and torch.equal(held[0], held[1]), key
+
+
+def test_a_method_without_a_decomposer_is_refused_naming_it() -> None:
+    class NoLayout(Method):
+        name: ClassVar[str] = "no_layout"
+        basis: ClassVar[Basis] = Basis.INVERSE
+
+        def shifts(self, a: FactorView, g: FactorView, damping: float) -> tuple[float, float]:
+            return 0.0, 0.0
+
+        def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
+            return grad
+
+    with pytest.raises(TypeError, match="method NoLayout has no decomposer"):
+        KFAC(nn.Linear(3, 2), method=NoLayout())

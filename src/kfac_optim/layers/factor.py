@@ -445,7 +445,8 @@ class Factor:
 def _decomposer(method: Method | None, what: str) -> Decomposer:
     """``method``'s decomposer; ``ValueError`` naming ``what`` when a decomposition is at stake and no method is given."""
     if method is None:
-        raise ValueError(f"Factor.{what}: a decomposition is involved, pass the method whose decomposition it is")
+        raise ValueError(f"Factor.{what}(method=None): a decomposition is held or saved, pass method= (the Method "
+                         "whose decomposer made it)")
     return method.decomposer
 
 
