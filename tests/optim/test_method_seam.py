@@ -216,3 +216,13 @@ def test_a_method_without_a_decomposer_is_refused_naming_it() -> None:
 
     with pytest.raises(TypeError, match="method NoLayout has no decomposer"):
         KFAC(nn.Linear(3, 2), method=NoLayout())
+
+
+def test_a_decomposition_saved_by_another_layout_is_refused_naming_the_field() -> None:
+    model = seam_net()
+    saved = KFAC(model, **{**SETTINGS, "method": "inverse"})
+    seam_train(model, saved, range(1))
+    state = saved.state_dict()
+    with pytest.raises(ValueError, match=r"layer '0', factor A: 'decomposition' must be a dict with 'Q' and 'd'"):
+        KFAC(seam_net(), **{**SETTINGS, "method": "eigen"}).load_state_dict(state)
+    KFAC(seam_net(), **{**SETTINGS, "method": "inverse"}).load_state_dict(state)  # its own layout loads
