@@ -147,7 +147,7 @@ class KroneckerEstimator:
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state on this rank, by category, and their ``"total"`` (``reporter.memory_usage``)."""
-        return memory_usage(self.blocks, self.sharding.row_sharded, self.options.curvature.inv_dtype)
+        return memory_usage(self.blocks, self.method, self.sharding.row_sharded, self.options.curvature.inv_dtype)
 
     # -- schedules ---------------------------------------------------------------------------
 
@@ -301,7 +301,7 @@ class KroneckerEstimator:
         """Load validated blocks (``checkpoint.py``), the chosen automatic intervals (None: none
         chosen, calibrate from the next step), ``AdaptiveDamping``'s state (None: none saved) and
         hand the decomposition steps the saved round in flight (``results``, to adopt at ``adopt_at``;
-        ``round_saved``: whether the checkpoint held one; ``Decomposer.restore``)."""
+        ``round_saved``: whether the checkpoint held one; ``DecompositionSteps.restore``)."""
         self.statistics.settle()  # work in flight writes into the factors being replaced
         self.decomposition_steps.drop_round()
         self.steps = int(steps)
@@ -309,7 +309,7 @@ class KroneckerEstimator:
         self.damping.load_state_dict(damping)
         for block in self.blocks:
             if block.name in saved:
-                block.load_state_dict(saved[block.name])
+                block.load_state_dict(saved[block.name], self.method)
         self.decomposition_steps.restore(results, adopt_at, round_saved)
         self.sharding.loaded()
         self.arm()

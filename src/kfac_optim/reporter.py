@@ -312,7 +312,7 @@ class Reporter:
         return "\n".join(lines)
 
 
-def memory_usage(blocks: Sequence[KroneckerBlock], row_sharded: RowShardedPreconditioner | None,
+def memory_usage(blocks: Sequence[KroneckerBlock], method: Method, row_sharded: RowShardedPreconditioner | None,
                  inv_dtype: torch.dtype) -> dict[str, int]:
     """Bytes of K-FAC state on this rank, by category, and their ``"total"``.
 
@@ -320,7 +320,7 @@ def memory_usage(blocks: Sequence[KroneckerBlock], row_sharded: RowShardedPrecon
     layer frozen since construction allocates its factors when it first records, ``Factor.allocated``);
     ``"pending"``: the buffers statistics are captured into (allocated likewise); ``"decompositions"``: the
     eigendecompositions or inverses this rank holds (all layers with ``f = 1``, about
-    ``f`` of them otherwise); ``"sharded_preconditioning"``: under FSDP2 (``row_sharded``), the most this
+    ``f`` of them otherwise, as ``method`` sizes them); ``"sharded_preconditioning"``: under FSDP2 (``row_sharded``), the most this
     rank holds at once while preconditioning sharded layers (gathered gradient rows and one whole
     gradient and direction, in ``inv_dtype``; 0 without sharded layers). Momentum buffers are SGD's
     and not counted.
@@ -331,7 +331,7 @@ def memory_usage(blocks: Sequence[KroneckerBlock], row_sharded: RowShardedPrecon
     usage = {
         "factors": sum(running for running, _ in held),
         "pending": sum(pending for _, pending in held),
-        "decompositions": sum(linalg.nbytes(f.decomposition) for f in factors),
+        "decompositions": sum(method.decomposer.nbytes(f.decomposition) for f in factors),
         "sharded_preconditioning": 0 if row_sharded is None else row_sharded.peak_bytes(itemsize),
     }
     usage["total"] = sum(usage.values())
