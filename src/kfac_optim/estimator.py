@@ -196,7 +196,7 @@ class KroneckerEstimator:
 
     def _fold(self, folding: list[KroneckerBlock], statistics_scale: float | Tensor) -> None:
         """A factor step's fold of ``folding``'s statistics, after the checks of what was recorded."""
-        self.reporter.recording(self.capture)
+        self.reporter.recording(self.statistics.recording())
         if self.reporter.awaiting_statistics:  # until a factor step recorded statistics
             self.statistics.settle()  # the checks read the pending statistics
             self.reporter.silent_blocks()

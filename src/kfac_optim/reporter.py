@@ -6,9 +6,8 @@ after construction; steps whose statistics were not recorded: ``torch.func``, ``
 backwards, a compiled model traced without the hooks; non-finite directions; discarded batches;
 failed and truncated decompositions), ``describe()``'s text and ``memory_usage()``'s count.
 Must not know: when any of this happens (the estimator hands it the data at the step's points:
-docs/design.md §4), schedules, ranks, loss scaling. It reads blocks, factors and the capture's
-flags; the only state it writes besides its own is the capture's per-step flags it consumes and a
-block's failure count.
+docs/design.md §4), the capture, schedules, ranks, loss scaling. It reads blocks and factors; the
+only state it writes besides its own is a block's failure count and a factor's reported discards.
 """
 
 from __future__ import annotations
@@ -26,11 +25,11 @@ from kfac_optim.layers import KroneckerBlock, ModuleReport
 from kfac_optim.layers.attention import sequence_first_note
 
 if TYPE_CHECKING:
-    from kfac_optim.capture import StatisticsCapture
     from kfac_optim.distributed.fsdp import RowShardedPreconditioner
     from kfac_optim.layers.factor import Factor
     from kfac_optim.layers.registry import Discovery
     from kfac_optim.methods import Method
+    from kfac_optim.statistics_pipeline import Recording
 
 logger = logging.getLogger(__name__)
 
@@ -141,13 +140,12 @@ class Reporter:
 
     # -- what a factor step recorded -----------------------------------------------------------
 
-    def recording(self, capture: StatisticsCapture) -> None:
-        """At a factor step, before its fold: warn once when forwards ran inside a ``torch.func``
-        transform (not hooked), once when every backward ran with ``create_graph=True`` (not
-        recorded), and once when no output-gradient reached the hooks although the layers have
-        gradients. Consumes the capture's per-step flags."""
-        transformed, capture.transformed_skipped = capture.transformed_skipped, False
-        if transformed and not self._warned["torch.func"]:
+    def recording(self, seen: Recording) -> None:
+        """At a factor step, before its fold, handed what the capture ``seen``: warn once when forwards
+        ran inside a ``torch.func`` transform (not hooked), once when every backward ran with
+        ``create_graph=True`` (not recorded), and once when no output-gradient reached the hooks
+        although the layers have gradients."""
+        if seen.transformed and not self._warned["torch.func"]:
             warn_user(
                 "K-FAC layers ran inside a torch.func transform (torch.func.grad, vjp, vmap, ...): its gradients "
                 "never reach K-FAC's hooks, so those forwards add no statistics: the factors stay as they are "
@@ -156,12 +154,10 @@ class Reporter:
                 RuntimeWarning,
             )
             self._warned["torch.func"] = True
-        skipped, capture.graph_backward_skipped = capture.graph_backward_skipped, False
-        arrivals, capture.arrivals = capture.arrivals, 0
         marks, self._gradient_marks = self._gradient_marks, self._current_gradient_marks()
-        if capture.recorded:
+        if seen.recorded:
             return
-        if skipped and not self._warned["graph backward"]:
+        if seen.graph_backward and not self._warned["graph backward"]:
             warn_user(
                 "every backward since the last step ran with create_graph=True: K-FAC records the "
                 "output-gradients of the backward that produces .grad without create_graph (e.g. the "
@@ -169,7 +165,7 @@ class Reporter:
                 RuntimeWarning,
             )
             self._warned["graph backward"] = True
-        elif not arrivals and not transformed and not self._warned["nothing recorded"] and capture.active and (
+        elif not seen.arrivals and not seen.transformed and not self._warned["nothing recorded"] and seen.active and (
             self._gradient_marks and self._gradient_marks != marks  # a backward wrote gradients since
         ):
             warn_user(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from torch import Tensor, nn
 from torch.profiler import record_function
@@ -46,6 +47,23 @@ def clear_pending(blocks: Sequence[KroneckerBlock]) -> None:
         block.clear_pending()
 
 
+@dataclass(frozen=True)
+class Recording:
+    """What the capture saw since the last factor step (:meth:`InLineStatistics.recording`).
+
+    ``recorded``: pairs recorded; ``arrivals``: output-gradients that reached the hooks (recorded or
+    not); ``transformed``: a forward ran inside a ``torch.func`` transform (not hooked);
+    ``graph_backward``: a backward with ``create_graph=True`` was not recorded; ``active``: the
+    capture has hooks installed (not removed).
+    """
+
+    recorded: int
+    arrivals: int
+    transformed: bool
+    graph_backward: bool
+    active: bool
+
+
 class InLineStatistics:
     """Statistics computed where they are captured and folded in ``step()``: nothing to wait for.
 
@@ -61,6 +79,16 @@ class InLineStatistics:
         self.capture = capture
         self._decay = decay
         self._reduction = reduction
+
+    def recording(self) -> Recording:
+        """At a factor step, before its fold: what the capture saw since the last one (its per-step
+        flags are reset; the recorded count is reset by the fold)."""
+        capture = self.capture
+        seen = Recording(capture.recorded, capture.arrivals, capture.transformed_skipped,
+                         capture.graph_backward_skipped, capture.active)
+        capture.transformed_skipped = capture.graph_backward_skipped = False
+        capture.arrivals = 0
+        return seen
 
     def settle(self) -> None:
         """Make the factors and pending statistics readable here (nothing is in flight in line)."""
