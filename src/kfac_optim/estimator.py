@@ -135,7 +135,7 @@ class KroneckerEstimator:
         self._warn_about_discovery(trainable)
         # First (before any hook exists): with several ranks it checks they all built K-FAC alike.
         self.sharding = Sharding(self.blocks, runtime.grad_worker_fraction, runtime.process_group,
-                                 runtime.bucket_bytes, settings=options.rank_settings())
+                                 runtime.bucket_bytes, settings=options.rank_settings(), method=self.method)
         self._check_method_state_is_local(runtime)
         self._precision = precision
         self._statistics = StatisticsWorker() if runtime.async_statistics else None
