@@ -33,7 +33,8 @@ import torch
 from benchmarks.plan_report import MIB, torchvision_block_dims, torchvision_model
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES
 from kfac_optim.distributed.fsdp import MeshLayout, assign_routes
-from kfac_optim.distributed.plan import make_plan, work_items
+from kfac_optim.distributed.plan import make_plan
+from kfac_optim.distributed.work import work_items
 from kfac_optim.linalg import triu_size
 
 FP32 = 4

@@ -1,7 +1,7 @@
 """Load balance and per-rank memory of the distributed work plan on a torchvision model's layers.
 
 For each world size and grad-worker fraction, prints one table row and writes all rows as JSON:
-max/mean load (decomposition cost ~ dim**3 per factor), the lower bound on any assignment over the
+max/mean load (each factor's decomposition cost as the method counts it, ``Method.decomposition_cost``), the lower bound on any assignment over the
 mean, the plan's max load over that bound (1.0 is optimal), the same for plain LPT without the
 refinement, the number of process groups, and per-rank memory of factors and decompositions.
 No data and no training: the factors (sizes and kinds: dense, batched per group, diagonal) are
@@ -19,14 +19,11 @@ from pathlib import Path
 
 import torch
 
-from kfac_optim.distributed.plan import (
-    STRATEGIES,
-    WorkItem,
-    eigh_cost,
-    imbalance,
-    make_plan,
-    memory_per_rank,
-)
+from kfac_optim.distributed.balance import imbalance
+from kfac_optim.distributed.grid import STRATEGIES
+from kfac_optim.distributed.plan import make_plan
+from kfac_optim.distributed.plan_memory import memory_per_rank
+from kfac_optim.distributed.work import WorkItem, item_costs
 from kfac_optim.distributed.sharding import block_work_items
 from kfac_optim.layers import discover_blocks
 from kfac_optim.optimizer import block_dims
@@ -90,11 +87,11 @@ def plan_rows(
     rows = []
     for world in worlds:
         for text in fractions:
-            plan = make_plan(items, world, fraction_arg(text))
+            plan = make_plan(items, world, fraction_arg(text), method=method)
             loads = plan.loads()
             mean = math.fsum(loads) / world
             bound = plan.lower_bound()
-            lpt_max = max(make_plan(items, world, fraction_arg(text), refine=False).loads())
+            lpt_max = max(make_plan(items, world, fraction_arg(text), method=method, refine=False).loads())
             memory = memory_per_rank(plan, method)
             decomp = [m.decompositions / MIB for m in memory]
             row = {
@@ -132,7 +129,7 @@ def torchvision_work_items(model: str) -> tuple[int, tuple[WorkItem, ...]]:
 def model_plan_report(model: str, worlds: list[int], fractions: list[str], method: str) -> dict[str, object]:
     """Print the largest factors' cost shares and :func:`plan_rows` for a torchvision model; return both."""
     blocks, items = torchvision_work_items(model)
-    costs = sorted(((it.cost(eigh_cost), f"{it.block}.{it.factor}") for it in items), reverse=True)
+    costs = sorted(((c, f"{it.block}.{it.factor}") for it, c in item_costs(items, method).items()), reverse=True)
     total = math.fsum(c for c, _ in costs)
     largest = ", ".join(f"{name} ({c / total:.1%})" for c, name in costs[:3])
     print(f"{model}: {blocks} blocks, {len(items)} factors; largest cost shares: {largest}")

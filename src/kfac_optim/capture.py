@@ -20,18 +20,14 @@ pass, so:
 ``register_full_backward_hook`` is deliberately not used (it breaks on in-place ops after the layer).
 The input is taken however the layer was called (positionally or by keyword).
 
-Which samples a pair holds (docs/design.md §3, "What N is"): a forward pre-hook on the model given
-to KFAC counts its calls (a call whose inputs were computed from an output tapped in the previous
-call continues it: a recurrence run call by call), and each pair carries the call it came from; a
-block counts N once per backward pass and model call (``KroneckerBlock.count_samples``), so a
-module called several times within one forward of the model (an RNN cell over time steps) counts
-its samples once, and chunks of a batch each run through the model
-(``torch.cat([model(c) for c in x.split(16)])``) count theirs per call. Under ``KFAC.mask`` (:meth:`StatisticsCapture.masked`) each pair also
-carries the real positions of its forward, fitted to its layer's input by the block
-(``KroneckerBlock.mask_of``; ``layers.positions``). Forwards inside a ``torch.func`` transform
-(``torch.func.grad``, ``vmap``) are not hooked: their gradients never reach a tensor hook of the
-backward that writes ``.grad`` (:attr:`StatisticsCapture.transformed_skipped`, warned once by the
-estimator). A block whose layer takes the SGD path (``KroneckerBlock.sgd_reason``) is not hooked.
+Which samples a pair holds (docs/design.md §3, "What N is"): the model call it came from
+(``capture_calls``: chunked forwards count per call, a recurrence run call by call as one) and,
+under ``KFAC.mask`` (:meth:`StatisticsCapture.masked`), the real positions of its forward, fitted
+to its layer's input by the block (``KroneckerBlock.mask_of``; ``layers.positions``). Forwards
+inside a ``torch.func`` transform (``torch.func.grad``, ``vmap``) are not hooked: their gradients
+never reach a tensor hook of the backward that writes ``.grad``
+(:attr:`StatisticsCapture.transformed_skipped`, warned once by the estimator). A block whose
+layer takes the SGD path (``KroneckerBlock.sgd_reason``) is not hooked.
 
 Which backward records (docs/design.md §4, "Capture"; docs/guide.md "What feeds the factors"): a block
 records the output-gradients of the backward pass that writes its parameters' ``.grad`` (its
@@ -96,6 +92,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from kfac_optim import compiled_capture
+from kfac_optim.capture_calls import ModelCallStart, computed_from
+from kfac_optim.capture_lifetime import remove_hooks, take_over
+from kfac_optim.capture_pairs import Tapped, same_tensor, tensors_of
 from kfac_optim.compiled_capture import TapSite
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed import fsdp
@@ -117,8 +116,6 @@ logger = logging.getLogger(__name__)
 
 Accumulate = Callable[[KroneckerBlock, Tensor, Tensor], None]
 
-# Which live capture owns a module (weakly, both ways: neither keeps the other alive).
-_owners: weakref.WeakKeyDictionary[nn.Module, weakref.ref[StatisticsCapture]] = weakref.WeakKeyDictionary()
 
 
 def accumulate_plainly(block: KroneckerBlock, inputs: Tensor, grad_output: Tensor) -> None:
@@ -150,97 +147,6 @@ class CaptureHook(CopiedAsInert):
         if capture is not None and isinstance(copied_module, nn.Module):
             capture.copies.append((weakref.ref(copied_module), inert))
         return inert
-
-
-class ModelCallStart(CopiedAsInert):
-    """The forward pre-hook (``with_kwargs=True``) on the model given to KFAC: a call starts
-    (:meth:`StatisticsCapture.model_call_started`). Not while Dynamo traces (the count would be a
-    guarded constant: a recompile per call): a compiled model's calls do not advance the count, so
-    its pairs of one backward pass count as one call."""
-
-    def __init__(self, capture: StatisticsCapture) -> None:
-        self._capture = weakref.ref(capture)
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        capture = self._capture()
-        if capture is not None and not torch.compiler.is_compiling():
-            capture.model_call_started(args, kwargs)
-
-
-def _computed_from(tensors: list[Any], nodes: set[Any]) -> bool:
-    """Whether any of ``tensors`` was computed from an output whose autograd node is in ``nodes``
-    (a walk of their graphs back to the leaves, stopping at the first such node)."""
-    stack = [t.grad_fn for t in tensors if isinstance(t, Tensor) and t.grad_fn is not None]
-    seen: set[Any] = set()
-    while stack:
-        node = stack.pop()
-        if node in nodes:
-            return True
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
-    return False
-
-
-class Tapped:
-    """One forward call's tapped output of a block: its input, the parameter whose ``.grad`` its
-    backward writes (and that parameter's ``AccumulateGrad`` node), the model call it came from
-    and the real positions of its forward (``KFAC.mask``; None: all), and, while its graph is kept
-    for another backward, the sum of its output-gradients so far, the graph task that brought the
-    first and the one that brought the latest."""
-
-    __slots__ = ("block", "call", "latest", "layer_input", "node", "param", "positions", "summed", "task")
-
-    def __init__(self, block: KroneckerBlock, layer_input: Any, param: Tensor, node: Any, call: int,
-                 positions: RealPositions | None) -> None:
-        self.block = block
-        self.layer_input = layer_input
-        self.param = param
-        self.node = node
-        self.call = call
-        self.positions = positions
-        self.summed: Tensor | None = None
-        self.task = -1
-        self.latest = -1
-
-    def gradient_kept(self) -> bool:
-        """Whether the gradient the block's pending statistics belong to still exists (``.grad`` of
-        the parameter the forward used, e.g. FSDP2's unsharded copy, or of the block's own)."""
-        return self.param.grad is not None or self.block.has_gradient()
-
-
-def _remove_hooks(
-    handles: list[RemovableHandle],
-    copies: list[tuple[weakref.ref[nn.Module], InertHook]],
-) -> None:
-    """Remove the hooks of a capture and the placeholders on deep copies of its modules."""
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-    for module_ref, inert in copies:
-        module = module_ref()
-        hooks = getattr(module, "_forward_hooks", None)  # None: gone, or a copy deepcopy abandoned
-        if hooks is None:
-            continue
-        for hook_id in [key for key, hook in hooks.items() if hook is inert]:
-            del hooks[hook_id]
-            module._forward_hooks_with_kwargs.pop(hook_id, None)
-            module._forward_hooks_always_called.pop(hook_id, None)
-    copies.clear()
-
-
-def _same_tensor(layer_input: Any, tensor: Tensor) -> bool:
-    """Whether ``layer_input`` (a tensor, or a tuple ending in one) holds ``tensor``'s data: same
-    memory, shape and strides (a held input is alive, so its memory is not another tensor's)."""
-    held = layer_input if isinstance(layer_input, Tensor) else layer_input[-1]
-    return held.data_ptr() == tensor.data_ptr() and held.shape == tensor.shape and held.stride() == tensor.stride()
-
-
-def _tensors_of(layer_input: Any, grad_output: Tensor) -> list[Tensor]:
-    """The tensors of a captured pair (a block's input may be a tuple holding tensors)."""
-    parts = layer_input if isinstance(layer_input, tuple) else (layer_input,)
-    return [t for t in (*parts, grad_output) if isinstance(t, Tensor)]
 
 
 class StatisticsCapture:
@@ -292,7 +198,7 @@ class StatisticsCapture:
         self._accumulate = accumulate
         self._recording = every_backward
         self._every_backward = every_backward
-        self._take_over([module for block in blocks for module in block.captured_modules()])
+        take_over(self, [module for block in blocks for module in block.captured_modules()])
         self._handles: list[RemovableHandle] = []
         for block in blocks:  # a block that captures its own way installs its own hooks
             own = block.install_capture(self)
@@ -304,26 +210,9 @@ class StatisticsCapture:
             self._handles.extend(own)
         if model is not None:
             self._handles.append(model.register_forward_pre_hook(ModelCallStart(self), with_kwargs=True))
-        self._finalizer = weakref.finalize(self, _remove_hooks, self._handles, self.copies)
+        self._finalizer = weakref.finalize(self, remove_hooks, self._handles, self.copies)
         self._finalizer.atexit = False  # nothing to clean at interpreter exit, when modules may be half gone
 
-    def _take_over(self, modules: list[nn.Module]) -> None:
-        """Own ``modules``, removing the hooks of any live capture that owned one of them."""
-        previous: dict[int, StatisticsCapture] = {}
-        for module in modules:
-            owner_ref = _owners.get(module)
-            owner = owner_ref() if owner_ref is not None else None
-            if owner is not None and owner is not self and owner.active:  # a module may carry several blocks
-                previous[id(owner)] = owner
-            _owners[module] = weakref.ref(self)
-        for owner in previous.values():
-            owner.remove()
-        if previous:
-            warn_user(
-                "the model already has a live KFAC optimizer: the new one takes its layers over and the old "
-                "one's hooks are removed (it no longer updates its factors). Call remove_hooks() on the old "
-                "optimizer, or drop it, before creating a new one to silence this warning.",
-            )
 
     @property
     def active(self) -> bool:
@@ -343,7 +232,7 @@ class StatisticsCapture:
         tapped in the previous call (a recurrence run call by call: the same samples). The
         previous call's tapped outputs' autograd nodes are held until then or the next step (at
         most one forward's graph)."""
-        if not self._call_outputs or not _computed_from(tree_leaves((args, kwargs)), self._call_outputs):
+        if not self._call_outputs or not computed_from(tree_leaves((args, kwargs)), self._call_outputs):
             self.model_calls += 1
         self._call_outputs = set()
 
@@ -456,7 +345,7 @@ class StatisticsCapture:
         task = current_graph_task()
         tensor = layer_input if isinstance(layer_input, Tensor) else layer_input[-1]
         for tapped in self._held:
-            if tapped.block is block and tapped.latest != task and _same_tensor(tapped.layer_input, tensor):
+            if tapped.block is block and tapped.latest != task and same_tensor(tapped.layer_input, tensor):
                 break
         else:
             param = self._recorded_parameter(block)
@@ -564,7 +453,7 @@ class StatisticsCapture:
                     recording_pair(call, positions):
                 self._accumulate(block, layer_input, grad_output)
             return
-        tensors = _tensors_of(layer_input, grad_output)
+        tensors = tensors_of(layer_input, grad_output)
         versions = [t._version for t in tensors]
         task = torch._C._current_graph_task_id() if task is None else task
         self._worker.submit(self._accumulate_later, block, layer_input, grad_output, task, versions, call, positions)
@@ -574,7 +463,7 @@ class StatisticsCapture:
         call: int, positions: RealPositions | None,
     ) -> None:
         """On the worker: hand the pair on as :meth:`record` would have, unless it changed since."""
-        if [t._version for t in _tensors_of(layer_input, grad_output)] != versions:
+        if [t._version for t in tensors_of(layer_input, grad_output)] != versions:
             self.overwritten.add(block.name)
             return
         with in_graph_task(task), recording_pair(call, positions):

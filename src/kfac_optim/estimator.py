@@ -98,7 +98,7 @@ class KroneckerEstimator:
         self.reporter = Reporter(model, self.discovery, self.method, trainable)
         # First (before any hook exists): with several ranks it checks they all built K-FAC alike.
         self.sharding = Sharding(self.blocks, runtime.grad_worker_fraction, runtime.process_group,
-                                 runtime.bucket_bytes, settings=options.rank_settings())
+                                 runtime.bucket_bytes, settings=options.rank_settings(), method=self.method)
         self._check_method_state_is_local(runtime)
         self.statistics = statistics_pipeline(self.blocks, model, precision,
                                               every_backward=curvature.fisher == "empirical",

@@ -21,7 +21,8 @@ from torch import nn
 
 from kfac_optim import KFAC, CurvatureConfig, RuntimeConfig
 from kfac_optim.distributed.fsdp import MeshLayout, assign_routes, mesh_layout, service_groups
-from kfac_optim.distributed.plan import make_plan, work_items
+from kfac_optim.distributed.plan import make_plan
+from kfac_optim.distributed.work import work_items
 from tests.distributed_helpers import assert_same_tensors, spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")

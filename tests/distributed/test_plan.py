@@ -9,24 +9,17 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kfac_optim.distributed.plan import (
-    BlockPlan,
-    FACTORS,
-    Plan,
-    WorkItem,
-    assign_work,
-    eigh_cost,
-    imbalance,
-    load_lower_bound,
-    make_plan,
-    memory_per_rank,
-    resolve_grad_workers,
-    work_items,
-)
+from kfac_optim.distributed.balance import imbalance, load_lower_bound
+from kfac_optim.distributed.grid import resolve_grad_workers
+from kfac_optim.distributed.plan import BlockPlan, Plan, assign_work, make_plan
+from kfac_optim.distributed.plan_memory import memory_per_rank
+from kfac_optim.distributed.work import FACTORS, WorkItem, eigh_cost, work_items
+from kfac_optim.methods import DampedInverse, Eigen
 from kfac_optim.optimizer import block_dims
 from helpers import import_torchvision
 
@@ -445,3 +438,46 @@ def test_factor_kinds_cost_and_hold_what_they_store() -> None:
         assert memory.decompositions == 64 * per_dense(6) + 64 * per_dense(1) + 50_000 + per_dense(512)
     with pytest.raises(ValueError, match="count"):
         WorkItem("a", "A", 2, count=0)
+
+
+def test_capped_factors_are_balanced_at_the_methods_cost_not_at_n_cubed() -> None:
+    """The plan weighs each factor at ``Method.decomposition_cost``: under the default eigenbasis cap
+    (``Eigen(max_rank=128)``) a 1024-wide factor costs its randomized solver's ``O(n²·cap)``, so on
+    3 ranks the 512-wide ones (also capped) are spread next to the two 1024-wide ones, where an
+    ``n³`` weighting piles them all on one rank."""
+    method = Eigen()
+    assert method.max_rank is not None and method.max_rank < 512
+    items = work_items({"big": (1024, 1024), **{f"s{i}": (512, 512) for i in range(4)}})
+    world = 3
+
+    def shape(item: WorkItem) -> SimpleNamespace:
+        return SimpleNamespace(dim=item.dim, groups=item.count, diagonal=item.diagonal)
+
+    flops = {}
+    for a_item, g_item in zip(items[::2], items[1::2]):
+        flops[a_item], flops[g_item] = method.decomposition_cost(shape(a_item), shape(g_item))
+    by_method = reference_lpt(flops, world)
+    by_cube = reference_lpt({item: eigh_cost(item.dim) for item in items}, world)
+    assert by_method != by_cube  # the case tells the two weightings apart
+
+    assert assign_work(items, world, refine=False) == by_method
+    assert assign_work(items, world, method=method, refine=False) == by_method
+
+    def method_max_load(owner: dict[WorkItem, int]) -> float:
+        loads = [0.0] * world
+        for item, rank in owner.items():
+            loads[rank] += flops[item]
+        return max(loads)
+
+    plan = make_plan(items, world)
+    planned = {item: plan.block(item.block).owner(item.factor) for item in items}
+    assert method_max_load(planned) <= method_max_load(by_method) < method_max_load(by_cube)
+    assert imbalance(plan.loads()) == pytest.approx(imbalance(
+        [sum(flops[i] for i in items if planned[i] == r) for r in range(world)]), rel=1e-12)
+
+
+def test_plan_asks_the_given_method() -> None:
+    """An inverse costs a Cholesky per dense factor, uncapped: its plan weighs 1024 above 512 by n³."""
+    items = work_items({"big": (1024, 1024), **{f"s{i}": (512, 512) for i in range(4)}})
+    assert assign_work(items, 3, method=DampedInverse(), refine=False) == reference_lpt(
+        {item: eigh_cost(item.dim) for item in items}, 3)

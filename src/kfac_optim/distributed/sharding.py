@@ -85,6 +85,7 @@ class Sharding:
             K-FAC hyperparameters); with more than one rank they are compared across ranks at
             construction, with the resolved grad-worker count and the layer list (names, kinds,
             weight shapes and dtypes, bias), before any other collective (see ``consistency``).
+        method: the decomposition method, whose costs the plan balances (``Method.decomposition_cost``).
 
     Raises:
         ValueError: a bad ``grad_worker_fraction`` for this world size (the message names it),
@@ -99,9 +100,10 @@ class Sharding:
         process_group: dist.ProcessGroup | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         settings: Mapping[str, object] | None = None,
+        method: Method | str = "eigen",
     ) -> None:
         self.rank, world_size = group_rank_and_size(process_group)
-        self.plan: Plan = make_plan(block_work_items(blocks), world_size, grad_worker_fraction)
+        self.plan: Plan = make_plan(block_work_items(blocks), world_size, grad_worker_fraction, method=method)
         if world_size > 1:
             described: dict[str, Description] = {name: describe(v) for name, v in (settings or {}).items()}
             described["grad_worker_fraction"] = f"{self.plan.grad_workers} gradient worker(s) per layer"
