@@ -69,9 +69,10 @@ class JoinSupport:
     ``sharding``: the estimator's distributed layer. ``shadow_step``: a joined rank's part in one
     step of the others (``KroneckerEstimator.shadow_step``). ``optimizer``: for its public
     ``param_groups`` and ``state`` (the momentum buffers), held weakly: the optimizer owns this object,
-    and a strong reference back would put the optimizer, the model and a DDP wrapper's process group
-    in a reference cycle that outlives the user's last reference (until a garbage collection, or
-    never: a spawned rank then reaches interpreter exit with the group's native threads running).
+    and a strong reference back would put the optimizer, the model and a DDP wrapper's reducer
+    (which holds the process group) in a reference cycle that outlives the user's last reference:
+    until a garbage collection, in a spawned rank often the one of interpreter shutdown, which tears
+    the reducer down with the interpreter while gloo's native threads still run.
     ``model``: the model as given to ``KFAC`` (the DDP wrapper, when there is one, whose join
     configuration tells whether it runs under ``Join``).
     """
