@@ -102,7 +102,7 @@ def kfac_state_dict(estimator: KroneckerEstimator) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "steps": estimator.steps,
-        "blocks": {block.name: block.state_dict() for block in estimator.blocks},
+        "blocks": {block.name: block.state_dict(estimator.method) for block in estimator.blocks},
         "round": round_state(estimator),
         "intervals": estimator.intervals.state_dict(),
         "damping": estimator.damping.state_dict(),
@@ -125,7 +125,7 @@ def round_state(estimator: KroneckerEstimator) -> dict[str, Any] | None:
     for job, result in results:
         block, name = job.owner
         factors.setdefault(block.name, {})[name] = {
-            "decomposition": block.factors[name].decomposition_state(result),
+            "decomposition": block.factors[name].saved_decomposition(job.method, result),
             "version": job.version,
             "shift": job.shift,
         }
@@ -165,7 +165,7 @@ def check(estimator: KroneckerEstimator, kfac_state: Any) -> dict[str, Any]:
     saved = kfac_state["blocks"]
     for block in estimator.blocks:
         if block.name in saved:
-            block.validate_state(saved[block.name])
+            block.validate_state(saved[block.name], estimator.method)
     _check_round(estimator, kfac_state.get("round"), steps)
     check_intervals(kfac_state.get("intervals"))
     check_damping_state(kfac_state.get("damping"))
@@ -203,7 +203,7 @@ def _check_round(estimator: KroneckerEstimator, saved_round: Any, steps: int) ->
             if name not in blocks[block_name].factors:
                 raise ValueError(f"{where}: this layer has no factor {name!r}")
             try:
-                blocks[block_name].factors[name].validate_result(result)
+                blocks[block_name].factors[name].validate_result(result, estimator.method)
             except ValueError as error:
                 raise ValueError(f"{where}, factor {name}: {error}") from None
 
@@ -218,7 +218,7 @@ def _saved_round(estimator: KroneckerEstimator, saved_round: dict[str, Any] | No
         (
             Job((blocks[block_name], name), blocks[block_name].factors[name], result["version"], estimator.method,
                 float(result["shift"]), inv_dtype, None),
-            blocks[block_name].factors[name].load_decomposition(result["decomposition"]),
+            blocks[block_name].factors[name].loaded_decomposition(estimator.method, result["decomposition"]),
         )
         for block_name, factors in saved_round["factors"].items() if block_name in blocks
         for name, result in factors.items()

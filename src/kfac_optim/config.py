@@ -41,7 +41,7 @@ from kfac_optim.intervals import AutoIntervals, auto_of, check_interval
 from kfac_optim.layers import ConvStatistics, KroneckerBlock
 from kfac_optim.layers.conv_statistics import check_conv_statistics
 from kfac_optim.layers.registry import SkipLayers, check_block_overrides
-from kfac_optim.methods import EigenAdam, Method, method_named
+from kfac_optim.methods import Method, method_named
 
 IntSchedule = int | Callable[[int], int] | Literal["auto"] | AutoIntervals
 FloatSchedule = float | Callable[[int], float]
@@ -312,9 +312,10 @@ class KFACOptions:
 
     def _check_adaptive_damping(self) -> None:
         """``AdaptiveDamping`` needs a method that uses λ and the Fisher of a mean loss (its model's units)."""
-        if isinstance(method_named(self.method), EigenAdam):
+        method = method_named(self.method)
+        if not method.uses_damping:
             raise ValueError(
-                f"damping={self.damping!r} adapts λ, which method='eigen_adam' does not use: choose method='eigen' "
+                f"damping={self.damping!r} adapts λ, which method={method.name!r} does not use: choose method='eigen' "
                 "or 'inverse', or a constant damping"
             )
         if self.curvature.loss_reduction == "sum":

@@ -674,7 +674,7 @@ class KroneckerEstimator:
         self.damping.load_state_dict(damping)
         for block in self.blocks:
             if block.name in saved:
-                block.load_state_dict(saved[block.name])
+                block.load_state_dict(saved[block.name], self.method)
         if self.background is None:
             self.adopt(results)
         elif round_saved:
@@ -762,7 +762,7 @@ class KroneckerEstimator:
         usage = {
             "factors": sum(running for running, _ in held),
             "pending": sum(pending for _, pending in held),
-            "decompositions": sum(linalg.nbytes(f.decomposition) for f in factors),
+            "decompositions": sum(self.method.decomposer.nbytes(f.decomposition) for f in factors),
             "sharded_preconditioning": 0 if row_sharded is None else row_sharded.peak_bytes(itemsize),
         }
         usage["total"] = sum(usage.values())

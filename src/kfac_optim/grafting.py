@@ -4,9 +4,10 @@ Distributed Shampoo's default): K-FAC's direction with the step length of a simp
 Owns: the per-parameter-tensor grafts of ``UpdateConfig(grafting=...)`` (:class:`SGDGraft`,
 :class:`AdamGraft`, two of ``kfac_optim.step_length``'s step lengths) and the graft optimizer's
 state (Adam's moments, in the optimizer's ``state[p]`` so ``state_dict()`` carries them); Adam's
-step for the parameters that ``method="eigen_adam"`` leaves outside K-FAC (:class:`AdamOutsideKFAC`,
-the same step and state).
-Must not know: the curvature, the blocks, the KL clip, SGD's update (``KFAC._sgd_update`` applies the result).
+step for the parameters that a method of Adam's scale (``Method.outside_kfac``: ``"eigen_adam"``)
+leaves outside K-FAC (:class:`AdamOutsideKFAC`, the same step and state, and its checks:
+:func:`outside_kfac_for`).
+Must not know: the curvature, the blocks, the KL clip, SGD's update (``sgd_update.sgd_update`` applies the result).
 
 For every parameter ``p`` with a gradient ``∇p`` (docs/design.md §4.1)::
 
@@ -24,12 +25,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["AdamGraft", "AdamOutsideKFAC", "SGDGraft", "adam_step"]
+if TYPE_CHECKING:
+    from kfac_optim.config import UpdateConfig
+    from kfac_optim.methods import Method
+
+__all__ = ["AdamGraft", "AdamOutsideKFAC", "SGDGraft", "adam_step", "outside_kfac_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,17 +145,24 @@ class AdamOutsideKFAC:
     weight_decay)`` (``UpdateConfig.decoupled_weight_decay``: as ``AdamW``'s decay).
     """
 
-    def __init__(self, beta2: float, eps: float, decoupled_weight_decay: bool) -> None:
+    def __init__(self, method: str, beta2: float, eps: float, decoupled_weight_decay: bool) -> None:
+        self.method = method
         self.beta2 = beta2
         self.eps = eps
         self.decoupled = decoupled_weight_decay
+
+    def describe(self) -> str:
+        """The line ``KFAC.describe()`` adds: which parameters take Adam's update, and its settings."""
+        return (f"method {self.method}: the parameters without a K-FAC direction (the rows on the SGD path above, "
+                f"and a block's before its first decomposition) take torch.optim.Adam's update with betas=(the group's "
+                f"momentum, {self.beta2}), eps={self.eps}")
 
     def directions(self, groups: list[dict[str, Any]], state: dict[Tensor, dict[str, Any]],
                    preconditioned: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
         """Adam's direction ``d`` of every parameter of ``groups`` with a gradient and not in
         ``preconditioned`` (K-FAC's directions), by parameter."""
         _refuse_sparse((p for group in groups for p in group["params"] if p not in preconditioned),
-                       "method='eigen_adam' (Adam for the parameters outside K-FAC)")
+                       f"method={self.method!r} (Adam for the parameters outside K-FAC)")
         steps: dict[Tensor, Tensor] = {}
         for group in groups:
             betas = (group["momentum"], self.beta2)
@@ -162,6 +174,36 @@ class AdamOutsideKFAC:
                     grad = grad.add(p, alpha=group["weight_decay"])
                 steps[p] = adam_step(grad, state[p], betas, self.eps)
         return steps
+
+
+def outside_kfac_for(method: Method, update: UpdateConfig, groups: list[dict[str, Any]], model: nn.Module,
+                     trainable: set[Tensor]) -> AdamOutsideKFAC | None:
+    """Adam's step for the parameters without a K-FAC direction when ``method`` asks for it
+    (``Method.outside_kfac``) and ``update`` does not graft Adam already; None: SGD's update. Checks,
+    before any hook is registered, what Adam needs: ``grafting="adam"`` no SGD momentum in ``groups``,
+    and either dense gradients for the parameters in ``trainable`` (``ValueError`` naming the module)."""
+    if update.grafting == "adam":
+        if any(group["momentum"] != 0 for group in groups):
+            raise ValueError(
+                "UpdateConfig.grafting='adam' carries its own momentum (Adam's first moment): set momentum=0 "
+                "(and nesterov=False) in every param group"
+            )
+        _check_dense_gradients(model, trainable, "UpdateConfig.grafting='adam'")
+        return None
+    adam = method.outside_kfac()
+    if adam is None:
+        return None
+    _check_dense_gradients(model, trainable, f"method={method.name!r} (Adam's step for the parameters outside K-FAC)")
+    return AdamOutsideKFAC(method.name, *adam, update.decoupled_weight_decay)
+
+
+def _check_dense_gradients(model: nn.Module, trainable: set[Tensor], what: str) -> None:
+    """``ValueError`` naming ``what`` and the module when a module with ``sparse=True`` holds a
+    parameter in ``trainable`` (Adam's moments are dense)."""
+    sparse = [name for name, module in model.named_modules()
+              if getattr(module, "sparse", False) is True and any(p in trainable for p in module.parameters(False))]
+    if sparse:
+        raise ValueError(f"{what} needs dense gradients: module {sparse[0]!r} has sparse=True")
 
 
 def _norm_ratio(reference: Tensor, direction: Tensor) -> Tensor:

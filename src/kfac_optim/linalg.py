@@ -67,16 +67,6 @@ def rank_threshold(damping: float, other_trace: float) -> float:
     return RANK_RTOL * damping / other_trace
 
 
-def nbytes(decomposition: Eigen | Tensor | None) -> int:
-    """Bytes held by a decomposition (``Q`` and ``d``, an inverse, or none)."""
-    if decomposition is None:
-        return 0
-    if isinstance(decomposition, Eigen):
-        complement = 0 if decomposition.complement is None else decomposition.complement.nbytes
-        return decomposition.Q.nbytes + decomposition.d.nbytes + complement
-    return decomposition.nbytes
-
-
 def _all_finite(*tensors: Tensor) -> bool:
     # A nan/inf entry makes the sum non-finite; ``isfinite(t).all()`` costs ~100× more on CPU.
     return all(bool(torch.isfinite(t.sum())) for t in tensors)

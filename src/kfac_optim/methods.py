@@ -1,13 +1,15 @@
-"""Decomposition methods as types: how a factor is decomposed, damped, used and shipped.
+"""Decomposition methods as types: how a pair of factor decompositions is applied to a gradient.
 
-Owns, per method: decomposing one factor of either kind, the per-factor damping shifts, the damped
-Kronecker preconditioning of a joint gradient, the tensors a decomposition travels as (and how a
-receiver rebuilds it), and its size in elements. The optimizer turns its ``method`` argument into
-one of these (:func:`method_named`); below that no method is named by a string: blocks and the
-distributed layer ask a method for what depends on it (:meth:`Method.shifts`,
-:meth:`Method.rank_thresholds`, ...).
-Must not know: modules, hooks, ranks, schedules; a factor is read through :class:`FactorView`
-(``layers.factor.Factor`` is one), so this module imports nothing of ``layers``.
+Owns, per method: the per-factor damping shifts, the damped Kronecker preconditioning of a joint
+gradient (or its variants: Adam's second moment in the eigenbasis, a root), its costs, the basis
+it takes (:class:`Basis`), the state it keeps per block, and what the parameters outside K-FAC
+get (:meth:`Method.outside_kfac`). How each factor is decomposed, travels between ranks, is saved
+and sized is the other axis, the method's :attr:`Method.decomposer` (``kfac_optim.decompositions``).
+The optimizer turns its ``method`` argument into one of these (:func:`method_named`); below that
+no method is named by a string or tested by type: blocks, checkpoints and the distributed layer
+ask a method (or its decomposer) for what depends on it.
+Must not know: modules, hooks, ranks, schedules; a factor is read through
+``decompositions.FactorView`` (``layers.factor.Factor`` is one), so this module imports nothing of ``layers``.
 
 Factor kinds (see ``layers.factor``): **dense** ``(n, n)``, or ``(k, n, n)`` for ``k`` independent
 blocks (grouped convolutions), and **diagonal** ``(n,)``. A joint gradient is ``(out, in)`` (or
@@ -32,38 +34,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from kfac_optim import costs, linalg
-
-Decomposition = linalg.Eigen | Tensor
-
-
-class FactorView(Protocol):
-    """What a method reads of a factor (``layers.factor.Factor``): its kind (``diagonal``: stored
-    as its diagonal ``(dim,)``; else dense ``(dim, dim)``, or ``(groups, dim, dim)`` with
-    ``batch_shape == (groups,)``), its ``running`` average and the ``decomposition`` held."""
-
-    dim: int
-    groups: int
-    diagonal: bool
-    running: Tensor
-    decomposition: Decomposition | None
-
-    @property
-    def batch_shape(self) -> tuple[int, ...]:
-        """``()`` or ``(groups,)``: the storage's leading dimensions before the factor's own."""
-
-    @property
-    def rank_bound(self) -> int | None:
-        """An upper bound of ``running``'s rank (None: unknown)."""
-
-    def mean_eigenvalue(self) -> float:
-        """``tr F / dim`` over all blocks."""
-
+from kfac_optim.decompositions import Decomposer, Decomposition, EigenDecomposer, FactorView, InverseDecomposer
 
 
 class Basis(Enum):
@@ -80,9 +57,16 @@ class Basis(Enum):
 
 
 class Method(ABC):
-    """A way to apply ``(G ⊗ A + λI)⁻¹`` (exactly or approximately) from per-factor decompositions."""
+    """A way to apply ``(G ⊗ A + λI)⁻¹`` (exactly or approximately) from per-factor decompositions:
+    how the pair is applied (:meth:`precondition`, :meth:`shifts`, its costs) over a
+    :attr:`decomposer` (how each factor is decomposed, shipped, saved and sized)."""
 
     name: str
+    decomposer: Decomposer
+    """How this method's factors are decomposed, travel between ranks, are saved in checkpoints and
+    sized (``kfac_optim.decompositions``): a class attribute or a field set at construction."""
+    uses_damping: ClassVar[bool] = True
+    """Whether the damping λ enters :meth:`precondition` (False: ``AdaptiveDamping`` is refused)."""
     basis: ClassVar[Basis]
     """The decomposition :meth:`precondition` takes (:class:`Basis`). A class that defines
     ``precondition`` declares it in its own body (checked when the class is defined), so a
@@ -99,12 +83,12 @@ class Method(ABC):
                 f"attribute basis = Basis.FULL, Basis.CAPPED or Basis.INVERSE (kfac_optim.methods.Basis)"
             )
 
-    @abstractmethod
     def decompose(
         self, factor: FactorView, shift: float, dtype: torch.dtype, drop_below: float | None = None
     ) -> Decomposition | None:
-        """The decomposition of ``factor.running`` in ``dtype`` (None: it failed in float32 and float64).
+        """The decomposition of ``factor.running`` in ``dtype`` by :attr:`decomposer` (None: it failed).
         ``drop_below``: eigenvalues that may count as 0 (``KroneckerBlock.rank_thresholds``)."""
+        return self.decomposer.decompose(factor, shift, dtype, drop_below)
 
     @abstractmethod
     def shifts(self, a: FactorView, g: FactorView, damping: float) -> tuple[float, float]:
@@ -117,8 +101,8 @@ class Method(ABC):
 
     def capped(self, factor: FactorView) -> bool:
         """Whether this method holds ``factor`` at a bounded rank (:class:`Eigen`'s eigenbasis cap), so
-        that its decomposition costs O(n²·rank) rather than O(n³); False (the default): it does not."""
-        return False
+        that its decomposition costs O(n²·rank) rather than O(n³) (:meth:`Decomposer.capped`)."""
+        return self.decomposer.capped(factor)
 
     def decomposition_cost(self, a: FactorView, g: FactorView) -> tuple[float, float]:
         """The cost of decomposing ``a`` and ``g`` once, in ``kfac_optim.costs``' flop-equivalents
@@ -136,35 +120,16 @@ class Method(ABC):
         """The preconditioned joint gradient from the factors' decompositions (in their dtype).
         ``state``: the block's method state, updated in place by a :attr:`stateful` method (else unused)."""
 
-    @abstractmethod
-    def tensors(self, factor: FactorView) -> list[Tensor]:
-        """The tensors ``factor``'s decomposition travels as, in a fixed order."""
-
-    @abstractmethod
-    def buffers(self, factor: FactorView, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
-        """Receive buffers shaped as :meth:`tensors` for ``factor`` whose owner's decomposition has
-        ``columns`` (:meth:`columns`) (its decomposition's storage when it has the right layout, so
-        receivers do not allocate fresh pages every time)."""
-
-    def columns(self, factor: FactorView) -> int:
-        """The last dimension of ``factor``'s decomposition's first tensor (``r`` of a thin ``Q``)."""
-        return self.tensors(factor)[0].shape[-1]
-
-    @abstractmethod
-    def from_tensors(self, factor: FactorView, parts: Sequence[Tensor]) -> Decomposition:
-        """Rebuild a decomposition of ``factor`` from :meth:`tensors`' output."""
-
-    @abstractmethod
-    def symmetric(self, factor: FactorView) -> list[bool]:
-        """Per tensor of :meth:`tensors`: whether it is one symmetric ``(n, n)`` matrix (sent as a triangle)."""
-
-    @abstractmethod
-    def elements(self, diagonal: bool, dim: int, count: int = 1) -> int:
-        """Elements of one decomposition of a factor of this kind, dimension and block count."""
-
     def keyed_shift(self, shift: float) -> float:
-        """The part of ``shift`` a decomposition depends on (its cache key)."""
-        return shift
+        """The part of ``shift`` a decomposition depends on (its cache key; :meth:`Decomposer.keyed_shift`)."""
+        return self.decomposer.keyed_shift(shift)
+
+    def outside_kfac(self) -> tuple[float, float] | None:
+        """What the parameters without a K-FAC direction take: None (the default) SGD's update, as
+        the group says; ``(beta2, eps)``: ``torch.optim.Adam``'s update with these (the group's
+        momentum as β₁), for a method whose directions have Adam's scale (it then needs dense
+        gradients: ``grafting.outside_kfac_for`` checks)."""
+        return None
 
     def approximations(self, pairs: Sequence[tuple[str, FactorView, FactorView]]) -> str | None:
         """One line for ``KFAC.describe()`` naming the factors of ``pairs`` (``(layer, A, G)``) that
@@ -173,16 +138,6 @@ class Method(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-
-
-def _reuse(held: list[Tensor] | None, wanted: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[Tensor]:
-    """``held`` when it matches ``wanted`` shapes/dtypes on ``device`` (contiguous), else new empty tensors."""
-    if held is not None and len(held) == len(wanted) and all(
-        tuple(t.shape) == shape and t.dtype == dtype and t.device == device and t.is_contiguous()
-        for t, (shape, dtype) in zip(held, wanted, strict=True)
-    ):
-        return held
-    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in wanted]
 
 
 def _factor_cost(factor: FactorView, per_cube: float) -> float:
@@ -238,6 +193,9 @@ class Eigen(Method):
     """
 
     max_rank: int | None = field(default=DEFAULT_MAX_RANK, kw_only=True)
+    decomposer: EigenDecomposer = field(init=False, repr=False, compare=False)
+    """``EigenDecomposer(max_rank)`` under :attr:`Basis.CAPPED`, full bases under :attr:`Basis.FULL`
+    (where the cap never applies; ``capped`` says so)."""
 
     name: ClassVar[str] = "eigen"
     basis: ClassVar[Basis] = Basis.CAPPED
@@ -253,13 +211,7 @@ class Eigen(Method):
                 f"{type(self).__name__} takes full eigenbases (basis=Basis.FULL), so the eigenbasis cap does not "
                 f"apply to it: max_rank must be None, got max_rank={self.max_rank!r}"
             )
-
-    def capped(self, factor: FactorView) -> bool:
-        """Whether the cap applies to ``factor``'s layout: dense, ungrouped and wider than ``max_rank``
-        (it then travels with its isotropic ``complement``: ``σ``, or 0 when it has none, which a
-        receiver tells from ``Q``'s columns, see ``linalg.Eigen``). Never under :attr:`Basis.FULL`."""
-        return (self.basis is Basis.CAPPED and self.max_rank is not None and not factor.diagonal
-                and factor.groups == 1 and factor.dim > self.max_rank)
+        object.__setattr__(self, "decomposer", EigenDecomposer(self.max_rank if self.basis is Basis.CAPPED else None))
 
     def _capped_in_pair(self, factor: FactorView, a: FactorView, g: FactorView) -> bool:
         """Whether the cap truncates ``factor`` of the pair ``(a, g)`` once its rank exceeds the cap."""
@@ -284,14 +236,6 @@ class Eigen(Method):
         capped = a_columns < a.dim or g_columns < g.dim
         return _rotations(a, g, a_columns, g_columns, products=3 if capped else 2) + _elementwise(a, g, passes=4)
 
-    def decompose(
-        self, factor: FactorView, shift: float, dtype: torch.dtype, drop_below: float | None = None
-    ) -> Decomposition | None:
-        if factor.diagonal:
-            return factor.running.clamp(min=0).to(dtype)
-        max_rank = self.max_rank if self.capped(factor) else None
-        return linalg.symmetric_eigen(factor.running, dtype, drop_below, factor.rank_bound, max_rank)
-
     def shifts(self, a: FactorView, g: FactorView, damping: float) -> tuple[float, float]:
         return 0.0, 0.0
 
@@ -313,9 +257,6 @@ class Eigen(Method):
         traces = torch.stack([torch.trace(a.running), torch.trace(g.running)]).tolist()
         return linalg.rank_threshold(damping, traces[1]), linalg.rank_threshold(damping, traces[0])
 
-    def keyed_shift(self, shift: float) -> float:
-        return 0.0
-
     def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
         ea, eg = a.decomposition, g.decomposition
         if not (a.diagonal or g.diagonal or a.groups > 1):
@@ -330,43 +271,6 @@ class Eigen(Method):
             rotated = rotated @ ea.Q.mT
         return rotated if g.diagonal else eg.Q @ rotated
 
-    def tensors(self, factor: FactorView) -> list[Tensor]:
-        decomposition = factor.decomposition
-        assert decomposition is not None
-        if factor.diagonal:
-            return [decomposition]
-        if not self.capped(factor):
-            return [decomposition.Q, decomposition.d]
-        complement = decomposition.complement  # None: held from a checkpoint of an uncapped run
-        return [decomposition.Q, decomposition.d, decomposition.d.new_zeros(1) if complement is None else complement]
-
-    def buffers(self, factor: FactorView, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
-        batch, n = factor.batch_shape, factor.dim
-        if factor.diagonal:
-            wanted = [((n,), dtype)]
-        else:  # Q (..., n, r), d (..., r): r < n when held thin (linalg.symmetric_eigen); σ (1,) when capped
-            wanted = [((*batch, n, columns), dtype), ((*batch, columns), dtype)]
-            if self.capped(factor):
-                wanted.append(((1,), dtype))
-        held = None
-        if factor.decomposition is not None and isinstance(factor.decomposition, linalg.Eigen) != factor.diagonal:
-            held = self.tensors(factor)
-        return _reuse(held, wanted, device)
-
-    def from_tensors(self, factor: FactorView, parts: Sequence[Tensor]) -> Decomposition:
-        if factor.diagonal:
-            return parts[0]
-        truncated = self.capped(factor) and parts[0].shape[-1] == self.max_rank
-        return linalg.Eigen(Q=parts[0], d=parts[1], complement=parts[2] if truncated else None)
-
-    def symmetric(self, factor: FactorView) -> list[bool]:
-        return [False] * (1 if factor.diagonal else 3 if self.capped(factor) else 2)
-
-    def elements(self, diagonal: bool, dim: int, count: int = 1) -> int:
-        """A full decomposition's: an upper bound for a thin one, or one the cap truncates (whether the
-        cap applies depends on the other factor of the pair, which the plan does not see)."""
-        return dim if diagonal else count * (dim * dim + dim)
-
 
 class DampedInverse(Method):
     """π-factored damping (Martens & Grosse 2015): ``V = (G + (√λ/π) I)⁻¹ ∇ (A + π√λ I)⁻¹`` with
@@ -377,14 +281,7 @@ class DampedInverse(Method):
 
     name = "inverse"
     basis: ClassVar[Basis] = Basis.INVERSE
-
-    def decompose(
-        self, factor: FactorView, shift: float, dtype: torch.dtype, drop_below: float | None = None
-    ) -> Decomposition | None:
-        if factor.diagonal:
-            inverse = (factor.running.clamp(min=0) + shift).reciprocal().to(dtype)
-            return inverse if bool(torch.isfinite(inverse.sum())) else None
-        return linalg.damped_inverse(factor.running, shift, dtype)
+    decomposer: ClassVar[Decomposer] = InverseDecomposer()
 
     def shifts(self, a: FactorView, g: FactorView, damping: float) -> tuple[float, float]:
         a_mean, g_mean = a.mean_eigenvalue(), g.mean_eigenvalue()
@@ -406,26 +303,6 @@ class DampedInverse(Method):
             return linalg.inverse_precondition(grad, ia, ig)
         left = grad * ig.unsqueeze(-1) if g.diagonal else ig @ grad
         return left * ia.unsqueeze(-2) if a.diagonal else left @ ia
-
-    def tensors(self, factor: FactorView) -> list[Tensor]:
-        assert factor.decomposition is not None
-        return [factor.decomposition]
-
-    def buffers(self, factor: FactorView, dtype: torch.dtype, device: torch.device, columns: int) -> list[Tensor]:
-        shape = (factor.dim,) if factor.diagonal else (*factor.batch_shape, factor.dim, factor.dim)
-        held = None
-        if isinstance(factor.decomposition, Tensor):
-            held = [factor.decomposition]
-        return _reuse(held, [(shape, dtype)], device)
-
-    def from_tensors(self, factor: FactorView, parts: Sequence[Tensor]) -> Decomposition:
-        return parts[0]
-
-    def symmetric(self, factor: FactorView) -> list[bool]:
-        return [not factor.diagonal and factor.groups == 1]
-
-    def elements(self, diagonal: bool, dim: int, count: int = 1) -> int:
-        return dim if diagonal else count * dim * dim
 
 
 def rotate(grad: Tensor, a: FactorView, g: FactorView, scratch: Tensor) -> Tensor:
@@ -485,6 +362,7 @@ class EigenAdam(Eigen):
     name: ClassVar[str] = "eigen_adam"
     basis: ClassVar[Basis] = Basis.FULL
     stateful: ClassVar[bool] = True
+    uses_damping: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -492,6 +370,10 @@ class EigenAdam(Eigen):
             raise ValueError(f"EigenAdam beta2 must be in [0, 1), got {self.beta2}")
         if not 0.0 < self.eps < math.inf:
             raise ValueError(f"EigenAdam eps must be a finite number > 0, got {self.eps}")
+
+    def outside_kfac(self) -> tuple[float, float] | None:
+        """Adam's update with this method's ``(beta2, eps)`` (its directions have Adam's scale)."""
+        return self.beta2, self.eps
 
     def precondition_cost(self, a: FactorView, g: FactorView) -> float:
         """Full rotations and Adam's elementwise update of the rotated gradient (about ten passes)."""
@@ -530,9 +412,15 @@ def register_method(cls: type[Method]) -> type[Method]:
 
 def method_named(name: str | Method) -> Method:
     """The :class:`Method` registered as ``name`` (:data:`METHODS`: ``"eigen"``, ``"inverse"``,
-    ``"eigen_adam"``, ...) with its defaults; a :class:`Method` is returned as is."""
+    ``"eigen_adam"``, ...) with its defaults; a :class:`Method` is returned as is. ``TypeError`` when
+    the method has no :attr:`Method.decomposer`."""
     if isinstance(name, Method):
-        return name
-    if name not in METHODS:
+        method = name
+    elif name not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {name!r}")
-    return METHODS[name]()
+    else:
+        method = METHODS[name]()
+    if not isinstance(getattr(method, "decomposer", None), Decomposer):
+        raise TypeError(f"method {type(method).__name__} has no decomposer: set Method.decomposer to a "
+                        "kfac_optim.decompositions.Decomposer (how its factors are decomposed, shipped and saved)")
+    return method

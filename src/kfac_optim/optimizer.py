@@ -1,11 +1,12 @@
 """``KFAC``: a ``torch.optim.Optimizer`` whose ``step()`` is the whole K-FAC update.
 
-Owns: the ``torch.optim`` contract (param groups, SGD's arguments, ``state``), the order of work
-inside ``step()`` and SGD's update.
+Owns: the ``torch.optim`` contract (param groups, SGD's arguments, ``state``) and the order of work
+inside ``step()``.
 Delegates: the curvature (blocks, statistics, factors, decompositions, preconditioning) to a
 ``KroneckerEstimator`` (``estimator.py``); the step's length (KL clip, graft or none) to a
-``StepLength`` (``step_length.py``); settings to ``config.py``; checkpoints to
-``checkpoint.py``; loss scaling to ``precision.py``; ``Join`` to ``distributed/join.py``.
+``StepLength`` (``step_length.py``); Adam's step outside K-FAC to ``grafting.py``; SGD's update
+to ``sgd_update.py``; the read-only views to ``optimizer_views.py``; settings to ``config.py``;
+checkpoints to ``checkpoint.py``; loss scaling to ``precision.py``; ``Join`` to ``distributed/join.py``.
 
 One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient ``∇W``
 (docs/design.md §4; ``k`` is the step counter, ``λ`` the damping at ``k``)::
@@ -39,7 +40,6 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.optim.optimizer import Optimizer, ParamsT
-from torch.optim.sgd import sgd
 from torch.profiler import record_function
 
 from kfac_optim import checkpoint
@@ -55,14 +55,15 @@ from kfac_optim.config import (
     check_hyperparameter,
     from_deprecated_keywords,
 )
-from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.estimator import LARGE_FACTOR_DIM, KroneckerEstimator, block_dims, unwrap_model
-from kfac_optim.grafting import AdamOutsideKFAC
-from kfac_optim.layers import ModuleReport, discover_blocks
+from kfac_optim.grafting import outside_kfac_for
+from kfac_optim.layers import discover_blocks
 from kfac_optim.layers.positions import RealPositions
-from kfac_optim.methods import EigenAdam, Method, method_named
+from kfac_optim.methods import Method, method_named
+from kfac_optim.optimizer_views import KFACViews
 from kfac_optim.precision import MixedPrecision
+from kfac_optim.sgd_update import sgd_update
 from kfac_optim.step_length import StepLength, TrustRegion, step_length_for
 
 __all__ = ["KFAC", "LARGE_FACTOR_DIM", "block_dims", "discover_blocks"]
@@ -70,7 +71,7 @@ __all__ = ["KFAC", "LARGE_FACTOR_DIM", "block_dims", "discover_blocks"]
 logger = logging.getLogger(__name__)
 
 
-class KFAC(Optimizer, Joinable):
+class KFAC(KFACViews, Optimizer, Joinable):
     """K-FAC natural-gradient descent with SGD's update rule, as one optimizer.
 
     Replaces ``torch.optim.SGD(model.parameters(), lr, momentum, dampening, weight_decay,
@@ -170,10 +171,8 @@ class KFAC(Optimizer, Joinable):
         super().__init__(params, defaults)
         Joinable.__init__(self)
         trainable = {p for group in self.param_groups for p in group["params"]}  # the model's and any outside it
-        if self._options.update.grafting == "adam":
-            self._check_adam_grafting(trainable)
-        elif isinstance(method_named(self._options.method), EigenAdam):
-            self._check_dense_gradients(trainable, "method='eigen_adam' (Adam's step for the parameters outside K-FAC)")
+        self._outside_adam = outside_kfac_for(method_named(self._options.method), self._options.update,
+                                              self.param_groups, self.model, trainable)  # checked before any hook
         self._precision = MixedPrecision(self, runtime.grad_scaler,
                                          statistics_loss_scaled=curvature.fisher == "empirical")
         self.estimator = KroneckerEstimator(self.model, trainable, self._options, runtime, self._precision)
@@ -181,34 +180,7 @@ class KFAC(Optimizer, Joinable):
         self._checkpointing = checkpoint.Checkpointing(self, self.estimator)
         self._step_length: StepLength = step_length_for(self._options, self._trust_region, self.estimator.parameters,
                                                         self.estimator.sharding, self.estimator.nonfinite_directions)
-        self._outside_adam = self._make_outside_adam()
         logger.info("%s", self.describe())
-
-    def _check_adam_grafting(self, trainable: set[Tensor]) -> None:
-        """``UpdateConfig(grafting="adam")`` against the groups (no SGD momentum) and the model (no
-        sparse gradients), before any hook is registered."""
-        if any(group["momentum"] != 0 for group in self.param_groups):
-            raise ValueError(
-                "UpdateConfig.grafting='adam' carries its own momentum (Adam's first moment): set momentum=0 "
-                "(and nesterov=False) in every param group"
-            )
-        self._check_dense_gradients(trainable, "UpdateConfig.grafting='adam'")
-
-    def _check_dense_gradients(self, trainable: set[Tensor], what: str) -> None:
-        """``ValueError`` naming ``what`` and the module when a module with ``sparse=True`` holds a
-        parameter in ``trainable`` (Adam's moments are dense)."""
-        sparse = [name for name, module in self.model.named_modules()
-                  if getattr(module, "sparse", False) is True and any(p in trainable for p in module.parameters(False))]
-        if sparse:
-            raise ValueError(f"{what} needs dense gradients: module {sparse[0]!r} has sparse=True")
-
-    def _make_outside_adam(self) -> AdamOutsideKFAC | None:
-        """Under ``EigenAdam`` (an Adam-scale lr), Adam's step for the parameters without a K-FAC
-        direction (None otherwise, and under ``grafting="adam"``, which already gives them Adam's)."""
-        method = self.estimator.method
-        if not isinstance(method, EigenAdam) or self._options.update.grafting == "adam":
-            return None
-        return AdamOutsideKFAC(method.beta2, method.eps, self._options.update.decoupled_weight_decay)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """``Optimizer.__setstate__`` with SGD's defaults for options older state dicts lack."""
@@ -217,89 +189,6 @@ class KFAC(Optimizer, Joinable):
             group.setdefault("nesterov", False)
             group.setdefault("maximize", False)
             group.setdefault("foreach", None)
-
-    # -- read-only views ---------------------------------------------------------------------
-
-    @property
-    def options(self) -> KFACOptions:
-        """The K-FAC settings every rank shares (read-only; SGD's live in ``param_groups``)."""
-        return self._options
-
-    @property
-    def blocks(self) -> list[Any]:
-        """The ``KroneckerBlock`` of every preconditioned layer, in model order."""
-        return self.estimator.blocks
-
-    @property
-    def method(self) -> Method:
-        return self.estimator.method
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps taken (skipped overflow steps excluded)."""
-        return self.estimator.steps
-
-    @property
-    def capturing(self) -> bool:
-        """Whether the hooks record statistics now (the coming step is a factor step; with
-        ``CurvatureConfig.stagger``, for the layers that fold on it)."""
-        return self.estimator.capture.armed
-
-    @property
-    def owned_factors(self) -> tuple[str, ...]:
-        """The factors this rank decomposes, ``"<layer>.A"`` / ``"<layer>.G"`` (all on one process)."""
-        return self.estimator.sharding.owned_factors()
-
-    @property
-    def module_reports(self) -> list[ModuleReport]:
-        """:meth:`describe`'s rows as data, one per module with parameters in the param groups, from
-        the state now (the groups, ``requires_grad``, the model's modules)."""
-        return self.estimator.reports(self._group_parameters())
-
-    def _group_parameters(self) -> set[Tensor]:
-        """Every parameter of the param groups now."""
-        return {p for group in self.param_groups for p in group["params"]}
-
-    def bytes_communicated(self) -> dict[str, int]:
-        """Payload bytes this rank handed to collectives so far, by kind: ``"factors"`` (the
-        factor all-reduce), ``"decompositions"`` (agreement and broadcasts) and ``"directions"``
-        (preconditioned gradients, ``f < 1``). Flat buffers as sent (packed triangles); zeros on
-        one process."""
-        return self.estimator.sharding.bytes_communicated()
-
-    def damping_at(self, step: int) -> float:
-        """λ at ``step`` (under ``AdaptiveDamping``: λ now, whatever the step)."""
-        return self.estimator.damping_at(step)
-
-    @property
-    def reduction_ratio(self) -> float | None:
-        """``AdaptiveDamping``'s last reduction ratio ρ (None before the first, or without it)."""
-        return self.estimator.damping.reduction_ratio
-
-    def is_factor_step(self, step: int) -> bool:
-        """Whether some layer folds its statistics at ``step`` (every layer, unless staggered)."""
-        return bool(self.estimator.folding_blocks(step))
-
-    def is_inverse_step(self, step: int) -> bool:
-        return self.estimator.is_inverse_step(step)
-
-    def describe(self) -> str:
-        """Every module with parameters in the param groups and what K-FAC does with them now: the
-        block that preconditions them (its kind, parameters and factor shapes) or why they take the
-        SGD path, then the share of trainable weight-matrix elements (parameters with 2+ dims that
-        require grad) that K-FAC preconditions. Computed at each call from the current state."""
-        text = self.estimator.describe(self._group_parameters())
-        if self._outside_adam is None:
-            return text
-        adam = self._outside_adam
-        return (f"{text}\nmethod eigen_adam: the parameters without a K-FAC direction (the rows on the SGD path above, "
-                f"and a block's before its first decomposition) take torch.optim.Adam's update with betas=(the group's "
-                f"momentum, {adam.beta2}), eps={adam.eps}")
-
-    def memory_usage(self) -> dict[str, int]:
-        """Bytes of K-FAC state on this rank, by category, and their ``"total"`` (see
-        ``KroneckerEstimator.memory_usage``; momentum buffers are SGD's and not counted)."""
-        return self.estimator.memory_usage()
 
     # -- the training loop's calls -----------------------------------------------------------
 
@@ -373,7 +262,8 @@ class KFAC(Optimizer, Joinable):
         adam: dict[Tensor, Tensor] = {}
         if self._outside_adam is not None:              # eigen_adam: Adam's step for the other parameters
             adam = self._outside_adam.directions(self.param_groups, self.state, directions)
-        self._sgd_update(directions, adam)              # SGD on ν·V, or on ∇p for the other parameters
+        sgd_update(self.param_groups, self.state, directions, adam,  # SGD on ν·V, or on ∇p for the others
+                   self._options.update.decoupled_weight_decay)
         if measurement is not None:                     # AdaptiveDamping's step: ρ, then λ
             estimator.settle_statistics()
             measurement.finish(estimator.blocks)
@@ -396,56 +286,6 @@ class KFAC(Optimizer, Joinable):
         direction and the applied step ``lr·ν·V`` has the KL bound ``kl_clip·lr²``.
         """
         return self._trust_region.lr(group)
-
-    @record_function("kfac.sgd")
-    def _sgd_update(self, directions: dict[Tensor, Tensor], adam: dict[Tensor, Tensor]) -> None:
-        """``torch.optim.SGD``'s update, per group, on the (possibly preconditioned) directions;
-        with ``UpdateConfig.decoupled_weight_decay`` the group's decay first as ``p ← p·(1 − lr·wd)``.
-        The parameters in ``adam`` (Adam's steps, ``AdamOutsideKFAC``) take ``p ← p − lr·d`` alone."""
-        decoupled = self._options.update.decoupled_weight_decay
-        for group in self.param_groups:
-            params: list[Tensor] = []
-            grads: list[Tensor] = []
-            momentum_buffers: list[Tensor | None] = []
-            has_sparse_grad = False
-            stepped = [p for p in group["params"] if p in adam]
-            if stepped:
-                if decoupled and group["weight_decay"] != 0:
-                    torch._foreach_mul_(stepped, 1 - group["lr"] * group["weight_decay"])
-                updates = [adam[p] for p in stepped]  # Adam's fresh steps: scaled in place
-                if isinstance(group["lr"], Tensor):
-                    torch._foreach_mul_(updates, group["lr"])
-                    torch._foreach_sub_(stepped, updates)
-                else:
-                    torch._foreach_add_(stepped, updates, alpha=-group["lr"])
-            for p in group["params"]:
-                if p.grad is None or p in adam:
-                    continue
-                params.append(p)
-                grads.append(directions.get(p, p.grad))
-                has_sparse_grad |= p.grad.is_sparse
-                if group["momentum"] != 0:
-                    momentum_buffers.append(self.state[p].get("momentum_buffer"))
-            weight_decay = group["weight_decay"]
-            if decoupled and weight_decay != 0 and params:
-                torch._foreach_mul_(params, 1 - group["lr"] * weight_decay)
-                weight_decay = 0.0
-            sgd(
-                params,
-                grads,
-                momentum_buffers,
-                weight_decay=weight_decay,
-                momentum=group["momentum"],
-                lr=group["lr"],
-                dampening=group["dampening"],
-                nesterov=group["nesterov"],
-                maximize=group["maximize"],
-                has_sparse_grad=has_sparse_grad,
-                foreach=group["foreach"],
-            )
-            if group["momentum"] != 0:
-                for p, buffer in zip(params, momentum_buffers, strict=True):
-                    self.state[p]["momentum_buffer"] = buffer
 
     # -- NVIDIA Apex amp ---------------------------------------------------------------------
 

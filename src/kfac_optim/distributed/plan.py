@@ -485,7 +485,7 @@ def memory_per_rank(
 
     Every rank keeps every block's running factors (:attr:`WorkItem.elements` each: local
     statistics are reduced lazily before decomposition steps). A rank keeps both decompositions of
-    each block it is a gradient worker of, of ``method.elements(...)`` each (e.g. ``dim**2 + dim``
+    each block it is a gradient worker of, of ``method.decomposer.elements(...)`` each (e.g. ``dim**2 + dim``
     for a dense factor's ``Q`` and ``d`` under eigen, ``dim**2`` for its inverse, ``dim`` for a
     diagonal one). ``method``: a :class:`~kfac_optim.methods.Method` or its name. Itemsizes are
     bytes per element (fp32: 4).
@@ -500,7 +500,7 @@ def memory_per_rank(
     factors = factor_itemsize * sum(item.elements for item in plan.items)
     decompositions = [0] * plan.world_size
     for item in plan.items:
-        elements = method.elements(item.diagonal, item.dim, item.count)
+        elements = method.decomposer.elements(item.diagonal, item.dim, item.count)
         for rank in plan.block(item.block).grad_workers:
             decompositions[rank] += inv_itemsize * elements
     return tuple(MemoryEstimate(factors, d) for d in decompositions)

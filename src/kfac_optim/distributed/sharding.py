@@ -247,12 +247,13 @@ class Sharding:
             return
         items = self.plan.items
         device = self._device()
+        decomposer = method.decomposer
         local = []
         for item in items:
             factor = self.blocks[item.block].factors[item.factor]
             held = self.decomposes(item.block, item.factor) and factor.decomposition is not None
             key = factor.decomposed_key
-            columns = method.columns(factor) if held else 0
+            columns = decomposer.columns(factor) if held else 0
             local.append((1.0, float("nan") if key is None else key[1], columns) if held else (0.0, 0.0, 0))
         what = "KFAC.step(): the exchange of decompositions"
         local_flags = torch.tensor(local, dtype=torch.float64, device=device)
@@ -276,12 +277,12 @@ class Sharding:
         pending: list[tuple[int, list[tuple[Factor, float, int]], Pending]] = []
         for (workers, src), members in sorted(sends.items(), key=lambda kv: kv[0]):
             if src == self.rank:
-                tensors = [t for factor, _, _ in members for t in method.tensors(factor)]
+                tensors = [t for factor, _, _ in members for t in decomposer.tensors(factor)]
             else:
                 tensors = [
-                    t for factor, _, columns in members for t in method.buffers(factor, dtype, device, columns)
+                    t for factor, _, columns in members for t in decomposer.buffers(factor, dtype, device, columns)
                 ]
-            symmetric = [flag for factor, _, _ in members for flag in method.symmetric(factor)]
+            symmetric = [flag for factor, _, _ in members for flag in decomposer.symmetric(factor)]
             work = self.comm.broadcast(tensors, src, workers, symmetric=symmetric, what=what, tag="decompositions")
             pending.append((src, members, work))
         for src, members, work in pending:
@@ -290,8 +291,8 @@ class Sharding:
                 continue
             start = 0
             for factor, shift, _ in members:
-                count = len(method.symmetric(factor))
-                factor.adopt(method.from_tensors(factor, received[start : start + count]), shift)
+                count = len(decomposer.symmetric(factor))
+                factor.adopt(decomposer.from_tensors(factor, received[start : start + count]), shift)
                 start += count
 
     # -- directions --------------------------------------------------------------------------

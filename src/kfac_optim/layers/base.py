@@ -396,7 +396,7 @@ class KroneckerBlock(ABC):
         e.g. the eigenvalues), or None before any decomposition."""
         if self.A.decomposition is None or self.G.decomposition is None:
             return None
-        dtype = method.tensors(self.A)[-1].dtype
+        dtype = method.decomposer.tensors(self.A)[-1].dtype
         return method.precondition(grad.to(dtype), self.A, self.G, damping, self.method_state)
 
     def split(self, direction: Tensor) -> list[tuple[nn.Parameter, Tensor]]:
@@ -407,16 +407,18 @@ class KroneckerBlock(ABC):
             pieces.append((self.bias, direction[..., -1].reshape(self.bias.shape).to(self.bias.dtype).contiguous()))
         return pieces
 
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"factors": {name: factor.state_dict() for name, factor in self.factors.items()},
+    def state_dict(self, method: Method | None = None) -> dict[str, Any]:
+        """The factors' states (their decompositions as ``method``'s decomposer saves them), the
+        failure count and a stateful method's per-block tensors."""
+        state: dict[str, Any] = {"factors": {name: factor.state_dict(method) for name, factor in self.factors.items()},
                                  "failures": self.failures}
         if self.method_state:  # a stateful method's tensors (absent otherwise, as in older checkpoints)
             state["method_state"] = {key: value.clone() for key, value in self.method_state.items()}
         return state
 
-    def validate_state(self, state: Any) -> None:
+    def validate_state(self, state: Any, method: Method | None = None) -> None:
         """Raise ``ValueError`` naming the layer, factor and field if ``state`` (a :meth:`state_dict`)
-        does not fit this block; nothing is modified."""
+        does not fit this block (its decompositions ``method``'s); nothing is modified."""
         where = f"K-FAC checkpoint, layer '{self.name}'"
         if not isinstance(state, dict) or not isinstance(state.get("factors"), dict) or "failures" not in state:
             raise ValueError(f"{where}: expected a dict with 'factors' and 'failures'")
@@ -424,16 +426,17 @@ class KroneckerBlock(ABC):
             if name not in state["factors"]:
                 raise ValueError(f"{where}, factor {name}: missing")
             try:
-                factor.validate_state(state["factors"][name])
+                factor.validate_state(state["factors"][name], method)
             except ValueError as error:
                 raise ValueError(f"{where}, factor {name}: {error}") from None
         method_state = state.get("method_state", {})
         if not isinstance(method_state, dict) or not all(isinstance(v, Tensor) for v in method_state.values()):
             raise ValueError(f"{where}: 'method_state' must be a dict of tensors")
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], method: Method | None = None) -> None:
+        """Restore a validated :meth:`state_dict` (decompositions read by ``method``'s decomposer)."""
         for name, factor in self.factors.items():
-            factor.load_state_dict(state["factors"][name])
+            factor.load_state_dict(state["factors"][name], method)
         self.failures = int(state["failures"])
         device = self.weight.device
         self.method_state = {key: value.to(device, copy=True) for key, value in state.get("method_state", {}).items()}

@@ -48,6 +48,7 @@ from kfac_optim.layers.base import KroneckerBlock
 from kfac_optim.layers.factor import DiagonalFactor, Factor, FactorName, output_gram_scale
 from kfac_optim.layers.hooks import current_mask
 from kfac_optim.layers.positions import RealPositions
+from kfac_optim.methods import Method
 
 
 class TiedHead:
@@ -252,14 +253,14 @@ class EmbeddingBlock(KroneckerBlock):
             factor.set_running(value, uses[0].initialized | uses[1].initialized,
                                None if None in bounds else sum(bounds))  # type: ignore[arg-type]
 
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
+    def state_dict(self, method: Method | None = None) -> dict[str, Any]:
+        state = super().state_dict(method)
         if self.head is not None:
-            state["uses"] = {name: factor.state_dict() for name, factor in self.head.factors().items()}
+            state["uses"] = {name: factor.state_dict(method) for name, factor in self.head.factors().items()}
         return state
 
-    def validate_state(self, state: Any) -> None:
-        super().validate_state(state)
+    def validate_state(self, state: Any, method: Method | None = None) -> None:
+        super().validate_state(state, method)
         if self.head is None:
             return
         where = f"K-FAC checkpoint, layer '{self.name}'"
@@ -270,15 +271,15 @@ class EmbeddingBlock(KroneckerBlock):
             if name not in uses:
                 raise ValueError(f"{where}, use factor {name}: missing")
             try:
-                factor.validate_state(uses[name])
+                factor.validate_state(uses[name], method)
             except ValueError as error:
                 raise ValueError(f"{where}, use factor {name}: {error}") from None
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], method: Method | None = None) -> None:
         if self.head is not None:
             for name, factor in self.head.factors().items():
-                factor.load_state_dict(state["uses"][name])
-        super().load_state_dict(state)
+                factor.load_state_dict(state["uses"][name], method)
+        super().load_state_dict(state, method)
 
     def joint_gradient(self, weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
         return weight_grad.T

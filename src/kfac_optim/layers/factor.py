@@ -5,7 +5,7 @@ the running average (non-finite batches discarded, no host sync), the decomposit
 it is stale, checkpoint state and its validation; :func:`output_gram_scale`, the one place the
 output-gradient scaling of the conventions below is written.
 Must not know: modules, blocks, hooks, ranks; which method decomposes (a ``methods.Method`` is
-handed in and does the math); the geometry of a :class:`Support` (e.g. ``layers.conv``'s boxes).
+handed in and does the math); the geometry of a ``layers.support.Support`` (e.g. ``layers.conv``'s boxes).
 
 Conventions (docs/design.md §3), for a layer with joint weight ``[W | b]`` of shape ``(out, in [+1])``:
   ``A = (1/(N·R)) Σ a aᵀ``: ``(in [+1], in [+1])``, ``a`` the input rows with a trailing 1 for a bias;
@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 
 from kfac_optim import linalg
+from kfac_optim.layers.support import EMPTY_SUPPORT, Support
+from kfac_optim.state_checks import check_shapes, check_tensors
 
 if TYPE_CHECKING:
+    from kfac_optim.decompositions import Decomposer, Decomposition
     from kfac_optim.methods import Method
 
 FactorName = Literal["A", "G"]
@@ -37,49 +40,6 @@ def output_gram_scale(samples: int, loss_reduction: str, grad_scale: float | Ten
     for "sum" (``ĝ = g``). ``grad_scale`` multiplies the Gram further, e.g. ``scale⁻²`` for
     gradients captured under a loss scale."""
     return grad_scale * (samples if loss_reduction == "mean" else 1.0 / samples)
-
-
-class Support(Protocol):
-    """A set of a symmetric factor's ``(n, n)`` indices outside which it is zero: its rows and
-    columns there form a block ``(size, size)`` (in index order). Host-side: combining supports
-    needs no host sync. ``layers.conv.BoxSupport`` is the one a convolution's ``A`` has."""
-
-    @property
-    def size(self) -> int:
-        """How many indices are in it."""
-
-    def __or__(self, other: Support) -> Support | None:
-        """A support holding both; None when it cannot say (then: every index)."""
-
-    def gather(self, matrix: Tensor) -> Tensor:
-        """A copy of ``matrix (..., n, n)``'s block on this support: ``(..., size, size)``."""
-
-    def scatter(self, matrix: Tensor, block: Tensor) -> None:
-        """Write ``block`` (as from :meth:`gather`) into ``matrix``'s block on this support."""
-
-    def zero(self, matrix: Tensor) -> None:
-        """Zero ``matrix``'s block on this support."""
-
-
-class _NoIndex:
-    """The empty :class:`Support`: a factor that is zero (nothing folded yet)."""
-
-    size = 0
-
-    def __or__(self, other: Support) -> Support:
-        return other
-
-    def gather(self, matrix: Tensor) -> Tensor:
-        return matrix.new_empty(*matrix.shape[:-2], 0, 0)
-
-    def scatter(self, matrix: Tensor, block: Tensor) -> None:
-        return None
-
-    def zero(self, matrix: Tensor) -> None:
-        return None
-
-
-EMPTY_SUPPORT: Support = _NoIndex()
 
 
 class Factor:
@@ -358,17 +318,18 @@ class Factor:
         version = self.version if version is None else version
         self.decomposed_key = None if decomposition is None else (version, shift)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, method: Method | None = None) -> dict[str, Any]:
         """The running factor (packed: :meth:`packed_running`; None while never allocated: zeros, its
-        layer frozen since the optimizer was built), its health counters and its decomposition (None if
-        none yet)."""
+        layer frozen since the optimizer was built), its health counters and its decomposition as
+        ``method``'s decomposer saves it (``Decomposer.saved``; None if none yet). ``method``: the
+        one whose decomposition is held (may be None while none is: ``ValueError`` otherwise)."""
         return {
             "running": self.packed_running() if "running" in self.__dict__ else None,
             "initialized": self.initialized,
             "discarded": self.discarded,
             "version": self.version,
             "rank_bound": self.rank_bound,
-            "decomposition": self.decomposition_state(self.decomposition),
+            "decomposition": self.saved_decomposition(method, self.decomposition),
             "decomposed_key": self.decomposed_key,
         }
 
@@ -391,60 +352,38 @@ class Factor:
         """The shape of :meth:`packed`."""
         return (*self.batch_shape, linalg.triu_size(self.dim))
 
-    def decomposition_state(self, decomposition: linalg.Eigen | Tensor | None) -> dict[str, Tensor] | Tensor | None:
-        """``decomposition`` as checkpoints hold it: ``{"Q", "d"}`` for an eigendecomposition, and
-        ``"complement"`` (σ, ``(1,)``) when it has one (``methods.Eigen``'s eigenbasis cap); a
-        dense factor's inverse packed (:meth:`packed`)."""
-        if isinstance(decomposition, linalg.Eigen):
-            state = {"Q": decomposition.Q, "d": decomposition.d}
-            if decomposition.complement is not None:
-                state["complement"] = decomposition.complement
-            return state
-        return None if decomposition is None else self.packed(decomposition)
+    def unpacked(self, saved: Tensor) -> Tensor:
+        """A new tensor shaped as the storage from :meth:`packed`'s output, or a whole one (:func:`unpack_running`)."""
+        return unpack_running(saved, self.dim, self.groups, self.diagonal)
 
-    def load_decomposition(self, state: dict[str, Tensor] | Tensor | None) -> linalg.Eigen | Tensor | None:
-        """A :meth:`decomposition_state` (validated, :meth:`validate_decomposition`; an inverse packed
-        or whole) on this factor's device."""
-        device = self.device
-        if isinstance(state, dict):
-            complement = state.get("complement")
-            return linalg.Eigen(Q=state["Q"].to(device), d=state["d"].to(device),
-                                complement=None if complement is None else complement.to(device))
-        return None if state is None else unpack_running(state.to(device), self.dim, self.groups, self.diagonal)
-
-    def validate_decomposition(self, decomposition: Any, field: str = "decomposition") -> None:
-        """Raise ``ValueError`` naming ``field`` if ``decomposition`` (a :meth:`decomposition_state`)
-        is not one of this factor: a tensor shaped as the storage, or ``Q: (..., dim, r)`` and
-        ``d: (..., r)`` and optionally ``complement: (1,)``, all finite."""
-        if decomposition is None:
-            return
-        if isinstance(decomposition, dict):
-            for key in ("Q", "d"):
-                if key not in decomposition:
-                    raise ValueError(f"'{field}' has no '{key}'")
-            tensors = {f"{field} {key}": decomposition[key] for key in ("Q", "d", "complement") if key in decomposition}
-        else:
-            tensors = {field: decomposition}
-        _check_tensors(tensors)
-        if isinstance(decomposition, dict):
-            rank = decomposition["Q"].shape[-1]
-            expected = {f"{field} Q": (*self.batch_shape, self.dim, rank), f"{field} d": (*self.batch_shape, rank)}
-            if "complement" in decomposition:
-                expected[f"{field} complement"] = (1,)
-        else:
-            expected = {field: self._saved_shape(decomposition)}
-        _check_shapes(tensors, expected)
-
-    def _saved_shape(self, saved: Tensor) -> tuple[int, ...]:
+    def saved_shape(self, saved: Tensor) -> tuple[int, ...]:
         """The shape a saved symmetric tensor of this factor must have: packed (:meth:`packed_shape`),
         or whole (the storage's: a diagonal factor's, or as checkpoints of format 1 hold it)."""
         storage = self.storage_shape(self.dim, self.groups)
         return self.packed_shape() if saved.dim() < len(storage) else storage
 
-    def validate_state(self, state: Any) -> None:
+    def saved_decomposition(self, method: Method | None, decomposition: Decomposition | None) -> Any:
+        """``decomposition`` (of this factor) as ``method``'s decomposer saves it; None for None."""
+        if decomposition is None:
+            return None
+        return _decomposer(method, "state_dict").saved(self, decomposition)
+
+    def loaded_decomposition(self, method: Method | None, saved: Any) -> Decomposition | None:
+        """The decomposition ``saved`` (checked: :meth:`check_decomposition`) holds, on this factor's device."""
+        return None if saved is None else _decomposer(method, "load_state_dict").loaded(self, saved)
+
+    def check_decomposition(self, method: Method | None, saved: Any, field: str = "decomposition") -> None:
+        """Raise ``ValueError`` naming ``field`` if ``saved`` (None: none) is not a saved decomposition
+        of this factor in ``method``'s layout (``Decomposer.check_saved``)."""
+        if saved is not None:
+            if method is None:
+                raise ValueError(f"'{field}' is saved but no method was given to read it")
+            method.decomposer.check_saved(self, saved, field)
+
+    def validate_state(self, state: Any, method: Method | None = None) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable :meth:`state_dict` of this
         factor: every key present, ``running`` packed (:meth:`packed_shape`) or whole (the storage's
-        shape, as checkpoints of format 1 hold it), ``Q: (..., dim, r)``, ``d: (..., r)``, all finite."""
+        shape, as checkpoints of format 1 hold it), the decomposition ``method``'s, all finite."""
         if not isinstance(state, dict):
             raise ValueError(f"expected a dict, got {type(state).__name__}")
         for key in ("running", "initialized", "discarded", "version", "decomposition", "decomposed_key"):
@@ -455,51 +394,60 @@ class Factor:
             del tensors["running"]
             if not isinstance(state["initialized"], Tensor) or bool(state["initialized"]):
                 raise ValueError("'running' is None (never allocated) but 'initialized' is not False")
-        _check_tensors(tensors)
-        self.validate_decomposition(state["decomposition"])
+        check_tensors(tensors)
+        self.check_decomposition(method, state["decomposition"])
         bound = state.get("rank_bound")
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
             raise ValueError(f"'rank_bound' must be None or an int >= 0, got {bound!r}")
         expected = {"initialized": (), "discarded": ()}
         if "running" in tensors:
-            expected["running"] = self._saved_shape(tensors["running"])
-        _check_shapes(tensors, expected)
+            expected["running"] = self.saved_shape(tensors["running"])
+        check_shapes(tensors, expected)
 
-    def validate_result(self, state: Any) -> None:
+    def validate_result(self, state: Any, method: Method) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable saved result of a background
-        decomposition of this factor: ``{"decomposition": a decomposition_state or None (failed),
-        "version": the factor version decomposed (int >= 0), "shift": the shift it was given (finite)}``."""
+        decomposition of this factor by ``method``: ``{"decomposition": saved as by :meth:`saved_decomposition`
+        or None (failed), "version": the factor version decomposed (int >= 0), "shift": the shift it was given (finite)}``."""
         if not isinstance(state, dict):
             raise ValueError(f"expected a dict, got {type(state).__name__}")
         for key in ("decomposition", "version", "shift"):
             if key not in state:
                 raise ValueError(f"'{key}' is missing")
-        self.validate_decomposition(state["decomposition"])
+        self.check_decomposition(method, state["decomposition"])
         version, shift = state["version"], state["shift"]
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"'version' must be an int >= 0, got {version!r}")
         if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift):
             raise ValueError(f"'shift' must be a finite float, got {shift!r}")
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], method: Method | None = None) -> None:
         """Restore from :meth:`state_dict` (tensors move to this factor's device and dtypes; ``running``
-        packed, whole, or None: never allocated); the caller validates ``state`` first (:meth:`validate_state`)."""
+        packed, whole, or None: never allocated; the decomposition read by ``method``'s decomposer);
+        the caller validates ``state`` first (:meth:`validate_state`)."""
         device, dtype = self.device, self.dtype
         if state["running"] is None:
             self.release()
         else:
-            self.running = unpack_running(state["running"].to(device, dtype), self.dim, self.groups, self.diagonal)
+            self.running = self.unpacked(state["running"].to(device, dtype))
         self.support = None
         self.initialized = state["initialized"].to(device, copy=True)
         self.discarded = state["discarded"].to(device, copy=True)
         self.reported_discards = int(self.discarded)
         self.version = int(state["version"])
         self.rows_synced, self.rows_since_sync = state.get("rank_bound"), 0  # None: saved without one
-        decomposition = self.load_decomposition(state["decomposition"])
+        decomposition = self.loaded_decomposition(method, state["decomposition"])
         self.decomposition = decomposition
         key = state["decomposed_key"]
         self.decomposed_key = None if key is None or decomposition is None else tuple(key)
         self.clear_pending()
+
+
+def _decomposer(method: Method | None, what: str) -> Decomposer:
+    """``method``'s decomposer; ``ValueError`` naming ``what`` when a decomposition is at stake and no method is given."""
+    if method is None:
+        raise ValueError(f"Factor.{what}(method=None): a decomposition is held or saved, pass method= (the Method "
+                         "whose decomposer made it)")
+    return method.decomposer
 
 
 def unpack_running(saved: Tensor, dim: int, groups: int = 1, diagonal: bool = False) -> Tensor:
@@ -511,22 +459,6 @@ def unpack_running(saved: Tensor, dim: int, groups: int = 1, diagonal: bool = Fa
     if groups == 1:
         return linalg.unpack_symmetric(saved, dim)
     return torch.stack([linalg.unpack_symmetric(packed, dim) for packed in saved])
-
-
-def _check_tensors(tensors: dict[str, Any]) -> None:
-    """Raise ``ValueError`` naming the field of a value that is not a tensor or is non-finite."""
-    for field, tensor in tensors.items():
-        if not isinstance(tensor, Tensor):
-            raise ValueError(f"'{field}' must be a tensor, got {type(tensor).__name__}")
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise ValueError(f"'{field}' is non-finite")
-
-
-def _check_shapes(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]]) -> None:
-    """Raise ``ValueError`` naming the field of a tensor not shaped as ``expected`` says."""
-    for field, tensor in tensors.items():
-        if tuple(tensor.shape) != expected[field]:
-            raise ValueError(f"'{field}' has shape {tuple(tensor.shape)}, this model needs {expected[field]}")
 
 
 class DiagonalFactor(Factor):
