@@ -193,8 +193,8 @@ def main_worker(rank: int, args: argparse.Namespace) -> int:
 
     status = 0 if not distributed else ranks_agree(model, rank, args.world_size, device)
     if distributed:
-        dist.barrier()  # every rank done with its collectives before any tears gloo down (an early
-        dist.destroy_process_group()  # teardown crashed a rank at exit once: "terminate called")
+        dist.barrier()  # every rank done with its collectives before any tears gloo down
+        dist.destroy_process_group()  # the group itself goes with the DDP model at return
     return status
 
 

@@ -8,7 +8,9 @@ compare it, in this process, with a control run of one process on the whole batc
 
 from __future__ import annotations
 
+import gc
 import io
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
@@ -264,7 +266,23 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
     state = optimizer.state_dict()  # right after a decomposition step: the global factors
     if rank == 0:
         torch.save({"model": model.module.state_dict(), "optimizer": state}, directory / "checkpoint.pt")
+    del model, optimizer
+    results["freed by reference counting"] = ddp_model_and_kfac_freed_by_reference_counting(rank, world)
     return results
+
+
+def ddp_model_and_kfac_freed_by_reference_counting(rank: int, world: int) -> dict[str, bool]:
+    """Whether a trained DDP model and its ``KFAC`` are gone as soon as the last reference to them
+    goes, with the garbage collector off: then the DDP reducer lets go of the process group (and
+    gloo its native threads) there, not at some later collection or at interpreter exit."""
+    model, optimizer = ddp_run(rank, world, 1.0)
+    refs = {"DDP model": weakref.ref(model), "KFAC": weakref.ref(optimizer)}
+    gc.disable()
+    try:
+        del model, optimizer
+        return {name: ref() is None for name, ref in refs.items()}
+    finally:
+        gc.enable()
 
 
 def async_resumed(rank: int, world: int) -> dict[str, Any]:
@@ -568,6 +586,14 @@ def test_receivers_take_new_decompositions_into_the_storage_of_the_old_ones(ddp_
                     assert pointer == before[key][0], key
                     reused += 1
         assert reused >= len(storage[0])  # at least one step's worth of reuse
+
+
+def test_a_ddp_model_and_its_kfac_are_freed_when_the_last_reference_goes(ddp_two_ranks) -> None:
+    """No reference cycle through ``KFAC``: a spawned rank that returns from its training function
+    releases the DDP model's process group there (a cycle kept it, with gloo's threads running, until
+    interpreter exit, where a rank could abort with "terminate called without an active exception")."""
+    for result in ddp_two_ranks:
+        assert result["freed by reference counting"] == {"DDP model": True, "KFAC": True}
 
 
 def test_unused_and_rank_dependent_layers_do_not_hang_and_ranks_agree(ddp_two_ranks) -> None:

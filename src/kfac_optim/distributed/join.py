@@ -30,6 +30,7 @@ their collectives no longer match: an error, or with gloo possibly an abort on a
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -67,16 +68,28 @@ class JoinSupport:
 
     ``sharding``: the estimator's distributed layer. ``shadow_step``: a joined rank's part in one
     step of the others (``KroneckerEstimator.shadow_step``). ``optimizer``: for its public
-    ``param_groups`` and ``state`` (the momentum buffers). ``model``: the model as given to ``KFAC``
-    (the DDP wrapper, when there is one, whose join configuration tells whether it runs under ``Join``).
+    ``param_groups`` and ``state`` (the momentum buffers), held weakly: the optimizer owns this object,
+    and a strong reference back would put the optimizer, the model and a DDP wrapper's reducer
+    (which holds the process group) in a reference cycle that outlives the user's last reference:
+    until a garbage collection, in a spawned rank often the one of interpreter shutdown, which tears
+    the reducer down with the interpreter while gloo's native threads still run.
+    ``model``: the model as given to ``KFAC`` (the DDP wrapper, when there is one, whose join
+    configuration tells whether it runs under ``Join``).
     """
 
     def __init__(self, sharding: Sharding, shadow_step: Callable[[], None], optimizer: Optimizer,
                  model: nn.Module) -> None:
         self.sharding = sharding
         self.shadow_step = shadow_step
-        self.optimizer = optimizer
+        self._optimizer = weakref.ref(optimizer)
         self._ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The optimizer this object belongs to (alive while this object is reachable through it)."""
+        optimizer = self._optimizer()
+        assert optimizer is not None, "JoinSupport outlived its optimizer"
+        return optimizer
 
     def hook(self) -> KFACJoinHook:
         """The join hook; refuses what it cannot shadow (every rank calls this in ``Join(...)``).
