@@ -178,7 +178,7 @@ class BackgroundDecompositionSteps(InLineDecompositionSteps):
         """``AsyncConfig.delay``: adopt the round in flight at its step (the same on every rank), and share."""
         if self.adopt_at == step:
             self._adopt_round()
-            self._sharding.share_decompositions(self._method, self._inv_dtype)
+            self._share()
 
     def _adopt_round(self) -> None:
         """Hold the decompositions of the worker's round (reporting the ones that failed)."""
@@ -214,7 +214,7 @@ DecompositionSteps = InLineDecompositionSteps
 
 
 def decomposition_steps(blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype, sharding: Sharding,
-               reporter: Reporter, nonfinite: Tensor, asynchronous: AsyncConfig | None) -> DecompositionSteps:
+                        reporter: Reporter, nonfinite: Tensor, asynchronous: AsyncConfig | None) -> DecompositionSteps:
     """Rounds on the background worker with ``asynchronous`` (``KFACOptions.asynchronous``), in line otherwise."""
     if asynchronous is None:
         return InLineDecompositionSteps(blocks, method, inv_dtype, sharding, reporter, nonfinite)
