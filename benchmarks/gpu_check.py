@@ -6,7 +6,7 @@ Usage: ``python -m benchmarks.gpu_check [--out DIR] [--device cuda|cpu] [--quick
 Phases, each in its own subprocess with its own time budget (a failure or a timeout is recorded
 and the next phase runs; the budgets add up to under five minutes on one H100):
 
-- ``tests``: ``pytest -m cuda -q -rA tests/cuda`` (the CUDA tests; pass/fail counts, and the
+- ``tests``: ``pytest -m cuda -v -rA tests/cuda`` (the CUDA tests; pass/fail counts, and the
   printed eigh times in the log);
 - ``resnet50``: torchvision ResNet-50 at 224 px, batch 64, bf16 autocast, channels_last: the step
   of ``torch.optim.SGD``, of the drop-in ``KFAC(model)`` and of ``KFAC`` with
@@ -114,7 +114,9 @@ def stream(command: list[str], timeout_s: float, env: dict[str, str], log: Path)
 def phase_command(name: str, args: argparse.Namespace) -> list[str]:
     if name == "tests":
         selection = ["tests/cuda/test_cuda_step.py"] if args.quick else ["tests/cuda"]
-        return [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider", *selection]
+        # -v: one line per test as it ends (a killed phase's log still says how far it got); -rA: the
+        # captured output of passing tests too (the eigh times)
+        return [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-rA", "-p", "no:cacheprovider", *selection]
     command = [sys.executable, "-m", "benchmarks.gpu_check", "--phase", name, "--out", str(args.out),
                "--device", args.device, "--budget", str(args.budgets[name])]
     return [*command, "--quick"] if args.quick else command

@@ -38,7 +38,7 @@ NCCL_OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, da
                                     inv_update_steps=2)
 NCCL_STEPS = 6
 NCCL_SAVE_AT = 3  # after step 3, a factor step between the decomposition steps 2 and 4
-NCCL_DEADLINE_S = 180.0
+NCCL_DEADLINE_S = 90.0
 
 
 def rank_device(rank: int) -> torch.device:
