@@ -59,6 +59,9 @@ decomposed). The health counters (``discarded``, ``failures``) are one rank's. F
 reason the round of decompositions in flight under ``AsyncConfig`` (which
 ``KFAC.state_dict()`` saves) is left out: a run resumed from DCP holds no round, decomposes its
 factors in line at its first step, and so does not continue bit-identically with the saved run.
+The stagger phases' costs are left out too (DCP loads only the keys the destination holds, and a
+fresh optimizer has none before its phases are fixed): a staggered run resumed from DCP fixes
+them again at its next all-block factor step.
 
 ``get_state_dict`` initializes an optimizer that has no per-parameter state by calling
 ``step()`` once with zero gradients and lr 0 (DCP's ``_init_optim_state``). On the fresh optimizer
@@ -283,13 +286,13 @@ class KFACState:
         self._optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        """``KFAC.kfac_state_dict()`` of the global factors, without decompositions, the round in
-        flight's included; the optimizer still adopts that round as before. A collective under
-        ``torch.distributed`` (``KFAC.synchronize_factors()`` first), as ``dcp.save`` and ``dcp.load``,
+        """``KFAC.kfac_state_dict()`` of the global factors, without decompositions (the round in
+        flight's included; the optimizer still adopts that round as before) and stagger phases. A
+        collective under ``torch.distributed`` (``KFAC.synchronize_factors()`` first), as ``dcp.save`` and ``dcp.load``,
         which call it, are: every rank then holds the same entry, which DCP writes once."""
         self._optimizer.synchronize_factors()
         state = self._optimizer.kfac_state_dict()
-        del state["round"]
+        del state["round"], state["stagger"]  # see the module docstring
         for block in state["blocks"].values():
             for factor in block["factors"].values():
                 for key in _NOT_SAVED:
