@@ -389,6 +389,8 @@ class StatisticsCapture:
             tapped.param, tapped.node = param, self._node_of(tapped.block, param)
         if writes_gradient(tapped.node):
             return True
+        if not tapped.param.requires_grad:  # frozen since the forward: it has no node to fetch
+            return False
         node = self._node_of(tapped.block, tapped.param, stale=tapped.node)
         if node is tapped.node:
             return False

@@ -131,3 +131,14 @@ def test_a_parameter_replaced_by_another_object_is_warned_once_naming_the_layer(
             train_conversion_step(model, optimizer, x, y)
     replaced = [str(w.message) for w in caught if "no longer the parameter KFAC was built with" in str(w.message)]
     assert len(replaced) == 1 and replaced[0].startswith("K-FAC layer '2':"), replaced
+
+
+def test_a_side_pass_after_a_weight_was_frozen_since_its_forward_records_nothing_and_runs() -> None:
+    model = conversion_mlp()
+    optimizer = conversion_kfac(model)
+    x, y = torch.randn(BATCH, 5, requires_grad=True), torch.randint(0, 3, (BATCH,))
+    loss = F.cross_entropy(model(x), y)
+    model[2].weight.requires_grad_(False)
+    (input_gradient,) = torch.autograd.grad(loss, x)  # not a pass that writes .grad: nothing recorded
+    assert input_gradient.shape == x.shape
+    assert optimizer.estimator.capture.recorded == 0
