@@ -21,7 +21,7 @@ from torch import nn
 from kfac_optim import KFAC, AdaptiveDamping, AsyncConfig, CurvatureConfig, RuntimeConfig
 
 RestoreBatch = tuple[torch.Tensor, torch.Tensor]
-RESTORE_STEPS = 10
+RESTORE_STEPS = 8
 
 
 def restore_mlp() -> nn.Sequential:
@@ -112,7 +112,7 @@ def test_a_staggered_run_resumes_bit_identically_into_a_fresh_optimizer(options:
     expected = control_run(options, data)
     model, optimizer = restore_build(options)
     checkpoints = [saved_bytes(model, optimizer)]
-    for batch in data:
+    for batch in data[:5]:  # a checkpoint at every phase of either interval, before and after the phases are fixed
         restore_step(model, optimizer, batch)
         checkpoints.append(saved_bytes(model, optimizer))
     for at, saved in enumerate(checkpoints):
