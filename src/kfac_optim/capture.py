@@ -190,6 +190,7 @@ class StatisticsCapture:
         self._held: dict[Tapped, None] = {}  # pairs of backward passes that kept their graph, in order
         self._fed: dict[KroneckerBlock, int] = {}  # blocks handed pairs since the last fold or discard: their last graph task
         self._nodes: dict[KroneckerBlock, tuple[Tensor, Any]] = {}  # the recorded parameter and its AccumulateGrad
+        self._warned_replaced: set[str] = set()  # blocks whose module's weight was replaced (_warn_replaced)
         self._sites: list[TapSite] = []  # where compiled forwards tap outputs (compiled_capture)
         self._warned_untraced = False
         self._worker = worker
@@ -362,23 +363,54 @@ class StatisticsCapture:
         weight = block.weight_and_bias(block.module)[0]
         return weight if weight.requires_grad else None
 
-    def _node_of(self, block: KroneckerBlock, param: Tensor) -> Any:
-        """``param``'s ``AccumulateGrad`` node, fetched once per parameter object of ``block``."""
+    def _node_of(self, block: KroneckerBlock, param: Tensor, stale: Any = None) -> Any:
+        """``param``'s ``AccumulateGrad`` node, fetched once per parameter object of ``block`` and
+        again when the node held is ``stale`` (see :meth:`_writes_gradient`). A parameter object
+        other than the one the block was built with is warned about once (:meth:`_warn_replaced`)."""
         cached = self._nodes.get(block)
-        if cached is None or cached[0] is not param:
+        if cached is None or cached[0] is not param or cached[1] is stale:
+            if param is not block.module_weight and not fsdp.is_sharded(block.module_weight):
+                self._warn_replaced(block)
             cached = self._nodes[block] = (param, gradient_node(param))
         return cached[1]
 
     def _writes_gradient(self, tapped: Tapped) -> bool:
         """Whether the running backward writes ``tapped``'s parameter's ``.grad``; its node is taken
         here when the forward's parameter was a ``DTensor`` (FSDP2 swaps its unsharded copy back in
-        for the backward)."""
+        for the backward). When the node held is not run, the parameter's node is fetched again: a
+        dtype or device conversion (``model.double()``, ``.half()`` then ``.float()``, ``.to(device)``)
+        or a swap (``torch.utils.swap_tensors``, ``load_state_dict`` under
+        ``torch.__future__.set_swap_module_params_on_conversion(True)``) gives the same parameter
+        object a new node (so side passes, and only they, pay for a fetch)."""
         if tapped.node is None:
             param = self._recorded_parameter(tapped.block)
             if param is None:
                 return False
             tapped.param, tapped.node = param, self._node_of(tapped.block, param)
-        return writes_gradient(tapped.node)
+        if writes_gradient(tapped.node):
+            return True
+        if not tapped.param.requires_grad:  # frozen since the forward: it has no node to fetch
+            return False
+        node = self._node_of(tapped.block, tapped.param, stale=tapped.node)
+        if node is tapped.node:
+            return False
+        tapped.node = node
+        return writes_gradient(node)
+
+    def _warn_replaced(self, block: KroneckerBlock) -> None:
+        """Once per block: its module's weight is not the parameter the block was built with."""
+        if block.name in self._warned_replaced:
+            return
+        self._warned_replaced.add(block.name)
+        warn_user(
+            f"K-FAC layer '{block.name}': the module's weight is no longer the parameter KFAC was built with "
+            "(replaced by load_state_dict(assign=True), an assignment, or a conversion under "
+            "torch.__future__.set_overwrite_module_params_on_conversion(True)); like any torch optimizer, KFAC "
+            "steps the parameters it was given, so this layer is neither stepped nor preconditioned: build KFAC "
+            "after replacing parameters, or change them in place (load_state_dict without assign=True, or under "
+            "torch.__future__.set_swap_module_params_on_conversion(True))",
+            RuntimeWarning,
+        )
 
     def record(self, tapped: Tapped, grad_output: Tensor) -> None:
         """Hand one forward's (input, output-gradient) pair to its block, if this backward pass

@@ -199,8 +199,8 @@ class KroneckerEstimator:
         self.reporter.recording(self.statistics.recording())
         if self.reporter.awaiting_statistics:  # until a factor step recorded statistics
             self.statistics.settle()  # the checks read the pending statistics
-            self.reporter.silent_blocks()
-            batch_free.leave_batch_free_blocks_to_sgd(self.blocks)  # reports() says why (sgd_reason)
+            self.reporter.silent_blocks(folding)  # all blocks, but a resumed staggered run's phase
+            batch_free.leave_batch_free_blocks_to_sgd(folding)  # reports() says why (sgd_reason)
         self.folds.before_fold(self.statistics.settle)  # stagger: the phases, once
         self.statistics.fold(folding, statistics_scale)
         self.sharding.factors_folded()
@@ -297,9 +297,11 @@ class KroneckerEstimator:
     # -- checkpoints -------------------------------------------------------------------------
 
     def restore(self, steps: int, saved: dict[str, dict], results: Round, adopt_at: int | None,
-                round_saved: bool, intervals: dict | None = None, damping: dict | None = None) -> None:
+                round_saved: bool, intervals: dict | None = None, damping: dict | None = None,
+                stagger: dict[str, float] | None = None) -> None:
         """Load validated blocks (``checkpoint.py``), the chosen automatic intervals (None: none
-        chosen, calibrate from the next step), ``AdaptiveDamping``'s state (None: none saved) and
+        chosen, calibrate from the next step), ``AdaptiveDamping``'s state (None: none saved), the
+        stagger phases' costs (None: none fixed, ``StaggeredFolds.load_state_dict``) and
         hand the decomposition steps the saved round in flight (``results``, to adopt at ``adopt_at``;
         ``round_saved``: whether the checkpoint held one; ``DecompositionSteps.restore``)."""
         self.statistics.settle()  # work in flight writes into the factors being replaced
@@ -307,6 +309,7 @@ class KroneckerEstimator:
         self.steps = int(steps)
         self.intervals.load_state_dict(intervals, self.steps)
         self.damping.load_state_dict(damping)
+        self.folds.load_state_dict(stagger)
         for block in self.blocks:
             if block.name in saved:
                 block.load_state_dict(saved[block.name], self.method)

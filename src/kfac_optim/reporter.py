@@ -194,12 +194,13 @@ class Reporter:
             )
             self._warned["nothing sampled"] = True
 
-    def silent_blocks(self) -> None:
+    def silent_blocks(self, folding: list[KroneckerBlock]) -> None:
         """While :attr:`awaiting_statistics`, at a factor step with the pending statistics settled: once
-        some block recorded, warn once about blocks whose hooks never fired (e.g. a layer called
+        some block recorded, warn once about blocks among ``folding`` (those that captured for the
+        step: all, or a staggered run's phase) whose hooks never fired (e.g. a layer called
         functionally, or whose output never reached the loss). Frozen blocks (their weight
         ``requires_grad=False``) record nothing by design and are left out."""
-        active = [block for block in self._blocks if not block.frozen]
+        active = [block for block in folding if not block.frozen]
         silent = [block.name for block in active if block.pending_samples == 0]
         if len(silent) == len(active):
             return  # no statistics at all (a skipped backward, a torch.func loop): ask again next time
