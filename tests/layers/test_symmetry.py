@@ -40,11 +40,11 @@ class SequenceNet(nn.Module):
         return self.head(self.attention(h, h, h, need_weights=False)[0].mean(1))
 
 
-def linear_net(width: int) -> nn.Module:
+def symmetry_linear_net(width: int) -> nn.Module:
     return nn.Sequential(nn.Linear(width, 7), nn.Tanh(), nn.Linear(7, width), nn.Tanh(), nn.Linear(width, 3))
 
 
-def conv_net(channels: int) -> nn.Module:
+def symmetry_conv_net(channels: int) -> nn.Module:
     """A plain conv, a grouped one (one Kronecker pair per group: batched factors), a 1x1 conv."""
     return nn.Sequential(
         nn.Conv2d(channels, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3, groups=2), nn.ReLU(),
@@ -54,10 +54,10 @@ def conv_net(channels: int) -> nn.Module:
 
 # (name, model builder, input builder(rows)): widths 1..300, row counts odd.
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[int], torch.Tensor]]] = {
-    **{f"linear{w}": (lambda w=w: linear_net(w), lambda rows, w=w: torch.randn(rows, w)) for w in (1, 2, 5, 9, 37, 130)},
-    "linear300": (lambda: linear_net(300), lambda rows: torch.randn(2 * rows + 1, 300)),
-    "conv3": (lambda: conv_net(3), lambda rows: torch.randn(rows, 3, 5, 5)),
-    "conv130": (lambda: conv_net(130), lambda rows: torch.randn(rows, 130, 4, 4)),
+    **{f"linear{w}": (lambda w=w: symmetry_linear_net(w), lambda rows, w=w: torch.randn(rows, w)) for w in (1, 2, 5, 9, 37, 130)},
+    "linear300": (lambda: symmetry_linear_net(300), lambda rows: torch.randn(2 * rows + 1, 300)),
+    "conv3": (lambda: symmetry_conv_net(3), lambda rows: torch.randn(rows, 3, 5, 5)),
+    "conv130": (lambda: symmetry_conv_net(130), lambda rows: torch.randn(rows, 130, 4, 4)),
     "sequence9": (lambda: SequenceNet(9), lambda rows: torch.randint(0, 23, (rows, 5))),
 }
 ROWS = (7, 37)
@@ -74,7 +74,7 @@ def asymmetric(optimizer: KFAC) -> list[str]:
             if not torch.equal(factor.running, factor.running.mT)]
 
 
-def build(case: str, dtype: torch.dtype, weight_sharing: str = "expand") -> tuple[nn.Module, KFAC]:
+def symmetry_build(case: str, dtype: torch.dtype, weight_sharing: str = "expand") -> tuple[nn.Module, KFAC]:
     torch.manual_seed(0)
     model = CASES[case][0]()
     model(CASES[case][1](3))  # materializes lazy layers
@@ -87,7 +87,7 @@ def build(case: str, dtype: torch.dtype, weight_sharing: str = "expand") -> tupl
     return model, KFAC(model, lr=0.01, factor_update_steps=1, inv_update_steps=2, damping=0.1, curvature=curvature)
 
 
-def train_step(case: str, model: nn.Module, optimizer: KFAC, step: int, rows: int) -> None:
+def symmetry_train_step(case: str, model: nn.Module, optimizer: KFAC, step: int, rows: int) -> None:
     torch.manual_seed(1000 + step)
     x = CASES[case][1](rows)
     x = x.to(next(model.parameters()).dtype) if x.is_floating_point() else x
@@ -115,9 +115,9 @@ def skew_pending_sums(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_fold_leaves_each_dense_factor_exactly_symmetric(case: str, dtype: torch.dtype, rows: int) -> None:
-    model, optimizer = build(case, dtype)
+    model, optimizer = symmetry_build(case, dtype)
     for step in range(STEPS):
-        train_step(case, model, optimizer, step, rows)
+        symmetry_train_step(case, model, optimizer, step, rows)
         assert dense_factors(optimizer) and asymmetric(optimizer) == [], step
 
 
@@ -127,9 +127,9 @@ def test_an_asymmetric_pending_sum_is_folded_into_an_exactly_symmetric_factor(
     case: str, weight_sharing: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     skew_pending_sums(monkeypatch)
-    model, optimizer = build(case, torch.float32, weight_sharing)
+    model, optimizer = symmetry_build(case, torch.float32, weight_sharing)
     for step in range(STEPS):
-        train_step(case, model, optimizer, step, 7)
+        symmetry_train_step(case, model, optimizer, step, 7)
         assert asymmetric(optimizer) == [], step
 
 
@@ -138,17 +138,17 @@ def test_factors_folded_from_asymmetric_sums_resume_bit_identically(case: str, m
     """Saved after three folds (the last decomposition one step old), loaded into a fresh optimizer:
     the same factors, bit for bit, and the same parameters and factors three steps on."""
     skew_pending_sums(monkeypatch)
-    model, optimizer = build(case, torch.float32)
+    model, optimizer = symmetry_build(case, torch.float32)
     for step in range(STEPS):
-        train_step(case, model, optimizer, step, 7)
-    resumed_model, resumed = build(case, torch.float32)
+        symmetry_train_step(case, model, optimizer, step, 7)
+    resumed_model, resumed = symmetry_build(case, torch.float32)
     resumed_model.load_state_dict(model.state_dict())
     resumed.load_state_dict(optimizer.state_dict())
     for name, factor in dense_factors(resumed).items():
         assert torch.equal(factor.running, dense_factors(optimizer)[name].running), name
     for step in range(STEPS, 2 * STEPS):
-        train_step(case, model, optimizer, step, 7)
-        train_step(case, resumed_model, resumed, step, 7)
+        symmetry_train_step(case, model, optimizer, step, 7)
+        symmetry_train_step(case, resumed_model, resumed, step, 7)
     for (name, p), q in zip(model.named_parameters(), resumed_model.parameters(), strict=True):
         assert torch.equal(p, q), name
     for name, factor in dense_factors(resumed).items():

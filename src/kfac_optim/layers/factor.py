@@ -350,9 +350,9 @@ class Factor:
         """A symmetric tensor shaped as this factor's storage (the running factor, a damped
         inverse) as checkpoints hold it: its upper triangle, ``(n(n+1)/2,)`` per block
         (``(groups, n(n+1)/2)`` for a batched factor; ``linalg.pack_symmetric``'s layout). Every
-        writer keeps them exactly symmetric (Gram matrices mirrored from one triangle, elementwise
-        folds, triangles all-reduced and broadcast, ``cholesky_inverse``), so
-        :func:`unpack_running` restores them bit for bit."""
+        writer keeps them exactly symmetric (each fold and :meth:`set_global` end with
+        :meth:`symmetrize_`, whatever rounding the Gram kernels or the communicator did; triangles
+        broadcast; ``cholesky_inverse``), so :func:`unpack_running` restores them bit for bit."""
         if matrix.dim() == 2:
             return linalg.pack_symmetric(matrix)
         return torch.stack([linalg.pack_symmetric(block) for block in matrix])
