@@ -1,10 +1,11 @@
 """``Reporter``: what K-FAC tells the user about its layers, once, and what it describes on request.
 
 Owns: the one-time warnings and notes (the layers found: none, declined, too few weights covered,
-sequence-first, costly factors; layers silent at the first factor step; biases frozen or unfrozen
-after construction; steps whose statistics were not recorded: ``torch.func``, ``create_graph``
-backwards, a compiled model traced without the hooks; non-finite directions; discarded batches;
-failed and truncated decompositions), ``describe()``'s text and ``memory_usage()``'s count.
+each weight matrix of over 1% on SGD's path, sequence-first, costly factors; layers silent at the
+first factor step, and described as SGD while they are; biases frozen or unfrozen after
+construction; steps whose statistics were not recorded: ``torch.func``, ``create_graph`` backwards,
+a compiled model traced without the hooks; non-finite directions; discarded batches; failed and
+truncated decompositions), ``describe()``'s text and ``memory_usage()``'s count.
 Must not know: when any of this happens (the estimator hands it the data at the step's points:
 docs/design.md §4), the capture, schedules, ranks, loss scaling. It reads blocks and factors; the
 only state it writes besides its own is a block's failure count and a factor's reported discards.
@@ -53,7 +54,7 @@ LARGE_SGD_SHARE = 0.01
 is named in a one-time warning at construction, whatever the coverage."""
 
 
-def user_visible(module: str, parameter: str) -> str:
+def _parameter_path(module: str, parameter: str) -> str:
     """``module.parameter`` (just ``parameter`` for the root module)."""
     return f"{module}.{parameter}" if module else parameter
 
@@ -133,7 +134,7 @@ class Reporter:
                 share = param.numel() / elements if elements else 0.0
                 if param in trainable and param.requires_grad and param.dim() >= 2 and param not in preconditioned \
                         and share > LARGE_SGD_SHARE:
-                    notes.append(f"'{user_visible(report.name, name)}' ({report.kind}, {param.numel()} elements, "
+                    notes.append(f"'{_parameter_path(report.name, name)}' ({report.kind}, {param.numel()} elements, "
                                  f"{share:.1%} of the trainable ones) takes SGD's update: {report.detail}. A layer "
                                  "type gets K-FAC with kfac_optim.register_block(LayerType, BlockClass) (docs/api.md, "
                                  "'Block registry'); KFAC.describe() lists every module")
