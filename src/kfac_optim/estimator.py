@@ -41,6 +41,7 @@ from kfac_optim.methods import Method, method_named
 from kfac_optim.precision import MixedPrecision
 from kfac_optim.reporter import LARGE_FACTOR_DIM, Reporter, memory_usage
 from kfac_optim.statistics_pipeline import statistics_pipeline
+from kfac_optim.weight_uses import WeightUseCheck
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class KroneckerEstimator:
                                               on_worker=runtime.async_statistics, decay=curvature.factor_decay,
                                               reduction=curvature.reduction)
         self.capture = self.statistics.capture
+        self.weight_uses = WeightUseCheck(model, self.blocks)  # once, at the first forward (weight_uses.py)
         device = self.blocks[0].weight.device if self.blocks else torch.device("cpu")
         # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (counted by the
         # step's length, step_length.py, left out of ν), on the device; reported at decomposition steps.

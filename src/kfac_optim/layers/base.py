@@ -207,6 +207,12 @@ class KroneckerBlock(ABC):
         weight's gradient, :meth:`grad_matrix`); a bias that trains then takes the SGD path."""
         return not self.module_weight.requires_grad
 
+    @property
+    def has_statistics(self) -> bool:
+        """Whether statistics were ever folded into the factors (or restored with them): a block
+        without has no decomposition, so its parameters take the SGD path. Host counters, no sync."""
+        return any(factor.version > 0 for factor in self.factors.values())
+
     def leave_to_sgd(self, reason: str) -> None:
         """Record nothing from now on (the block's parameters take the SGD path: its factors are
         never initialized, so it never has a decomposition), for ``reason`` (in :meth:`describe`)."""
@@ -402,10 +408,15 @@ class KroneckerBlock(ABC):
     def split(self, direction: Tensor) -> list[tuple[nn.Parameter, Tensor]]:
         """Cut a joint direction (see :meth:`direction_shape`) into per-parameter directions."""
         weight_part = direction[..., : direction.shape[-1] - (self.bias is not None)]
-        pieces = [(self.weight, weight_part.reshape(self.weight.shape).to(self.weight.dtype))]
+        pieces = [(self.weight, self.weight_direction(weight_part).to(self.weight.dtype))]
         if self.bias is not None:
             pieces.append((self.bias, direction[..., -1].reshape(self.bias.shape).to(self.bias.dtype).contiguous()))
         return pieces
+
+    def weight_direction(self, matrix: Tensor) -> Tensor:
+        """The weight's columns of a joint direction, ``(*groups, out, in)``, as a tensor shaped as
+        ``weight`` (a reshape by default: the weight is stored output-first)."""
+        return matrix.reshape(self.weight.shape)
 
     def state_dict(self, method: Method | None = None) -> dict[str, Any]:
         """The factors' states (their decompositions as ``method``'s decomposer saves them), the

@@ -31,6 +31,7 @@ from kfac_optim.diagnostics import warn_user
 from typing import Any
 
 from kfac_optim.layers.base import KroneckerBlock
+from kfac_optim.layers.factor import Factor, FactorName
 from kfac_optim.layers.hooks import current_mask, current_samples
 from kfac_optim.layers.positions import RealPositions
 
@@ -170,3 +171,23 @@ class LinearBlock(KroneckerBlock):
         if self.pending_samples:
             self.add_shared_grams()
         super().fold(decay, loss_reduction, grad_scale)
+
+
+class TransposedLinearBlock(LinearBlock):
+    """A Linear whose weight is stored transposed, ``W: (in, out)``, ``y = x W + b`` (Hugging Face's
+    ``transformers.pytorch_utils.Conv1D``, GPT-2's attention and MLP matrices).
+
+    Its statistics are those of ``nn.Linear(in, out)`` holding ``Wᵀ``: ``A: (in [+1], in [+1])`` of
+    the inputs, ``G: (out, out)`` of the output-gradients, so the joint gradient is ``[∇Wᵀ | ∇b]:
+    (out, in [+1])`` and the weight's direction goes back transposed, ``(in, out)``.
+    """
+
+    def make_factors(self, dtype: torch.dtype, device: torch.device) -> dict[FactorName, Factor]:
+        in_dim, out_dim = self.weight.shape
+        return {"A": Factor(in_dim + (self.bias is not None), dtype, device), "G": Factor(out_dim, dtype, device)}
+
+    def joint_gradient(self, weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
+        return super().joint_gradient(weight_grad.T, bias_grad)
+
+    def weight_direction(self, matrix: Tensor) -> Tensor:
+        return matrix.T.contiguous()
