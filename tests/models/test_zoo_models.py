@@ -32,13 +32,6 @@ LEFT_OUT = {"tv_resnet18", "mistral", "tv_vit"}  # the step's cost; twins of lla
 TESTED = [name for name in ZOO if name not in LEFT_OUT]
 ZOO_SETTINGS: dict[str, Any] = dict(lr=0.02, momentum=0.0, factor_update_steps=1, inv_update_steps=2)
 LIBRARIES = {"peft": ("peft", "transformers")}
-# Depthwise convolutions: their grouped A factors are not exactly symmetric in memory on every machine,
-# and the checkpoint keeps the upper triangle (the factor-symmetry item of this round fixes it).
-ASYMMETRIC_ON_SOME_MACHINES = {"timm_mobilenetv3", "timm_efficientnet", "tv_mobilenet_v3_small"}
-RESUMED = [pytest.param(name, marks=pytest.mark.xfail(
-               strict=False, reason="a depthwise conv's A is not exactly symmetric in memory here; the "
-                                    "checkpoint saves its upper triangle")) if name in ASYMMETRIC_ON_SOME_MACHINES
-           else name for name in TESTED]
 
 
 def zoo_entry(name: str) -> ZooModel:
@@ -121,7 +114,7 @@ def test_mambas_functionally_called_layers_are_described_as_silent() -> None:
     assert all(reports[name].status == "silent" and reports[name].block is None for name in never)
 
 
-@pytest.mark.parametrize("name", RESUMED)
+@pytest.mark.parametrize("name", TESTED)
 def test_a_zoo_model_resumed_from_a_checkpoint_continues_bit_for_bit(name: str) -> None:
     entry = zoo_entry(name)
     model, batch = zoo_model_and_batch(entry)
