@@ -79,8 +79,7 @@ class TiedHead:
         a, g = inputs.to(self.head_A.pending.dtype), grad_output.to(self.head_A.pending.dtype)
         real = None
         if positions is not None:
-            weights = positions.mask.unsqueeze(-1).to(a.dtype)
-            a, g, real = a * weights, g * weights, positions.count
+            a, g, real = positions.keep(a), positions.keep(g), positions.count
         if reduce and a.dim() > 2:
             a = a.reshape(a.shape[0], -1, a.shape[-1])
             if positions is None:
@@ -208,7 +207,7 @@ class EmbeddingBlock(KroneckerBlock):
         if padding is not None:  # zero ĝ at padding positions (a multiply, no host sync)
             grad_output = grad_output * (inputs != padding).unsqueeze(-1).to(grad_output.dtype)
         if positions is not None:  # and at the positions the mask says are not real
-            grad_output = grad_output * positions.mask.unsqueeze(-1).to(grad_output.dtype)
+            grad_output = positions.keep(grad_output)
         if inputs.dim() == 1:
             self.unbatched[0] += 1
             self.unbatched[1] += inputs.shape[0]

@@ -63,10 +63,17 @@ class LinearBlock(KroneckerBlock):
         return inputs.shape[0] if inputs.dim() > 1 else 1
 
     def mask_of(self, layer_input: Any, positions: RealPositions) -> RealPositions | None:
-        """The mask over the input's leading dims ``(N, T, ...)`` (None: an input without positions,
-        ``(N, in)``, or a nested one, recorded whole); an input with positions of another shape is
-        recorded whole with a one-time warning."""
-        if not isinstance(layer_input, Tensor) or layer_input.is_nested or layer_input.dim() <= 2:
+        """The mask over the input's leading dims ``(N, T, ...)``, or over tokens flattened to
+        ``(N·T, in)`` ("expand"; a mixture-of-experts block's ``h.reshape(-1, D)``); None: an input
+        without positions (``(N, in)``, pooled) or a nested one, recorded whole. An input with
+        positions of another shape is recorded whole with a one-time warning."""
+        if not isinstance(layer_input, Tensor) or layer_input.is_nested or layer_input.dim() < 2:
+            return None
+        flattened = layer_input.dim() == 2
+        if flattened and (layer_input.shape[0] != positions.mask.numel() or positions.mask.dim() < 2):
+            return None
+        if flattened and self.reduce:
+            self.warn_unmasked("its input holds flattened tokens, whose samples weight_sharing='reduce' cannot group")
             return None
         fitted = positions.fit(layer_input.shape[:-1])
         if fitted is None:
@@ -93,7 +100,7 @@ class LinearBlock(KroneckerBlock):
         if positions is None:
             return per_sample.sum(1), per_sample.shape[1]
         weights = self.per_sample(positions.mask.unsqueeze(-1).to(tensor.dtype))  # (N, R, 1) as the positions
-        return (per_sample * weights).sum(1), weights.sum(1)
+        return self.per_sample(positions.keep(tensor)).sum(1), weights.sum(1)
 
     def real_rows(self, inputs: Tensor, grad_output: Tensor,
                   positions: RealPositions | None) -> tuple[Tensor, Tensor, int]:
@@ -103,9 +110,8 @@ class LinearBlock(KroneckerBlock):
             values = inputs.values()
             return values, grad_output.values(), values.shape[0]
         assert positions is not None
-        weights = positions.weights(inputs.dtype)
-        return (inputs.reshape(-1, inputs.shape[-1]) * weights,
-                grad_output.reshape(-1, grad_output.shape[-1]) * weights, positions.count)
+        return (positions.keep(inputs.reshape(-1, inputs.shape[-1])),
+                positions.keep(grad_output.reshape(-1, grad_output.shape[-1])), positions.count)
 
     def accumulate(self, inputs: Tensor, grad_output: Tensor) -> None:
         """"expand": as :meth:`KroneckerBlock.accumulate` (real rows only under a mask or for a nested
