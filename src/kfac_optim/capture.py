@@ -287,6 +287,11 @@ class StatisticsCapture:
         finally:
             self.positions = None
 
+    def real_positions(self) -> RealPositions | None:
+        """The real positions of the forwards now: ``KFAC.mask``'s while it is active, else those of the
+        latest model call (its ``attention_mask``, or a ``KFAC.mask`` around it); None: all."""
+        return self.positions if self.positions is not None else self.call.positions
+
     def site(self, block: KroneckerBlock, rebuild: Callable[[Tensor], Any]) -> TapSite:
         """A place where compiled forwards tap ``block``'s output (:meth:`tap`'s ``site``); ``rebuild``
         turns the layer input's tensor into what the block's ``accumulate`` takes. Lives as long as
@@ -327,7 +332,7 @@ class StatisticsCapture:
         capture = weakref.ref(self)
         # a compiled model's calls are not read (ModelCallStart): its pairs' N is unknown, only KFAC.mask applies
         call = ModelCall(self.model_calls) if torch.compiler.is_compiling() else self.call
-        real = self.positions if self.positions is not None else call.positions
+        real = self.positions if self.positions is not None else call.positions  # (real_positions, for this call)
         positions = None if real is None else block.mask_of(layer_input, real)
         if call.samples is None and call.index > 0 and "samples" not in self._warned:
             self._warn_unknown_samples(block)

@@ -12,6 +12,7 @@ gradient of sample n's share ``N·ℓ_n`` of the loss (float64, rtol 1e-10).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -317,3 +318,50 @@ def test_a_llama_run_in_segments_through_its_cache_gives_the_factors_of_one_call
         factors.append(running_factors(optimizer))
     for name, plain in factors[0].items():
         torch.testing.assert_close(factors[1][name], plain, rtol=1e-9, atol=1e-9 * float(plain.abs().max()), msg=name)
+
+
+# -- the sampled Fisher under a mask ------------------------------------------------------------
+
+
+def padded_to(length: int) -> dict[str, torch.Tensor]:
+    """:func:`padded_layout`'s sequences padded to ``length`` (positions 0.. at every row)."""
+    batch = padded_layout()
+    extra = length - batch["input_ids"].shape[1]
+    return {"input_ids": F.pad(batch["input_ids"], (0, extra)), "position_ids": torch.arange(length).expand(4, length),
+            "attention_mask": F.pad(batch["attention_mask"], (0, extra))}
+
+
+@pytest.mark.parametrize("masked_by", ["attention_mask", "KFAC.mask"])
+def test_the_sampled_fisher_under_a_mask_draws_at_the_real_positions_in_the_units_of_the_real_tokens(
+    masked_by: str,
+) -> None:
+    model = PositionTagger()
+    pairs, real = sequences(), sum(SEQUENCES)
+    with torch.no_grad():  # the draws, made by hand: one per real position, in row-major order
+        logits = torch.cat([model(t[None], torch.arange(len(t))[None])[0] for t, _ in pairs])
+        draws = torch.multinomial(torch.softmax(logits, 1), 1, generator=torch.Generator().manual_seed(11))[:, 0]
+    drawn = draws.split(list(SEQUENCES))
+
+    def share(n: int) -> torch.Tensor:  # sample n's loss at its draws, in the units of the mean over R real tokens
+        tokens, _ = pairs[n]
+        return F.cross_entropy(model(tokens[None], torch.arange(len(tokens))[None])[0], drawn[n],
+                               reduction="sum") * len(pairs) / real
+
+    reference = per_sample_reference({"hidden": model.hidden, "head": model.head}, share, len(pairs))
+    for length in (5, 8):
+        twin = copy.deepcopy(model)
+        optimizer = KFAC(twin, lr=0.1, damping=0.1, kl_clip=None, factor_update_steps=1, inv_update_steps=1,
+                         curvature=CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64,
+                                                   fisher="sampled"))
+        batch = padded_to(length)
+        if masked_by == "attention_mask":
+            out = twin(**batch)
+        else:  # sample_fisher runs after the with: the model's call keeps the mask
+            with optimizer.mask(batch.pop("attention_mask")):
+                out = twin(**batch)
+        optimizer.sample_fisher(out, "cross_entropy", generator=torch.Generator().manual_seed(11))
+        out.sum().backward()  # any training loss: the sampled Fisher's statistics are recorded already
+        optimizer.step()
+        factors = running_factors(optimizer)
+        for name, expected in reference.items():
+            torch.testing.assert_close(factors[name], expected, rtol=1e-10, atol=1e-13, msg=f"{length}: {name}")
