@@ -73,7 +73,7 @@ def padding_kfac(model: nn.Module) -> KFAC:
                 curvature=curvature)
 
 
-def one_step(kind: str, batch: dict[str, torch.Tensor], checkpointing: bool = False) -> dict[str, torch.Tensor]:
+def hf_padded_step(kind: str, batch: dict[str, torch.Tensor], checkpointing: bool = False) -> dict[str, torch.Tensor]:
     """One K-FAC step on ``batch``: the running factors and the parameters after it, by name."""
     model = tiny_transformer(kind)
     if checkpointing:
@@ -100,7 +100,7 @@ def assert_same_run(short: dict[str, torch.Tensor], long: dict[str, torch.Tensor
 @pytest.mark.parametrize(("kind", "side"), [("gpt2", "right"), ("llama", "right"), ("llama", "left"),
                                             ("bert", "right")])
 def test_an_attention_mask_keyword_gives_the_same_factors_and_step_at_any_padding(kind: str, side: str) -> None:
-    short, long = (one_step(kind, padded_batch(length, side)) for length in (8, 16))
+    short, long = (hf_padded_step(kind, padded_batch(length, side)) for length in (8, 16))
     # Left padding moves the real tokens to other absolute positions, whose rotary angles transformers
     # computes in float32: the model's own logits and gradients differ by ~1e-8 relative between the
     # two paddings, 1.2e-7 of the largest entry in layer 1's q/k G (counting the pads changed A by 33-68%)
@@ -108,7 +108,7 @@ def test_an_attention_mask_keyword_gives_the_same_factors_and_step_at_any_paddin
 
 
 def test_the_attention_mask_travels_with_a_forward_recomputed_by_reentrant_checkpointing() -> None:
-    short, long = (one_step("llama", padded_batch(length), checkpointing=True) for length in (8, 16))
+    short, long = (hf_padded_step("llama", padded_batch(length), checkpointing=True) for length in (8, 16))
     assert_same_run(short, long)
 
 
@@ -179,3 +179,33 @@ def accelerate_step(length: int) -> dict[str, torch.Tensor]:
 
 def test_inside_an_accelerate_loop_padding_changes_neither_factors_nor_step() -> None:
     assert_same_run(accelerate_step(8), accelerate_step(16))
+
+
+class CheckpointedTagger(nn.Module):
+    """Embedding → (Linear → tanh, under reentrant activation checkpointing) → Linear per token, float64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.embedding = nn.Embedding(VOCABULARY, 4).double()
+        self.hidden, self.head = nn.Linear(4, 6).double(), nn.Linear(6, 3).double()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda e: torch.tanh(self.hidden(e)), self.embedding(input_ids),
+                                              use_reentrant=True)
+        return self.head(h)
+
+
+def test_a_kfac_mask_travels_with_a_forward_recomputed_after_the_with() -> None:
+    runs = []
+    for length in (8, 16):
+        model = CheckpointedTagger()
+        optimizer = padding_kfac(model)
+        batch = padded_batch(length)
+        with optimizer.mask(batch["attention_mask"]):
+            logits = model(batch["input_ids"])
+        labels = batch["labels"].clamp(max=2).masked_fill(batch["labels"] == -100, -100)
+        torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100).backward()  # recomputes
+        optimizer.step()
+        runs.append({**running_factors(optimizer), **{n: p.detach().clone() for n, p in model.named_parameters()}})
+    assert_same_run(*runs)

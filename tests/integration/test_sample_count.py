@@ -86,7 +86,7 @@ class FlatTokens(nn.Module):
         return self.head(torch.tanh(h))
 
 
-def token_batch() -> tuple[torch.Tensor, torch.Tensor]:
+def flat_token_batch() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(4)
     return torch.randn(5, 7, 4, generator=generator, dtype=torch.float64), torch.randint(0, CLASSES, (5, 7),
                                                                                          generator=generator)
@@ -94,7 +94,7 @@ def token_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("flatten", [False, True])
 def test_a_linear_fed_flattened_tokens_counts_the_models_samples(flatten: bool) -> None:
-    x, y = token_batch()
+    x, y = flat_token_batch()
     model = FlatTokens(flatten)
     layers = {"inp": model.inp, "ff": model.ff, "head": model.head}
 
@@ -208,7 +208,7 @@ def packed_layout(cumulative: bool) -> dict[str, torch.Tensor]:
     return batch
 
 
-def tagger_reference(model: PositionTagger) -> dict[str, torch.Tensor]:
+def packed_tagger_reference(model: PositionTagger) -> dict[str, torch.Tensor]:
     """Per-sample factors: sample n's share of the mean over all R real tokens is ``(N/R) Σ_t ℓ_t``."""
     pairs, real = sequences(), sum(SEQUENCES)
 
@@ -223,7 +223,7 @@ def tagger_reference(model: PositionTagger) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("layout", ["padded", "packed", "packed_cumulative"])
 def test_packed_sequences_count_their_sequences(layout: str) -> None:
     model = PositionTagger()
-    reference = tagger_reference(model)
+    reference = packed_tagger_reference(model)
     optimizer = sample_kfac(model)
     batch = padded_layout() if layout == "padded" else packed_layout(layout == "packed_cumulative")
     labels = batch.pop("labels")
@@ -267,7 +267,7 @@ class StateCell(nn.Module):
 
 @pytest.mark.parametrize("per_call", [False, True])
 def test_a_recurrence_carried_in_a_dataclass_counts_its_samples_once(per_call: bool) -> None:
-    x, y = token_batch()
+    x, y = flat_token_batch()
     model = StateCell()
     layers = {"inp": model.inp, "rec": model.rec, "out": model.out}
 

@@ -73,7 +73,8 @@ class LinearBlock(KroneckerBlock):
         if flattened and (layer_input.shape[0] != positions.mask.numel() or positions.mask.dim() < 2):
             return None
         if flattened and self.reduce:
-            self.warn_unmasked("its input holds flattened tokens, whose samples weight_sharing='reduce' cannot group")
+            self.warn_unmasked("its input holds flattened tokens, whose samples "
+                               "CurvatureConfig(weight_sharing='reduce') cannot group")
             return None
         fitted = positions.fit(layer_input.shape[:-1])
         if fitted is None:
