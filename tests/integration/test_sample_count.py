@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -365,3 +366,26 @@ def test_the_sampled_fisher_under_a_mask_draws_at_the_real_positions_in_the_unit
         factors = running_factors(optimizer)
         for name, expected in reference.items():
             torch.testing.assert_close(factors[name], expected, rtol=1e-10, atol=1e-13, msg=f"{length}: {name}")
+
+
+class ListInput(nn.Module):
+    """A model called with a list of tensors (no tensor argument of its own), as detection models are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3).double()
+
+    def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
+        return self.layer(torch.stack(images))
+
+
+def test_a_call_that_does_not_tell_its_samples_counts_the_layers_dim_0_and_warns_once_naming_the_layer() -> None:
+    model = ListInput()
+    optimizer = sample_kfac(model)
+    images = list(torch.randn(6, 4, dtype=torch.float64))
+    with pytest.warns(RuntimeWarning, match="'layer' counts its samples N from dim 0 of its own input.*samples"):
+        model(images).square().mean().backward()
+    assert optimizer.blocks[0].pending_samples == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        model(images).square().mean().backward()
