@@ -81,7 +81,6 @@ counters) instead of recorded wrong.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -249,7 +248,7 @@ class StatisticsCapture:
             return
         call, unused = read_call(index, args, kwargs, self._stated, self.positions)
         if continues:  # the recurrence's samples are the first call's
-            call = dataclasses.replace(call, samples=previous.samples)
+            call = call._replace(samples=previous.samples)
         self.call = call
         if unused is not None and "attention_mask" not in self._warned:
             self._warned.add("attention_mask")

@@ -29,11 +29,10 @@ during the backward, after the call and the ``with`` have ended). Forwards insid
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Iterable
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -48,8 +47,7 @@ PACKED_LENGTHS = ("cu_seq_lens_q", "cu_seqlens_q", "cu_seqlens")
 varlen; Hugging Face's ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): S sequences."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelCall:
+class ModelCall(NamedTuple):
     """One independent call of the model (or a ``KFAC.samples`` block): ``index``, the capture's
     count of calls; ``samples``: N, the samples its loss averages over (None: unknown, each block
     counts its input's dim 0); ``rows``: dim 0 of its first tensor argument (None: none); and
@@ -72,8 +70,11 @@ def read_call(index: int, args: tuple[Any, ...], kwargs: dict[str, Any], stated:
     and why an ``attention_mask`` keyword was not used (None: it was, or there is none). Host
     syncs: one to count an ``attention_mask``'s real positions, one to count ``position_ids``'
     restarts (only when that keyword is given)."""
-    first = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim() >= 1), None)
-    rows = None if first is None else first.shape[0]
+    rows = None
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor) and value.dim() >= 1:
+            rows = value.shape[0]
+            break
     unused = None
     mask = kwargs.get("attention_mask")
     if positions is None and mask is not None:
@@ -111,25 +112,28 @@ def _packed_sequences(kwargs: dict[str, Any], positions: RealPositions | None) -
     return int((real & ~follows).sum())
 
 
-def tensors_in(value: Any, depth: int = 4) -> Iterator[Tensor]:
+_ATOMS = (str, bytes, int, float, bool, type(None), torch.dtype, torch.device)
+
+
+def tensors_in(value: Any, depth: int = 4) -> list[Tensor]:
     """The tensors held by ``value``: itself, the items of lists, tuples, sets and dicts, the fields
     of dataclasses and the attributes of other objects (a cache object), ``depth`` objects deep
     (modules, types and functions are not entered)."""
+    found: list[Tensor] = []
     stack, seen = [(value, depth)], set()
     while stack:
         item, left = stack.pop()
         if isinstance(item, Tensor):
-            yield item
-            continue
-        if id(item) in seen or left < 0 or isinstance(item, (str, bytes, int, float, bool, type(None))):
-            continue
-        seen.add(id(item))
-        if isinstance(item, dict):
-            stack.extend((v, left) for v in item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            stack.extend((v, left) for v in item)
-        elif not isinstance(item, (nn.Module, type)) and not callable(item) and hasattr(item, "__dict__"):
+            found.append(item)
+        elif isinstance(item, (tuple, list, set, frozenset, dict)):
+            if id(item) not in seen:
+                seen.add(id(item))
+                stack.extend((v, left) for v in (item.values() if isinstance(item, dict) else item))
+        elif (left > 0 and not isinstance(item, _ATOMS) and id(item) not in seen and hasattr(item, "__dict__")
+              and not isinstance(item, (nn.Module, type)) and not callable(item)):
+            seen.add(id(item))
             stack.extend((v, left - 1) for v in vars(item).values())
+    return found
 
 
 class CallCounter(Protocol):
@@ -153,7 +157,7 @@ class ModelCallStart(CopiedAsInert):
             capture.model_call_started(args, kwargs)
 
 
-def computed_from(tensors: Iterator[Any] | list[Any], nodes: set[Any]) -> bool:
+def computed_from(tensors: Iterable[Any], nodes: set[Any]) -> bool:
     """Whether any of ``tensors`` was computed from an output whose autograd node is in ``nodes``
     (a walk of their graphs back to the leaves, stopping at the first such node)."""
     stack = [t.grad_fn for t in tensors if isinstance(t, Tensor) and t.grad_fn is not None]
