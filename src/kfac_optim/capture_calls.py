@@ -79,7 +79,7 @@ def read_call(index: int, args: tuple[Any, ...], kwargs: dict[str, Any], stated:
     mask = kwargs.get("attention_mask")
     if positions is None and mask is not None:
         positions, unused = _attention_positions(mask, rows)
-    samples = stated if stated is not None else _packed_sequences(kwargs, positions)
+    samples = stated if stated is not None else _packed_sequences(kwargs, positions, rows)
     return ModelCall(index, rows if samples is None else samples, rows, positions), unused
 
 
@@ -94,16 +94,17 @@ def _attention_positions(mask: Any, rows: int | None) -> tuple[RealPositions | N
     return RealPositions.of(mask), None
 
 
-def _packed_sequences(kwargs: dict[str, Any], positions: RealPositions | None) -> int | None:
+def _packed_sequences(kwargs: dict[str, Any], positions: RealPositions | None, rows: int | None) -> int | None:
     """The number of sequences of packed rows: from cumulative lengths (a shape: no sync), or the
     restarts of ``position_ids`` ``(B, T)`` at real positions (a real position whose id is not
-    the previous real position's + 1 starts a sequence); None when the call has neither."""
+    the previous real position's + 1 starts a sequence) when B is the call's ``rows`` (not ids
+    broadcast over the batch); None when the call has neither."""
     for name in PACKED_LENGTHS:
         lengths = kwargs.get(name)
         if isinstance(lengths, Tensor) and lengths.dim() == 1 and lengths.numel() >= 1:
             return lengths.numel() - 1
     ids = kwargs.get("position_ids")
-    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point:
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.shape[0] != rows:
         return None
     real = torch.ones_like(ids, dtype=torch.bool) if positions is None or positions.mask.shape != ids.shape \
         else positions.mask

@@ -389,3 +389,11 @@ def test_a_call_that_does_not_tell_its_samples_counts_the_layers_dim_0_and_warns
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once
         model(images).square().mean().backward()
+
+
+def test_position_ids_broadcast_over_the_batch_are_not_taken_for_packing() -> None:
+    model = PositionTagger()
+    optimizer = sample_kfac(model)
+    batch = padded_layout()
+    model(batch["input_ids"], position_ids=torch.arange(5)[None]).sum().backward()  # ids (1, T) for a batch of 4
+    assert optimizer.blocks[2].name == "hidden" and optimizer.blocks[2].pending_samples == 4
