@@ -311,7 +311,8 @@ def test_a_llama_run_in_segments_through_its_cache_gives_the_factors_of_one_call
             logits = model(input_ids=ids).logits
         else:  # the second half reads the first half's keys and values from the DynamicCache
             first = model(input_ids=ids[:, :4], use_cache=True)
-            second = model(input_ids=ids[:, 4:], past_key_values=first.past_key_values, use_cache=True)
+            cache = {"cache": first["cache"]} if "cache" in first else {"past_key_values": first["past_key_values"]}
+            second = model(input_ids=ids[:, 4:], use_cache=True, **cache)  # transformers >= 5.2x spells it "cache"
             logits = torch.cat([first.logits, second.logits], 1)
         F.cross_entropy(logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1)).backward()
         assert {b.pending_samples for b in optimizer.blocks} == {3}
