@@ -126,12 +126,13 @@ class EmbeddingBlock(KroneckerBlock):
 
     def mask_of(self, layer_input: Any, positions: RealPositions) -> RealPositions | None:
         """The mask over the indices ``(N, T, ...)``, or over the leading dims of the tied head's input
-        ``(N, T, ..., D)`` (None: no positions, recorded whole)."""
+        ``(N, T, ..., D)`` (None: no positions, or positions ``(1, T)`` broadcast over the batch, which
+        ``batch_free`` leaves to SGD, recorded whole)."""
         leading = layer_input[1].shape[:-1] if isinstance(layer_input, tuple) else layer_input.shape
         if len(leading) <= 1:
             return None
         fitted = positions.fit(leading)
-        if fitted is None:
+        if fitted is None and not positions.broadcast_over(leading):
             self.warn_unmasked(f"its input's leading dims {tuple(leading)} do not start with the mask's "
                                f"shape {tuple(positions.mask.shape)} (samples first)")
         return fitted

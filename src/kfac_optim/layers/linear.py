@@ -65,8 +65,9 @@ class LinearBlock(KroneckerBlock):
     def mask_of(self, layer_input: Any, positions: RealPositions) -> RealPositions | None:
         """The mask over the input's leading dims ``(N, T, ...)``, or over tokens flattened to
         ``(N·T, in)`` ("expand"; a mixture-of-experts block's ``h.reshape(-1, D)``); None: an input
-        without positions (``(N, in)``, pooled) or a nested one, recorded whole. An input with
-        positions of another shape is recorded whole with a one-time warning."""
+        without positions (``(N, in)``, pooled), a nested one, or positions ``(1, T, ...)`` broadcast
+        over the batch (batch-free), recorded whole. An input with positions of another shape is
+        recorded whole with a one-time warning."""
         if not isinstance(layer_input, Tensor) or layer_input.is_nested or layer_input.dim() < 2:
             return None
         flattened = layer_input.dim() == 2
@@ -77,7 +78,7 @@ class LinearBlock(KroneckerBlock):
                                "CurvatureConfig(weight_sharing='reduce') cannot group")
             return None
         fitted = positions.fit(layer_input.shape[:-1])
-        if fitted is None:
+        if fitted is None and not positions.broadcast_over(layer_input.shape[:-1]):
             self.warn_unmasked(f"its input's leading dims {tuple(layer_input.shape[:-1])} do not start with the "
                                f"mask's shape {tuple(positions.mask.shape)} (samples first)")
         return fitted

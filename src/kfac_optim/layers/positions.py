@@ -57,6 +57,13 @@ class RealPositions:
         mask = self.mask.reshape(*self.mask.shape, *(1 for _ in extra)).expand(*leading)
         return RealPositions(mask, self.count * math.prod(extra))
 
+    def broadcast_over(self, leading: torch.Size | tuple[int, ...]) -> bool:
+        """Whether leading dims ``leading`` are one row of the mask's positions broadcast over its
+        batch (``(1, T)``: a position table, batch-free: ``batch_free`` leaves it to SGD)."""
+        k = self.mask.dim()
+        return (len(leading) >= k and leading[0] == 1 != self.mask.shape[0]
+                and tuple(leading[1:k]) == tuple(self.mask.shape[1:]))
+
     def keep(self, tensor: Tensor) -> Tensor:
         """``tensor`` with its padded entries zeroed (``masked_fill``: a pad holding a non-finite value,
         e.g. a fully masked query of a left-padded row, does not leak as ``nan·0`` would); its
