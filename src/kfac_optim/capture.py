@@ -330,10 +330,11 @@ class StatisticsCapture:
                             f"curvature=CurvatureConfig(skip_layers=[{block.name!r}])")
         capture = weakref.ref(self)
         # a compiled model's calls are not read (ModelCallStart): its pairs' N is unknown, only KFAC.mask applies
-        call = ModelCall(self.model_calls) if torch.compiler.is_compiling() else self.call
+        compiling = torch.compiler.is_compiling()
+        call = ModelCall(self.model_calls) if compiling else self.call
         real = self.positions if self.positions is not None else call.positions  # (real_positions, for this call)
         positions = None if real is None else block.mask_of(layer_input, real)
-        if call.samples is None and call.index > 0 and "samples" not in self._warned:
+        if call.samples is None and call.index > 0 and not compiling and "samples" not in self._warned:
             self._warn_unknown_samples(block)
         tapped = self._new_tapped(block, layer_input, param, call, positions)
 
