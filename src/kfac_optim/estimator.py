@@ -288,7 +288,7 @@ class KroneckerEstimator:
             raise ValueError("outputs must be the model's output computed with grad enabled (it does not require grad)")
         if not self.capture.armed:
             return  # not a factor step (the hooks capture nothing)
-        loss = fisher_lib.sampled_loss(outputs, likelihood, generator)
+        loss = fisher_lib.sampled_loss(outputs, likelihood, generator, self.capture.real_positions())
         recorded_before = self.capture.recorded
         with self.capture.recording_outputs() as layer_outputs:
             if layer_outputs:  # back-propagate exactly as far as the hooked layer outputs
