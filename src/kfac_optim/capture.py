@@ -566,6 +566,11 @@ class StatisticsCapture:
         finally:
             self._recording = self._every_backward
 
+    def hold(self, handles: list[RemovableHandle]) -> None:
+        """Hooks of another part (the one-time weight-use check) that live no longer than this
+        capture's: removed with them (:meth:`remove`, a take-over by a new capture, collection)."""
+        self._handles.extend(handles)
+
     def remove(self) -> None:
         """Remove every hook from the model and from deep copies of it (idempotent)."""
         self._finalizer()

@@ -107,6 +107,7 @@ class KroneckerEstimator:
                                               reduction=curvature.reduction)
         self.capture = self.statistics.capture
         self.weight_uses = WeightUseCheck(model, self.blocks)  # once, at the first forward (weight_uses.py)
+        self.capture.hold(self.weight_uses.handles)
         device = self.blocks[0].weight.device if self.blocks else torch.device("cpu")
         # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (counted by the
         # step's length, step_length.py, left out of ν), on the device; reported at decomposition steps.

@@ -86,6 +86,7 @@ class _ModelCall(CopiedAsInert):
             return
         if self.before:
             check.calls.clear()
+            check.expect_output(module)
         else:
             check.after_forward(output)
 
@@ -100,15 +101,30 @@ class WeightUseCheck:
         self._handles: list[RemovableHandle] = []
         if not self._blocks:
             return
-        self._handles = [model.register_forward_pre_hook(_ModelCall(self, before=True)),
-                         model.register_forward_hook(_ModelCall(self, before=False))]
+        self._handles = [model.register_forward_pre_hook(_ModelCall(self, before=True))]
         for block in self._blocks:
             for module in block.captured_modules():
                 self._handles.append(module.register_forward_pre_hook(_CallCount(self, block)))
+        self._output_hook: RemovableHandle | None = None
         weakref.finalize(self, _remove_all, self._handles)
+
+    @property
+    def handles(self) -> list[RemovableHandle]:
+        """The check's hooks (the capture removes them with its own: ``StatisticsCapture.hold``)."""
+        return self._handles
+
+    def expect_output(self, model: nn.Module) -> None:
+        """Hook the output of the model call now starting, once: between calls the model holds no
+        forward hook of the check's (only its pre-hooks)."""
+        if self._output_hook is None:
+            self._output_hook = model.register_forward_hook(_ModelCall(self, before=False))
+            self._handles.append(self._output_hook)
 
     def after_forward(self, output: Any) -> None:
         """Compare, once, the edges into each weight's node with its module's calls; then remove the hooks."""
+        if self._output_hook is not None:
+            self._output_hook.remove()
+            self._output_hook = None
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
         outputs = [t for t in output_tensors(output) if t.grad_fn is not None]
