@@ -97,10 +97,12 @@ def _left_embeddings(blocks: Sequence[KroneckerBlock]) -> dict[str, str]:
             warn_user(f"K-FAC layer '{block.name}' was called with 1-D indices and no other layer recorded a batch "
                       "to compare with: it is taken as a batch of token ids", RuntimeWarning)
             continue
-        # Samples count once per model call (KroneckerBlock.count_samples), however often a layer runs in
-        # it (a conditioning table called twice per forward): compare the counts, not per-call rows.
+        # N is counted once per model call, the same for every layer (KroneckerBlock.count_samples), so the
+        # table's own count is the batch's. Its indices per call are a batch when they number N per model
+        # call: each call (calls = model calls) or all its calls in one model call (a conditioning table
+        # called twice per forward, as a diffusion transformer's class embedding).
         batch = max(b.pending_samples for b in batched)
-        if batch != block.pending_samples:
+        if length not in (block.pending_samples / calls, block.pending_samples):
             block.leave_to_sgd(REASON)
             left[block.name] = REASON
             warn_user(f"K-FAC layer '{block.name}' takes the SGD path: {REASON}; its {length:g} indices per call "

@@ -89,7 +89,7 @@ def hf_padded_step(kind: str, batch: dict[str, torch.Tensor], checkpointing: boo
     return {**running_factors(optimizer), **{n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def assert_same_run(short: dict[str, torch.Tensor], long: dict[str, torch.Tensor], rtol: float = 1e-9) -> None:
+def assert_same_factors_and_step(short: dict[str, torch.Tensor], long: dict[str, torch.Tensor], rtol: float = 1e-9) -> None:
     """Every factor equal to ``rtol`` of its own largest entry, every parameter to ``rtol`` (a key
     bias, whose gradient is zero but for rounding, holds values of 1e-21)."""
     assert short.keys() == long.keys()
@@ -109,12 +109,12 @@ def test_an_attention_mask_keyword_gives_the_same_factors_and_step_at_any_paddin
     # Left padding moves the real tokens to other absolute positions, whose rotary angles transformers
     # computes in float32: the model's own logits and gradients differ by ~1e-8 relative between the
     # two paddings, 1.2e-7 of the largest entry in layer 1's q/k G (counting the pads changed A by 33-68%)
-    assert_same_run(short, long, rtol=1e-9 if side == "right" else 1e-6)
+    assert_same_factors_and_step(short, long, rtol=1e-9 if side == "right" else 1e-6)
 
 
 def test_the_attention_mask_travels_with_a_forward_recomputed_by_reentrant_checkpointing() -> None:
     short, long = (hf_padded_step("llama", padded_batch(length), checkpointing=True) for length in (8, 16))
-    assert_same_run(short, long)
+    assert_same_factors_and_step(short, long)
 
 
 class PaddedSequences(torch.utils.data.Dataset):
@@ -163,7 +163,7 @@ def trainer_step(length: int, root: Path) -> dict[str, torch.Tensor]:
 
 
 def test_inside_the_hf_trainer_padding_changes_neither_factors_nor_step(tmp_path: Path) -> None:
-    assert_same_run(trainer_step(8, tmp_path), trainer_step(16, tmp_path))
+    assert_same_factors_and_step(trainer_step(8, tmp_path), trainer_step(16, tmp_path))
 
 
 def accelerate_step(length: int) -> dict[str, torch.Tensor]:
@@ -183,7 +183,7 @@ def accelerate_step(length: int) -> dict[str, torch.Tensor]:
 
 
 def test_inside_an_accelerate_loop_padding_changes_neither_factors_nor_step() -> None:
-    assert_same_run(accelerate_step(8), accelerate_step(16))
+    assert_same_factors_and_step(accelerate_step(8), accelerate_step(16))
 
 
 class CheckpointedTagger(nn.Module):
@@ -213,4 +213,4 @@ def test_a_kfac_mask_travels_with_a_forward_recomputed_after_the_with() -> None:
         torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100).backward()  # recomputes
         optimizer.step()
         runs.append({**running_factors(optimizer), **{n: p.detach().clone() for n, p in model.named_parameters()}})
-    assert_same_run(*runs)
+    assert_same_factors_and_step(*runs)
