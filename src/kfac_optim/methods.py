@@ -168,7 +168,9 @@ def _elementwise(a: FactorView, g: FactorView, passes: int) -> float:
 DEFAULT_MAX_RANK = 128
 """:class:`Eigen`'s default eigenbasis cap (docs/api.md "Eigenbasis cap"; measured in docs/tuning.md)."""
 EIGEN_ADAM_MAX_RANK = 128
-""":class:`EigenAdam`'s default thin basis of wide factors (measured in docs/tuning.md)."""
+EIGEN_ADAM_THIN_WIDTH = 256
+""":class:`EigenAdam`'s default thin basis: factors wider than 256 keep 128 eigenvectors (measured in
+docs/tuning.md: below about 2.25× the rank the thin update costs as much as the full one)."""
 
 
 def _thin_solve(a: FactorView, g: FactorView) -> bool:
@@ -354,9 +356,9 @@ class EigenAdam(Eigen):
     rotated. When the bases are refreshed ``v`` is kept as is, not re-projected (SOAP's choice:
     the running factors and so the bases move slowly, and nothing else need be held).
 
-    ``max_rank`` (keyword; None: full bases everywhere): the thin basis of wide factors. A dense
-    factor wider than it, of a pair of dense ungrouped factors, is held as at most ``max_rank``
-    leading eigenvectors ``Q`` (:class:`Eigen`'s cap: a randomized eigensolver, O(n²·max_rank);
+    ``max_rank``, ``thin_width`` (keywords; ``max_rank`` None: full bases everywhere): the thin basis
+    of wide factors. A dense factor wider than ``thin_width`` (≥ ``max_rank``), of a pair of dense
+    ungrouped factors, is held as at most ``max_rank`` leading eigenvectors ``Q`` (:class:`Eigen`'s cap: a randomized eigensolver, O(n²·max_rank);
     its isotropic ``σ`` is not used). Its side's ``U`` above is then ``Q (n, r)``, and the part of
     the gradient outside the kept eigenvectors, ``O = ∇ − U_G R U_Aᵀ``, takes Adam's elementwise
     update in the parameters' own coordinates with its own second moment::
@@ -376,6 +378,7 @@ class EigenAdam(Eigen):
     beta2: float = 0.95
     eps: float = 1e-8
     max_rank: int | None = field(default=EIGEN_ADAM_MAX_RANK, kw_only=True)
+    thin_width: int = field(default=EIGEN_ADAM_THIN_WIDTH, kw_only=True)
 
     name: ClassVar[str] = "eigen_adam"
     basis: ClassVar[Basis] = Basis.CAPPED
@@ -388,6 +391,11 @@ class EigenAdam(Eigen):
             raise ValueError(f"EigenAdam beta2 must be in [0, 1), got {self.beta2}")
         if not 0.0 < self.eps < math.inf:
             raise ValueError(f"EigenAdam eps must be a finite number > 0, got {self.eps}")
+        if isinstance(self.thin_width, bool) or not isinstance(self.thin_width, int) or (
+                self.max_rank is not None and self.thin_width < self.max_rank):
+            raise ValueError(f"EigenAdam thin_width must be an int >= max_rank ({self.max_rank}), got {self.thin_width!r}")
+        if self.max_rank is not None:
+            object.__setattr__(self, "decomposer", EigenDecomposer(self.max_rank, self.thin_width))
 
     def outside_kfac(self) -> tuple[float, float] | None:
         """Adam's update with this method's ``(beta2, eps)`` (its directions have Adam's scale)."""
@@ -413,8 +421,8 @@ class EigenAdam(Eigen):
                   for side, factor in (("A", a), ("G", g)) if self._capped_in_pair(factor, a, g)]
         if not capped:
             return None
-        return (f"thin eigenbasis max_rank={self.max_rank}: at most {self.max_rank} leading eigenvectors, the "
-                f"gradient outside them takes elementwise Adam: {', '.join(capped)}")
+        return (f"thin eigenbasis max_rank={self.max_rank} above width {self.thin_width}: at most {self.max_rank} "
+                f"leading eigenvectors, the gradient outside them takes elementwise Adam: {', '.join(capped)}")
 
     def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
         if _thin_side(a) or _thin_side(g):

@@ -166,6 +166,7 @@ def test_a_non_finite_gradient_leaves_that_layers_second_moments_untouched(bad: 
     ({"beta2": -0.1}, "beta2"),
     ({"eps": 0.0}, "eps"),
     ({"eps": float("inf")}, "eps"),
+    ({"thin_width": 64}, "thin_width"),
 ])
 def test_bad_eigen_adam_settings_name_the_setting(kwargs: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -175,7 +176,7 @@ def test_bad_eigen_adam_settings_name_the_setting(kwargs: dict[str, float], matc
 def test_describe_and_repr_name_the_method_and_its_settings() -> None:
     optimizer = KFAC(make_net(), lr=LR, method="eigen_adam", factor_update_steps=1, inv_update_steps=10)
     assert optimizer.describe().startswith("KFAC (eigen_adam)")
-    assert repr(optimizer.method) == "EigenAdam(max_rank=128, beta2=0.95, eps=1e-08)"
+    assert repr(optimizer.method) == "EigenAdam(max_rank=128, beta2=0.95, eps=1e-08, thin_width=256)"
 
 
 # -- the thin basis of wide factors ---------------------------------------------------------------
@@ -184,7 +185,9 @@ THIN_RANK = 4  # below the hidden layer's A (15 wide, 16 with its bias column) a
 
 
 def thin_optimizer(model: nn.Module, max_rank: int | None = THIN_RANK, **kwargs: Any) -> KFAC:
-    return make_optimizer(model, method=EigenAdam(beta2=BETA2, eps=EPS, max_rank=max_rank), **kwargs)
+    thin_width = THIN_RANK if max_rank == THIN_RANK else EigenAdam().thin_width
+    return make_optimizer(model, method=EigenAdam(beta2=BETA2, eps=EPS, max_rank=max_rank, thin_width=thin_width),
+                          **kwargs)
 
 
 def thin_basis(factor: Any, decomposed: bool) -> torch.Tensor:
@@ -325,7 +328,8 @@ def regression_loss_after(optimizer_for: Any, steps: int) -> tuple[float, float]
 def eigen_adam_recipe(max_rank: int | None) -> Any:
     """docs/tuning.md's EigenAdam (Adam's first moment through SGD's momentum), at CONVERGENCE_LR."""
     return lambda model: KFAC(model, lr=CONVERGENCE_LR, momentum=0.9, dampening=0.9, kl_clip=None,
-                              factor_update_steps=1, inv_update_steps=2, method=EigenAdam(max_rank=max_rank))
+                              factor_update_steps=1, inv_update_steps=2,
+                              method=EigenAdam(max_rank=max_rank, thin_width=max_rank or EigenAdam().thin_width))
 
 
 CONVERGENCE_LR, CONVERGENCE_STEPS = 1e-2, 20
@@ -353,7 +357,7 @@ def test_eigen_adam_lowers_the_loss_at_least_as_much_as_adamw_at_the_same_lr(max
 def test_describe_names_the_factors_held_thin() -> None:
     optimizer = thin_optimizer(make_net())
     line = next(line for line in optimizer.describe().splitlines() if "thin eigenbasis" in line)
-    assert "max_rank=4" in line and "hidden.A (16)" in line and "hidden.G (6)" in line and "head.A (7)" in line
+    assert "max_rank=4 above width 4" in line and "hidden.A (16)" in line and "hidden.G (6)" in line and "head.A (7)" in line
     assert "embed" not in line and "head.G" not in line
 
 
