@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import checkpoint_bytes
 from kfac_optim import KFAC, AdaptiveDamping, AsyncConfig, CurvatureConfig, RuntimeConfig
 
 RestoreBatch = tuple[torch.Tensor, torch.Tensor]
@@ -56,11 +57,6 @@ def restore_build(options: dict[str, Any]) -> tuple[nn.Sequential, KFAC]:
     model = restore_mlp()
     return model, KFAC(model, **{"lr": 0.1, "momentum": 0.9, **options})
 
-
-def saved_bytes(model: nn.Module, optimizer: KFAC) -> bytes:
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    return buffer.getvalue()
 
 
 def load_saved(model: nn.Module, optimizer: KFAC, saved: bytes) -> None:
@@ -111,10 +107,10 @@ def test_a_staggered_run_resumes_bit_identically_into_a_fresh_optimizer(options:
     data = restore_batches(RESTORE_STEPS, seed=1)
     expected = control_run(options, data)
     model, optimizer = restore_build(options)
-    checkpoints = [saved_bytes(model, optimizer)]
+    checkpoints = [checkpoint_bytes(model, optimizer)]
     for batch in data[:5]:  # a checkpoint at every phase of either interval, before and after the phases are fixed
         restore_step(model, optimizer, batch)
-        checkpoints.append(saved_bytes(model, optimizer))
+        checkpoints.append(checkpoint_bytes(model, optimizer))
     for at, saved in enumerate(checkpoints):
         resumed_model, resumed = restore_build(options)
         load_saved(resumed_model, resumed, saved)
@@ -136,7 +132,7 @@ def test_a_state_loaded_back_into_the_same_optimizer_after_more_steps_resumes_bi
     model, optimizer = restore_build(options)
     for batch in data[:at]:
         restore_step(model, optimizer, batch)
-    saved = saved_bytes(model, optimizer)
+    saved = checkpoint_bytes(model, optimizer)
     exploring = restore_batches(5, seed=2)
     for batch in exploring[:4]:
         restore_step(model, optimizer, batch)
