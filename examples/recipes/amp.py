@@ -56,10 +56,12 @@ def train(dtype: str, device: str, steps: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.recipes.amp", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--steps", type=int, default=30)
+    parser = argparse.ArgumentParser(prog="python -m examples.recipes.amp", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16",
+                        help="autocast dtype (fp16: with a GradScaler)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
     args = parser.parse_args(argv)
     (first, mixed), (_, full) = train(args.dtype, args.device, args.steps), train("fp32", args.device, args.steps)
     decreased = mixed < first

@@ -25,9 +25,10 @@ from examples.recipes.toy import toy_batches, toy_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m examples.recipes.ddp", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.recipes.ddp", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, split over the ranks")
     return parser.parse_args(argv)
 

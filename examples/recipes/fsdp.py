@@ -33,7 +33,8 @@ INV_UPDATE_STEPS = 5
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m examples.recipes.fsdp", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.recipes.fsdp", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
     parser.add_argument("--steps", type=int, default=20, help="steps in all; the checkpoint follows the middle decomposition step")
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, split over the ranks")

@@ -1,15 +1,16 @@
 """K-FAC in a script shaped like PyTorch's ImageNet example (pytorch/examples, ``imagenet/main.py``).
 
     python -m examples.recipes.imagenet --world-size 2 --epochs 3             # 2 CPU ranks (gloo), spawned
-    python -m examples.recipes.imagenet --world-size 2 --epochs 6 --resume checkpoint.pth.tar
+    python -m examples.recipes.imagenet --world-size 2 --epochs 6 --resume runs/imagenet/checkpoint.pth.tar
     python -m examples.recipes.imagenet --device cuda --world-size 4 --amp fp16 --arch resnet18 --image-size 224
 
 What that script does, with the optimizer line changed to ``KFAC(model, ...)``: one process per
 rank started by ``torch.multiprocessing.spawn``, ``DistributedDataParallel`` and a
 ``DistributedSampler``, a ``StepLR`` schedule stepped per epoch, validation every epoch (top-1
-summed over the ranks), and a checkpoint written by rank 0 alone at the end of every epoch,
-``torch.save({'epoch', 'arch', 'state_dict', 'best_acc1', 'optimizer': optimizer.state_dict(),
-'scheduler', 'scaler'})``, copied to ``model_best.pth.tar`` when the accuracy is the best so far;
+summed over the ranks), and a checkpoint written by rank 0 alone at the end of every epoch into
+``--checkpoint-dir`` (runs/imagenet, git-ignored, by default), ``torch.save({'epoch', 'arch',
+'state_dict', 'best_acc1', 'optimizer': optimizer.state_dict(), 'scheduler', 'scaler'})``,
+copied to ``model_best.pth.tar`` when the accuracy is the best so far;
 ``--resume`` restores all of it. Mixed precision with ``torch.amp``: bf16 autocast, or fp16
 autocast with a ``GradScaler`` (``scaler.step(optimizer)``, no change for K-FAC).
 
@@ -42,6 +43,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import kfac_optim
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+CHECKPOINT_DIR = Path("runs") / "imagenet"  # git-ignored, as examples.train's runs/<config name>
 
 
 def interval(value: str) -> int | str:
@@ -50,31 +52,34 @@ def interval(value: str) -> int | str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m examples.recipes.imagenet", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.recipes.imagenet", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--arch", default="tiny", help="'tiny' (a small CNN) or a torchvision.models name")
     parser.add_argument("--epochs", type=int, default=3, help="total epochs (a resumed run continues to this)")
     parser.add_argument("-b", "--batch-size", type=int, default=32, help="global batch, split over the ranks")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=0.1, help="initial learning rate (StepLR: ×0.1 every 30 epochs)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
+    parser.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=1e-4,
+                        help="weight decay (coupled, as SGD's)")
     parser.add_argument("--factor-update-steps", type=interval, default="auto", help="K-FAC's factor interval")
     parser.add_argument("--inv-update-steps", type=interval, default="auto", help="K-FAC's decomposition interval")
     parser.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none",
                         help="autocast dtype (fp16: with a GradScaler)")
     parser.add_argument("--resume", type=Path, help="a checkpoint.pth.tar to continue from")
-    parser.add_argument("--checkpoint-dir", type=Path, default=Path("."), help="where rank 0 writes checkpoints")
+    parser.add_argument("--checkpoint-dir", type=Path, default=CHECKPOINT_DIR,
+                        help="where rank 0 writes checkpoints (runs/ is git-ignored)")
     parser.add_argument("--keep-checkpoints", action="store_true",
                         help="also keep every epoch's checkpoint as checkpoint-epoch<N>.pth.tar")
     parser.add_argument("--world-size", type=int, default=1, help="processes to spawn (ranks)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
-    parser.add_argument("--dist-url", help="the ranks' rendezvous, as main.py's (default: a free TCP port here); "
+    parser.add_argument("--dist-url", help="the ranks' rendezvous, as main.py's; when not given, a free TCP port here; "
                         "a file:// URL (a path that does not exist yet) needs no port")
     parser.add_argument("--dist-timeout", type=float, default=1800.0, help="process group timeout (seconds)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--image-size", type=int, default=16)
-    parser.add_argument("--classes", type=int, default=4)
-    parser.add_argument("--train-size", type=int, default=256)
-    parser.add_argument("--val-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
+    parser.add_argument("--image-size", type=int, default=16, help="image height and width (px)")
+    parser.add_argument("--classes", type=int, default=4, help="classes of the synthetic images")
+    parser.add_argument("--train-size", type=int, default=256, help="training images")
+    parser.add_argument("--val-size", type=int, default=64, help="validation images")
     args = parser.parse_args(argv)
     if args.batch_size % args.world_size or args.val_size % args.world_size:
         parser.error(f"--batch-size and --val-size must be divisible by --world-size {args.world_size}")

@@ -36,9 +36,10 @@ def fresh() -> tuple[nn.Module, kfac_optim.KFAC]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.recipes.resume", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--checkpoint", type=Path, help="where to save (default: a temporary file)")
+    parser = argparse.ArgumentParser(prog="python -m examples.recipes.resume", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    parser.add_argument("--checkpoint", type=Path, help="where to save; when not given, a temporary file")
     args = parser.parse_args(argv)
     batches = toy_batches(args.steps, 64)
     half = args.steps // 2

@@ -72,17 +72,18 @@ def loss_of(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.recipes.transformer", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
-    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
-    parser.add_argument("--context", type=int, default=64, help="characters per sequence (default 64)")
-    parser.add_argument("--width", type=int, default=64, help="embedding width (default 64)")
-    parser.add_argument("--layers", type=int, default=2, help="encoder layers (default 2)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--damping", type=float, default=0.1)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(prog="python -m examples.recipes.transformer", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    parser.add_argument("--context", type=int, default=64, help="characters per sequence")
+    parser.add_argument("--width", type=int, default=64, help="embedding width")
+    parser.add_argument("--layers", type=int, default=2, help="encoder layers")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--lr", type=float, default=0.1, help="learning rate")
+    parser.add_argument("--damping", type=float, default=0.1, help="K-FAC's damping λ")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     args = parser.parse_args(argv)
 
     text = corpus()

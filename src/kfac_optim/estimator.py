@@ -21,6 +21,7 @@ One step of the optimizer reaches it in this order (docs/design.md §4)::
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -170,8 +171,11 @@ class KroneckerEstimator:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def update_curvature(self, statistics_scale: float | Tensor) -> None:
+    def update_curvature(self, statistics_scale: float | Tensor, moves: Callable[[], bool] | None = None) -> None:
         """Fold the statistics on factor steps, refresh the decompositions on decomposition steps.
+
+        ``moves``: whether this step can move a parameter (the optimizer's: some lr is not 0), asked
+        only when a factor step recorded nothing (``Reporter.recording``); None: it can.
 
         Every K-FAC collective of a step with ``grad_worker_fraction=1`` happens here, so a rank
         that ran out of inputs under ``Join`` runs it too (:meth:`shadow_step`).
@@ -185,7 +189,7 @@ class KroneckerEstimator:
             self.decomposition_steps.complete(damping)
         folding = self.folds.blocks_at(step)
         if folding:
-            self._fold(folding, statistics_scale)
+            self._fold(folding, statistics_scale, moves)
         else:
             self.statistics.discard()  # a no-op when nothing was captured
         if self.is_inverse_step(step):
@@ -197,9 +201,10 @@ class KroneckerEstimator:
             self.decomposition_steps.between(step)  # AsyncConfig.delay: adopt a round due now
         self.statistics.report()  # after any wait for the worker above
 
-    def _fold(self, folding: list[KroneckerBlock], statistics_scale: float | Tensor) -> None:
+    def _fold(self, folding: list[KroneckerBlock], statistics_scale: float | Tensor,
+              moves: Callable[[], bool] | None) -> None:
         """A factor step's fold of ``folding``'s statistics, after the checks of what was recorded."""
-        self.reporter.recording(self.statistics.recording())
+        self.reporter.recording(self.statistics.recording(), moves)
         if self.reporter.awaiting_statistics:  # until a factor step recorded statistics
             self.statistics.settle()  # the checks read the pending statistics
             self.reporter.silent_blocks(folding)  # all blocks, but a resumed staggered run's phase

@@ -269,7 +269,7 @@ class KFAC(KFACViews, Optimizer, Joinable):
         self._precision.bind_master_params(estimator.blocks)
         self._join.check_step(self._join_config)
 
-        estimator.update_curvature(statistics_scale)   # fold on factor steps, decompose on decomposition steps
+        estimator.update_curvature(statistics_scale, self._moves)  # fold on factor steps, decompose on decomposition steps
         directions = estimator.precondition()           # V = (G ⊗ A + λI)⁻¹ ∇W, by parameter
         directions = self._step_length.apply(directions, self.param_groups, self.state)  # ν·V, M·‖s‖/‖M‖ or V
         adam: dict[Tensor, Tensor] = {}
@@ -282,6 +282,11 @@ class KFAC(KFACViews, Optimizer, Joinable):
             measurement.finish(estimator.blocks)
         estimator.advance()
         return loss
+
+    def _moves(self) -> bool:
+        """Whether this step can move a parameter: some group's lr is not 0 (read only when a factor
+        step recorded no statistics: a step at lr 0 is no evidence of hooks gone missing)."""
+        return any(bool(group["lr"] != 0) for group in self.param_groups)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``Optimizer.add_param_group``; the group's lr now is also saved as its base lr,

@@ -14,7 +14,7 @@ only state it writes besides its own is a block's failure count and a factor's r
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -188,11 +188,14 @@ class Reporter:
 
     # -- what a factor step recorded -----------------------------------------------------------
 
-    def recording(self, seen: Recording) -> None:
+    def recording(self, seen: Recording, moves: Callable[[], bool] | None = None) -> None:
         """At a factor step, before its fold, handed what the capture ``seen``: warn once when forwards
         ran inside a ``torch.func`` transform (not hooked), once when every backward ran with
         ``create_graph=True`` (not recorded), and once when no output-gradient reached the hooks
-        although the layers have gradients."""
+        although the layers have gradients and the step ``moves`` a parameter (None: it does). A
+        step that moves nothing is no evidence: ``torch.distributed.checkpoint``'s ``get_state_dict``
+        builds an optimizer's state with one ``step()`` at lr 0 on gradients it sets to zero, with
+        no backward; the check waits for a factor step that moves."""
         if seen.transformed and not self._warned["torch.func"]:
             warn_user(
                 "K-FAC layers ran inside a torch.func transform (torch.func.grad, vjp, vmap, ...): its gradients "
@@ -215,7 +218,7 @@ class Reporter:
             self._warned["graph backward"] = True
         elif not seen.arrivals and not seen.transformed and not self._warned["nothing recorded"] and seen.active and (
             self._gradient_marks and self._gradient_marks != marks  # a backward wrote gradients since
-        ):
+        ) and (moves is None or moves()):
             warn_user(
                 "K-FAC recorded no statistics on this factor step: no output-gradient reached its hooks although "
                 "its layers have gradients, so the factors were not updated. A model compiled with torch.compile "

@@ -753,6 +753,26 @@ def test_a_model_compiled_and_run_before_kfac_existed_warns_that_nothing_was_rec
     assert all(factor.abs().sum() > 0 for factor in factors(optimizer).values())
 
 
+# Before: get_state_dict on a fresh KFAC (the first call of a DCP resume, FSDP2's included) warned that
+# a model compiled with torch.compile ran without K-FAC's hooks, in scripts that compile nothing.
+def test_torch_state_initialization_at_lr_0_warns_nothing_and_a_moving_step_still_does() -> None:
+    """``torch.distributed.checkpoint``'s ``get_state_dict`` builds a fresh optimizer's state with one
+    ``step()`` at lr 0 on gradients it sets to zero, with no backward: no statistics is no news then.
+    The next factor step that moves and records nothing (gradients set without a backward) warns."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = mlp()
+    optimizer = KFAC(model, **{**OPTIONS, "factor_update_steps": 1, "inv_update_steps": 10})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, optimizer_state = get_state_dict(model, optimizer)
+    assert optimizer.steps == 1 and optimizer_state["state"]  # torch's step ran and built the state
+    for parameter in model.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    with pytest.warns(RuntimeWarning, match="recorded no statistics"):
+        optimizer.step()
+
+
 def test_compiled_multihead_attention_keeps_its_tensor_hooks_and_warns_once() -> None:
     """``nn.MultiheadAttention``'s blocks capture through their own torch function mode, which
     Dynamo does not trace: compiled, they keep the tensor hooks (graph breaks), say so once, and

@@ -6,9 +6,11 @@ tests run them as a user would (`main(argv)`, or `torchrun -m` for DDP) and read
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,10 @@ import pytest
 import torch
 
 from benchmarks import digits
+from examples import train
 from examples.recipes import accumulation, amp, imagenet, resume, transformer
+from examples.training.config import Experiment, load_experiment
+from examples.training.report import write_records
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -116,6 +121,27 @@ def test_imagenet_shaped_recipe_checkpoints_on_rank_0_and_resumes_exactly_on_two
     assert all(torch.equal(straight["state_dict"][k], resumed["state_dict"][k]) for k in straight["state_dict"])
 
 
+RECIPES_WITH_OPTIONS = sorted(path.stem for path in (ROOT / "examples" / "recipes").glob("*.py")
+                              if "ArgumentParser(" in path.read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("name", RECIPES_WITH_OPTIONS)
+def test_recipe_help_shows_every_options_default(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        importlib.import_module(f"examples.recipes.{name}").main(["--help"])
+    assert exited.value.code == 0
+    options = capsys.readouterr().out.split("\noptions:\n", 1)[1]
+    entries = [" ".join(entry.split()) for entry in re.split(r"\n  (?=-)", options)]
+    without = [entry.split()[0] for entry in entries if not entry.startswith("-h") and "(default: " not in entry]
+    assert len(entries) > 1 and without == []
+
+
+def test_imagenet_recipe_writes_its_checkpoints_into_an_ignored_folder() -> None:
+    folder = imagenet.parse_args([]).checkpoint_dir
+    ignored = (ROOT / ".gitignore").read_text(encoding="utf-8").split()
+    assert not folder.is_absolute() and folder.parts[:1] and f"{folder.parts[0]}/" in ignored, folder
+
+
 def main_job_verdict(out_dir: Path, row: str) -> str:
     """What a summary row of the main job must say, recomputed from its two runs' metrics.jsonl:
     the goal is the config's target, or the other run's final value (``goal`` cell "<run>'s final
@@ -136,6 +162,26 @@ def main_job_verdict(out_dir: Path, row: str) -> str:
     if theirs is None:
         return "K-FAC wins (the other never reaches it)"
     return "K-FAC wins" if ours < theirs else "K-FAC loses"
+
+
+def test_main_job_trains_each_task_as_examples_train_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m benchmarks.digits` and `python -m examples.train --config configs/<task>.yaml` train the
+    same experiment (the same clock above all), so the times they print compare."""
+    trained: dict[str, Experiment] = {}
+
+    def record_instead_of_training(argv: list[str]) -> int:
+        args = train.build_parser().parse_args(argv)
+        experiment = load_experiment(args.config, train.overrides_from(args))
+        trained[experiment.name] = experiment
+        for run in experiment.runs:  # one epoch's record per run, for the summary benchmarks.digits writes
+            write_records(args.out_dir / run.name / "metrics.jsonl",
+                          [{"epoch": 1, "step": 1, "time_s": 1.0, run.train.metric: 0.5}])
+        return 0
+
+    monkeypatch.setattr(digits.train, "main", record_instead_of_training)
+    assert digits.main(["--out-dir", str(tmp_path)]) == 0
+    as_examples_train = [load_experiment(config) for config in digits.TASKS]
+    assert trained == {experiment.name: experiment for experiment in as_examples_train}
 
 
 def test_main_job_runs_both_tasks_and_says_where_kfac_wins(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
