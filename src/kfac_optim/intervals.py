@@ -148,10 +148,10 @@ class AutoIntervals:
 
     def choose(self, costs: StepCosts, factor: int | None, inverse: int | None) -> tuple[int, int]:
         """``(I_f, I_d)`` for ``costs``; ``factor`` / ``inverse``: an explicit one to keep (None: choose)."""
-        share = (self.overhead * costs.step - costs.precondition) / 2
+        share = self.overhead * costs.step / 2
 
         def interval(cost: float, low: int, high: int) -> int:
-            return high if share <= 0 else min(max(low, math.ceil(cost / share)), high)
+            return min(max(low, math.ceil(cost / share)), high)
 
         if factor is None:
             factor = interval(costs.factor, 1, self.max_factor)
