@@ -55,7 +55,7 @@ RULES: dict[str, dict[str, Any]] = {
                                     "inv_update_steps": BudgetWithPreconditioning()},
     "fixed_5_50": {"factor_update_steps": 5, "inv_update_steps": 50},
 }
-CONVNETS = ("tv_resnet18", "timm_resnet18", "timm_mobilenetv3", "timm_convnext")
+CONVNETS = ("tv_resnet18", "timm_convnext", "timm_mobilenetv3", "timm_resnet18")
 """The zoo's convnets whose intervals the rules set apart (the others choose 2-3/10-12 under every budget rule)."""
 
 
