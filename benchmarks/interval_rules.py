@@ -80,9 +80,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("runs/interval_rules"))
     args = parser.parse_args(argv)
+    library_logger = logging.getLogger("kfac_optim")
+    threads, level = torch.get_num_threads(), library_logger.level
     torch.set_num_threads(1)
-    logging.getLogger("kfac_optim").setLevel(logging.ERROR)
-    warnings.simplefilter("ignore")
+    library_logger.setLevel(logging.ERROR)  # the runs' one-time notes would bury the table
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _compare(args)
+    finally:  # a caller's process (a test) keeps its own settings
+        torch.set_num_threads(threads)
+        library_logger.setLevel(level)
+
+
+def _compare(args: argparse.Namespace) -> dict[str, Any]:
+    """The runs of ``main``'s arguments: the table and the JSON."""
     results: dict[str, Any] = {}
     bar = tqdm(total=len(args.models) * (1 + len(args.rules)) * 3 * args.seeds, unit="run")
     drop_in = dict(zoo.DROP_IN)
