@@ -49,17 +49,20 @@ round syncs the host anyway); every other step adds no host sync. The counted co
 :class:`AutoIntervals` are those of full-rank factors, so they are not revised.
 
 **Budget rule** (both kinds). A step costs ``step + precondition + factor / I_f + decomposition / I_d``
-on average. The budget is ``overhead × step`` (a fraction of the SGD-equivalent step) for the work
-the intervals set, each kind of it getting half, ``share = overhead·step / 2``::
+on average. The budget is ``overhead × step`` (a fraction of the SGD-equivalent step). The
+preconditioning, paid every step, takes from it at most half; each kind of curvature work gets
+half of what is left, ``share = (overhead·step − min(precondition, overhead·step / 2)) / 2``::
 
     I_f = clamp(ceil(factor / share), 1, max_factor)
     I_d = clamp(ceil(decomposition / share), 10, max_inverse), rounded up to a multiple of I_f
 
-so the factor and decomposition work stays ≤ ``overhead × step`` unless a cap binds (the floor of
-10 keeps K-FAC's customary decomposition interval when decompositions are cheap). When a cap binds,
-one warning says so and how to override it. The preconditioning, paid every step, is not set by an
-interval (``methods.Eigen``'s eigenbasis cap bounds it), so it does not take from the share: longer
-intervals would not make it cheaper, only the curvature staler. An explicit ``factor_update_steps`` or ``inv_update_steps`` (int or callable) is kept as given.
+so the step stays within ``overhead × step`` of SGD's while the preconditioning takes at most half
+the budget (the floor of 10 keeps K-FAC's customary decomposition interval when decompositions are
+cheap). The preconditioning is not set by an interval (``methods.Eigen``'s eigenbasis cap bounds
+it): longer intervals would not make it cheaper, only the curvature staler, so beyond half the
+budget it is paid on top and the curvature work keeps a quarter of the budget. When a cap binds,
+one warning says so and how to override it. An explicit ``factor_update_steps`` or
+``inv_update_steps`` (int or callable) is kept as given.
 """
 
 from __future__ import annotations
@@ -121,8 +124,8 @@ class AutoIntervals:
     """``factor_update_steps`` / ``inv_update_steps`` chosen from the costs counted from shapes
     (deterministic; module docstring and ``kfac_optim.costs``).
 
-    ``overhead``: the budget of the factor and decomposition work's amortized cost, as a fraction of
-    a plain step (> 0; the preconditioning is paid on top, module docstring).
+    ``overhead``: the budget of the curvature's amortized cost, as a fraction of a plain step (> 0;
+    the preconditioning takes at most half of it, module docstring).
     ``costs``: given costs instead of counted ones (in any unit: only ratios matter).
     ``max_factor``, ``max_inverse``: caps.
     ``KFAC(factor_update_steps="auto")`` is ``AutoIntervals()``; give the same value to both
@@ -147,7 +150,8 @@ class AutoIntervals:
 
     def choose(self, costs: StepCosts, factor: int | None, inverse: int | None) -> tuple[int, int]:
         """``(I_f, I_d)`` for ``costs``; ``factor`` / ``inverse``: an explicit one to keep (None: choose)."""
-        share = self.overhead * costs.step / 2
+        budget = self.overhead * costs.step
+        share = (budget - min(costs.precondition, budget / 2)) / 2
 
         def interval(cost: float, low: int, high: int) -> int:
             return min(max(low, math.ceil(cost / share)), high)

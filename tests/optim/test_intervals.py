@@ -138,17 +138,22 @@ def test_auto_intervals_check_their_fields() -> None:
         StepCosts(step=1.0, factor=math.nan, decomposition=0.0)
 
 
-def test_the_preconditioning_does_not_push_the_intervals_to_their_caps() -> None:
-    """The preconditioning is paid every step whatever the intervals, so it does not shrink the share
-    of the factor and decomposition work: a model whose preconditioning alone exceeds the budget still
-    refreshes its curvature as its factor and decomposition costs allow (not once per cap)."""
+def test_the_preconditioning_takes_at_most_half_the_budget() -> None:
+    """The preconditioning is paid every step whatever the intervals: it comes out of the budget
+    first, but at most half of it, so a model whose preconditioning alone fills the budget still
+    refreshes its curvature as a quarter of the budget allows (not once per cap)."""
     auto = AutoIntervals(overhead=0.5)
-    without = auto.choose(StepCosts(step=0.1, factor=0.05, decomposition=3.5), None, None)
-    # share = 0.5 · 0.1 / 2 = 0.025 s whatever the preconditioning: factor ceil(2) = 2, inverse ceil(140) = 140
-    for precondition in (0.02, 0.06, 0.5):
+    costs = StepCosts(step=0.1, factor=0.05, decomposition=3.5, precondition=0.02)
+    # share = (0.5 · 0.1 − 0.02) / 2 = 0.015 s: factor ceil(3.33) = 4, inverse ceil(233.3) = 234 → 236
+    factor, inverse = auto.choose(costs, None, None)
+    assert (factor, inverse) == (4, 236)
+    assert costs.precondition + costs.factor / factor + costs.decomposition / inverse <= 0.5 * costs.step + 1e-12
+    # from half the budget on: share = (0.05 − 0.025) / 2 = 0.0125 s whatever the preconditioning,
+    # factor ceil(4) = 4, inverse ceil(280) = 280; the curvature work stays within a quarter of the budget
+    for precondition in (0.025, 0.06, 0.5):
         costs = StepCosts(step=0.1, factor=0.05, decomposition=3.5, precondition=precondition)
-        assert auto.choose(costs, None, None) == without == (2, 140)
-        assert costs.factor / 2 + costs.decomposition / 140 <= 0.5 * costs.step + 1e-12
+        assert auto.choose(costs, None, None) == (4, 280)
+        assert costs.factor / 4 + costs.decomposition / 280 <= 0.25 * costs.step + 1e-12
 
 
 class FakeClock:
@@ -191,22 +196,22 @@ def test_later_decomposition_rounds_are_measured_again_and_the_inverse_interval_
     clock, sums = FakeClock(), []
     schedule = IntervalSchedule(MeasuredIntervals(), MeasuredIntervals(), torch.device("cpu"), clock=clock)
     run_schedule(schedule, clock, range(0, 4), lambda step: 0.1, sums)
-    # SGD-equivalent step 0.9 s (preconditioning 0.1 s, not in the share): share 0.45/2 = 0.225 s
+    # SGD-equivalent step 0.9 s, preconditioning 0.1 s: share (0.45 − 0.1)/2 = 0.175 s
     assert asdict(schedule.costs) == pytest.approx(dict(step=0.9, factor=0.5, decomposition=0.1, precondition=0.1))
-    assert schedule.chosen == (3, 12)  # ceil(0.5/0.225) = 3; max(10, ceil(0.1/0.225)) = 10 → 12
+    assert schedule.chosen == (3, 12)  # ceil(0.5/0.175) = 3; max(10, ceil(0.1/0.175)) = 10 → 12
     assert len(sums) == 1  # the calibration's one all-reduce
     run_schedule(schedule, clock, range(4, 14), lambda step: 0.1, sums)
     assert schedule.chosen == (3, 12) and len(sums) == 2  # round 12 measured (still cheap), averaged at 13
     run_schedule(schedule, clock, range(14, 25), lambda step: 10.0, sums)
-    # round 24 takes 10 s: the estimate becomes (0.1 + 10)/2 = 5.05 s → ceil(5.05/0.225) = 23 → 24,
+    # round 24 takes 10 s: the estimate becomes (0.1 + 10)/2 = 5.05 s → ceil(5.05/0.175) = 29 → 30,
     # decided at the start of step 25 (not yet run)
     assert schedule.chosen == (3, 12)
     run_schedule(schedule, clock, range(25, 26), lambda step: 10.0, sums)
-    assert schedule.chosen == (3, 24) and schedule.costs.decomposition == pytest.approx(5.05)
+    assert schedule.chosen == (3, 30) and schedule.costs.decomposition == pytest.approx(5.05)
     assert sums[-1] == [pytest.approx(10.0), pytest.approx(0.1), 1.0]  # [decomposition, preconditioning, ranks]
-    run_schedule(schedule, clock, range(26, 50), lambda step: 10.0, sums)  # round 48: (5.05 + 10)/2 → 34 → 36
-    assert schedule.chosen == (3, 36)
-    assert [k for k in range(50, 200) if schedule.is_inverse_step(k)][:2] == [72, 108]
+    run_schedule(schedule, clock, range(26, 32), lambda step: 10.0, sums)  # round 30: (5.05 + 10)/2 → 43 → 45
+    assert schedule.chosen == (3, 45)
+    assert [k for k in range(32, 200) if schedule.is_inverse_step(k)][:2] == [45, 90]
     # a loop without zero_grad(): the step is measured from the previous step's end (loading included)
     schedule = IntervalSchedule(MeasuredIntervals(), MeasuredIntervals(), torch.device("cpu"), clock=clock)
     run_schedule(schedule, clock, range(0, 4), lambda step: 0.1, sums, zero_grad=False)

@@ -194,7 +194,10 @@ def test_interval_rules_runs_each_rule_beside_sgd_and_reports_the_intervals_it_c
 def test_the_earlier_budget_rule_put_both_intervals_at_their_caps_when_the_preconditioning_filled_it() -> None:
     costs = StepCosts(step=0.1, factor=0.05, decomposition=3.5, precondition=0.06)  # P over 0.5 · step
     assert interval_rules.BudgetWithPreconditioning().choose(costs, None, None) == (50, 500)
-    assert AutoIntervals().choose(costs, None, None) == (2, 140)
+    # the library's rule: the preconditioning takes half the budget, share (0.05 − 0.025)/2 = 0.0125
+    assert AutoIntervals().choose(costs, None, None) == (4, 280)
+    # the preconditioning outside the budget: share 0.025
+    assert interval_rules.PreconditioningOnTop().choose(costs, None, None) == (2, 140)
 
 
 def test_conv_statistics_times_each_kind_and_trains_with_each(tmp_path: Path) -> None:
