@@ -24,7 +24,8 @@ from benchmarks.peers.protocol import Runner
 NAMES = {"sgd": "SGD", "adamw": "AdamW", "muon": "Muon", "soap": "SOAP", "kfac_dropin": "K-FAC drop-in",
          "kfac": "EigenAdam"}
 """The optimizers compared (peers' builders): ``kfac_dropin`` is ``KFAC(model, lr, momentum=0.9)`` with
-the defaults but the 5/50 intervals; ``kfac`` the peers' one configuration, ``method="eigen_adam"``."""
+every other default (the automatic intervals included); ``kfac`` the README's AdamW swap,
+``method="eigen_adam"``, ``kl_clip=None``, with the defaults' intervals."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,9 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--optimizers", nargs="+", choices=optimizers.CHOICES, default=list(NAMES),
                         help="optimizers (peers' names; default: the six above, SOAP skipped without heavyball)")
     parser.add_argument("--grid-points", type=int, default=3,
-                        help="lrs per optimizer, sqrt(10) apart (default 3; one more above at >= 4x the smallest batch)")
-    parser.add_argument("--smallest-batch", type=int, default=None,
-                        help="batch the lr grid's widening counts from (default: the smallest of --batches)")
+                        help="lrs per optimizer, sqrt(10) apart (default 3; extended by one beyond an edge, up to "
+                             f"{study.MAX_EXTENSIONS} times, while the chosen lr sits there)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds at the chosen lr (default 3)")
     parser.add_argument("--max-steps", type=int, default=400, help="steps per run at most (default 400)")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each (default 2)")
@@ -56,21 +56,21 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                                "skipped": skipped, "tasks": {}}
-    smallest = args.smallest_batch or min(args.batches)
-    total = sum(len(study.grid(n, b, smallest, args.grid_points)) + args.seeds - 1
-                for n in names for b in args.batches) * len(args.tasks)
-    with tqdm(total=total, unit="run", desc="large-batch runs") as bar:
+    per_round = len(names) * len(args.batches) * args.grid_points
+    with tqdm(total=per_round * len(args.tasks), unit="run", desc="large-batch runs") as bar:
         def done(run: study.Run) -> None:
             bar.set_postfix_str(f"{run['task']}/{run['optimizer']} b{run['batch']} lr {run['lr']:.3g}")
             bar.update()
 
+        def run_all(specs: list[study.RunSpec]) -> list[study.Run]:
+            bar.total = max(bar.total, bar.n + len(specs))
+            return pool.map(specs)
+
         pool = Runner(args.jobs, done, run=study.train)
         try:
             for task in args.tasks:
-                grid_runs = pool.map(study.grid_specs(task, names, args.batches, args.grid_points, args.max_steps,
-                                                            smallest))
-                chosen = study.choose(grid_runs)
-                seed_runs = pool.map(study.seed_specs(chosen, args.seeds))
+                grid_runs, chosen = study.search(run_all, task, names, args.batches, args.grid_points, args.max_steps)
+                seed_runs = run_all(study.seed_specs(chosen, args.seeds))
                 rows = study.summarize(chosen, seed_runs)
                 results["tasks"][task] = {"target": STUDIES[task].target, "rows": rows,
                                           "critical": critical(rows), "grid": grid_runs, "seeds": seed_runs}
@@ -103,7 +103,8 @@ def _fmt(value: float, digits: int = 0) -> str:
 def render(results: dict[str, Any]) -> str:
     """The Markdown report: per task, one table per batch, the critical batches, then the projection."""
     settings = results["settings"]
-    lines = [f"`python -m benchmarks.large_batch` ({settings['grid_points']}-point lr grids, {settings['seeds']} seeds, "
+    lines = [f"`python -m benchmarks.large_batch` ({settings['grid_points']}-point lr grids extended while the choice "
+             f"sits at an edge, {settings['seeds']} seeds, "
              f"at most {settings['max_steps']} steps, batches {settings['batches']})", ""]
     if results["skipped"]:
         lines += [f"Skipped (not installed): {', '.join(results['skipped'])}.", ""]

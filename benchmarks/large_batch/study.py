@@ -12,9 +12,10 @@ before the backward. CPU time is ``time.process_time`` around zero_grad, forward
 Accuracy is evaluated (untimed) at every step up to 10, every 5 up to 100, then every 10.
 
 The protocol, per task and batch: each optimizer's lr grid, ``points`` rates spaced by sqrt(10) around
-its peers' centre (``optimizers.lr_grid``), widened at batches of at least 4x the smallest by one
-point above (10x the centre) for every optimizer alike, on seed 0; the lr with the fewest steps to
-the target on **validation** wins (ties and no-reach: the higher final validation accuracy); then
+its family's centre (``optimizers.lr_grid``), on seed 0, extended by one rate beyond an edge (up to
+:data:`MAX_EXTENSIONS` times) while the chosen rate sits at that edge: the same search for every
+optimizer, at every batch; a 1-point grid is not extended. The lr with the fewest steps to the
+target on **validation** wins (ties and no-reach: the higher final validation accuracy); then
 seeds 1..n-1 at that lr, and the seed-0 run joins them. Steps and CPU time to the target are read on
 **test** (interpolated between evaluations, ``benchmarks.peers.analysis.time_to``).
 
@@ -138,30 +139,42 @@ def selection_key(run: Run) -> tuple[float, float]:
     return to_target(run, "val"), -final_val
 
 
-def grid(name: str, batch: int, smallest: int, points: int) -> list[float]:
-    """The lr grid of ``name`` at ``batch``: the peers' ``points``-point grid, one point wider above at
-    batches >= 4x the smallest (the same rule for every optimizer)."""
-    rates = optimizers.lr_grid(name, points)
-    return rates + [float(f"{rates[-1] * 10 ** 0.5:.3g}")] if batch >= 4 * smallest else rates
+MAX_EXTENSIONS = 2
+"""How many rates a grid may grow by while its chosen lr sits at an edge (as ``benchmarks.zoo``'s)."""
 
 
-def grid_specs(task: str, names: list[str], batches: list[int], points: int, max_steps: int,
-               smallest: int | None = None) -> list[RunSpec]:
-    """Seed-0 runs of every lr of every optimizer at every batch (``smallest``: the batch the grid's
-    widening counts from; default the smallest of ``batches``)."""
-    smallest = smallest or min(batches)
-    return [RunSpec(task, n, b, lr, 0, max_steps) for b in batches for n in names
-            for lr in grid(n, b, smallest, points)]
+def rate(name: str, k: int) -> float:
+    """Point ``k`` of optimizer ``name``'s grid, ``centre·10^(k/2)`` (``optimizers.lr_grid``'s points)."""
+    return float(f"{optimizers.CENTRES[name] * 10 ** (k / 2):.3g}")
 
 
-def choose(grid_runs: list[Run]) -> dict[tuple[str, int], Run]:
-    """The seed-0 run of the chosen lr per (optimizer, batch)."""
-    best: dict[tuple[str, int], Run] = {}
-    for run in grid_runs:
-        key = (run["optimizer"], run["batch"])
-        if key not in best or selection_key(run) < selection_key(best[key]):
-            best[key] = run
-    return best
+def search(run_all: Callable[[list[RunSpec]], list[Run]], task: str, names: list[str], batches: list[int],
+           points: int, max_steps: int) -> tuple[list[Run], dict[tuple[str, int], Run]]:
+    """The grid search of every optimizer at every batch (module docstring): ``run_all`` runs a list of
+    seed-0 specs (a round at a time, so that parallel workers stay busy); every grid run, and the
+    chosen lr's run per (optimizer, batch)."""
+    grids = {(n, b): list(range(-(points // 2), points - points // 2)) for b in batches for n in names}
+    runs: dict[tuple[str, int, int], Run] = {}
+    for extension in range(MAX_EXTENSIONS + 1):
+        todo = [(n, b, k) for (n, b), ks in grids.items() for k in ks if (n, b, k) not in runs]
+        for key, run in zip(todo, run_all([RunSpec(task, n, b, rate(n, k), 0, max_steps) for n, b, k in todo]),
+                            strict=True):
+            runs[key] = run
+        if extension == MAX_EXTENSIONS or points == 1:
+            break
+        grown = False
+        for (n, b), ks in grids.items():
+            best = min(ks, key=lambda k: selection_key(runs[(n, b, k)]))
+            if best == ks[0]:
+                ks.insert(0, ks[0] - 1)
+                grown = True
+            elif best == ks[-1]:
+                ks.append(ks[-1] + 1)
+                grown = True
+        if not grown:
+            break
+    chosen = {(n, b): min((runs[(n, b, k)] for k in ks), key=selection_key) for (n, b), ks in grids.items()}
+    return list(runs.values()), chosen
 
 
 def seed_specs(chosen: dict[tuple[str, int], Run], seeds: int) -> list[RunSpec]:

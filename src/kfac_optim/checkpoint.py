@@ -61,7 +61,9 @@ reason the round of decompositions in flight under ``AsyncConfig`` (which
 factors in line at its first step, and so does not continue bit-identically with the saved run.
 The stagger phases' costs are left out too (DCP loads only the keys the destination holds, and a
 fresh optimizer has none before its phases are fixed): a staggered run resumed from DCP fixes
-them again at its next all-block factor step.
+them again at its next all-block factor step. The automatic intervals' entry (None until chosen,
+then a dict) travels wrapped in a 1-tuple, which DCP stores as one leaf, so a fresh optimizer
+(whose entry is None) holds the key the saved one wrote and loads the chosen intervals.
 
 ``get_state_dict`` initializes an optimizer that has no per-parameter state by calling
 ``step()`` once with zero gradients and lr 0 (DCP's ``_init_optim_state``). On the fresh optimizer
@@ -293,6 +295,7 @@ class KFACState:
         self._optimizer.synchronize_factors()
         state = self._optimizer.kfac_state_dict()
         del state["round"], state["stagger"]  # see the module docstring
+        state["intervals"] = (state["intervals"],)  # one leaf to DCP (module docstring)
         for block in state["blocks"].values():
             for factor in block["factors"].values():
                 for key in _NOT_SAVED:
@@ -311,4 +314,4 @@ class KFACState:
             }
             for name, block in state_dict["blocks"].items()
         }
-        self._optimizer.load_kfac_state_dict({**state_dict, "blocks": blocks})
+        self._optimizer.load_kfac_state_dict({**state_dict, "blocks": blocks, "intervals": state_dict["intervals"][0]})

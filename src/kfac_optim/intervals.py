@@ -49,19 +49,20 @@ round syncs the host anyway); every other step adds no host sync. The counted co
 :class:`AutoIntervals` are those of full-rank factors, so they are not revised.
 
 **Budget rule** (both kinds). A step costs ``step + precondition + factor / I_f + decomposition / I_d``
-on average. The budget is ``overhead × step`` (a fraction of the SGD-equivalent step); the
-preconditioning, paid every step, comes out of it first, and each kind of curvature work gets half
-of what is left, ``share = (overhead·step − precondition) / 2``::
+on average. The budget is ``overhead × step`` (a fraction of the SGD-equivalent step). The
+preconditioning, paid every step, takes from it at most half; each kind of curvature work gets
+half of what is left, ``share = (overhead·step − min(precondition, overhead·step / 2)) / 2``::
 
     I_f = clamp(ceil(factor / share), 1, max_factor)
     I_d = clamp(ceil(decomposition / share), 10, max_inverse), rounded up to a multiple of I_f
 
-(both at their caps when the preconditioning alone exceeds the budget), so the curvature's cost
-stays ≤ ``overhead × step`` unless a cap binds (the floor of 10 keeps K-FAC's customary
-decomposition interval when decompositions are cheap). When a cap binds, one warning says so and
-how to override it. The preconditioning's own cost is not set by an interval: ``methods.Eigen``'s
-eigenbasis cap bounds it. An explicit ``factor_update_steps`` or ``inv_update_steps`` (int or
-callable) is kept as given.
+so the step stays within ``overhead × step`` of SGD's while the preconditioning takes at most half
+the budget (the floor of 10 keeps K-FAC's customary decomposition interval when decompositions are
+cheap). The preconditioning is not set by an interval (``methods.Eigen``'s eigenbasis cap bounds
+it): longer intervals would not make it cheaper, only the curvature staler, so beyond half the
+budget it is paid on top and the curvature work keeps a quarter of the budget. When a cap binds,
+one warning says so and how to override it. An explicit ``factor_update_steps`` or
+``inv_update_steps`` (int or callable) is kept as given.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ class AutoIntervals:
     """``factor_update_steps`` / ``inv_update_steps`` chosen from the costs counted from shapes
     (deterministic; module docstring and ``kfac_optim.costs``).
 
-    ``overhead``: the budget of the curvature's amortized cost, as a fraction of a plain step (> 0).
+    ``overhead``: the budget of the curvature's amortized cost, as a fraction of a plain step (> 0;
+    the preconditioning takes at most half of it, module docstring).
     ``costs``: given costs instead of counted ones (in any unit: only ratios matter).
     ``max_factor``, ``max_inverse``: caps.
     ``KFAC(factor_update_steps="auto")`` is ``AutoIntervals()``; give the same value to both
@@ -148,10 +150,11 @@ class AutoIntervals:
 
     def choose(self, costs: StepCosts, factor: int | None, inverse: int | None) -> tuple[int, int]:
         """``(I_f, I_d)`` for ``costs``; ``factor`` / ``inverse``: an explicit one to keep (None: choose)."""
-        share = (self.overhead * costs.step - costs.precondition) / 2
+        budget = self.overhead * costs.step
+        share = (budget - min(costs.precondition, budget / 2)) / 2
 
         def interval(cost: float, low: int, high: int) -> int:
-            return high if share <= 0 else min(max(low, math.ceil(cost / share)), high)
+            return min(max(low, math.ceil(cost / share)), high)
 
         if factor is None:
             factor = interval(costs.factor, 1, self.max_factor)
@@ -415,8 +418,6 @@ class IntervalSchedule:
         if self.costs is not None:
             line += f" from {_seconds(self.costs) if self.measured else _counted(self.costs)}, " \
                     f"budget {self.auto.overhead:g}× the step"
-            if self.costs.precondition >= self.auto.overhead * self.costs.step:
-                line += " (the preconditioning alone exceeds it: intervals at their caps)"
         return line
 
     # -- checkpoints -------------------------------------------------------------------------

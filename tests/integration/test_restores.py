@@ -154,3 +154,28 @@ def test_a_stagger_entry_that_does_not_fit_is_refused_naming_it(entry: Any) -> N
     _, fresh = restore_build(STAGGER)
     with pytest.raises(ValueError, match="'stagger'"):
         fresh.load_state_dict(state)
+
+
+def test_a_fresh_optimizer_restores_the_automatic_intervals_from_dcp_and_resumes_bit_identically(tmp_path) -> None:
+    """A fresh optimizer has chosen no intervals yet (its entry None) while the saved one has: DCP
+    must still find the key and load them."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    data = restore_batches(RESTORE_STEPS, seed=1)
+    expected = control_run({}, data)
+    model, optimizer = restore_build({})
+    restore_step(model, optimizer, data[0])  # step 0 chooses the intervals and decomposes
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optimizer_state, "kfac": optimizer.kfac_state()}, checkpoint_id=tmp_path)
+
+    resumed_model, resumed = restore_build({})
+    assert resumed.estimator.intervals.chosen is None
+    model_state, optimizer_state = get_state_dict(resumed_model, resumed)
+    state = {"model": model_state, "optim": optimizer_state, "kfac": resumed.kfac_state()}
+    dcp.load(state, checkpoint_id=tmp_path)
+    set_state_dict(resumed_model, resumed, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert resumed.estimator.intervals.chosen == optimizer.estimator.intervals.chosen
+    for batch in data[1:]:
+        restore_step(resumed_model, resumed, batch)
+    assert_same_run(run_state(resumed_model, resumed), expected, "resumed from DCP: ")

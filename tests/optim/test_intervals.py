@@ -138,15 +138,22 @@ def test_auto_intervals_check_their_fields() -> None:
         StepCosts(step=1.0, factor=math.nan, decomposition=0.0)
 
 
-def test_the_preconditioning_comes_out_of_the_budget_first() -> None:
+def test_the_preconditioning_takes_at_most_half_the_budget() -> None:
+    """The preconditioning is paid every step whatever the intervals: it comes out of the budget
+    first, but at most half of it, so a model whose preconditioning alone fills the budget still
+    refreshes its curvature as a quarter of the budget allows (not once per cap)."""
     auto = AutoIntervals(overhead=0.5)
     costs = StepCosts(step=0.1, factor=0.05, decomposition=3.5, precondition=0.02)
     # share = (0.5 · 0.1 − 0.02) / 2 = 0.015 s: factor ceil(3.33) = 4, inverse ceil(233.3) = 234 → 236
     factor, inverse = auto.choose(costs, None, None)
     assert (factor, inverse) == (4, 236)
     assert costs.precondition + costs.factor / factor + costs.decomposition / inverse <= 0.5 * costs.step + 1e-12
-    # preconditioning alone over the budget: both intervals at their caps, and describe() says why
-    assert auto.choose(StepCosts(0.1, 0.05, 3.5, precondition=0.06), None, None) == (50, 500)
+    # from half the budget on: share = (0.05 − 0.025) / 2 = 0.0125 s whatever the preconditioning,
+    # factor ceil(4) = 4, inverse ceil(280) = 280; the curvature work stays within a quarter of the budget
+    for precondition in (0.025, 0.06, 0.5):
+        costs = StepCosts(step=0.1, factor=0.05, decomposition=3.5, precondition=precondition)
+        assert auto.choose(costs, None, None) == (4, 280)
+        assert costs.factor / 4 + costs.decomposition / 280 <= 0.25 * costs.step + 1e-12
 
 
 class FakeClock:
@@ -229,9 +236,9 @@ def test_checkpoints_of_costs_without_preconditioning_still_load() -> None:
 
 
 def test_intervals_at_their_caps_warn_once_saying_how_to_override() -> None:
-    """The preconditioning alone over the budget: both intervals at their caps, which changes what
-    K-FAC does for the rest of the run, so one RuntimeWarning says so (describe() alone logs at INFO)."""
-    costly = StepCosts(step=0.1, factor=0.05, decomposition=3.5, precondition=0.06)
+    """Curvature work far over the budget: both intervals at their caps, which changes what K-FAC
+    does for the rest of the run, so one RuntimeWarning says so (describe() alone logs at INFO)."""
+    costly = StepCosts(step=0.01, factor=10.0, decomposition=1000.0)
     model = intervals_mlp()
     capped = r"reached their caps.*factor_update_steps=50.*inv_update_steps=500"
     with pytest.warns(RuntimeWarning, match=capped) as caught:

@@ -20,11 +20,13 @@ from benchmarks import (
     compiled_steps,
     conv_statistics,
     cost_constants,
+    interval_rules,
     peer_steps,
     scaling,
     step_time,
     whole_steps,
 )
+from kfac_optim.intervals import AutoIntervals, StepCosts
 from kfac_optim.optimizer import block_dims
 
 
@@ -177,6 +179,25 @@ def test_cost_constants_measures_each_kind_of_work_against_the_librarys_constant
     assert all(value > 0 for by_size in result["constants"].values() for value in by_size.values())
     assert json.loads((tmp_path / "cost_constants.json").read_text())["rate_flop_per_s"] > 0
     assert (tmp_path / "cost_constants.png").stat().st_size > 0
+
+
+def test_interval_rules_runs_each_rule_beside_sgd_and_reports_the_intervals_it_chose(tmp_path: Path) -> None:
+    pytest.importorskip("torchvision")
+    results = interval_rules.main(["--models", "tv_regnet", "--rules", "fixed_5_50", "--steps", "1",
+                                   "--seeds", "1", "--out", str(tmp_path)])
+    by_rule = results["tv_regnet"]
+    assert set(by_rule) == {"sgd", "fixed_5_50"} and by_rule["sgd"]["step_ratio"] == 1.0
+    assert by_rule["fixed_5_50"]["intervals"] == "factor_update_steps=5, inv_update_steps=50"
+    assert "| tv_regnet | fixed_5_50 |" in (tmp_path / "interval_rules.md").read_text()
+
+
+def test_the_earlier_budget_rule_put_both_intervals_at_their_caps_when_the_preconditioning_filled_it() -> None:
+    costs = StepCosts(step=0.1, factor=0.05, decomposition=3.5, precondition=0.06)  # P over 0.5 · step
+    assert interval_rules.BudgetWithPreconditioning().choose(costs, None, None) == (50, 500)
+    # the library's rule: the preconditioning takes half the budget, share (0.05 − 0.025)/2 = 0.0125
+    assert AutoIntervals().choose(costs, None, None) == (4, 280)
+    # the preconditioning outside the budget: share 0.025
+    assert interval_rules.PreconditioningOnTop().choose(costs, None, None) == (2, 140)
 
 
 def test_conv_statistics_times_each_kind_and_trains_with_each(tmp_path: Path) -> None:

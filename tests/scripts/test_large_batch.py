@@ -1,4 +1,4 @@
-"""``python -m benchmarks.large_batch``'s arithmetic: the critical batch, the lr grid's widening,
+"""``python -m benchmarks.large_batch``'s arithmetic: the critical batch, the lr grid's extension,
 the generated data and the projection's byte counts (no training: a run takes too long for the suite)."""
 
 from __future__ import annotations
@@ -26,11 +26,35 @@ def test_the_critical_batch_is_the_last_batch_while_doubling_still_cuts_steps_by
     assert study.critical_batch(steps) == critical
 
 
-def test_the_grid_is_the_peers_grid_and_one_point_above_it_from_four_times_the_smallest_batch() -> None:
-    base = optimizers.lr_grid("sgd", 3)
-    assert study.grid("sgd", 256, 128, 3) == base
-    widened = study.grid("sgd", 512, 128, 3)
-    assert widened[:3] == base and widened[3] == pytest.approx(base[-1] * 10 ** 0.5, rel=1e-2)
+def fake_large_batch_run(spec: study.RunSpec, best_lr: float) -> study.Run:
+    """A run of ``spec`` whose steps to the target grow with the distance of its lr from ``best_lr``
+    (in grid points), reaching the target (validation and test alike) at once."""
+    steps = 10 + round(abs(math.log10(spec.lr / best_lr)) * 20)
+    history = [{"step": 0, "time_s": 0.0, "val": 0.0, "test": 0.0},
+               {"step": steps, "time_s": steps * 0.01, "val": 1.0, "test": 1.0}]
+    return {**spec.__dict__, "history": history, "diverged": False, "steps": steps}
+
+
+def test_the_grid_is_extended_while_the_choice_sits_at_an_edge_for_every_optimizer_alike() -> None:
+    best = {"sgd": 10.0, "adamw": 3e-3, "muon": 1e-4}  # 2.5 points above SGD's centre, AdamW's centre, 2 below Muon's
+    rounds: list[list[study.RunSpec]] = []
+
+    def run_all(specs: list[study.RunSpec]) -> list[study.Run]:
+        rounds.append(specs)
+        return [fake_large_batch_run(spec, best[spec.optimizer]) for spec in specs]
+
+    grid_runs, chosen = study.search(run_all, "cnn", list(best), [128, 2048], 3, 100)
+    assert all(spec.seed == 0 for specs in rounds for spec in specs) and len(rounds) == 3
+    assert rounds[0] == [study.RunSpec("cnn", n, b, lr, 0, 100) for b in (128, 2048) for n in best
+                         for lr in optimizers.lr_grid(n, 3)]
+    for batch in (128, 2048):
+        tried = {n: sorted(r["lr"] for r in grid_runs if (r["optimizer"], r["batch"]) == (n, batch)) for n in best}
+        # SGD: centre 0.3, grid 0.0949-0.949, extended twice above (3.0, 9.49) and left at the edge
+        assert tried["sgd"] == [0.0949, 0.3, 0.949, 3.0, 9.49] and chosen[("sgd", batch)]["lr"] == 9.49
+        assert tried["adamw"] == optimizers.lr_grid("adamw", 3) and chosen[("adamw", batch)]["lr"] == 3e-3
+        # Muon: centre 1e-2, grid 3.16e-3-3.16e-2, extended twice below; its best (1e-4) is beyond the bound
+        assert tried["muon"] == [0.000316, 0.001, 0.00316, 0.01, 0.0316] and chosen[("muon", batch)]["lr"] == 0.000316
+    assert len(grid_runs) == len({(r["optimizer"], r["batch"], r["lr"]) for r in grid_runs})  # no rate run twice
 
 
 def test_the_data_are_the_same_for_the_same_seed_and_every_class_appears() -> None:
