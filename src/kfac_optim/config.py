@@ -266,7 +266,7 @@ class KFACOptions:
     """
 
     damping: Damping = 0.1
-    kl_clip: float | None = 0.1
+    kl_clip: float | None = 1e-2
     factor_update_steps: IntSchedule = "auto"
     inv_update_steps: IntSchedule = "auto"
     method: Literal["eigen", "inverse", "eigen_adam"] | Method = "eigen"
