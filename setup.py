@@ -11,7 +11,10 @@ EXAMPLES = ["torchvision", "scikit-learn", "pyyaml", "tqdm", "matplotlib"]
 # The trainers tests/scripts/test_trainers.py runs KFAC under (tested: pytorch-lightning 2.6.6, transformers
 # 5.24.0, accelerate 1.15.0); none of them pins torch.
 TRAINERS = ["pytorch-lightning>=2.6", "transformers>=5.0", "accelerate>=1.0"]
-DEV = EXAMPLES + TRAINERS + ["pytest"]
+# The real-library models of benchmarks/zoo (python -m benchmarks.zoo, tests/models/); each library is optional:
+# a missing one skips its models.
+MODELS = ["timm", "diffusers", "peft"]
+DEV = EXAMPLES + TRAINERS + MODELS + ["pytest"]
 PEERS = ["heavyball"]  # SOAP for `python -m benchmarks.peers` (optional: skipped without it)
 
 setup(
@@ -24,5 +27,6 @@ setup(
     packages=find_packages("src"),
     python_requires=">=3.10",
     install_requires=["torch>=2.1"],
-    extras_require={"examples": EXAMPLES, "trainers": TRAINERS, "dev": DEV, "peers": PEERS},
+    extras_require={"examples": EXAMPLES, "trainers": TRAINERS, "models": MODELS, "dev": DEV,
+                    "peers": PEERS},
 )

@@ -36,34 +36,45 @@ LIBRARY = {"eigh": costs.EIGH, "inverse": costs.INVERSE, "range": costs.RANGE, "
 """The constants of ``kfac_optim.costs`` each measurement is compared with."""
 
 
-def best_seconds(work: Callable[[], object], repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls of ``work`` (after one warm-up call)."""
+def best_seconds(work: Callable[[], object], repeats: int, device: torch.device | None = None) -> float:
+    """The fastest of ``repeats`` timed calls of ``work`` (after one warm-up call); on a CUDA
+    ``device`` each call is timed from a synchronized device until its kernels have finished."""
+    def synchronize() -> None:
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     work()
     best = float("inf")
     for _ in range(repeats):
+        synchronize()
         start = time.perf_counter()
         work()
+        synchronize()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def measure(sizes: list[int], repeats: int, max_rank: int = DEFAULT_MAX_RANK) -> dict[str, object]:
-    """Seconds per size of each kind of work, the matrix-product rate, and each kind's constant in
-    flop-equivalents at the largest size's rate (``{"rate": ..., "seconds": ..., "constants": ...}``)."""
+def measure(sizes: list[int], repeats: int, max_rank: int = DEFAULT_MAX_RANK,
+            device: torch.device | None = None) -> dict[str, object]:
+    """Seconds per size of each kind of work on ``device`` (default the CPU), the matrix-product rate,
+    and each kind's constant in flop-equivalents at the largest size's rate
+    (``{"rate": ..., "seconds": ..., "constants": ...}``)."""
+    device = device or torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
     seconds: dict[str, dict[int, float]] = {name: {} for name in ("product", *LIBRARY)}
     columns = max_rank + linalg.LOW_RANK_OVERSAMPLE
     for n in tqdm(sizes, desc="sizes", file=sys.stderr):
-        rows = torch.randn(2 * n, n, generator=generator)
+        rows = torch.randn(2 * n, n, generator=generator).to(device)
         factor = rows.T @ rows / (2 * n)
-        other = torch.randn(n, n, generator=generator)
-        seconds["product"][n] = best_seconds(lambda: factor @ other, repeats)
-        seconds["eigh"][n] = best_seconds(lambda: torch.linalg.eigh(factor), repeats)
-        seconds["inverse"][n] = best_seconds(lambda: linalg.damped_inverse(factor, 0.1, torch.float32), repeats)
+        other = torch.randn(n, n, generator=generator).to(device)
+        seconds["product"][n] = best_seconds(lambda: factor @ other, repeats, device)
+        seconds["eigh"][n] = best_seconds(lambda: torch.linalg.eigh(factor), repeats, device)
+        seconds["inverse"][n] = best_seconds(lambda: linalg.damped_inverse(factor, 0.1, torch.float32), repeats, device)
         if n > max_rank:
             seconds["range"][n] = best_seconds(  # Eigen's capped path: the top max_rank eigenpairs and σ
-                lambda: linalg.symmetric_eigen(factor, torch.float32, drop_below=0.0, max_rank=max_rank), repeats)
-        seconds["element"][n] = best_seconds(lambda: other.mul_(0.95).add_(factor, alpha=0.05), repeats) / 2
+                lambda: linalg.symmetric_eigen(factor, torch.float32, drop_below=0.0, max_rank=max_rank), repeats,
+                device)
+        seconds["element"][n] = best_seconds(lambda: other.mul_(0.95).add_(factor, alpha=0.05), repeats, device) / 2
     largest = max(sizes)
     rate = 2.0 * largest**3 / seconds["product"][largest]
     per_unit = {"eigh": lambda n: n**3, "inverse": lambda n: n**3, "range": lambda n: n * n * columns,

@@ -1,8 +1,9 @@
-"""Real gloo ranks for the distributed tests: spawn them, wait with a deadline, read what they saved.
+"""Real gloo (or NCCL) ranks for the distributed tests: spawn them, wait with a deadline, read what they saved.
 
 A scenario is a module-level function ``scenario(rank, world, directory) -> dict`` (the spawned
 ranks import its module afresh, so it must be picklable by name). Each rank runs single-threaded
-in a gloo process group of ``world`` ranks (file:// rendezvous in ``directory``), runs the
+in a gloo process group of ``world`` ranks (file:// rendezvous in ``directory``; ``backend="nccl"``:
+an NCCL group, rank ``r`` on CUDA device ``r``), runs the
 scenario and saves the dict it returns in ``directory``; the test process loads every rank's dict.
 A hang fails the test at the deadline instead of blocking the suite, and a rank that raises (or
 exits with a code the caller does not expect) fails it at once, with that rank's traceback.
@@ -39,11 +40,13 @@ def _traceback_file(directory: Path, scenario: Scenario, rank: int) -> Path:
 
 
 def _rank_main(rank: int, world: int, scenario: Scenario, directory: str, group_timeout_s: float,
-               abandon_group: bool) -> None:
+               abandon_group: bool, backend: str) -> None:
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     path = Path(directory)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{path / f'rendezvous-{scenario.__name__}'}",
         rank=rank,
         world_size=world,
@@ -71,8 +74,9 @@ def run_ranks(
     group_timeout_s: float | None = None,
     exit_codes: Collection[int] = (0,),
     abandon_group: bool = False,
+    backend: str = "gloo",
 ) -> list[int]:
-    """Run ``scenario`` on ``world`` spawned gloo ranks; their exit codes, rank by rank.
+    """Run ``scenario`` on ``world`` spawned ranks of ``backend`` ("gloo" or "nccl"); their exit codes, rank by rank.
 
     ``group_timeout_s`` (default: half the deadline) bounds each collective of the default group.
     The test fails when the ranks are not all done ``deadline_s`` after the start, or as soon as
@@ -82,7 +86,7 @@ def run_ranks(
     group_timeout_s = deadline_s / 2 if group_timeout_s is None else group_timeout_s
     context = mp.get_context("spawn")
     processes = [
-        context.Process(target=_rank_main, args=(rank, world, scenario, str(directory), group_timeout_s, abandon_group))
+        context.Process(target=_rank_main, args=(rank, world, scenario, str(directory), group_timeout_s, abandon_group, backend))
         for rank in range(world)
     ]
     for process in processes:
@@ -112,9 +116,9 @@ def load_results(scenario: Scenario, world: int, directory: Path) -> list[dict[s
     return [torch.load(results_file(directory, scenario, rank), weights_only=False) for rank in range(world)]
 
 
-def spawn(scenario: Scenario, world: int, directory: Path, *, deadline_s: float) -> list[dict[str, Any]]:
-    """Run ``scenario`` on ``world`` gloo ranks (``run_ranks``); every rank's results."""
-    run_ranks(scenario, world, directory, deadline_s=deadline_s)
+def spawn(scenario: Scenario, world: int, directory: Path, *, deadline_s: float, backend: str = "gloo") -> list[dict[str, Any]]:
+    """Run ``scenario`` on ``world`` ranks of ``backend`` (``run_ranks``); every rank's results."""
+    run_ranks(scenario, world, directory, deadline_s=deadline_s, backend=backend)
     return load_results(scenario, world, directory)
 
 
