@@ -1,0 +1,284 @@
+"""K-FAC against its peers on the zoo's real architectures (``python -m benchmarks.zoo``).
+
+Usage: ``python -m benchmarks.zoo [--models gpt2 tv_resnet18 ...] [--optimizers sgd kfac ...]
+[--steps 20] [--seeds 3] [--batch 16] [--out runs/zoo]``.
+
+Per model of :data:`benchmarks.zoo.models.ZOO` (those whose library imports) and per optimizer:
+
+- ``sgd``: ``torch.optim.SGD``, momentum 0.9; ``kfac``: the drop-in ``KFAC(model, lr, momentum=0.9)``
+  with every default, on SGD's grid; ``adamw``: ``torch.optim.AdamW``, torch's defaults;
+  ``eigen_adam``: the README's AdamW swap, ``KFAC(model, lr, momentum=0.9, dampening=0.9,
+  method="eigen_adam", kl_clip=None)``, on AdamW's grid; ``muon``: ``torch.optim.Muon`` on the 2-D
+  parameters that are not an embedding's (``adjust_lr_fn="match_rms_adamw"``), AdamW on the rest
+  (as Muon's documentation says), on AdamW's grid; ``soap``: heavyball's SOAP (eager), skipped with a
+  note when heavyball does not import. The builders are ``benchmarks.peers.optimizers``'.
+- The lr grid rule, the same for all: 3 points ``centre·10^(k/2)``, k = -1, 0, 1 around the family's
+  centre (:data:`CENTRES`), extended by one point (up to :data:`MAX_EXTENSIONS` times) while the chosen
+  lr sits at an edge. The lr is chosen by the mean over seeds of the loss on a validation batch set
+  after ``--steps`` steps; the figures are on a separate test batch set.
+- Every run trains ``--steps`` steps on the same batches per seed (``ZooModel.batch`` from a seeded
+  generator), timing only the training steps (forward, backward, ``step()``: the thread's CPU time,
+  one thread), and scores the test set after each step.
+- Reported per model: the test loss after equal steps; the test loss at equal CPU time (the
+  smallest total training time among the optimizers: each run's loss after its last step within
+  it); the mean step's CPU time against SGD's; K-FAC's coverage (the share of weight-matrix elements
+  it preconditions, from ``describe()``); whether the chosen lr sits at the grid's edge.
+
+Writes ``<out>/zoo.json`` (every run), ``<out>/zoo.md`` (the table) and ``<out>/zoo.png`` (the
+equal-step and equal-time losses against SGD's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import re
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from matplotlib.figure import Figure
+from torch import nn
+from tqdm import tqdm
+
+import kfac_optim
+from benchmarks.output import write_json_and_plot
+from benchmarks.peers.optimizers import OptimizerPair, available as peer_available, build_kfac
+from benchmarks.zoo.models import ZOO, ZooModel, available
+
+OPTIMIZERS = ("sgd", "kfac", "adamw", "eigen_adam", "muon", "soap")
+CENTRES = {"sgd": 0.1, "kfac": 0.1, "adamw": 3e-3, "eigen_adam": 3e-3, "muon": 3e-3, "soap": 3e-3}
+"""The centre of each family's grid: the drop-in shares SGD's, EigenAdam and Muon (at AdamW's RMS) AdamW's."""
+MAX_EXTENSIONS = 2
+"""How many points a grid may grow by while its best lr sits at an edge."""
+VALIDATION_SEED, TEST_SEED, BATCHES = 10_001, 20_002, 2
+DROP_IN: dict[str, Any] = {"momentum": 0.9}
+EIGEN_ADAM: dict[str, Any] = {"momentum": 0.9, "dampening": 0.9, "method": "eigen_adam", "kl_clip": None}
+
+
+def grid_lr(name: str, k: int) -> float:
+    """Point ``k`` of optimizer ``name``'s grid, ``centre·10^(k/2)``."""
+    return float(f"{CENTRES[name] * 10 ** (k / 2):.3g}")
+
+
+def _muon(model: nn.Module, lr: float) -> OptimizerPair:
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    matrices = [p for p in trainable if p.dim() == 2 and id(p) not in embedded]
+    chosen = {id(p) for p in matrices}
+    rest = [p for p in trainable if id(p) not in chosen]
+    return OptimizerPair(torch.optim.Muon(matrices, lr=lr, adjust_lr_fn="match_rms_adamw"),
+                         torch.optim.AdamW(rest, lr=lr))
+
+
+def _soap(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    import heavyball
+    import heavyball.utils
+
+    heavyball.utils.compile_mode = None  # eager: torch.compile on CPU would charge its compile time
+    return heavyball.SOAP([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+
+def build(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer | OptimizerPair:
+    """Optimizer ``name`` over the trainable parameters of ``model`` at ``lr`` (module docstring)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if name == "sgd":
+        return torch.optim.SGD(trainable, lr=lr, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(trainable, lr=lr)
+    if name == "kfac":
+        return build_kfac(model, lr, 0.0, {**DROP_IN, "params": trainable})
+    if name == "eigen_adam":
+        return build_kfac(model, lr, 0.0, {**EIGEN_ADAM, "params": trainable})
+    if name == "muon":
+        return _muon(model, lr)
+    if name == "soap":
+        return _soap(model, lr)
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {name!r}")
+
+
+def coverage(optimizer: object) -> float | None:
+    """The share of weight-matrix elements K-FAC preconditions (from ``describe()``), None for the peers."""
+    if not isinstance(optimizer, kfac_optim.KFAC):
+        return None
+    match = re.search(r"precondition (\d+)/(\d+) weight-matrix", optimizer.describe())
+    return int(match.group(1)) / int(match.group(2)) if match and int(match.group(2)) else None
+
+
+@dataclass
+class Run:
+    """One training run: ``times[k]`` the CPU seconds of the first k+1 steps, ``test[k]`` the test
+    loss after them (``test_start`` before any), ``validation`` the validation loss at the end."""
+
+    optimizer: str
+    lr: float
+    seed: int
+    times: list[float]
+    test: list[float]
+    test_start: float
+    validation: float
+    coverage: float | None
+
+
+def _mean_loss(entry: ZooModel, model: nn.Module, batches: list[Any]) -> float:
+    with torch.no_grad():
+        return sum(float(entry.loss(model, batch)) for batch in batches) / len(batches)
+
+
+def _batches(entry: ZooModel, batch_size: int, seed: int, count: int) -> list[Any]:
+    generator = torch.Generator().manual_seed(seed)
+    return [entry.batch(batch_size, generator) for _ in range(count)]
+
+
+def train(entry: ZooModel, name: str, lr: float, seed: int, steps: int, batch_size: int) -> Run:
+    """``steps`` steps of optimizer ``name`` at ``lr`` on ``entry`` from ``seed`` (module docstring)."""
+    torch.manual_seed(seed)
+    model = entry.build()
+    optimizer = build(name, model, lr)
+    train_batches = _batches(entry, batch_size, 1000 + seed, steps)
+    validation, test = _batches(entry, batch_size, VALIDATION_SEED, BATCHES), _batches(entry, batch_size, TEST_SEED, BATCHES)
+    times, losses, elapsed = [], [], 0.0
+    start_loss = _mean_loss(entry, model, test)
+    for batch in train_batches:
+        began = time.thread_time()
+        optimizer.zero_grad()
+        entry.loss(model, batch).backward()
+        optimizer.step()
+        elapsed += time.thread_time() - began
+        times.append(elapsed)
+        loss = _mean_loss(entry, model, test)
+        losses.append(loss if math.isfinite(loss) else math.inf)
+        if not math.isfinite(loss):
+            break  # diverged: the rest of the run stays at inf
+    losses += [math.inf] * (steps - len(losses))
+    times += [times[-1]] * (steps - len(times))
+    val = _mean_loss(entry, model, validation)
+    return Run(name, lr, seed, times, losses, start_loss, val if math.isfinite(val) else math.inf, coverage(optimizer))
+
+
+def loss_at(run: Run, budget: float) -> float:
+    """The test loss after the last step of ``run`` finished within ``budget`` CPU seconds."""
+    done = [loss for t, loss in zip(run.times, run.test, strict=True) if t <= budget]
+    return done[-1] if done else run.test_start
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def choose(entry: ZooModel, name: str, args: argparse.Namespace, bar: tqdm) -> tuple[list[Run], dict[str, Any]]:
+    """The grid search of optimizer ``name`` on ``entry``: every run, and the chosen lr's summary."""
+    runs: dict[int, list[Run]] = {}
+
+    def score(k: int) -> float:
+        if k not in runs:
+            runs[k] = []
+            for seed in range(args.seeds):
+                runs[k].append(train(entry, name, grid_lr(name, k), seed, args.steps, args.batch))
+                bar.update(1)
+        return _mean([run.validation for run in runs[k]])
+
+    low, high = -1, 1
+    for extension in range(MAX_EXTENSIONS + 1):
+        best = min(range(low, high + 1), key=score)
+        if best not in (low, high) or extension == MAX_EXTENSIONS:
+            break
+        low, high = (low - 1, high) if best == low else (low, high + 1)
+        bar.total += args.seeds
+    chosen = runs[best]
+    summary = {"lr": grid_lr(name, best), "at_edge": best in (low, high),
+               "grid": [grid_lr(name, k) for k in range(low, high + 1)],
+               "final": _mean([run.test[-1] for run in chosen]), "start": _mean([run.test_start for run in chosen]),
+               "step_s": _mean([run.times[-1] / args.steps for run in chosen]), "coverage": chosen[0].coverage}
+    return [run for group in runs.values() for run in group], {**summary, "runs": chosen}
+
+
+def _table(results: dict[str, dict[str, dict[str, Any]]], optimizers: list[str]) -> str:
+    lines = ["| model | family | " + " | ".join(optimizers) + " |", "|---|---|" + "---|" * len(optimizers)]
+    for model, by_optimizer in results.items():
+        cells = []
+        for name in optimizers:
+            s = by_optimizer.get(name)
+            if s is None:
+                cells.append("n/a")
+                continue
+            edge = "*" if s["at_edge"] else ""
+            cov = f"; cov {s['coverage']:.0%}" if s["coverage"] is not None else ""
+            cells.append(f"{s['final']:.3g} / {s['equal_time']:.3g} ({s['step_ratio']:.2g}×; lr {s['lr']:g}{edge}{cov})")
+        lines.append(f"| {model} | {ZOO[model].family} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _figure(results: dict[str, dict[str, dict[str, Any]]], optimizers: list[str]) -> Figure:
+    figure = Figure(figsize=(max(6.0, 0.45 * len(results)), 6))
+    for row, key, title in ((0, "final", "loss after equal steps / SGD's"), (1, "equal_time", "loss at equal CPU time / SGD's")):
+        axes = figure.add_subplot(2, 1, row + 1)
+        models = list(results)
+        for i, name in enumerate(optimizers):
+            ys = [results[m][name][key] / results[m]["sgd"][key] if name in results[m] and "sgd" in results[m]
+                  and results[m]["sgd"][key] > 0 else math.nan for m in models]
+            axes.scatter([j + 0.08 * (i - len(optimizers) / 2) for j in range(len(models))], ys, label=name, s=14)
+        axes.axhline(1.0, color="grey", lw=0.8)
+        axes.set_yscale("log")
+        axes.set_title(title, fontsize=9)
+        axes.set_xticks(range(len(models)), models if row else [""] * len(models), rotation=60, fontsize=7)
+    figure.axes[0].legend(fontsize=7, ncol=len(optimizers))
+    figure.tight_layout()
+    return figure
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=None, help="zoo entries (default: every available one)")
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("runs/zoo"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("kfac_optim").setLevel(logging.ERROR)
+    here = available()
+    models = args.models or here
+    unknown = [m for m in models if m not in ZOO]
+    if unknown:
+        parser.error(f"unknown models {unknown}; the zoo has {sorted(ZOO)}")
+    notes = [f"{m}: its library does not import here, skipped" for m in models if m not in here]
+    models = [m for m in models if m in here]
+    optimizers = [o for o in args.optimizers if o != "soap" or peer_available("soap")]
+    if len(optimizers) < len(args.optimizers):
+        notes.append("soap: heavyball does not import here, skipped")
+    for note in notes:
+        tqdm.write(note)
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    every_run: list[dict[str, Any]] = []
+    bar = tqdm(total=len(models) * len(optimizers) * 3 * args.seeds, desc="zoo runs", unit="run")
+    for model in models:
+        bar.set_postfix_str(model)
+        by_optimizer = {}
+        for name in optimizers:
+            runs, summary = choose(ZOO[model], name, args, bar)
+            every_run += [{"model": model, **run.__dict__} for run in runs]
+            by_optimizer[name] = summary
+        budget = min(s["step_s"] * args.steps for s in by_optimizer.values())
+        sgd_step = by_optimizer["sgd"]["step_s"] if "sgd" in by_optimizer else None
+        for summary in by_optimizer.values():
+            summary["equal_time"] = _mean([loss_at(run, budget) for run in summary.pop("runs")])
+            summary["step_ratio"] = summary["step_s"] / sgd_step if sgd_step else math.nan
+        results[model] = by_optimizer
+    bar.close()
+    table = _table(results, optimizers)
+    payload = {"settings": {k: str(v) for k, v in vars(args).items()}, "notes": notes, "results": results,
+               "runs": every_run}
+    write_json_and_plot(args.out, "zoo", payload, _figure(results, optimizers))
+    (args.out / "zoo.md").write_text(
+        "Cells: test loss after equal steps / at equal CPU time (the mean step's CPU time against SGD's; the "
+        "chosen lr, * at the grid's edge; K-FAC's coverage)\n\n" + table)
+    print(table)  # noqa: T201 (a command-line report)
+    return payload
