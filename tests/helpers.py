@@ -8,6 +8,7 @@ than one test file). The distributed ones (spawning gloo ranks) are in tests/dis
 from __future__ import annotations
 
 import functools
+import io
 import importlib.metadata
 import importlib.util
 from types import ModuleType
@@ -72,3 +73,10 @@ def import_torchvision() -> ModuleType:
     if problem is not None:
         pytest.skip("torchvision does not work with this torch: tests/project/test_install.py says why and the fix")
     return pytest.importorskip("torchvision")
+
+
+def checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bytes:
+    """``torch.save`` of the model's and the optimizer's state dicts, as the bytes a file would hold."""
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    return buffer.getvalue()

@@ -180,7 +180,8 @@ def _peft_lora(base: Callable[[], nn.Module], targets: list[str], **config: Any)
 
 def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
-        return importlib.import_module("timm").create_model(name, pretrained=False, num_classes=CLASSES, **kwargs)
+        return importlib.import_module("timm").create_model(name, pretrained=False, num_classes=CLASSES, drop_rate=0.0,
+                                                            drop_path_rate=0.0, **kwargs)
     return build
 
 
@@ -212,9 +213,13 @@ def _unet() -> nn.Module:
 
 def _dit() -> nn.Module:
     diffusers = importlib.import_module("diffusers")
-    return diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=CHANNELS,
+    model = diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=CHANNELS,
                                            out_channels=CHANNELS, num_layers=2, sample_size=16, patch_size=4,
                                            norm_num_groups=1, num_embeds_ada_norm=CLASSES)
+    for module in model.modules():  # classifier-free guidance's label dropout (10%, not in the config): off
+        if hasattr(module, "dropout_prob"):
+            module.dropout_prob = 0.0
+    return model
 
 
 def _entries() -> list[ZooModel]:

@@ -241,9 +241,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/zoo"))
     args = parser.parse_args(argv)
+    library_logger = logging.getLogger("kfac_optim")
+    threads, level = torch.get_num_threads(), library_logger.level
     torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("kfac_optim").setLevel(logging.ERROR)
+    library_logger.setLevel(logging.ERROR)  # the runs' one-time notes would bury the table
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _compare(args, parser)
+    finally:  # a caller's process (a test) keeps its own settings
+        torch.set_num_threads(threads)
+        library_logger.setLevel(level)
+
+
+def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The runs of ``main``'s arguments: the table, the JSON and the plot."""
     here = available()
     models = args.models or here
     unknown = [m for m in models if m not in ZOO]

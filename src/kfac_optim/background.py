@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -126,11 +126,25 @@ class BackgroundDecompositions:
         self._round, self._jobs, self._held = None, [], None
 
 
+def on_worker_stream(stream: torch.cuda.Stream | None) -> AbstractContextManager[Any]:
+    """Enter ``stream`` on a worker thread (a no-op context for None).
+
+    A new thread has no current CUDA context, and ``torch.cuda.stream`` does not make one current
+    when the stream's device is already the thread's current device index; cuBLAS and cuSOLVER then
+    find no context (torch warns once and sets the primary context itself). Setting the device
+    first makes the device's primary context current on this thread.
+    """
+    if stream is None:
+        return nullcontext()
+    torch.cuda.set_device(stream.device)
+    return torch.cuda.stream(stream)
+
+
 def _run(
     jobs: list[Job], stream: torch.cuda.Stream | None, ready: torch.cuda.Event | None
 ) -> tuple[list[Result], torch.cuda.Event | None]:
     """The worker's round: every job's decomposition, and on CUDA an event recorded after them."""
-    with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else nullcontext():
+    with torch.no_grad(), on_worker_stream(stream):
         if stream is not None and ready is not None:
             stream.wait_event(ready)
         results = [job.method.decompose(job.factor, job.shift, job.dtype, job.drop_below) for job in jobs]

@@ -35,7 +35,8 @@ would look batch-free to the attention blocks (``layers.attention.sequence_first
 The test tells a batch-free index tensor from a batch of token ids (``nn.Embedding(classes, D)``
 called with labels ``(N,)`` is an ordinary batched use) by the batch of the same forward: a block
 called with 1-D indices of length ``L`` per call is batch-free when the other blocks recorded a
-different number of samples per call, N ≠ L. When N = L it is taken as batched; if another
+different number of samples, N ≠ L, each counted once per call of the model (a table called twice in
+one forward, as a diffusion transformer's class embedding, counts its labels once). When N = L it is taken as batched; if another
 block's inputs also have L positions per sample (positions from ``arange(T)`` with a batch of
 exactly T), the case is ambiguous and a warning says so.
 """
@@ -96,12 +97,17 @@ def _left_embeddings(blocks: Sequence[KroneckerBlock]) -> dict[str, str]:
             warn_user(f"K-FAC layer '{block.name}' was called with 1-D indices and no other layer recorded a batch "
                       "to compare with: it is taken as a batch of token ids", RuntimeWarning)
             continue
-        batch = max(b.pending_samples for b in batched) / calls
-        if batch != length:
+        # N is counted once per model call, the same for every layer (KroneckerBlock.count_samples), so the
+        # table's own count is the batch's. Its indices per call are a batch when they number N per model
+        # call: each call (calls = model calls) or all its calls in one model call (a conditioning table
+        # called twice per forward, as a diffusion transformer's class embedding).
+        batch = max(b.pending_samples for b in batched)
+        if length not in (block.pending_samples / calls, block.pending_samples):
             block.leave_to_sgd(REASON)
             left[block.name] = REASON
             warn_user(f"K-FAC layer '{block.name}' takes the SGD path: {REASON}; its {length:g} indices per call "
-                      f"differ from the batch of {batch:g} samples the other layers saw", RuntimeWarning)
+                      f"({block.pending_samples} counted as samples) differ from the {batch} samples the other "
+                      "layers saw", RuntimeWarning)
         elif length > 1 and any(b.A.pending_rows == length * b.pending_samples for b in batched):
             warn_user(f"K-FAC layer '{block.name}' was called with 1-D indices of length {length:g}, the batch size, "
                       f"and other layers see {length:g} positions per sample: it is taken as a batch of token ids; "

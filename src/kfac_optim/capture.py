@@ -88,11 +88,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from kfac_optim import compiled_capture
-from kfac_optim.capture_calls import ModelCallStart, computed_from
+from kfac_optim.capture_calls import NO_CALL, ModelCall, ModelCallStart, computed_from, read_call, tensors_in
 from kfac_optim.capture_lifetime import remove_hooks, take_over
 from kfac_optim.capture_pairs import Tapped, same_tensor, tensors_of
 from kfac_optim.compiled_capture import TapSite
@@ -178,6 +177,9 @@ class StatisticsCapture:
         blocks = list(blocks)
         self.armed = False
         self.model_calls = 0  # independent forward calls of ``model`` so far (model_call_started)
+        self.call: ModelCall = NO_CALL  # the latest call of ``model`` (or KFAC.samples block): its pairs' samples
+        self._stated: int | None = None  # N stated by KFAC.samples (stating)
+        self._warned: set[str] = set()  # one-time warnings given: "samples", "attention_mask"
         self._call_outputs: set[Any] = set()  # autograd nodes of the outputs tapped in the latest model call
         self.positions: RealPositions | None = None  # the real positions of forwards now (masked)
         self.transformed_skipped = False
@@ -190,6 +192,7 @@ class StatisticsCapture:
         self._held: dict[Tapped, None] = {}  # pairs of backward passes that kept their graph, in order
         self._fed: dict[KroneckerBlock, int] = {}  # blocks handed pairs since the last fold or discard: their last graph task
         self._nodes: dict[KroneckerBlock, tuple[Tensor, Any]] = {}  # the recorded parameter and its AccumulateGrad
+        self._warned_replaced: set[str] = set()  # blocks whose module's weight was replaced (_warn_replaced)
         self._sites: list[TapSite] = []  # where compiled forwards tap outputs (compiled_capture)
         self._warned_untraced = False
         self._worker = worker
@@ -228,13 +231,44 @@ class StatisticsCapture:
 
     def model_call_started(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A call of the model starts with ``args``, ``kwargs``: it holds new samples
-        (:attr:`model_calls` counts on) unless a tensor among them was computed from an output
-        tapped in the previous call (a recurrence run call by call: the same samples). The
-        previous call's tapped outputs' autograd nodes are held until then or the next step (at
-        most one forward's graph)."""
-        if not self._call_outputs or not computed_from(tree_leaves((args, kwargs)), self._call_outputs):
-            self.model_calls += 1
+        (:attr:`model_calls` counts on) unless a tensor among them (also inside a dataclass or a
+        cache object: ``capture_calls.tensors_in``) was computed from an output tapped in the
+        previous call (a recurrence run call by call: the same samples, the same N), or it runs
+        inside ``KFAC.samples`` (whose block is one call). The previous call's tapped outputs'
+        autograd nodes are held until then or the next step (at most one forward's graph). While
+        a forward records (armed, grad enabled), the call's N and real positions are read
+        (``capture_calls.read_call``) and its pairs carry them."""
+        continues = bool(self._call_outputs) and computed_from(tensors_in((args, kwargs)), self._call_outputs)
         self._call_outputs = set()
+        if not continues and self._stated is None:
+            self.model_calls += 1
+        previous = self.call
+        index = previous.index if continues or self._stated is not None else self.model_calls
+        if not (self.armed and torch.is_grad_enabled()):
+            self.call = ModelCall(index)
+            return
+        call, unused = read_call(index, args, kwargs, self._stated, self.positions)
+        if continues:  # the recurrence's samples are the first call's
+            call = call._replace(samples=previous.samples)
+        self.call = call
+        if unused is not None and "attention_mask" not in self._warned:
+            self._warned.add("attention_mask")
+            warn_user(f"the model was called with an attention_mask K-FAC does not read ({unused}): its statistics "
+                      "count every position; pass the real positions with KFAC.mask()", RuntimeWarning)
+
+    @contextlib.contextmanager
+    def stating(self, samples: int) -> Iterator[None]:
+        """Forwards run inside are one call holding ``samples`` samples (``KFAC.samples``)."""
+        if self._stated is not None:
+            raise RuntimeError("KFAC.samples() is already active: it does not nest")
+        self.model_calls += 1
+        self._call_outputs = set()
+        self.call = ModelCall(self.model_calls, samples)
+        self._stated = samples
+        try:
+            yield
+        finally:
+            self._stated = None
 
     def should_capture(self, module: nn.Module) -> bool:
         """Whether a forward of ``module`` now records statistics: armed (for it), grad enabled (in
@@ -252,6 +286,11 @@ class StatisticsCapture:
             yield
         finally:
             self.positions = None
+
+    def real_positions(self) -> RealPositions | None:
+        """The real positions of the forwards now: ``KFAC.mask``'s while it is active, else those of the
+        latest model call (its ``attention_mask``, or a ``KFAC.mask`` around it); None: all."""
+        return self.positions if self.positions is not None else self.call.positions
 
     def site(self, block: KroneckerBlock, rebuild: Callable[[Tensor], Any]) -> TapSite:
         """A place where compiled forwards tap ``block``'s output (:meth:`tap`'s ``site``); ``rebuild``
@@ -291,8 +330,14 @@ class StatisticsCapture:
                             "(torch.nested): pad it and pass the mask with KFAC.mask(), or "
                             f"curvature=CurvatureConfig(skip_layers=[{block.name!r}])")
         capture = weakref.ref(self)
-        positions = None if self.positions is None else block.mask_of(layer_input, self.positions)
-        tapped = self._new_tapped(block, layer_input, param, self.model_calls, positions)
+        # a compiled model's calls are not read (ModelCallStart): its pairs' N is unknown, only KFAC.mask applies
+        compiling = torch.compiler.is_compiling()
+        call = ModelCall(self.model_calls) if compiling else self.call
+        real = self.positions if self.positions is not None else call.positions  # (real_positions, for this call)
+        positions = None if real is None else block.mask_of(layer_input, real)
+        if call.samples is None and call.index > 0 and not compiling and "samples" not in self._warned:
+            self._warn_unknown_samples(block)
+        tapped = self._new_tapped(block, layer_input, param, call, positions)
 
         def on_gradient(grad_output: Tensor) -> None:
             live = capture()
@@ -304,6 +349,14 @@ class StatisticsCapture:
         if not self._every_backward:
             self._tapped.append(output)
         return None
+
+    def _warn_unknown_samples(self, block: KroneckerBlock) -> None:
+        """Once: the model's call said nothing of its samples, so ``block`` counts its input's dim 0."""
+        self._warned.add("samples")
+        warn_user(f"K-FAC layer '{block.name}' counts its samples N from dim 0 of its own input: the model was "
+                  "called without a tensor argument, so K-FAC cannot tell how many samples the loss averages "
+                  "over (docs/design.md §3, 'What N is'); state it with `with optimizer.samples(n):` around the "
+                  "forward", RuntimeWarning)
 
     def _untraced_reason(self, block: KroneckerBlock, site: TapSite | None) -> str | None:
         """Why a compiled forward cannot tap ``block`` in its graph (None: it can)."""
@@ -327,10 +380,10 @@ class StatisticsCapture:
             "(docs/design.md §4, 'Compiled models')"
         )
 
-    def _new_tapped(self, block: KroneckerBlock, layer_input: Any, param: Tensor, call: int,
+    def _new_tapped(self, block: KroneckerBlock, layer_input: Any, param: Tensor, call: ModelCall,
                     positions: RealPositions | None = None) -> Tapped:
         """One forward call's :class:`Tapped` for ``block``, whose module uses ``param`` now, from
-        model call ``call`` (:attr:`model_calls` then) with real ``positions`` (None: all)."""
+        model call ``call`` (:attr:`call` then) with real ``positions`` (None: all)."""
         # FSDP2 has put the sharded parameter back after the forward; its unsharded copy is back in the backward
         node = None if fsdp.is_sharded(param) else self._node_of(block, param)
         return Tapped(block, layer_input, param, node, call, positions)
@@ -351,7 +404,7 @@ class StatisticsCapture:
             param = self._recorded_parameter(block)
             if param is None:
                 return
-            tapped = self._new_tapped(block, layer_input, param, self.model_calls)
+            tapped = self._new_tapped(block, layer_input, param, ModelCall(self.model_calls))
         self.record(tapped, grad_output)
 
     def _recorded_parameter(self, block: KroneckerBlock) -> Tensor | None:
@@ -362,23 +415,54 @@ class StatisticsCapture:
         weight = block.weight_and_bias(block.module)[0]
         return weight if weight.requires_grad else None
 
-    def _node_of(self, block: KroneckerBlock, param: Tensor) -> Any:
-        """``param``'s ``AccumulateGrad`` node, fetched once per parameter object of ``block``."""
+    def _node_of(self, block: KroneckerBlock, param: Tensor, stale: Any = None) -> Any:
+        """``param``'s ``AccumulateGrad`` node, fetched once per parameter object of ``block`` and
+        again when the node held is ``stale`` (see :meth:`_writes_gradient`). A parameter object
+        other than the one the block was built with is warned about once (:meth:`_warn_replaced`)."""
         cached = self._nodes.get(block)
-        if cached is None or cached[0] is not param:
+        if cached is None or cached[0] is not param or cached[1] is stale:
+            if param is not block.module_weight and not fsdp.is_sharded(block.module_weight):
+                self._warn_replaced(block)
             cached = self._nodes[block] = (param, gradient_node(param))
         return cached[1]
 
     def _writes_gradient(self, tapped: Tapped) -> bool:
         """Whether the running backward writes ``tapped``'s parameter's ``.grad``; its node is taken
         here when the forward's parameter was a ``DTensor`` (FSDP2 swaps its unsharded copy back in
-        for the backward)."""
+        for the backward). When the node held is not run, the parameter's node is fetched again: a
+        dtype or device conversion (``model.double()``, ``.half()`` then ``.float()``, ``.to(device)``)
+        or a swap (``torch.utils.swap_tensors``, ``load_state_dict`` under
+        ``torch.__future__.set_swap_module_params_on_conversion(True)``) gives the same parameter
+        object a new node (so side passes, and only they, pay for a fetch)."""
         if tapped.node is None:
             param = self._recorded_parameter(tapped.block)
             if param is None:
                 return False
             tapped.param, tapped.node = param, self._node_of(tapped.block, param)
-        return writes_gradient(tapped.node)
+        if writes_gradient(tapped.node):
+            return True
+        if not tapped.param.requires_grad:  # frozen since the forward: it has no node to fetch
+            return False
+        node = self._node_of(tapped.block, tapped.param, stale=tapped.node)
+        if node is tapped.node:
+            return False
+        tapped.node = node
+        return writes_gradient(node)
+
+    def _warn_replaced(self, block: KroneckerBlock) -> None:
+        """Once per block: its module's weight is not the parameter the block was built with."""
+        if block.name in self._warned_replaced:
+            return
+        self._warned_replaced.add(block.name)
+        warn_user(
+            f"K-FAC layer '{block.name}': the module's weight is no longer the parameter KFAC was built with "
+            "(replaced by load_state_dict(assign=True), an assignment, or a conversion under "
+            "torch.__future__.set_overwrite_module_params_on_conversion(True)); like any torch optimizer, KFAC "
+            "steps the parameters it was given, so this layer is neither stepped nor preconditioned: build KFAC "
+            "after replacing parameters, or change them in place (load_state_dict without assign=True, or under "
+            "torch.__future__.set_swap_module_params_on_conversion(True))",
+            RuntimeWarning,
+        )
 
     def record(self, tapped: Tapped, grad_output: Tensor) -> None:
         """Hand one forward's (input, output-gradient) pair to its block, if this backward pass
@@ -450,7 +534,7 @@ class StatisticsCapture:
             if self._worker is not None:
                 self._worker.wait()  # its earlier work (e.g. a fold) comes first
             with in_graph_task(task) if task is not None else contextlib.nullcontext(), \
-                    recording_pair(call, positions):
+                    recording_pair(call.index, positions, call.samples, call.rows):
                 self._accumulate(block, layer_input, grad_output)
             return
         tensors = tensors_of(layer_input, grad_output)
@@ -460,13 +544,13 @@ class StatisticsCapture:
 
     def _accumulate_later(
         self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor, task: int, versions: list[int],
-        call: int, positions: RealPositions | None,
+        call: ModelCall, positions: RealPositions | None,
     ) -> None:
         """On the worker: hand the pair on as :meth:`record` would have, unless it changed since."""
         if [t._version for t in tensors_of(layer_input, grad_output)] != versions:
             self.overwritten.add(block.name)
             return
-        with in_graph_task(task), recording_pair(call, positions):
+        with in_graph_task(task), recording_pair(call.index, positions, call.samples, call.rows):
             self._accumulate(block, layer_input, grad_output)
 
     @contextlib.contextmanager
@@ -481,6 +565,11 @@ class StatisticsCapture:
             yield outputs
         finally:
             self._recording = self._every_backward
+
+    def hold(self, handles: list[RemovableHandle]) -> None:
+        """Hooks of another part (the one-time weight-use check) that live no longer than this
+        capture's: removed with them (:meth:`remove`, a take-over by a new capture, collection)."""
+        self._handles.extend(handles)
 
     def remove(self) -> None:
         """Remove every hook from the model and from deep copies of it (idempotent)."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
+from kfac_optim.capture_calls import ModelCall
 from kfac_optim.layers.base import KroneckerBlock
 from kfac_optim.layers.positions import RealPositions
 
@@ -19,13 +20,13 @@ from kfac_optim.layers.positions import RealPositions
 class Tapped:
     """One forward call's tapped output of a block: its input, the parameter whose ``.grad`` its
     backward writes (and that parameter's ``AccumulateGrad`` node), the model call it came from
-    and the real positions of its forward (``KFAC.mask``; None: all), and, while its graph is kept
+    (its samples: ``capture_calls.ModelCall``) and the real positions of its forward (``KFAC.mask``; None: all), and, while its graph is kept
     for another backward, the sum of its output-gradients so far, the graph task that brought the
     first and the one that brought the latest."""
 
     __slots__ = ("block", "call", "latest", "layer_input", "node", "param", "positions", "summed", "task")
 
-    def __init__(self, block: KroneckerBlock, layer_input: Any, param: Tensor, node: Any, call: int,
+    def __init__(self, block: KroneckerBlock, layer_input: Any, param: Tensor, node: Any, call: ModelCall,
                  positions: RealPositions | None) -> None:
         self.block = block
         self.layer_input = layer_input

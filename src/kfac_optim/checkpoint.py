@@ -59,6 +59,9 @@ decomposed). The health counters (``discarded``, ``failures``) are one rank's. F
 reason the round of decompositions in flight under ``AsyncConfig`` (which
 ``KFAC.state_dict()`` saves) is left out: a run resumed from DCP holds no round, decomposes its
 factors in line at its first step, and so does not continue bit-identically with the saved run.
+The stagger phases' costs are left out too (DCP loads only the keys the destination holds, and a
+fresh optimizer has none before its phases are fixed): a staggered run resumed from DCP fixes
+them again at its next all-block factor step.
 
 ``get_state_dict`` initializes an optimizer that has no per-parameter state by calling
 ``step()`` once with zero gradients and lr 0 (DCP's ``_init_optim_state``). On the fresh optimizer
@@ -78,6 +81,7 @@ from torch.optim import Optimizer
 from kfac_optim.background import Job, Result
 from kfac_optim.damping import check_state as check_damping_state
 from kfac_optim.diagnostics import warn_user
+from kfac_optim.fold_schedule import check_state as check_stagger_state
 from kfac_optim.intervals import check_state as check_intervals
 
 if TYPE_CHECKING:
@@ -93,7 +97,8 @@ FORMAT = 2
 def kfac_state_dict(estimator: KroneckerEstimator) -> dict[str, Any]:
     """The ``"kfac"`` entry: ``{"format": FORMAT, "steps", "blocks": {name: block state}, "round": round_state(...),
     "intervals": the automatic intervals once chosen (``IntervalSchedule.state_dict``; None: not chosen),
-    "damping": ``AdaptiveDamping``'s λ and last ρ (``DampingRule.state_dict``; None: a constant or scheduled λ)}``.
+    "damping": ``AdaptiveDamping``'s λ and last ρ (``DampingRule.state_dict``; None: a constant or scheduled λ),
+    "stagger": the costs the stagger phases come from (``StaggeredFolds.state_dict``; None: no phases)}``.
 
     This rank's state, read without communicating (the statistics worker and a round in flight
     are waited for: both are local): the running factors are this rank's, global as of the last
@@ -106,6 +111,7 @@ def kfac_state_dict(estimator: KroneckerEstimator) -> dict[str, Any]:
         "round": round_state(estimator),
         "intervals": estimator.intervals.state_dict(),
         "damping": estimator.damping.state_dict(),
+        "stagger": estimator.folds.state_dict(),
     }
 
 
@@ -142,7 +148,7 @@ def restore_checked(estimator: KroneckerEstimator, kfac_state: dict[str, Any], s
     saved_round = kfac_state.get("round")
     estimator.restore(kfac_state["steps"], saved, _saved_round(estimator, saved_round),
                       None if saved_round is None else saved_round["adopt_at"], saved_round is not None,
-                      kfac_state.get("intervals"), kfac_state.get("damping"))
+                      kfac_state.get("intervals"), kfac_state.get("damping"), kfac_state.get("stagger"))
 
 
 def check(estimator: KroneckerEstimator, kfac_state: Any) -> dict[str, Any]:
@@ -169,6 +175,7 @@ def check(estimator: KroneckerEstimator, kfac_state: Any) -> dict[str, Any]:
     _check_round(estimator, kfac_state.get("round"), steps)
     check_intervals(kfac_state.get("intervals"))
     check_damping_state(kfac_state.get("damping"))
+    check_stagger_state(kfac_state.get("stagger"))
     missing = [block.name for block in estimator.blocks if block.name not in saved]
     unknown = sorted(set(saved) - {block.name for block in estimator.blocks})
     if missing or unknown:
@@ -279,13 +286,13 @@ class KFACState:
         self._optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        """``KFAC.kfac_state_dict()`` of the global factors, without decompositions, the round in
-        flight's included; the optimizer still adopts that round as before. A collective under
-        ``torch.distributed`` (``KFAC.synchronize_factors()`` first), as ``dcp.save`` and ``dcp.load``,
+        """``KFAC.kfac_state_dict()`` of the global factors, without decompositions (the round in
+        flight's included; the optimizer still adopts that round as before) and stagger phases. A
+        collective under ``torch.distributed`` (``KFAC.synchronize_factors()`` first), as ``dcp.save`` and ``dcp.load``,
         which call it, are: every rank then holds the same entry, which DCP writes once."""
         self._optimizer.synchronize_factors()
         state = self._optimizer.kfac_state_dict()
-        del state["round"]
+        del state["round"], state["stagger"]  # see the module docstring
         for block in state["blocks"].values():
             for factor in block["factors"].values():
                 for key in _NOT_SAVED:

@@ -147,16 +147,21 @@ class EigenDecomposer(Decomposer):
     clamped diagonal, ``Q = I``). No shift: the decomposition does not depend on it.
 
     ``max_rank`` (None: full eigenbases, else the eigenbasis cap): a dense ungrouped factor wider
-    than it is held as at most ``max_rank`` leading eigenpairs plus ``complement`` σ, the mean of
+    than ``min_dim`` (None: ``max_rank``; else at least ``max_rank``) is held as at most
+    ``max_rank`` leading eigenpairs plus ``complement`` σ, the mean of
     the rest (``linalg.symmetric_eigen``); it travels with σ (``(1,)``, 0 when it has none).
     A ``Q`` may be thin (``(n, r)``) when few eigenvalues exceed ``drop_below``.
     Checkpoints: ``{"Q", "d"}`` and ``"complement"`` when held; a diagonal factor's tensor."""
 
     max_rank: int | None = None
+    min_dim: int | None = None
 
     def capped(self, factor: FactorView) -> bool:
-        """Whether the cap applies to ``factor``'s layout: dense, ungrouped and wider than ``max_rank``."""
-        return self.max_rank is not None and not factor.diagonal and factor.groups == 1 and factor.dim > self.max_rank
+        """Whether the cap applies to ``factor``'s layout: dense, ungrouped and wider than ``min_dim``
+        (``max_rank`` when None)."""
+        if self.max_rank is None or factor.diagonal or factor.groups != 1:
+            return False
+        return factor.dim > (self.max_rank if self.min_dim is None else self.min_dim)
 
     def decompose(
         self, factor: FactorView, shift: float, dtype: torch.dtype, drop_below: float | None = None

@@ -41,6 +41,7 @@ from kfac_optim.methods import Method, method_named
 from kfac_optim.precision import MixedPrecision
 from kfac_optim.reporter import LARGE_FACTOR_DIM, Reporter, memory_usage
 from kfac_optim.statistics_pipeline import statistics_pipeline
+from kfac_optim.weight_uses import WeightUseCheck
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ class KroneckerEstimator:
                                               on_worker=runtime.async_statistics, decay=curvature.factor_decay,
                                               reduction=curvature.reduction)
         self.capture = self.statistics.capture
+        self.weight_uses = WeightUseCheck(model, self.blocks)  # once, at the first forward (weight_uses.py)
+        self.capture.hold(self.weight_uses.handles)
         device = self.blocks[0].weight.device if self.blocks else torch.device("cpu")
         # Per K-FAC parameter (blocks in order): steps whose direction was non-finite (counted by the
         # step's length, step_length.py, left out of ν), on the device; reported at decomposition steps.
@@ -199,8 +202,8 @@ class KroneckerEstimator:
         self.reporter.recording(self.statistics.recording())
         if self.reporter.awaiting_statistics:  # until a factor step recorded statistics
             self.statistics.settle()  # the checks read the pending statistics
-            self.reporter.silent_blocks()
-            batch_free.leave_batch_free_blocks_to_sgd(self.blocks)  # reports() says why (sgd_reason)
+            self.reporter.silent_blocks(folding)  # all blocks, but a resumed staggered run's phase
+            batch_free.leave_batch_free_blocks_to_sgd(folding)  # reports() says why (sgd_reason)
         self.folds.before_fold(self.statistics.settle)  # stagger: the phases, once
         self.statistics.fold(folding, statistics_scale)
         self.sharding.factors_folded()
@@ -286,7 +289,7 @@ class KroneckerEstimator:
             raise ValueError("outputs must be the model's output computed with grad enabled (it does not require grad)")
         if not self.capture.armed:
             return  # not a factor step (the hooks capture nothing)
-        loss = fisher_lib.sampled_loss(outputs, likelihood, generator)
+        loss = fisher_lib.sampled_loss(outputs, likelihood, generator, self.capture.real_positions())
         recorded_before = self.capture.recorded
         with self.capture.recording_outputs() as layer_outputs:
             if layer_outputs:  # back-propagate exactly as far as the hooked layer outputs
@@ -297,9 +300,11 @@ class KroneckerEstimator:
     # -- checkpoints -------------------------------------------------------------------------
 
     def restore(self, steps: int, saved: dict[str, dict], results: Round, adopt_at: int | None,
-                round_saved: bool, intervals: dict | None = None, damping: dict | None = None) -> None:
+                round_saved: bool, intervals: dict | None = None, damping: dict | None = None,
+                stagger: dict[str, float] | None = None) -> None:
         """Load validated blocks (``checkpoint.py``), the chosen automatic intervals (None: none
-        chosen, calibrate from the next step), ``AdaptiveDamping``'s state (None: none saved) and
+        chosen, calibrate from the next step), ``AdaptiveDamping``'s state (None: none saved), the
+        stagger phases' costs (None: none fixed, ``StaggeredFolds.load_state_dict``) and
         hand the decomposition steps the saved round in flight (``results``, to adopt at ``adopt_at``;
         ``round_saved``: whether the checkpoint held one; ``DecompositionSteps.restore``)."""
         self.statistics.settle()  # work in flight writes into the factors being replaced
@@ -307,6 +312,7 @@ class KroneckerEstimator:
         self.steps = int(steps)
         self.intervals.load_state_dict(intervals, self.steps)
         self.damping.load_state_dict(damping)
+        self.folds.load_state_dict(stagger)
         for block in self.blocks:
             if block.name in saved:
                 block.load_state_dict(saved[block.name], self.method)

@@ -1,8 +1,8 @@
 """Sampled targets for the true Fisher: losses at targets drawn from the model's own predictions.
 
 Owns: the supported likelihoods and the loss whose output-gradients give G's statistics when
-``KFAC(curvature=CurvatureConfig(fisher="sampled"))``.
-Must not know: hooks, blocks, the step.
+``KFAC(curvature=CurvatureConfig(fisher="sampled"))``, padded positions left out of it.
+Must not know: hooks, blocks, the step (the caller hands the real positions in).
 
 The empirical Fisher (docs/design.md §3) takes G from the gradients of the training loss at the data's
 targets, so it shrinks with the residuals as training converges. The true Fisher (Martens &
@@ -40,6 +40,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kfac_optim.layers.positions import RealPositions
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +85,23 @@ def sample_targets(outputs: Tensor, likelihood: Likelihood, generator: torch.Gen
     return mean + noise * (per_sample / 2) ** 0.5
 
 
-def sampled_loss(outputs: Tensor, likelihood: Likelihood, generator: torch.Generator | None = None) -> Tensor:
+def sampled_loss(outputs: Tensor, likelihood: Likelihood, generator: torch.Generator | None = None,
+                 real: RealPositions | None = None) -> Tensor:
     """The sum over samples of the per-sample loss at sampled targets (module docstring), in float32 or wider.
 
     ``"cross_entropy"`` on ``(N, ..., C)``: the sum over the N samples of each one's mean over its
-    ``T = outputs[0].numel() / C`` positions."""
+    ``T = outputs[0].numel() / C`` positions. With the ``real`` positions of padded sequences (a
+    mask shaped as the logits' leading dims; ``KFAC.mask`` or the model's ``attention_mask``):
+    targets are drawn at the real positions only, in row-major order (so the draws do not depend
+    on the padding), and ``T`` is the mean real length ``R/N``: the units of a loss that averages
+    over the R real tokens, as Hugging Face's do."""
     outputs = _at_least_float32(outputs)
+    if likelihood == "cross_entropy" and real is not None and tuple(real.mask.shape) == tuple(outputs.shape[:-1]):
+        classes = outputs.shape[-1]
+        where = torch.nonzero_static(real.mask.reshape(-1), size=real.count).squeeze(1)  # no host sync
+        logits = outputs.reshape(-1, classes).index_select(0, where)
+        targets = sample_targets(logits, likelihood, generator)
+        return F.cross_entropy(logits, targets, reduction="sum") * outputs.shape[0] / max(real.count, 1)
     targets = sample_targets(outputs, likelihood, generator)
     if likelihood == "cross_entropy":
         classes = outputs.shape[-1]

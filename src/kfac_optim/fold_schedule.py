@@ -4,14 +4,16 @@ Owns: the choice between every block on the factor steps of the intervals (:clas
 and each block on its phase's steps (:class:`StaggeredFolds`, ``CurvatureConfig(stagger=True)``:
 ``stagger.FactorStagger``'s phases, fixed from the first factor step that recorded statistics,
 which folds every block), made once at construction (:func:`fold_schedule`); arming the capture
-for a step accordingly.
+for a step accordingly; what a checkpoint keeps of it (the phases' costs: the ``"stagger"`` entry).
 Must not know: the statistics' math, where the fold runs (the statistics pipeline), decompositions.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kfac_optim.capture import StatisticsCapture
 from kfac_optim.intervals import IntervalSchedule
@@ -41,6 +43,13 @@ class IntervalFolds:
 
     def before_fold(self, settle: Callable[[], None]) -> None:
         """At a factor step, before its fold (``settle``: make the pending statistics readable)."""
+
+    def state_dict(self) -> dict[str, float] | None:
+        """What a checkpoint needs to continue the schedule (the ``"stagger"`` entry): nothing here."""
+        return None
+
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        """Continue the schedule of a checkpoint's ``"stagger"`` entry (checked: :func:`check_state`)."""
 
 
 class StaggeredFolds(IntervalFolds):
@@ -77,6 +86,35 @@ class StaggeredFolds(IntervalFolds):
             self._stagger.set_costs(costs)
             logger.debug("stagger phases for the factor interval at hand: %s",
                          dict(zip(self._stagger.names, costs, strict=True)))
+
+    def state_dict(self) -> dict[str, float] | None:
+        """The costs the phases come from, ``{unit name: cost}`` (None: no phases yet)."""
+        if self._stagger.costs is None:
+            return None
+        return dict(zip(self._stagger.names, self._stagger.costs, strict=True))
+
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        """The saved run's phases: its costs when they name exactly this model's units; otherwise
+        (None: saved before its phases were fixed, or without stagger) none, fixed again at the
+        next factor step with statistics, which folds every block."""
+        names = self._stagger.names
+        self._stagger.set_costs(None if state is None or set(state) != set(names) else [state[n] for n in names])
+
+
+def check_state(state: Any) -> None:
+    """Check a checkpoint's ``"stagger"`` entry (:meth:`StaggeredFolds.state_dict`).
+
+    Raises:
+        ValueError: naming the field that does not fit.
+    """
+    if state is None:
+        return
+    valid = isinstance(state, dict) and all(
+        isinstance(name, str) and isinstance(cost, (int, float)) and not isinstance(cost, bool)
+        and math.isfinite(cost) and cost >= 0 for name, cost in state.items())
+    if not valid:
+        raise ValueError("K-FAC checkpoint: 'stagger' must be None or a dict of layer name to a finite cost >= 0, "
+                         f"got {state!r}")
 
 
 FoldSchedule = IntervalFolds

@@ -316,21 +316,30 @@ MIRROR_TILE = 256
 def mirror_upper_(
     matrix: Tensor, spans: list[tuple[int, int]] | None = None, diagonal_tiles: bool = True
 ) -> Tensor:
-    """Copy the upper triangle of a square ``matrix`` onto its lower triangle, in place.
+    """Copy the upper triangle of a square ``matrix (..., n, n)`` onto its lower triangle, in place
+    (each of a batch's matrices): the result equals its transpose exactly, whatever rounding made
+    the two triangles differ.
 
     Tile by tile over the index ``spans`` (default: ``MIRROR_TILE`` wide; small transposed copies
     stay in cache, and one whole-matrix transposed copy is ~4× slower than a plain one on CPU).
-    ``diagonal_tiles=False`` leaves the diagonal tiles as they are, for callers that computed
-    those tiles whole.
+    A tile of at most ``MIRROR_TILE²`` entries is first copied out whole (contiguous rows), so its
+    transposed read is from a buffer in cache: ~25% less time than reading it strided from the
+    matrix (measured at n = 2048 and 4096); larger tiles (e.g. :func:`add_gram_`'s blocks) are
+    read in place. ``diagonal_tiles=False`` leaves the diagonal tiles as they are, for callers that
+    computed those tiles whole.
     """
+    n = matrix.shape[-1]
     if spans is None:
-        spans = _spans([*range(0, len(matrix), MIRROR_TILE), len(matrix)])
+        spans = _spans([*range(0, n, MIRROR_TILE), n])
     for j, (lo, hi) in enumerate(spans):
         if diagonal_tiles:
-            tile = matrix[lo:hi, lo:hi]
-            tile.copy_(tile.triu() + tile.triu(1).T)
+            tile = matrix[..., lo:hi, lo:hi]
+            tile.copy_(tile.triu() + tile.triu(1).mT)
         for lo2, hi2 in spans[j + 1 :]:
-            matrix[lo2:hi2, lo:hi].copy_(matrix[lo:hi, lo2:hi2].T)
+            upper = matrix[..., lo:hi, lo2:hi2]
+            if (hi - lo) * (hi2 - lo2) <= MIRROR_TILE**2:
+                upper = upper.clone()
+            matrix[..., lo2:hi2, lo:hi].copy_(upper.mT)
     return matrix
 
 

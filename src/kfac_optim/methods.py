@@ -50,8 +50,10 @@ class Basis(Enum):
     FULL = "full"
     """Full eigenbases: ``linalg.Eigen`` with ``Q (..., n, n)``, every eigenvalue, no complement."""
     CAPPED = "capped"
-    """Eigenbases that may be thin (``Q (n, r)``, the dropped eigenvalues counting as 0) or capped
-    with an isotropic complement ``σ`` (``linalg.Eigen.complement``): :class:`Eigen`'s solve."""
+    """Eigenbases that may be thin (``Q (n, r)``) or capped with an isotropic complement ``σ``
+    (``linalg.Eigen.complement``). What the complement of ``Q``'s columns gets is the method's:
+    :class:`Eigen`'s solve counts the dropped eigenvalues as 0 or ``σ``; :class:`EigenAdam` gives
+    that part of the gradient an elementwise second moment."""
     INVERSE = "inverse"
     """Damped inverses ``(F + shift·I)⁻¹ (..., n, n)``: :class:`DampedInverse`'s."""
 
@@ -165,6 +167,10 @@ def _elementwise(a: FactorView, g: FactorView, passes: int) -> float:
 
 DEFAULT_MAX_RANK = 128
 """:class:`Eigen`'s default eigenbasis cap (docs/api.md "Eigenbasis cap"; measured in docs/tuning.md)."""
+EIGEN_ADAM_MAX_RANK = 128
+EIGEN_ADAM_THIN_WIDTH = 256
+""":class:`EigenAdam`'s default thin basis: factors wider than 256 keep 128 eigenvectors (measured in
+docs/tuning.md: below about 2.25× the rank the thin update costs as much as the full one)."""
 
 
 def _thin_solve(a: FactorView, g: FactorView) -> bool:
@@ -336,7 +342,7 @@ class EigenAdam(Eigen):
     (NeurIPS 2018) in the Adam form that SOAP uses in Shampoo's basis (Vyas et al. 2024).
 
     With ``U_A``, ``U_G`` the eigenvectors of the running factors (refreshed on decomposition steps,
-    as :class:`Eigen`'s; full bases, never thin nor capped) and the joint gradient ``∇ (out, in [+1])``::
+    as :class:`Eigen`'s) and the joint gradient ``∇ (out, in [+1])``::
 
         R = U_Gᵀ ∇ U_A                                       (rotated gradient)
         v ← β₂ v + (1 − β₂) R²,   t ← t + 1                  (per block, elementwise)
@@ -349,18 +355,33 @@ class EigenAdam(Eigen):
     A diagonal factor (an embedding's ``A``) has the identity as its basis, so its side is not
     rotated. When the bases are refreshed ``v`` is kept as is, not re-projected (SOAP's choice:
     the running factors and so the bases move slowly, and nothing else need be held).
-    A step whose rotated gradient has a non-finite entry leaves ``v`` and ``t`` unchanged (its
-    direction is non-finite, and the KL clip leaves that layer out and reports it).
-    State per block: ``v`` (shaped as the joint gradient, in the decomposition dtype) and ``t``.
+
+    ``max_rank``, ``thin_width`` (keywords; ``max_rank`` None: full bases everywhere): the thin basis
+    of wide factors. A dense factor wider than ``thin_width`` (≥ ``max_rank``), of a pair of dense
+    ungrouped factors, is held as at most ``max_rank`` leading eigenvectors ``Q`` (:class:`Eigen`'s cap: a randomized eigensolver, O(n²·max_rank);
+    its isotropic ``σ`` is not used). Its side's ``U`` above is then ``Q (n, r)``, and the part of
+    the gradient outside the kept eigenvectors, ``O = ∇ − U_G R U_Aᵀ``, takes Adam's elementwise
+    update in the parameters' own coordinates with its own second moment::
+
+        w ← β₂ w + (1 − β₂) O²,   V = U_G [R / (sqrt(v̂) + ε)] U_Aᵀ + O / (sqrt(w / (1 − β₂ᵗ)) + ε)
+
+    at O(out·in·max_rank) per capped side instead of O(out·in·n). A pair with no capped side is
+    computed as without the cap, bit for bit (no ``w``). When a thin basis changes its column
+    count (the factor's rank grows in the first steps) ``v`` keeps its entries of the leading
+    eigenvectors (its trailing rows and columns) and the new ones start at 0.
+    A step whose gradient has a non-finite entry leaves the state unchanged (its direction is
+    non-finite, and the KL clip leaves that layer out and reports it).
+    State per block: ``v`` (shaped as ``R``, in the decomposition dtype), ``t``, and ``w`` (shaped as
+    the joint gradient) when a side is capped.
     """
 
     beta2: float = 0.95
     eps: float = 1e-8
-    max_rank: None = field(default=None, kw_only=True, repr=False)
-    """No eigenbasis cap: every rotated entry has its own second moment, so the bases stay full."""
+    max_rank: int | None = field(default=EIGEN_ADAM_MAX_RANK, kw_only=True)
+    thin_width: int = field(default=EIGEN_ADAM_THIN_WIDTH, kw_only=True)
 
     name: ClassVar[str] = "eigen_adam"
-    basis: ClassVar[Basis] = Basis.FULL
+    basis: ClassVar[Basis] = Basis.CAPPED
     stateful: ClassVar[bool] = True
     uses_damping: ClassVar[bool] = False
 
@@ -370,24 +391,47 @@ class EigenAdam(Eigen):
             raise ValueError(f"EigenAdam beta2 must be in [0, 1), got {self.beta2}")
         if not 0.0 < self.eps < math.inf:
             raise ValueError(f"EigenAdam eps must be a finite number > 0, got {self.eps}")
+        if isinstance(self.thin_width, bool) or not isinstance(self.thin_width, int) or (
+                self.max_rank is not None and self.thin_width < self.max_rank):
+            raise ValueError(f"EigenAdam thin_width must be an int >= max_rank ({self.max_rank}), got {self.thin_width!r}")
+        if self.max_rank is not None:
+            object.__setattr__(self, "decomposer", EigenDecomposer(self.max_rank, self.thin_width))
 
     def outside_kfac(self) -> tuple[float, float] | None:
         """Adam's update with this method's ``(beta2, eps)`` (its directions have Adam's scale)."""
         return self.beta2, self.eps
 
+    def rank_thresholds(self, a: FactorView, g: FactorView, damping: float) -> tuple[float | None, float | None]:
+        """0 for a capped factor (thin: its rounding-floor eigenvalues dropped, at most ``max_rank``
+        kept), None (the full basis) for every other: the damping does not enter."""
+        return (0.0 if self._capped_in_pair(a, a, g) else None), (0.0 if self._capped_in_pair(g, a, g) else None)
+
     def precondition_cost(self, a: FactorView, g: FactorView) -> float:
-        """Full rotations and Adam's elementwise update of the rotated gradient (about ten passes)."""
-        return _rotations(a, g, a.dim, g.dim, products=2) + _elementwise(a, g, passes=10)
+        """Full rotations and Adam's elementwise update of the rotated gradient (about ten passes);
+        with a capped side, three rotations at ``max_rank`` columns there (the projection) and
+        about ten more passes for the outside part."""
+        a_columns = self.max_rank if self._capped_in_pair(a, a, g) else a.dim
+        g_columns = self.max_rank if self._capped_in_pair(g, a, g) else g.dim
+        if a_columns == a.dim and g_columns == g.dim:
+            return _rotations(a, g, a.dim, g.dim, products=2) + _elementwise(a, g, passes=10)
+        return _rotations(a, g, a_columns, g_columns, products=3) + _elementwise(a, g, passes=20)
+
+    def approximations(self, pairs: Sequence[tuple[str, FactorView, FactorView]]) -> str | None:
+        capped = [f"{layer}.{side} ({factor.dim})" for layer, a, g in pairs
+                  for side, factor in (("A", a), ("G", g)) if self._capped_in_pair(factor, a, g)]
+        if not capped:
+            return None
+        return (f"thin eigenbasis max_rank={self.max_rank} above width {self.thin_width}: at most {self.max_rank} "
+                f"leading eigenvectors, the gradient outside them takes elementwise Adam: {', '.join(capped)}")
 
     def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
+        if _thin_side(a) or _thin_side(g):
+            return self._thin_precondition(grad, a, g, state)
         # Three tensors shaped as ∇ per call (R, one scratch, the result) and the rest in place:
         # on a CPU, fresh pages for each temporary cost more than this elementwise arithmetic.
         scratch = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
         rotated = rotate(grad, a, g, scratch)
-        if "v" not in state:  # the block's first preconditioned step
-            state["v"] = torch.zeros_like(rotated)
-            state["t"] = torch.zeros((), dtype=rotated.dtype, device=rotated.device)
-        v, t = state["v"], state["t"]
+        v, t = self._moments(state, rotated)
         # 0·x is 0 for every finite x and nan for ±inf and nan: R is finite iff Σ 0·R = 0 (on the device).
         finite = torch.mul(rotated, 0.0, out=scratch).sum().eq(0)
         t.add_(finite.to(t.dtype))
@@ -395,6 +439,54 @@ class EigenAdam(Eigen):
         torch.where(finite, scratch, v, out=v)
         torch.div(v, 1.0 - torch.pow(self.beta2, t), out=scratch).sqrt_().add_(self.eps)
         return unrotate(rotated.div_(scratch), a, g, scratch)
+
+    def _moments(self, state: dict[str, Tensor], rotated: Tensor) -> tuple[Tensor, Tensor]:
+        """The block's ``v`` (shaped as ``rotated``; resized keeping its trailing entries when the
+        basis changed its column count) and ``t``, created at 0 on its first step."""
+        if "t" not in state:  # the block's first preconditioned step
+            state["t"] = torch.zeros((), dtype=rotated.dtype, device=rotated.device)
+        held = state.get("v")
+        if held is None or held.shape != rotated.shape:
+            v = torch.zeros_like(rotated)
+            if held is not None:
+                rows, columns = min(held.shape[-2], v.shape[-2]), min(held.shape[-1], v.shape[-1])
+                v[..., v.shape[-2] - rows :, v.shape[-1] - columns :] = held[..., held.shape[-2] - rows :,
+                                                                             held.shape[-1] - columns :]
+            state["v"] = v
+        return state["v"], state["t"]
+
+    def _thin_precondition(self, grad: Tensor, a: FactorView, g: FactorView, state: dict[str, Tensor]) -> Tensor:
+        """The update of a pair with a thin side (the class docstring's second formula)."""
+        rotated = _thin_rotate(grad, a, g)
+        v, t = self._moments(state, rotated)
+        outside = grad - _thin_unrotate(rotated, a, g)
+        if "w" not in state or state["w"].shape != grad.shape:
+            state["w"] = torch.zeros_like(grad)
+        w = state["w"]
+        finite = (torch.mul(rotated, 0.0).sum() + torch.mul(outside, 0.0).sum()).eq(0)
+        t.add_(finite.to(t.dtype))
+        correction = 1.0 - torch.pow(self.beta2, t)
+        for moment, part in ((v, rotated), (w, outside)):
+            updated = torch.mul(moment, self.beta2).addcmul_(part, part, value=1.0 - self.beta2)
+            torch.where(finite, updated, moment, out=moment)
+            part.div_(torch.div(moment, correction).sqrt_().add_(self.eps))
+        return _thin_unrotate(rotated, a, g).add_(outside)
+
+
+def _thin_side(factor: FactorView) -> bool:
+    """Whether ``factor``'s held basis is thin (``Q (n, r)``, ``r < n``): a capped factor's."""
+    decomposition = factor.decomposition
+    return isinstance(decomposition, linalg.Eigen) and decomposition.Q.shape[-1] < decomposition.Q.shape[-2]
+
+
+def _thin_rotate(grad: Tensor, a: FactorView, g: FactorView) -> Tensor:
+    """``Q_Gᵀ ∇ Q_A`` for a pair of dense ungrouped factors with bases ``Q (n, r)`` (full or thin)."""
+    return torch.linalg.multi_dot([g.decomposition.Q.T, grad, a.decomposition.Q])
+
+
+def _thin_unrotate(rotated: Tensor, a: FactorView, g: FactorView) -> Tensor:
+    """``Q_G R Q_Aᵀ``: back from :func:`_thin_rotate`'s coordinates (the projection of ∇ for ``R`` its rotation)."""
+    return torch.linalg.multi_dot([g.decomposition.Q, rotated, a.decomposition.Q.T])
 
 
 METHODS: dict[str, type[Method]] = {"eigen": Eigen, "inverse": DampedInverse, "eigen_adam": EigenAdam}

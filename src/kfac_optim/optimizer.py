@@ -211,6 +211,19 @@ class KFAC(KFACViews, Optimizer, Joinable):
         with self.estimator.capture.masked(RealPositions.of(mask)):
             yield
 
+    @contextlib.contextmanager
+    def samples(self, count: int) -> Iterator[None]:
+        """The forwards run inside hold ``count`` samples: N, what the loss of their backward averages
+        over (docs/design.md §3, "What N is"), for every layer, counted once however many times the
+        model or its submodules are called inside. For what the model's call cannot tell: packed
+        rows without ``position_ids`` or ``cu_seq_lens_*`` keywords, a model called without a tensor
+        argument, submodules called outside the model's forward. Does not nest; ``KFAC.mask`` may
+        be used inside or around it."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an int >= 1 (the samples the loss averages over), got {count!r}")
+        with self.estimator.capture.stating(count):
+            yield
+
     @torch.compiler.disable
     def sample_fisher(self, outputs: Tensor, likelihood: fisher_lib.Likelihood,
                       generator: torch.Generator | None = None) -> None:

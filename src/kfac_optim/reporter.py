@@ -1,10 +1,11 @@
 """``Reporter``: what K-FAC tells the user about its layers, once, and what it describes on request.
 
 Owns: the one-time warnings and notes (the layers found: none, declined, too few weights covered,
-sequence-first, costly factors; layers silent at the first factor step; biases frozen or unfrozen
-after construction; steps whose statistics were not recorded: ``torch.func``, ``create_graph``
-backwards, a compiled model traced without the hooks; non-finite directions; discarded batches;
-failed and truncated decompositions), ``describe()``'s text and ``memory_usage()``'s count.
+each weight matrix of over 1% on SGD's path, sequence-first, costly factors; layers silent at the
+first factor step, and described as SGD while they are; biases frozen or unfrozen after
+construction; steps whose statistics were not recorded: ``torch.func``, ``create_graph`` backwards,
+a compiled model traced without the hooks; non-finite directions; discarded batches; failed and
+truncated decompositions), ``describe()``'s text and ``memory_usage()``'s count.
 Must not know: when any of this happens (the estimator hands it the data at the step's points:
 docs/design.md §4), the capture, schedules, ranks, loss scaling. It reads blocks and factors; the
 only state it writes besides its own is a block's failure count and a factor's reported discards.
@@ -46,6 +47,16 @@ FROZEN_NOTE = (" (frozen now, requires_grad=False: records nothing, its hooks ta
 COVERAGE_WARNING = 0.5
 """Below this share of the trainable weight-matrix elements preconditioned, a one-time warning at
 construction names the largest modules without a block (docs/api.md, ``describe()``)."""
+
+
+LARGE_SGD_SHARE = 0.01
+"""A weight matrix holding more than this share of the trainable elements that takes the SGD path
+is named in a one-time warning at construction, whatever the coverage."""
+
+
+def _parameter_path(module: str, parameter: str) -> str:
+    """``module.parameter`` (just ``parameter`` for the root module)."""
+    return f"{module}.{parameter}" if module else parameter
 
 
 class Reporter:
@@ -93,14 +104,41 @@ class Reporter:
         covered, total = self.coverage(trainable)
         if self._blocks and total and covered < COVERAGE_WARNING * total:
             warn_user(self._coverage_note(trainable, reports, covered, total))
+        for note in self._large_sgd_notes(trainable, reports):
+            warn_user(note)
         large = [f"{block.name}.{name} ({factor.dim})" for block in self._blocks
                  for name, factor in block.factors.items()
-                 if factor.dim >= LARGE_FACTOR_DIM and not self._method.capped(factor)]  # capped: O(n²·rank)
+                 if factor.dim >= LARGE_FACTOR_DIM and not factor.diagonal  # a diagonal one costs O(n)
+                 and not self._method.capped(factor)]  # capped: O(n²·rank)
         if large:
             logger.warning("K-FAC factors of dim >= %d take seconds each to decompose on a CPU at full rank "
                            "(rank-deficient ones, e.g. of convs on small feature maps, far less): %s; see "
                            "inv_update_steps, AsyncConfig and skip_layers (docs/design.md §4)",
                            LARGE_FACTOR_DIM, ", ".join(large))
+
+    def _large_sgd_notes(self, trainable: set[Tensor], reports: list[ModuleReport]) -> list[str]:
+        """One note per weight matrix (2+ dims, trainable) of more than :data:`LARGE_SGD_SHARE` of the
+        trainable elements that takes the SGD path, whatever the coverage: a layer kind without a
+        block is easy to miss when a large covered matrix (a tied embedding) carries the share.
+        Modules skipped by the user or declined (warned about already) are left out."""
+        elements = sum(p.numel() for p in trainable if p.requires_grad)
+        modules = dict(self._model.named_modules())
+        preconditioned = {p for block in self._blocks for p in block.parameters()}
+        notes = []
+        for report in reports:
+            module = modules.get(report.name)
+            if module is None or report.status in ("skipped", "unsupported", "kfac") \
+                    or type(module) in self._discovery.forward_overrides:  # those are warned about already
+                continue
+            for name, param in module.named_parameters(recurse=False):
+                share = param.numel() / elements if elements else 0.0
+                if param in trainable and param.requires_grad and param.dim() >= 2 and param not in preconditioned \
+                        and share > LARGE_SGD_SHARE:
+                    notes.append(f"'{_parameter_path(report.name, name)}' ({report.kind}, {param.numel()} elements, "
+                                 f"{share:.1%} of the trainable ones) takes SGD's update: {report.detail}. A layer "
+                                 "type gets K-FAC with kfac_optim.register_block(LayerType, BlockClass) (docs/api.md, "
+                                 "'Block registry'); KFAC.describe() lists every module")
+        return notes
 
     def _coverage_note(self, trainable: set[Tensor], reports: list[ModuleReport], covered: int, total: int) -> str:
         """The coverage warning: the share, the largest modules without a block, how to register one."""
@@ -129,14 +167,24 @@ class Reporter:
         return sum(p.numel() for p in matrices if p in preconditioned), sum(p.numel() for p in matrices)
 
     def preconditioning_blocks(self) -> list[KroneckerBlock]:
-        """The blocks that precondition now: not left to SGD (``sgd_reason``), their module still in the model."""
+        """The blocks that precondition now: not left to SGD (``sgd_reason``), not :meth:`silent`,
+        their module still in the model."""
         modules = set(self._model.modules())
-        return [block for block in self._blocks if block.sgd_reason is None and block.module in modules]
+        silent = set(self.silent())
+        return [block for block in self._blocks
+                if block.sgd_reason is None and block.module in modules and block not in silent]
+
+    def silent(self) -> list[KroneckerBlock]:
+        """Once some block received statistics (not :attr:`awaiting_statistics`), the trainable blocks
+        that never did (``KroneckerBlock.has_statistics``): no decomposition, so the SGD path."""
+        if self.awaiting_statistics:
+            return []
+        return [block for block in self._blocks if not block.frozen and not block.has_statistics]
 
     def reports(self, trainable: set[Tensor]) -> list[ModuleReport]:
         """What happens now to every module's parameters among ``trainable`` (``KFAC.module_reports``):
         from the model and the blocks as they are at the call (``layers.registry.Discovery``)."""
-        return self._discovery.reports(self._model, trainable)
+        return self._discovery.reports(self._model, trainable, self.silent())
 
     # -- what a factor step recorded -----------------------------------------------------------
 
@@ -194,12 +242,13 @@ class Reporter:
             )
             self._warned["nothing sampled"] = True
 
-    def silent_blocks(self) -> None:
+    def silent_blocks(self, folding: list[KroneckerBlock]) -> None:
         """While :attr:`awaiting_statistics`, at a factor step with the pending statistics settled: once
-        some block recorded, warn once about blocks whose hooks never fired (e.g. a layer called
+        some block recorded, warn once about blocks among ``folding`` (those that captured for the
+        step: all, or a staggered run's phase) whose hooks never fired (e.g. a layer called
         functionally, or whose output never reached the loss). Frozen blocks (their weight
         ``requires_grad=False``) record nothing by design and are left out."""
-        active = [block for block in self._blocks if not block.frozen]
+        active = [block for block in folding if not block.frozen]
         silent = [block.name for block in active if block.pending_samples == 0]
         if len(silent) == len(active):
             return  # no statistics at all (a skipped backward, a torch.func loop): ask again next time

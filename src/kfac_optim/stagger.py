@@ -67,9 +67,9 @@ class FactorStagger:
         """Each unit's statistics cost now (call before folding, at an all-block factor step)."""
         return [sum(statistics_cost(block) for block in unit) for unit in self.units]
 
-    def set_costs(self, costs: Sequence[float]) -> None:
-        """Fix the costs the phases are assigned from (the same on every rank)."""
-        self.costs = list(costs)
+    def set_costs(self, costs: Sequence[float] | None) -> None:
+        """Fix the costs the phases are assigned from (the same on every rank); None: no phases yet."""
+        self.costs = None if costs is None else list(costs)
         self._by_interval.clear()
 
     def phases(self, interval: int) -> list[int]:

@@ -26,10 +26,11 @@ import logging
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from typing import Any
 
 import torch
+
+from kfac_optim.background import on_worker_stream
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class StatisticsWorker:
         if torch.get_num_threads() != threads:  # the submitter's count: the same kernels, the same sums
             torch.set_num_threads(threads)
         try:
-            with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else nullcontext():
+            with torch.no_grad(), on_worker_stream(stream):
                 work(*args)
         except BaseException as error:  # noqa: BLE001 (re-raised on the optimizer's thread)
             logger.debug("statistics worker failed; later statistics work is dropped", exc_info=True)

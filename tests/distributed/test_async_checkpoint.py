@@ -140,16 +140,27 @@ def test_synchronous_optimizer_adopts_a_saved_round_at_once() -> None:
 
 
 def test_checkpoints_without_a_round_load_into_an_async_optimizer() -> None:
-    # From before rounds were saved (no entry), and from a synchronous run (None).
+    """From before rounds were saved (no entry), and from a synchronous run (None): the async
+    optimizer holds the saved decompositions, so it steps as the synchronous run does until its
+    first decomposition step (6), which adopts nothing and starts a round of the factors then."""
     model, optimizer = fresh(asynchronous=AsyncConfig(decompositions=False))
     checkpoint_run(model, optimizer, range(4))
     checkpoint = saved(model, optimizer)
     old = copy.deepcopy(checkpoint)
     del old["optimizer"]["kfac"]["round"]
+    checkpoint_run(model, optimizer, range(4, 6))  # the synchronous control
     for state in (checkpoint, old):
         resumed_model, resumed_optimizer = resumed(state)
-        checkpoint_run(resumed_model, resumed_optimizer, range(4, 8))  # step 6 adopts nothing, starts a round
-        assert resumed_optimizer.state_dict()["kfac"]["round"] is not None
+        checkpoint_run(resumed_model, resumed_optimizer, range(4, 6))
+        assert_same_parameters(resumed_model, model)
+        held = {(b.name, n): (f.version, f.decomposed_key) for b in resumed_optimizer.blocks for n, f in b.factors.items()}
+        checkpoint_run(resumed_model, resumed_optimizer, range(6, 8))  # step 6 adopts nothing, starts a round
+        assert all(f.decomposed_key == held[b.name, n][1] for b in resumed_optimizer.blocks for n, f in b.factors.items())
+        round_ = resumed_optimizer.state_dict()["kfac"]["round"]
+        assert round_ is not None and round_["factors"].keys() == {b.name for b in resumed_optimizer.blocks}
+        for block, factors in round_["factors"].items():
+            for name, result in factors.items():
+                assert result["version"] == held[block, name][0] + 1  # the factors folded at step 6
 
 
 def test_a_failed_result_in_the_round_is_reported_when_adopted() -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC, AdaptiveDamping, AsyncConfig, CurvatureConfig, RuntimeConfig
+from helpers import checkpoint_bytes
 from kfac_optim.intervals import MeasuredIntervals, StepCosts
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -168,11 +169,6 @@ def build(options: dict[str, Any]) -> tuple[nn.Module, KFAC]:
     model = three_layer_mlp()
     return model, KFAC(model, **{"lr": 0.1, "momentum": 0.9, **options})
 
-
-def checkpoint_bytes(model: nn.Module, optimizer: KFAC) -> bytes:
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    return buffer.getvalue()
 
 
 @pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())

@@ -147,12 +147,26 @@ def test_remove_hooks_leaves_no_hooks_on_copies() -> None:
 
 
 def test_a_copy_of_the_model_can_be_trained_by_its_own_optimizer() -> None:
+    """The copy (with the inert placeholders of the original's hooks) trains as a plain model with
+    the same parameters that never had an optimizer: the same blocks, factors and step."""
     net = faults_mlp()
-    KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    original = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=10)  # alive: its hooks were copied too
     twin = copy.deepcopy(net)
-    twin_optimizer = KFAC(twin, lr=0.1, factor_update_steps=1, inv_update_steps=10)
-    faults_train_step(twin, twin_optimizer)
-    assert all(block.A.initialized for block in twin_optimizer.blocks)
+    control = faults_mlp()
+    control.load_state_dict(net.state_dict())
+    optimizers = [KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10) for model in (twin, control)]
+    for model, optimizer in zip((twin, control), optimizers, strict=True):
+        faults_train_step(model, optimizer)
+    twin_optimizer, control_optimizer = optimizers
+    assert [block.name for block in twin_optimizer.blocks] == [block.name for block in control_optimizer.blocks] == ["0", "2"]
+    for block, reference in zip(twin_optimizer.blocks, control_optimizer.blocks, strict=True):
+        assert bool(block.A.initialized) and bool(block.G.initialized)
+        for name, factor in block.factors.items():
+            assert torch.equal(factor.running, reference.factors[name].running), (block.name, name)
+    for (name, p), q in zip(twin.named_parameters(), control.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert not torch.equal(twin[0].weight, net[0].weight)  # it stepped
+    assert all(block.pending_samples == 0 for block in original.blocks) and len(original.blocks) == 2
 
 
 def test_a_layer_called_with_keyword_arguments_is_captured() -> None:

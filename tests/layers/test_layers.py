@@ -236,13 +236,36 @@ def test_embedding_padding_positions_add_zero_rows() -> None:
     torch.testing.assert_close(embedding.weight.detach()[0], padding_row, rtol=0, atol=0)
 
 
-def test_embedding_with_max_norm_steps_with_finite_updates() -> None:
+def test_embedding_with_max_norm_takes_the_dense_kfac_step_from_its_renormalized_rows() -> None:
+    """The forward renormalizes rows in place; the step is then ``W ← W − lr·Vᵀ`` for the rows as
+    renormalized, ``V = (G ⊗ diag(A) + λI)⁻¹ vec(∇Wᵀ)`` with ``A = counts/(N·R)`` and
+    ``G = N Σ g gᵀ`` over the N·R positions (mean convention), built here from the indices and the
+    output-gradient (no momentum, no KL clip, decompositions every step)."""
     embedding = nn.Embedding(8, 4, max_norm=1.0)
-    optimizer = KFAC(embedding, lr=0.1, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
-    for _ in range(2):
+    with torch.no_grad():
+        embedding.weight.mul_(3.0)  # every row above max_norm: each looked-up row is renormalized
+    damping, lr = 0.1, 0.1
+    optimizer = KFAC(embedding, lr=lr, damping=damping, kl_clip=None,
+                     **{"factor_update_steps": 1, "inv_update_steps": 1, **DTYPES})
+    for step in range(2):
+        indices = torch.randint(0, 8, (3, 5))
         optimizer.zero_grad()
-        embedding(torch.randint(0, 8, (3, 5))).pow(2).sum().backward()
+        output = embedding(indices)
+        output.retain_grad()
+        output.pow(2).sum().backward()
+        renormalized = embedding.weight.detach().clone()
         optimizer.step()
+        if step == 0:  # the first step's factors are that step's statistics alone
+            looked_up = renormalized[indices.unique()]
+            assert torch.allclose(looked_up.norm(dim=1), torch.ones(len(looked_up)))
+            n, rows = indices.shape[0], indices.numel()
+            a = torch.bincount(indices.flatten(), minlength=8).double() / rows
+            g_rows = output.grad.reshape(rows, 4).double()
+            g = n * g_rows.T @ g_rows
+            joint = embedding.weight.grad.T  # (D, V)
+            dense = torch.kron(g, torch.diag(a)) + damping * torch.eye(4 * 8, dtype=torch.float64)
+            direction = torch.linalg.solve(dense, joint.flatten()).reshape(joint.shape)
+            torch.testing.assert_close(embedding.weight.detach(), renormalized - lr * direction.T, rtol=1e-6, atol=1e-8)
     assert torch.isfinite(embedding.weight).all() and optimizer.blocks[0].A.initialized
 
 

@@ -166,6 +166,7 @@ def test_a_non_finite_gradient_leaves_that_layers_second_moments_untouched(bad: 
     ({"beta2": -0.1}, "beta2"),
     ({"eps": 0.0}, "eps"),
     ({"eps": float("inf")}, "eps"),
+    ({"thin_width": 64}, "thin_width"),
 ])
 def test_bad_eigen_adam_settings_name_the_setting(kwargs: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -175,7 +176,189 @@ def test_bad_eigen_adam_settings_name_the_setting(kwargs: dict[str, float], matc
 def test_describe_and_repr_name_the_method_and_its_settings() -> None:
     optimizer = KFAC(make_net(), lr=LR, method="eigen_adam", factor_update_steps=1, inv_update_steps=10)
     assert optimizer.describe().startswith("KFAC (eigen_adam)")
-    assert repr(optimizer.method) == "EigenAdam(beta2=0.95, eps=1e-08)"
+    assert repr(optimizer.method) == "EigenAdam(max_rank=128, beta2=0.95, eps=1e-08, thin_width=256)"
+
+
+# -- the thin basis of wide factors ---------------------------------------------------------------
+
+THIN_RANK = 4  # below the hidden layer's A (15 wide, 16 with its bias column) and G (6), and the head's A (7)
+
+
+def thin_optimizer(model: nn.Module, max_rank: int | None = THIN_RANK, **kwargs: Any) -> KFAC:
+    thin_width = THIN_RANK if max_rank == THIN_RANK else EigenAdam().thin_width
+    return make_optimizer(model, method=EigenAdam(beta2=BETA2, eps=EPS, max_rank=max_rank, thin_width=thin_width),
+                          **kwargs)
+
+
+def thin_basis(factor: Any, decomposed: bool) -> torch.Tensor:
+    """The held basis of a factor wider than the cap, checked to be THIN_RANK orthonormal columns;
+    ``decomposed`` (at a decomposition step): also that they diagonalize its running average,
+    holding its leading eigenvalues."""
+    q = factor.decomposition.Q.double()
+    assert q.shape == (factor.dim, THIN_RANK)
+    torch.testing.assert_close(q.T @ q, torch.eye(THIN_RANK, dtype=torch.float64), rtol=0, atol=1e-5)
+    if not decomposed:
+        return q
+    running = factor.running.double()
+    torch.testing.assert_close(q.T @ running @ q, torch.diag(factor.decomposition.d.double()),
+                               rtol=0, atol=1e-5 * running.abs().max().item())
+    leading = torch.linalg.eigvalsh(running)[-THIN_RANK:]
+    torch.testing.assert_close(factor.decomposition.d.double(), leading, rtol=1e-3, atol=1e-6)
+    return q
+
+
+def test_pairs_under_the_cap_are_unchanged_bit_for_bit() -> None:
+    """The default thin basis (max_rank=128) leaves every pair of a small model as full bases do;
+    a cap of 4 changes the layers it caps."""
+    runs = {}
+    for max_rank in (None, EigenAdam().max_rank, THIN_RANK):
+        model = make_net()
+        optimizer = thin_optimizer(model, max_rank)
+        for step in range(STEPS):
+            eigen_adam_step(model, optimizer, step)
+        runs[max_rank] = dict(model.named_parameters())
+    for name, p in runs[None].items():
+        assert torch.equal(runs[EigenAdam().max_rank][name], p), name
+    assert not torch.equal(runs[THIN_RANK]["hidden.weight"], runs[None]["hidden.weight"])
+
+
+def test_capped_directions_equal_the_thin_formula_computed_densely() -> None:
+    """``R = Q_Gᵀ ∇ Q_A`` in the thin bases, ``O = ∇ − Q_G R Q_Aᵀ``, each with its own second moment:
+    ``V = Q_G [R / (sqrt(v̂) + ε)] Q_Aᵀ + O / (sqrt(ŵ) + ε)``, in float64."""
+    model = make_net()
+    optimizer = thin_optimizer(model)
+    v: dict[str, torch.Tensor] = {}
+    w: dict[str, torch.Tensor] = {}
+    checked = set()
+    for step in range(STEPS):
+        x, y = token_batch(step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        before = {p: p.detach().double().clone() for p in model.parameters()}
+        grads = joint_gradients(optimizer)
+        optimizer.step()
+        for block in optimizer.blocks:
+            if block.A.diagonal:  # the embedding: full bases (test_pairs_under_the_cap_are_unchanged_bit_for_bit)
+                continue
+            q_a = thin_basis(block.A, step % 2 == 0)
+            q_g = thin_basis(block.G, step % 2 == 0) if block.G.dim > THIN_RANK else basis(block.G)
+            grad = grads[block.name]
+            rotated = q_g.T @ grad @ q_a
+            outside = grad - q_g @ rotated @ q_a.T
+            v[block.name] = BETA2 * v.get(block.name, torch.zeros_like(rotated)) + (1 - BETA2) * rotated**2
+            w[block.name] = BETA2 * w.get(block.name, torch.zeros_like(grad)) + (1 - BETA2) * outside**2
+            correction = 1 - BETA2 ** (step + 1)
+            expected = (q_g @ (rotated / ((v[block.name] / correction).sqrt() + EPS)) @ q_a.T
+                        + outside / ((w[block.name] / correction).sqrt() + EPS))
+            deltas = [(before[p] - p.detach().double()) / LR for p in block.parameters()]
+            applied = block.joint_gradient(deltas[0], deltas[1] if len(deltas) > 1 else None)
+            where = f"{block.name} step {step}"
+            torch.testing.assert_close(applied, expected, rtol=1e-3, atol=1e-3, msg=lambda m, where=where: f"{where}: {m}")
+            torch.testing.assert_close(block.method_state["w"].double(), w[block.name], rtol=1e-4, atol=1e-10)
+            assert block.method_state["v"].shape == rotated.shape
+            checked.add(block.name)
+    assert checked == {"hidden", "head"}
+
+
+def test_capped_state_resumes_bit_identically_from_a_checkpoint() -> None:
+    model = make_net()
+    optimizer = thin_optimizer(model, inv_update_steps=4)
+    for step in range(5):  # decomposed at steps 0 and 4; the resumed steps 5-7 use those bases
+        eigen_adam_step(model, optimizer, step)
+    saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    assert {"v", "t", "w"} <= set(saved_optimizer["kfac"]["blocks"]["hidden"]["method_state"])
+    for step in range(5, 8):
+        eigen_adam_step(model, optimizer, step)
+
+    resumed = make_net(seed=1)
+    resumed.load_state_dict(saved_model)
+    resumed_optimizer = thin_optimizer(resumed, inv_update_steps=4)
+    resumed_optimizer.load_state_dict(saved_optimizer)
+    for step in range(5, 8):
+        eigen_adam_step(resumed, resumed_optimizer, step)
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    for block, other in zip(optimizer.blocks, resumed_optimizer.blocks, strict=True):
+        assert block.method_state.keys() == other.method_state.keys(), block.name
+        for key, value in block.method_state.items():
+            assert torch.equal(value, other.method_state[key]), (block.name, key)
+
+
+class CorrelatedRegression(nn.Module):
+    """``(N, 24)`` inputs -> a 16-wide tanh layer -> ``(N, 8)``; both layers' A wider than THIN_RANK."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(24, 16)
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(x)))
+
+
+def correlated_regression_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs with a spread of scales (a fixed mixing with singular values 10⁻¹-10¹) and a teacher's
+    targets: the ill-conditioning a K-FAC basis addresses and Adam's diagonal does not."""
+    mixing_generator = torch.Generator().manual_seed(7)
+    left, _ = torch.linalg.qr(torch.randn(24, 24, generator=mixing_generator))
+    mixing = left * torch.logspace(-1, 1, 24)
+    teacher = torch.randn(24, 8, generator=mixing_generator)
+    x = torch.randn(64, 24, generator=torch.Generator().manual_seed(200 + step)) @ mixing.T
+    return x, torch.tanh(x @ teacher / 10)
+
+
+def regression_loss_after(optimizer_for: Any, steps: int) -> tuple[float, float]:
+    """``(initial, final)`` loss on a held-out batch of :class:`CorrelatedRegression` trained ``steps``
+    steps by ``optimizer_for(model)`` from the same initialization."""
+    torch.manual_seed(0)
+    model = CorrelatedRegression()
+    x_test, y_test = correlated_regression_batch(steps)
+    with torch.no_grad():
+        initial = F.mse_loss(model(x_test), y_test).item()
+    optimizer = optimizer_for(model)
+    for step in range(steps):
+        x, y = correlated_regression_batch(step)
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    with torch.no_grad():
+        return initial, F.mse_loss(model(x_test), y_test).item()
+
+
+def eigen_adam_recipe(max_rank: int | None) -> Any:
+    """docs/tuning.md's EigenAdam (Adam's first moment through SGD's momentum), at CONVERGENCE_LR."""
+    return lambda model: KFAC(model, lr=CONVERGENCE_LR, momentum=0.9, dampening=0.9, kl_clip=None,
+                              factor_update_steps=1, inv_update_steps=2,
+                              method=EigenAdam(max_rank=max_rank, thin_width=max_rank or EigenAdam().thin_width))
+
+
+CONVERGENCE_LR, CONVERGENCE_STEPS = 1e-2, 20
+
+
+def test_a_thin_basis_trains_a_tiny_model_as_far_as_full_bases_do() -> None:
+    initial, thin = regression_loss_after(eigen_adam_recipe(THIN_RANK), CONVERGENCE_STEPS)
+    _, full = regression_loss_after(eigen_adam_recipe(None), CONVERGENCE_STEPS)
+    assert thin < initial
+    assert initial - thin >= 0.9 * (initial - full), (initial, thin, full)
+
+
+@pytest.mark.xfail(strict=True, reason="EigenAdam, with full bases as with thin ones, lowers this loss less than "
+                                       "AdamW in 20 steps at the same lr (an open question of its own)")
+@pytest.mark.parametrize("max_rank", [THIN_RANK, None])
+def test_eigen_adam_lowers_the_loss_at_least_as_much_as_adamw_at_the_same_lr(max_rank: int | None) -> None:
+    def adamw(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=CONVERGENCE_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+    initial, eigen_adam = regression_loss_after(eigen_adam_recipe(max_rank), CONVERGENCE_STEPS)
+    _, reference = regression_loss_after(adamw, CONVERGENCE_STEPS)
+    assert initial - eigen_adam >= initial - reference, (initial, eigen_adam, reference)
+
+
+def test_describe_names_the_factors_held_thin() -> None:
+    optimizer = thin_optimizer(make_net())
+    line = next(line for line in optimizer.describe().splitlines() if "thin eigenbasis" in line)
+    assert "max_rank=4 above width 4" in line and "hidden.A (16)" in line and "hidden.G (6)" in line and "head.A (7)" in line
+    assert "embed" not in line and "head.G" not in line
 
 
 # -- two gloo ranks ------------------------------------------------------------------------------

@@ -65,6 +65,11 @@ class _FedByTheAttentionTap(LinearBlock):
     def sample_count(self, inputs: Tensor) -> int:
         return _batch_size(inputs)
 
+    @property
+    def counts_own_batch(self) -> bool:
+        """Sequence-first attention counts its real batch (the model's input's dim 0 is the length)."""
+        return not self.attention.module.batch_first
+
     def mask_of(self, layer_input: Any, positions: RealPositions) -> RealPositions | None:
         """The mask ``(N, L)`` (batch first, as the user's) over an input in the functional's layout
         ``(L, N, E)``, transposed to it; None unbatched. A key or value of another length (cross

@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.layers.factor import Factor, FactorName, output_gram_scale
-from kfac_optim.layers.hooks import current_samples
+from kfac_optim.layers.hooks import current_call_samples, current_samples
 from kfac_optim.layers.positions import RealPositions
 from kfac_optim.methods import Method
 
@@ -88,6 +88,13 @@ class KroneckerBlock(ABC):
     takes_nested: ClassVar[bool] = False
     """Whether the block records a nested jagged input (``torch.nested``, ``layout=torch.jagged``);
     the capture refuses one for a block that does not, naming the layer."""
+
+    @property
+    def counts_own_batch(self) -> bool:
+        """Whether the block counts the samples of its own input rather than the model call's N
+        (:meth:`count_samples`): False, except where the layer knows its batch is not the model
+        input's dim 0 (a sequence-first ``nn.MultiheadAttention``)."""
+        return False
 
     def __init__(self, name: str, module: nn.Module, include_bias: bool, factor_dtype: torch.dtype) -> None:
         self.name = name
@@ -207,6 +214,12 @@ class KroneckerBlock(ABC):
         weight's gradient, :meth:`grad_matrix`); a bias that trains then takes the SGD path."""
         return not self.module_weight.requires_grad
 
+    @property
+    def has_statistics(self) -> bool:
+        """Whether statistics were ever folded into the factors (or restored with them): a block
+        without has no decomposition, so its parameters take the SGD path. Host counters, no sync."""
+        return any(factor.version > 0 for factor in self.factors.values())
+
     def leave_to_sgd(self, reason: str) -> None:
         """Record nothing from now on (the block's parameters take the SGD path: its factors are
         never initialized, so it never has a decomposition), for ``reason`` (in :meth:`describe`)."""
@@ -224,8 +237,9 @@ class KroneckerBlock(ABC):
         """Warn once that a call under ``KFAC.mask`` is recorded with every position, for ``reason``."""
         if not self._warned_mask:
             self._warned_mask = True
-            warn_user(f"K-FAC layer '{self.name}' ({type(self).__name__}) was called under KFAC.mask() but counts "
-                      f"every position in its statistics: {reason}", RuntimeWarning)
+            warn_user(f"K-FAC layer '{self.name}' ({type(self).__name__}) was called under a padding mask "
+                      f"(KFAC.mask() or the model's attention_mask) but counts every position in its statistics: "
+                      f"{reason}", RuntimeWarning)
 
     def parameters_text(self) -> str:
         """Which parameters the block holds and what happens to them now, e.g. ``"weight+bias"``."""
@@ -314,19 +328,24 @@ class KroneckerBlock(ABC):
         self.count_samples(self.sample_count(inputs))
 
     def count_samples(self, samples: int) -> None:
-        """Add one call's ``samples`` to N, once per backward pass and call of the model
+        """Add one call's samples to N, once per backward pass and call of the model
         (:func:`~kfac_optim.layers.hooks.current_samples`): a module called several times within one
-        forward of the model (weight sharing: an RNN cell over time steps) adds every call's rows but
-        its samples once ("expand", Eschenhagen et al. 2023); calls from separate calls of the model
-        (chunks of one batch) hold different samples and each counts. Outside a backward pass every
-        call counts. Also counts the call, and whether it held one sample, for ``batch_free``."""
+        forward of the model (weight sharing: an RNN cell over time steps, an encoder run on chunks)
+        adds every call's rows but the samples once ("expand", Eschenhagen et al. 2023); calls from
+        separate calls of the model (chunks of one batch) hold different samples and each counts.
+        The samples are the model call's N (:func:`~kfac_optim.layers.hooks.current_call_samples`,
+        docs/design.md §3 "What N is"), the same for every block; ``samples``, the layer input's own
+        count, only where that N is unknown or the block :attr:`counts_own_batch`. Outside a
+        backward pass every call counts. Also counts the call, and whether its layer input held one
+        sample while the model's input held several rows, for ``batch_free``."""
         key = current_samples()
+        call_samples, call_rows = current_call_samples()
         if key[0] == -1 or key not in self._counted:
-            self.pending_samples += samples
+            self.pending_samples += samples if call_samples is None or self.counts_own_batch else call_samples
             if key[0] != -1:
                 self._counted.add(key)
         self.calls[0] += 1
-        self.calls[1] += samples == 1
+        self.calls[1] += samples == 1 and call_rows != 1
 
     def clear_pending(self) -> None:
         for factor in self.factors.values():
@@ -402,10 +421,15 @@ class KroneckerBlock(ABC):
     def split(self, direction: Tensor) -> list[tuple[nn.Parameter, Tensor]]:
         """Cut a joint direction (see :meth:`direction_shape`) into per-parameter directions."""
         weight_part = direction[..., : direction.shape[-1] - (self.bias is not None)]
-        pieces = [(self.weight, weight_part.reshape(self.weight.shape).to(self.weight.dtype))]
+        pieces = [(self.weight, self.weight_direction(weight_part).to(self.weight.dtype))]
         if self.bias is not None:
             pieces.append((self.bias, direction[..., -1].reshape(self.bias.shape).to(self.bias.dtype).contiguous()))
         return pieces
+
+    def weight_direction(self, matrix: Tensor) -> Tensor:
+        """The weight's columns of a joint direction, ``(*groups, out, in)``, as a tensor shaped as
+        ``weight`` (a reshape by default: the weight is stored output-first)."""
+        return matrix.reshape(self.weight.shape)
 
     def state_dict(self, method: Method | None = None) -> dict[str, Any]:
         """The factors' states (their decompositions as ``method``'s decomposer saves them), the

@@ -79,8 +79,7 @@ class TiedHead:
         a, g = inputs.to(self.head_A.pending.dtype), grad_output.to(self.head_A.pending.dtype)
         real = None
         if positions is not None:
-            weights = positions.mask.unsqueeze(-1).to(a.dtype)
-            a, g, real = a * weights, g * weights, positions.count
+            a, g, real = positions.keep(a), positions.keep(g), positions.count
         if reduce and a.dim() > 2:
             a = a.reshape(a.shape[0], -1, a.shape[-1])
             if positions is None:
@@ -127,12 +126,13 @@ class EmbeddingBlock(KroneckerBlock):
 
     def mask_of(self, layer_input: Any, positions: RealPositions) -> RealPositions | None:
         """The mask over the indices ``(N, T, ...)``, or over the leading dims of the tied head's input
-        ``(N, T, ..., D)`` (None: no positions, recorded whole)."""
+        ``(N, T, ..., D)`` (None: no positions, or positions ``(1, T)`` broadcast over the batch, which
+        ``batch_free`` leaves to SGD, recorded whole)."""
         leading = layer_input[1].shape[:-1] if isinstance(layer_input, tuple) else layer_input.shape
         if len(leading) <= 1:
             return None
         fitted = positions.fit(leading)
-        if fitted is None:
+        if fitted is None and not positions.broadcast_over(leading):
             self.warn_unmasked(f"its input's leading dims {tuple(leading)} do not start with the mask's "
                                f"shape {tuple(positions.mask.shape)} (samples first)")
         return fitted
@@ -208,7 +208,7 @@ class EmbeddingBlock(KroneckerBlock):
         if padding is not None:  # zero ĝ at padding positions (a multiply, no host sync)
             grad_output = grad_output * (inputs != padding).unsqueeze(-1).to(grad_output.dtype)
         if positions is not None:  # and at the positions the mask says are not real
-            grad_output = grad_output * positions.mask.unsqueeze(-1).to(grad_output.dtype)
+            grad_output = positions.keep(grad_output)
         if inputs.dim() == 1:
             self.unbatched[0] += 1
             self.unbatched[1] += inputs.shape[0]

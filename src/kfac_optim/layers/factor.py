@@ -250,8 +250,16 @@ class Factor:
         keep_running = self.initialized & torch.isfinite(self.diagonal_of(running).sum())
         weight = finite.to(batch.dtype) * (1 - keep_running.to(batch.dtype) * decay)
         running.nan_to_num_(0.0, 0.0, 0.0).lerp_(batch.nan_to_num_(0.0, 0.0, 0.0), weight)
+        self.symmetrize_(running)
         self.initialized |= finite
         self.discarded += ~finite
+
+    def symmetrize_(self, matrix: Tensor) -> None:
+        """Copy the upper triangle of ``matrix`` (shaped as the storage, or a block of it) onto its
+        lower one, in place: exactly symmetric whatever rounding made them differ (a BLAS kernel's
+        Gram, a communicator's sum order, an elementwise kernel's vector and scalar paths).
+        Once per fold, not per added Gram: one pass over the matrix."""
+        linalg.mirror_upper_(matrix)
 
     def snapshot(self) -> Factor:
         """A shallow copy holding a copy of ``running``: what a background decomposition reads
@@ -294,6 +302,7 @@ class Factor:
         and counts as a new version of the factor.
         """
         self.running = total.div_(ranks.clamp(min=1))
+        self.symmetrize_(self.running)  # a batched factor's total travels whole: its triangles may differ
         self.support = None  # the other ranks' supports are not known here
         self.initialized = ranks > 0
         self.version += 1
@@ -341,9 +350,9 @@ class Factor:
         """A symmetric tensor shaped as this factor's storage (the running factor, a damped
         inverse) as checkpoints hold it: its upper triangle, ``(n(n+1)/2,)`` per block
         (``(groups, n(n+1)/2)`` for a batched factor; ``linalg.pack_symmetric``'s layout). Every
-        writer keeps them exactly symmetric (Gram matrices mirrored from one triangle, elementwise
-        folds, triangles all-reduced and broadcast, ``cholesky_inverse``), so
-        :func:`unpack_running` restores them bit for bit."""
+        writer keeps them exactly symmetric (each fold and :meth:`set_global` end with
+        :meth:`symmetrize_`, whatever rounding the Gram kernels or the communicator did; triangles
+        broadcast; ``cholesky_inverse``), so :func:`unpack_running` restores them bit for bit."""
         if matrix.dim() == 2:
             return linalg.pack_symmetric(matrix)
         return torch.stack([linalg.pack_symmetric(block) for block in matrix])
@@ -483,6 +492,9 @@ class DiagonalFactor(Factor):
 
     def diagonal_of(self, matrix: Tensor) -> Tensor:
         return matrix
+
+    def symmetrize_(self, matrix: Tensor) -> None:
+        """Nothing: a diagonal holds each entry once."""
 
     def add_counts(self, counts: Tensor, rows: int) -> None:
         """Add ``counts: (dim,)`` (the diagonal of ``Σ a aᵀ`` over ``rows`` rows) to the pending sum."""

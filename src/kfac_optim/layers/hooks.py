@@ -3,7 +3,7 @@
 Owns: which autograd graph task (one backward pass) an output-gradient belongs to, also when it is
 recorded later on another thread (:func:`in_graph_task`); which samples a recorded pair holds (the
 model call it came from and the mask of its real positions: :func:`recording_pair`,
-:func:`current_samples`, :func:`current_mask`); whether the running backward pass writes
+:func:`current_samples`, :func:`current_call_samples`, :func:`current_mask`); whether the running backward pass writes
 a parameter's ``.grad`` (:func:`gradient_node`, :func:`writes_gradient`) and keeps its graph for
 another (:func:`keeps_graph`); :class:`InertHook`, what a copied or
 pickled model gets in place of a capture hook, and :class:`CopiedAsInert`, the base of hook
@@ -46,15 +46,18 @@ def in_graph_task(task: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def recording_pair(call: int, mask: torch.Tensor | None) -> Iterator[None]:
+def recording_pair(call: int, mask: torch.Tensor | None, samples: int | None = None,
+                   rows: int | None = None) -> Iterator[None]:
     """While a block takes one captured pair: it came from forward call ``call`` of the model (the
-    capture's count of the model's calls; -1: none, outside the capture) and ``mask`` says
-    which of its positions are real (None: all; see ``KroneckerBlock.mask_of``)."""
-    _pair.call, _pair.mask = call, mask
+    capture's count of the model's calls; -1: none, outside the capture), ``mask`` says
+    which of its positions are real (None: all; see ``KroneckerBlock.mask_of``), ``samples`` is
+    how many samples that call holds (N, what the loss averages over; None: unknown, the block
+    counts its input's dim 0) and ``rows`` the dim 0 of the call's input (None: unknown)."""
+    _pair.call, _pair.mask, _pair.samples, _pair.rows = call, mask, samples, rows
     try:
         yield
     finally:
-        _pair.call, _pair.mask = -1, None
+        _pair.call, _pair.mask, _pair.samples, _pair.rows = -1, None, None, None
 
 
 def current_samples() -> tuple[int, int]:
@@ -63,6 +66,12 @@ def current_samples() -> tuple[int, int]:
     model (time steps of an RNN cell, a weight-tied layer applied twice) and different samples
     when they came from different calls (chunks of a batch; docs/design.md §3, 'What N is')."""
     return current_graph_task(), getattr(_pair, "call", -1)
+
+
+def current_call_samples() -> tuple[int | None, int | None]:
+    """``(samples, rows)`` of the model call the pair being recorded came from: N, the samples its
+    loss averages over (docs/design.md §3, "What N is"), and the dim 0 of its input; None: unknown."""
+    return getattr(_pair, "samples", None), getattr(_pair, "rows", None)
 
 
 def current_mask() -> torch.Tensor | None:

@@ -31,6 +31,7 @@ from kfac_optim.diagnostics import warn_user
 from typing import Any
 
 from kfac_optim.layers.base import KroneckerBlock
+from kfac_optim.layers.factor import Factor, FactorName
 from kfac_optim.layers.hooks import current_mask, current_samples
 from kfac_optim.layers.positions import RealPositions
 
@@ -63,13 +64,22 @@ class LinearBlock(KroneckerBlock):
         return inputs.shape[0] if inputs.dim() > 1 else 1
 
     def mask_of(self, layer_input: Any, positions: RealPositions) -> RealPositions | None:
-        """The mask over the input's leading dims ``(N, T, ...)`` (None: an input without positions,
-        ``(N, in)``, or a nested one, recorded whole); an input with positions of another shape is
+        """The mask over the input's leading dims ``(N, T, ...)``, or over tokens flattened to
+        ``(N·T, in)`` ("expand"; a mixture-of-experts block's ``h.reshape(-1, D)``); None: an input
+        without positions (``(N, in)``, pooled), a nested one, or positions ``(1, T, ...)`` broadcast
+        over the batch (batch-free), recorded whole. An input with positions of another shape is
         recorded whole with a one-time warning."""
-        if not isinstance(layer_input, Tensor) or layer_input.is_nested or layer_input.dim() <= 2:
+        if not isinstance(layer_input, Tensor) or layer_input.is_nested or layer_input.dim() < 2:
+            return None
+        flattened = layer_input.dim() == 2
+        if flattened and (layer_input.shape[0] != positions.mask.numel() or positions.mask.dim() < 2):
+            return None
+        if flattened and self.reduce:
+            self.warn_unmasked("its input holds flattened tokens, whose samples "
+                               "CurvatureConfig(weight_sharing='reduce') cannot group")
             return None
         fitted = positions.fit(layer_input.shape[:-1])
-        if fitted is None:
+        if fitted is None and not positions.broadcast_over(layer_input.shape[:-1]):
             self.warn_unmasked(f"its input's leading dims {tuple(layer_input.shape[:-1])} do not start with the "
                                f"mask's shape {tuple(positions.mask.shape)} (samples first)")
         return fitted
@@ -93,7 +103,7 @@ class LinearBlock(KroneckerBlock):
         if positions is None:
             return per_sample.sum(1), per_sample.shape[1]
         weights = self.per_sample(positions.mask.unsqueeze(-1).to(tensor.dtype))  # (N, R, 1) as the positions
-        return (per_sample * weights).sum(1), weights.sum(1)
+        return self.per_sample(positions.keep(tensor)).sum(1), weights.sum(1)
 
     def real_rows(self, inputs: Tensor, grad_output: Tensor,
                   positions: RealPositions | None) -> tuple[Tensor, Tensor, int]:
@@ -103,9 +113,8 @@ class LinearBlock(KroneckerBlock):
             values = inputs.values()
             return values, grad_output.values(), values.shape[0]
         assert positions is not None
-        weights = positions.weights(inputs.dtype)
-        return (inputs.reshape(-1, inputs.shape[-1]) * weights,
-                grad_output.reshape(-1, grad_output.shape[-1]) * weights, positions.count)
+        return (positions.keep(inputs.reshape(-1, inputs.shape[-1])),
+                positions.keep(grad_output.reshape(-1, grad_output.shape[-1])), positions.count)
 
     def accumulate(self, inputs: Tensor, grad_output: Tensor) -> None:
         """"expand": as :meth:`KroneckerBlock.accumulate` (real rows only under a mask or for a nested
@@ -170,3 +179,23 @@ class LinearBlock(KroneckerBlock):
         if self.pending_samples:
             self.add_shared_grams()
         super().fold(decay, loss_reduction, grad_scale)
+
+
+class TransposedLinearBlock(LinearBlock):
+    """A Linear whose weight is stored transposed, ``W: (in, out)``, ``y = x W + b`` (Hugging Face's
+    ``transformers.pytorch_utils.Conv1D``, GPT-2's attention and MLP matrices).
+
+    Its statistics are those of ``nn.Linear(in, out)`` holding ``Wᵀ``: ``A: (in [+1], in [+1])`` of
+    the inputs, ``G: (out, out)`` of the output-gradients, so the joint gradient is ``[∇Wᵀ | ∇b]:
+    (out, in [+1])`` and the weight's direction goes back transposed, ``(in, out)``.
+    """
+
+    def make_factors(self, dtype: torch.dtype, device: torch.device) -> dict[FactorName, Factor]:
+        in_dim, out_dim = self.weight.shape
+        return {"A": Factor(in_dim + (self.bias is not None), dtype, device), "G": Factor(out_dim, dtype, device)}
+
+    def joint_gradient(self, weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
+        return super().joint_gradient(weight_grad.T, bias_grad)
+
+    def weight_direction(self, matrix: Tensor) -> Tensor:
+        return matrix.T.contiguous()

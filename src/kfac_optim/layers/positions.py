@@ -46,14 +46,30 @@ class RealPositions:
 
     def fit(self, leading: torch.Size | tuple[int, ...]) -> RealPositions | None:
         """This mask over an input whose leading dims (every dim but the features) are ``leading``:
-        they start with the mask's shape, and any further dims (e.g. heads) are broadcast; None when
-        they do not start with it."""
+        they start with the mask's shape, and any further dims (e.g. heads) are broadcast, or they
+        start with its flattened shape (tokens flattened to ``(N·T, ...)``); None otherwise."""
         k = self.mask.dim()
+        if len(leading) >= 1 and leading[0] == self.mask.numel() and k > 1:
+            return RealPositions(self.mask.reshape(-1), self.count).fit(leading)
         if len(leading) < k or tuple(leading[:k]) != tuple(self.mask.shape):
             return None
         extra = tuple(leading[k:])
         mask = self.mask.reshape(*self.mask.shape, *(1 for _ in extra)).expand(*leading)
         return RealPositions(mask, self.count * math.prod(extra))
+
+    def broadcast_over(self, leading: torch.Size | tuple[int, ...]) -> bool:
+        """Whether leading dims ``leading`` are one row of the mask's positions broadcast over its
+        batch (``(1, T)``: a position table, batch-free: ``batch_free`` leaves it to SGD)."""
+        k = self.mask.dim()
+        return (len(leading) >= k and leading[0] == 1 != self.mask.shape[0]
+                and tuple(leading[1:k]) == tuple(self.mask.shape[1:]))
+
+    def keep(self, tensor: Tensor) -> Tensor:
+        """``tensor`` with its padded entries zeroed (``masked_fill``: a pad holding a non-finite value,
+        e.g. a fully masked query of a left-padded row, does not leak as ``nan·0`` would); its
+        leading dims are the mask's shape, or its rows ``(R, ...)`` the mask's entries in order."""
+        mask = self.mask if tensor.shape[: self.mask.dim()] == self.mask.shape else self.mask.reshape(-1)
+        return tensor.masked_fill(~mask.reshape(*mask.shape, *(1 for _ in range(tensor.dim() - mask.dim()))), 0)
 
     def weights(self, dtype: torch.dtype) -> Tensor:
         """The mask as one 0/1 weight per row ``(R, 1)`` in ``dtype``, rows in the input's order."""

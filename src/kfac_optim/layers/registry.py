@@ -35,6 +35,7 @@ SkipLayers = Sequence[str | type[nn.Module]]
 BlockOverrides = Mapping[type[nn.Module], type[KroneckerBlock]]
 
 _REGISTRY: dict[type[nn.Module], type[KroneckerBlock]] = {}
+_REGISTRY_BY_PATH: dict[str, type[KroneckerBlock]] = {}  # "package.module.Class" -> block class
 
 
 def register_block(module_type: type[nn.Module], block_class: type[KroneckerBlock]) -> None:
@@ -49,6 +50,27 @@ def register_block(module_type: type[nn.Module], block_class: type[KroneckerBloc
     """
     _check_pair(module_type, block_class, "module_type", "block_class")
     _REGISTRY[module_type] = block_class
+
+
+def register_block_by_path(path: str, block_class: type[KroneckerBlock]) -> None:
+    """Precondition modules of the class named ``path`` (``"package.module.ClassName"``, its
+    ``__module__`` and ``__qualname__``) and its subclasses with ``block_class``, without importing
+    that package: the name is matched along a module type's MRO at discovery, so a library that is
+    not installed costs nothing. A type registered with :func:`register_block` is matched first.
+
+    Raises:
+        TypeError: ``path`` is not a dotted name, or ``block_class`` not a ``KroneckerBlock`` subclass.
+    """
+    if not isinstance(path, str) or "." not in path:
+        raise TypeError(f"path must be a dotted 'package.module.ClassName', got {path!r}")
+    _check_pair(nn.Module, block_class, "module_type", "block_class")
+    _REGISTRY_BY_PATH[path] = block_class
+
+
+def _registered(klass: type) -> type[KroneckerBlock] | None:
+    """The registry's block class for ``klass`` itself: by type, else by its dotted name."""
+    found = _REGISTRY.get(klass)
+    return found if found is not None else _REGISTRY_BY_PATH.get(f"{klass.__module__}.{klass.__qualname__}")
 
 
 def _check_pair(module_type: object, block_class: object, module_name: str, block_name: str) -> None:
@@ -73,9 +95,12 @@ def check_block_overrides(blocks: BlockOverrides | None) -> None:
 
 
 def unregister_block(module_type: type[nn.Module]) -> type[KroneckerBlock] | None:
-    """Forget ``module_type``'s own registration (its subclasses' and bases' stay); returns the
-    block class it had, or None. Takes effect for optimizers created afterwards."""
-    return _REGISTRY.pop(module_type, None)
+    """Forget ``module_type``'s own registration, by type and by name (:func:`register_block_by_path`;
+    its subclasses' and bases' stay); returns the block class it had, or None. Takes effect for
+    optimizers created afterwards."""
+    by_path = _REGISTRY_BY_PATH.pop(f"{module_type.__module__}.{module_type.__qualname__}", None)
+    by_type = _REGISTRY.pop(module_type, None)
+    return by_type if by_type is not None else by_path
 
 
 def registered_blocks() -> dict[type[nn.Module], type[KroneckerBlock]]:
@@ -110,9 +135,9 @@ def _lookup(
     module_type: type[nn.Module], blocks: BlockOverrides | None
 ) -> tuple[type[KroneckerBlock], type[nn.Module] | None, type[nn.Module]] | None:
     """``(block class, the class that overrides forward on the way to its base or None, that base)``."""
-    for table in (blocks or {}, _REGISTRY):
+    for table in (blocks or {}, None):
         for klass in module_type.__mro__:
-            block_class = table.get(klass)
+            block_class = table.get(klass) if table is not None else _registered(klass)
             if block_class is not None:
                 overriding = next((c for c in module_type.__mro__[: module_type.__mro__.index(klass)]
                                    if "forward" in vars(c)), None)
@@ -130,7 +155,8 @@ class ModuleReport:
     "parametrization" (the originals of a parametrized weight), "unregistered" (no block for the
     type, or a subclass of a registered type that overrides ``forward``: :func:`forward_override`),
     "no_weight" (a registered kind whose weight is not among the optimizer's parameters), "added"
-    (a module of a registered kind added to the model after the optimizer was built), "outside"
+    (a module of a registered kind added to the model after the optimizer was built), "silent" (a
+    block that received no statistics while others did: :data:`SILENT_REASON`), "outside"
     (the row :data:`OUTSIDE_THE_MODEL` of ``params`` that are not the model's);
     ``detail``: the block's kind and factor shapes, or the reason in words.
     """
@@ -147,6 +173,11 @@ class ModuleReport:
         where = f"K-FAC [{self.block or '<root>'}]" if self.block is not None else "SGD"
         return f"{self.name or '<root>'} ({self.kind}; {params}): {where}: {self.detail}"
 
+
+SILENT_REASON = ("no statistics recorded: its hooks never fired (its weight used through the parameter rather "
+                 "than the module's forward, e.g. F.linear(x, layer.weight), or its output does not reach the loss); "
+                 "it takes the SGD path until it records")
+"""Why a block that never received statistics takes the SGD path (its report's detail)."""
 
 OUTSIDE_THE_MODEL = "(outside the model)"
 """The report name of the trainable parameters that are not the model's (e.g. a loss's temperature)."""
@@ -201,9 +232,11 @@ class Discovery:
     def decide(self, module: nn.Module, status: str, detail: str) -> None:
         self._decisions[module] = (status, detail)
 
-    def reports(self, model: nn.Module, trainable: set[Tensor]) -> list[ModuleReport]:
+    def reports(self, model: nn.Module, trainable: set[Tensor],
+                silent: Sequence[KroneckerBlock] = ()) -> list[ModuleReport]:
         """One :class:`ModuleReport` per module of ``model`` with parameters in ``trainable`` (and a
-        row :data:`OUTSIDE_THE_MODEL` for those that are not ``model``'s), from the state now."""
+        row :data:`OUTSIDE_THE_MODEL` for those that are not ``model``'s), from the state now;
+        ``silent``: blocks that never received statistics (status "silent": they take the SGD path)."""
         owner_of = {param: block for block in self.blocks for param in block.parameters()}
         created_by: dict[nn.Module, list[KroneckerBlock]] = {}
         for block in self.blocks:
@@ -219,6 +252,8 @@ class Discovery:
             left = next((b.sgd_reason for b in created if b.sgd_reason is not None), None)
             if left is not None:
                 status, detail = "unsupported", left
+            elif created and all(b in silent for b in created):
+                status, detail = "silent", f"{'; '.join(b.describe() for b in created)}; {SILENT_REASON}"
             elif created:
                 block, status = created[0].name, "kfac"
                 detail = "; ".join(b.describe() for b in created)
