@@ -201,13 +201,13 @@ class RuntimeConfig:
 class UpdateConfig:
     """How the preconditioned directions become the step (docs/design.md §4.1); every rank must share it.
 
-    ``trust_region``: how ``kl_clip`` sets the step's length. "sgd" (the default): SGD's length, K-FAC's
-    direction: every direction is scaled by one ``ν`` so that the applied step ``lr·ν·V`` over all K-FAC
-    parameters is as long as SGD's ``lr·∇`` (Euclidean norm, each param group at its lr), then ``ν`` is
+    ``trust_region``: how ``kl_clip`` sets the step's length. "sgd" (the default): K-FAC's directions
+    scaled by one ``ν = Σ lr‖∇‖² / Σ lr⟨V, ∇⟩`` over all K-FAC parameters, so the step ``lr·ν·V``
+    promises the first-order decrease of SGD's ``lr·∇`` (each param group at its lr), then ``ν``
     lowered where the step's KL estimate ``Σ lr²ν²⟨V, ∇⟩`` would exceed ``kl_clip`` (a bound in nats
     that does not grow with the lr: a mistyped lr stays bounded). The lr scales the step as SGD's
     does, and a summed loss at ``lr/N`` (``CurvatureConfig(loss_reduction="sum")``) takes the step of
-    the mean loss at ``lr`` (``kfac_optim.step_length.SGDLength``, docs/design.md §4.1).
+    the mean loss at ``lr`` (``kfac_optim.step_length.SGDDecrease``, docs/design.md §4.1).
     The KL clips (``kfac_optim.step_length.KLClip``) scale by ``ν = min(1, sqrt(kl_clip / |Σ lr₀² ⟨V, ∇⟩|))``:
     "lr_squared": at lr 1 (``lr₀ = 1``), so the applied step ``lr_t·ν·V`` has the KL bound
     ``kl_clip·lr_t²`` (the default of the previous release). "base_lr": ν is

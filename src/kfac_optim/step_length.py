@@ -1,7 +1,7 @@
 """The step's length: what turns K-FAC's preconditioned directions into the directions SGD's update
 applies (docs/design.md §4.1). One owner, chosen once at construction by :func:`step_length_for`
-from the public settings: SGD's first-order decrease under a KL bound (:class:`SGDDecrease`, the default
-``UpdateConfig(trust_region="sgd")``), a KL clip (:class:`KLClip`, the other trust regions), an SGD
+from the public settings: K-FAC's direction at SGD's first-order decrease, under a KL bound
+(:class:`SGDDecrease`, the default ``UpdateConfig(trust_region="sgd")``), a KL clip (:class:`KLClip`, the other trust regions), an SGD
 or Adam graft per tensor (``UpdateConfig(grafting=...)``, :class:`kfac_optim.grafting.SGDGraft` /
 ``AdamGraft``) or none (:class:`NoClip`, ``kl_clip=None``).
 
@@ -186,78 +186,6 @@ class SGDDecrease:
     decrease the curvature term of ``ν·V`` is at most SGD's (Cauchy–Schwarz; equal as λ → ∞, where
     ``ν·V → ∇``), and along the largest eigenvalue ``ν·V`` is no longer than ``∇`` (ν, a weighted
     harmonic mean of ``h + λ``, is at most its largest): stable where SGD's lr is
-    (docs/design.md §4.1). Non-finite terms and FSDP2 shards as :class:`KLClip`.
-    """
-
-    def __init__(self, kl_clip: float, trust_region: TrustRegion, parameters: Callable[[], list[Tensor]],
-                 sharding: Sharding, nonfinite: Tensor) -> None:
-        self.kl_clip = kl_clip
-        self.trust_region = trust_region
-        self._parameters = parameters
-        self._sharding = sharding
-        self.nonfinite = nonfinite
-
-    @record_function("kfac.kl_clip")
-    def apply(self, directions: dict[Tensor, Tensor], groups: list[dict[str, Any]],
-              state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, Tensor]:
-        if not directions:
-            return directions
-        lr_of = {p: self.trust_region.lr(group) for group in groups for p in group["params"]}
-
-        def term(direction: Tensor, grad: Tensor, param: Tensor) -> Tensor:
-            return torch.vdot(direction, grad).reshape(1) * lr_of[param] ** 2
-
-        (kl_estimate,) = summed_terms(directions, self._parameters(), self._sharding, self.nonfinite, term, 1).abs()
-        nu = (self.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
-        torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
-        return directions
-
-
-def summed_terms(directions: dict[Tensor, Tensor], params: list[Tensor], sharding: Sharding, nonfinite: Tensor,
-                 term: Callable[[Tensor, Tensor, Tensor], Tensor], count: int) -> Tensor:
-    """``Σ_p term(V_p, ∇p, p)`` over the K-FAC parameters ``params`` (block order) whose terms are finite:
-    ``term`` maps a parameter's flattened local direction rows, gradient rows (in the direction's dtype)
-    and the parameter to ``count`` terms ``(count,)``; a parameter without a direction or gradient
-    contributes 0. FSDP2-sharded parameters' terms are summed over the shards first. A parameter
-    with a non-finite term is left out and counted in ``nonfinite`` (one entry per parameter, on the
-    device: a non-finite gradient makes its layer's whole direction non-finite). Returns ``(count,)``."""
-    zero = nonfinite.new_zeros(count, dtype=next(iter(directions.values())).dtype)
-
-    def terms_of(param: Tensor) -> Tensor:
-        if param not in directions or param.grad is None:
-            return zero
-        rows, grad = fsdp.local(directions[param]), fsdp.local(param.grad)
-        return term(rows.reshape(-1), grad.to(rows.dtype).reshape(-1), param)
-
-    per_parameter = torch.stack([terms_of(param) for param in params])  # (P, count)
-    if sharding.row_sharded is not None:  # one all-reduce of the terms over the shard group
-        sharded = [fsdp.is_sharded(p) for p in params]
-        summed = sharding.sum_over_shards(per_parameter.clone())
-        per_parameter = torch.stack([summed[i] if s else per_parameter[i] for i, s in enumerate(sharded)])
-    finite = torch.isfinite(per_parameter).all(dim=1)
-    nonfinite += ~finite
-    return per_parameter.where(finite[:, None], 0.0).sum(dim=0)
-
-
-class SGDDecrease:
-    """``trust_region="sgd"`` (the default): K-FAC's directions with SGD's step length, the step's KL
-    estimate bounded by ``kl_clip`` whatever the lr.
-
-    With ``lr_g`` each param group's scheduled lr (:meth:`TrustRegion.lr`) and the sums over the
-    K-FAC parameters ``p`` that have a direction::
-
-        ν = sqrt(Σ lr_g² ‖∇p‖² / Σ lr_g² ‖V_p‖²)        the applied ``lr·ν·V`` is as long as SGD's ``lr·∇``
-        ν ← min(ν, sqrt(kl_clip / |Σ lr_g² ⟨V_p, ∇p⟩|))  its KL estimate at most ``kl_clip``
-
-    and every direction is scaled by ν in place (1 where every lr is 0). One ν for all K-FAC
-    parameters, so K-FAC's proportions across layers are kept (a per-tensor graft,
-    ``grafting="sgd"``, rescales each layer). The lr scales the step as it scales SGD's until the
-    step's KL estimate reaches ``kl_clip``, then the step stays there (a mistyped lr is bounded).
-    Every term is homogeneous in the loss's scale, so a summed loss at ``lr/N`` takes the step of
-    the mean loss at ``lr`` when the factors keep their units (``loss_reduction="sum"``).
-    Why SGD's length: along each eigendirection of the curvature ``V`` is ``∇``'s component divided
-    by its eigenvalue plus λ, so at ‖ν·V‖ = ‖∇‖ the component along the largest eigenvalue is at
-    most SGD's: the step is stable where SGD's lr is, and longer than SGD's along flat directions
     (docs/design.md §4.1). Non-finite terms and FSDP2 shards as :class:`KLClip`.
     """
 

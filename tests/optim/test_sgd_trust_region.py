@@ -1,7 +1,7 @@
 """The default trust region, ``UpdateConfig(trust_region="sgd")`` (docs/design.md §4.1): K-FAC's
-direction at the length of SGD's first-order decrease, its KL estimate bounded by ``kl_clip``. Each property against a
-control run written out in the test: plain ``torch.optim.SGD``, K-FAC's unclipped direction, or the
-same run with the loss scaled."""
+direction at the length of SGD's first-order decrease, its KL estimate bounded by ``kl_clip``. Each
+property against a control run written out in the test: plain ``torch.optim.SGD``, K-FAC's unclipped
+direction, or the same run with the loss scaled."""
 
 from __future__ import annotations
 
@@ -43,36 +43,41 @@ def _sgdtr_train(net: nn.Module, optimizer: torch.optim.Optimizer, steps: int, s
         return sum(float(F.mse_loss(net(x), y)) for x, y in (_sgdtr_batch(held_out, 256) for _ in range(2))) / 2
 
 
-def _sgdtr_first_change(lr: float, **kwargs: object) -> torch.Tensor:
-    """The parameter change of K-FAC's first step at ``lr`` (from ``_sgdtr_net(0)``), flattened."""
+def _sgdtr_first_change(lr: float, loss_scale: float = 1.0, **kwargs: object) -> torch.Tensor:
+    """The parameter change of K-FAC's first step at ``lr`` on ``loss_scale``·MSE (from ``_sgdtr_net(0)``),
+    flattened."""
     net = _sgdtr_net(0)
     before = torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
-    _sgdtr_train(net, KFAC(net, lr=lr, curvature=EXACT, **EVERY_STEP, **kwargs), 1, seed=0)
+    _sgdtr_train(net, KFAC(net, lr=lr, curvature=EXACT, **EVERY_STEP, **kwargs), 1, seed=0, loss_scale=loss_scale)
     return torch.cat([p.detach().reshape(-1) for p in net.parameters()]) - before
 
 
-def _sgdtr_first_gradient_and_direction() -> tuple[torch.Tensor, torch.Tensor]:
-    """∇ and K-FAC's unclipped direction ``V`` (lr 1, ``kl_clip=None``) at the first step, flattened."""
+def _sgdtr_first_gradient_and_direction(loss_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """∇ of ``loss_scale``·MSE and K-FAC's unclipped direction ``V`` (lr 1, ``kl_clip=None``) at the
+    first step, flattened."""
     grad_net = _sgdtr_net(0)
     x, y = _sgdtr_batch(torch.Generator().manual_seed(1000))
-    F.mse_loss(grad_net(x), y).backward()
+    (loss_scale * F.mse_loss(grad_net(x), y)).backward()
     grad = torch.cat([p.grad.reshape(-1) for p in grad_net.parameters()])
-    return grad, -_sgdtr_first_change(1.0, kl_clip=None)
+    return grad, -_sgdtr_first_change(1.0, loss_scale, kl_clip=None)
 
 
-@pytest.mark.parametrize("lr", [0.001, 0.003])
-def test_the_step_promises_sgds_first_order_decrease_in_kfacs_direction(lr: float) -> None:
+@pytest.mark.parametrize(("loss_scale", "lr"), [(1.0, 0.001), (1.0, 0.003), (0.01, 0.1)])
+def test_the_step_promises_sgds_first_order_decrease_in_kfacs_direction(loss_scale: float, lr: float) -> None:
     """Below the KL bound the step is ``lr·ν·V`` with ``⟨lr·ν·V, ∇⟩ = lr·‖∇‖²``, SGD's first-order
-    decrease (every parameter here is K-FAC's); its direction is K-FAC's ``V``, not the gradient, and
-    twice the lr takes twice the step."""
-    grad, direction = _sgdtr_first_gradient_and_direction()
+    decrease (every parameter here is K-FAC's), whether K-FAC's own step ``lr·V`` promises less
+    (inputs up to 4: large curvature) or more (the loss scaled by 0.01: the damping dominates); its
+    direction is K-FAC's ``V``, not the gradient, and twice the lr takes twice the step."""
+    grad, direction = _sgdtr_first_gradient_and_direction(loss_scale)
     nu = grad.dot(grad) / direction.dot(grad)
+    assert (nu > 1) == (loss_scale == 1.0)  # both sides of K-FAC's own step are taken
     assert (2 * lr * nu) ** 2 * direction.dot(grad) < KFAC(_sgdtr_net(0)).options.kl_clip  # not binding
-    change = _sgdtr_first_change(lr)
+    change = _sgdtr_first_change(lr, loss_scale)
     torch.testing.assert_close(change, -lr * nu * direction, rtol=1e-9, atol=1e-15)
     torch.testing.assert_close(-change.dot(grad), lr * grad.dot(grad), rtol=1e-10, atol=0)
-    assert float(F.cosine_similarity(change, -grad, dim=0)) < 0.99  # K-FAC's direction, not SGD's
-    torch.testing.assert_close(_sgdtr_first_change(2 * lr), 2 * change, rtol=1e-9, atol=1e-15)
+    if loss_scale == 1.0:  # where the damping dominates V ≈ ∇/λ: SGD's step itself
+        assert float(F.cosine_similarity(change, -grad, dim=0)) < 0.99  # K-FAC's direction, not SGD's
+    torch.testing.assert_close(_sgdtr_first_change(2 * lr, loss_scale), 2 * change, rtol=1e-9, atol=1e-15)
 
 
 @pytest.mark.parametrize("lr", [1e3, 1e5])
