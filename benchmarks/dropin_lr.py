@@ -5,7 +5,10 @@ Usage: ``python -m benchmarks.dropin_lr [--variants ...] [--momenta 0 0.9] [--st
 Three tiny models on synthetic teacher data (an MLP regression, a 2-layer ViT on 4x4 patches, a
 2-conv convnet; batch 64): each variant trains ``--steps`` steps from the same seeds on the same
 batches at every lr of the grid 0.01/0.03/0.1/0.3 and reports the mean held-out loss over the seeds.
-The variants change one thing of the drop-in each (the trust region, the damping, the intervals);
+The variants change one thing of the drop-in each (the trust region, the step's length rule, the
+KL bound, the damping, the intervals; the length rules the library does not ship, SGD's Euclidean
+length, per-layer lengths and K-FAC's own step floored at SGD's decrease, are written here as
+:class:`AlternativeLength`);
 ``--ratios`` also prints ``‖ν·V‖/‖∇‖`` of the first 10 steps (the applied direction's length
 against SGD's). docs/tuning.md "The drop-in at SGD's lr" holds the figures.
 """
@@ -23,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC, UpdateConfig
+from kfac_optim.distributed import fsdp
+from kfac_optim.step_length import SGDDecrease, summed_terms
 
 LRS = (0.01, 0.03, 0.1, 0.3)
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -60,6 +65,39 @@ TASKS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Batc
                                       nn.Linear(256, 10)),
                 _images, F.cross_entropy),
 }
+class AlternativeLength(SGDDecrease):
+    """A length rule measured against the default's (``SGDDecrease``), under the same KL bound:
+    ``"euclidean"``, ``ν = sqrt(Σ lr²‖∇p‖² / Σ lr²‖V_p‖²)`` (SGD's Euclidean length); ``"layer"``, each
+    parameter's ``V_p`` at ``‖∇p‖`` (per-layer lengths), then one ν for the bound; ``"floor"``,
+    ``ν = max(1, Σ lr‖∇p‖² / Σ lr⟨V_p, ∇p⟩)`` (K-FAC's own step ``lr·V``, lengthened to SGD's
+    first-order decrease where it promises less). One param group, no sharding."""
+
+    def __init__(self, default: SGDDecrease, rule: str) -> None:
+        super().__init__(default.kl_clip, default.trust_region, default._parameters, default._sharding,
+                         default.nonfinite)
+        self.rule = rule
+
+    def apply(self, directions: dict[torch.Tensor, torch.Tensor], groups: list[dict[str, Any]],
+              state: dict[torch.Tensor, dict[str, Any]]) -> dict[torch.Tensor, torch.Tensor]:
+        if not directions:
+            return directions
+        lr = float(groups[0]["lr"])
+        if self.rule == "layer":
+            for p, d in directions.items():
+                if p.grad is not None:
+                    d.mul_((p.grad.norm() / d.norm()).nan_to_num(1.0, 1.0, 1.0))
+
+        def term(direction: torch.Tensor, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+            return torch.stack([grad.dot(grad), direction.dot(grad), direction.dot(direction)])
+
+        gg, vg, vv = summed_terms(directions, self._parameters(), self._sharding, self.nonfinite, term, 3)
+        nu = {"euclidean": (gg / vv).sqrt(), "layer": torch.ones_like(gg),
+              "floor": (gg / vg).clamp(min=1.0)}[self.rule]
+        nu = torch.minimum(nu, (self.kl_clip / (lr**2 * vg.abs())).sqrt())
+        torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
+        return directions
+
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "sgd": {},
     "default": {},
@@ -74,13 +112,23 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "default damping 1": {"damping": 1.0},
     "default intervals 1/1": {"factor_update_steps": 1, "inv_update_steps": 1},
     "default kl_clip 0.1": {"kl_clip": 0.1},
+    "euclidean": {"length": "euclidean"},
+    "layer": {"length": "layer"},
+    "floor": {"length": "floor"},
+    "floor kl_clip 0.1": {"length": "floor", "kl_clip": 0.1},
+    "floor kl_clip 1e-3": {"length": "floor", "kl_clip": 1e-3},
 }
 
 
 def _optimizer(variant: str, model: nn.Module, lr: float, momentum: float) -> torch.optim.Optimizer:
     if variant == "sgd":
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    return KFAC(model, lr=lr, momentum=momentum, **VARIANTS[variant])
+    settings = dict(VARIANTS[variant])
+    length = settings.pop("length", None)
+    optimizer = KFAC(model, lr=lr, momentum=momentum, **settings)
+    if length is not None:  # a rule the library does not ship, in the default's place
+        optimizer._step_length = AlternativeLength(optimizer._step_length, length)
+    return optimizer
 
 
 def final_loss(task: str, variant: str, lr: float, momentum: float, seed: int, steps: int) -> float:
@@ -105,7 +153,7 @@ def length_ratios(task: str, variant: str, lr: float, steps: int = 10) -> list[f
     build, batch, loss_fn = TASKS[task]
     torch.manual_seed(0)
     model = build()
-    optimizer = KFAC(model, lr=lr, **VARIANTS[variant])
+    optimizer = _optimizer(variant, model, lr, 0.0)
     generator, ratios = torch.Generator().manual_seed(1000), []
     for _ in range(steps):
         x, y = batch(generator)

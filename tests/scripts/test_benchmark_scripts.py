@@ -193,9 +193,12 @@ def test_conv_statistics_times_each_kind_and_trains_with_each(tmp_path: Path) ->
 def test_dropin_lr_trains_each_variant_at_every_lr_and_reports_the_length_ratios() -> None:
     from benchmarks import dropin_lr
 
-    results = dropin_lr.main(["--tasks", "regression", "--variants", "sgd", "lr_squared", "--momenta", "0",
+    results = dropin_lr.main(["--tasks", "regression", "--variants", "sgd", "lr_squared", "floor", "--momenta", "0",
                               "--steps", "2", "--seeds", "1", "--ratios"])
-    assert list(results) == ["regression momentum=0.0 sgd", "regression momentum=0.0 lr_squared"]
+    assert list(results) == ["regression momentum=0.0 sgd", "regression momentum=0.0 lr_squared",
+                             "regression momentum=0.0 floor"]
+    model = dropin_lr.TASKS["regression"][0]()
+    assert isinstance(dropin_lr._optimizer("floor", model, 0.1, 0.0)._step_length, dropin_lr.AlternativeLength)
     assert all(list(row) == [str(lr) for lr in dropin_lr.LRS] and all(v > 0 for v in row.values())
                for row in results.values())
     ratios = dropin_lr.length_ratios("regression", "lr_squared", 0.01, steps=2)
