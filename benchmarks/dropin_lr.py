@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import unittest.mock
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -25,9 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kfac_optim.optimizer
 from kfac_optim import KFAC, UpdateConfig
-from kfac_optim.distributed import fsdp
-from kfac_optim.step_length import SGDDecrease, summed_terms
 
 LRS = (0.01, 0.03, 0.1, 0.3)
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -65,36 +65,31 @@ TASKS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Batc
                                       nn.Linear(256, 10)),
                 _images, F.cross_entropy),
 }
-class AlternativeLength(SGDDecrease):
-    """A length rule measured against the default's (``SGDDecrease``), under the same KL bound:
-    ``"euclidean"``, ``ν = sqrt(Σ lr²‖∇p‖² / Σ lr²‖V_p‖²)`` (SGD's Euclidean length); ``"layer"``, each
-    parameter's ``V_p`` at ``‖∇p‖`` (per-layer lengths), then one ν for the bound; ``"floor"``,
-    ``ν = max(1, Σ lr‖∇p‖² / Σ lr⟨V_p, ∇p⟩)`` (K-FAC's own step ``lr·V``, lengthened to SGD's
-    first-order decrease where it promises less). One param group, no sharding."""
+class AlternativeLength:
+    """A length rule measured against the default's (``kfac_optim.step_length.SGDDecrease``), under the
+    same KL bound ``Σ lr²ν²⟨V_p, ∇p⟩ ≤ kl_clip``: ``"euclidean"``, ``ν = sqrt(Σ‖∇p‖² / Σ‖V_p‖²)`` (SGD's
+    Euclidean length); ``"layer"``, each parameter's ``V_p`` at ``‖∇p‖`` (per-layer lengths), then one ν
+    for the bound; ``"floor"``, ``ν = max(1, Σ‖∇p‖² / Σ⟨V_p, ∇p⟩)`` (K-FAC's own step ``lr·V``,
+    lengthened to SGD's first-order decrease where it promises less). One param group, one process,
+    finite gradients (a ``kfac_optim.step_length.StepLength``)."""
 
-    def __init__(self, default: SGDDecrease, rule: str) -> None:
-        super().__init__(default.kl_clip, default.trust_region, default._parameters, default._sharding,
-                         default.nonfinite)
-        self.rule = rule
+    def __init__(self, kl_clip: float, rule: str) -> None:
+        self.kl_clip, self.rule = kl_clip, rule
 
     def apply(self, directions: dict[torch.Tensor, torch.Tensor], groups: list[dict[str, Any]],
               state: dict[torch.Tensor, dict[str, Any]]) -> dict[torch.Tensor, torch.Tensor]:
-        if not directions:
+        pairs = [(d, p.grad) for p, d in directions.items() if p.grad is not None]
+        if not pairs:
             return directions
-        lr = float(groups[0]["lr"])
         if self.rule == "layer":
-            for p, d in directions.items():
-                if p.grad is not None:
-                    d.mul_((p.grad.norm() / d.norm()).nan_to_num(1.0, 1.0, 1.0))
-
-        def term(direction: torch.Tensor, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-            return torch.stack([grad.dot(grad), direction.dot(grad), direction.dot(direction)])
-
-        gg, vg, vv = summed_terms(directions, self._parameters(), self._sharding, self.nonfinite, term, 3)
-        nu = {"euclidean": (gg / vv).sqrt(), "layer": torch.ones_like(gg),
-              "floor": (gg / vg).clamp(min=1.0)}[self.rule]
-        nu = torch.minimum(nu, (self.kl_clip / (lr**2 * vg.abs())).sqrt())
-        torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
+            for d, g in pairs:
+                d.mul_((g.norm() / d.norm()).nan_to_num(1.0, 1.0, 1.0))
+        gg, vg, vv = (sum((a * b).sum() for a, b in products) for products in
+                      ([(g, g) for _, g in pairs], [(d, g) for d, g in pairs], [(d, d) for d, _ in pairs]))
+        nu = {"euclidean": (gg / vv).sqrt(), "layer": torch.ones_like(gg), "floor": (gg / vg).clamp(min=1.0)}[self.rule]
+        nu = torch.minimum(nu, (self.kl_clip / (float(groups[0]["lr"]) ** 2 * vg.abs())).sqrt())
+        for d in directions.values():
+            d.mul_(nu)
         return directions
 
 
@@ -125,10 +120,12 @@ def _optimizer(variant: str, model: nn.Module, lr: float, momentum: float) -> to
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     settings = dict(VARIANTS[variant])
     length = settings.pop("length", None)
-    optimizer = KFAC(model, lr=lr, momentum=momentum, **settings)
-    if length is not None:  # a rule the library does not ship, in the default's place
-        optimizer._step_length = AlternativeLength(optimizer._step_length, length)
-    return optimizer
+    if length is None:
+        return KFAC(model, lr=lr, momentum=momentum, **settings)
+    kl_clip = settings.get("kl_clip", KFAC(nn.Linear(1, 1)).options.kl_clip)
+    with unittest.mock.patch.object(kfac_optim.optimizer, "step_length_for",  # a rule the library does not ship
+                                    lambda *args: AlternativeLength(kl_clip, length)):
+        return KFAC(model, lr=lr, momentum=momentum, **settings)
 
 
 def final_loss(task: str, variant: str, lr: float, momentum: float, seed: int, steps: int) -> float:

@@ -197,8 +197,9 @@ def test_dropin_lr_trains_each_variant_at_every_lr_and_reports_the_length_ratios
                               "--steps", "2", "--seeds", "1", "--ratios"])
     assert list(results) == ["regression momentum=0.0 sgd", "regression momentum=0.0 lr_squared",
                              "regression momentum=0.0 floor"]
-    model = dropin_lr.TASKS["regression"][0]()
-    assert isinstance(dropin_lr._optimizer("floor", model, 0.1, 0.0)._step_length, dropin_lr.AlternativeLength)
+    # the alternative rule replaces the default's for that optimizer only
+    floor, default = (dropin_lr.final_loss("regression", v, 0.01, 0.0, 0, 2) for v in ("floor", "default"))
+    assert floor != default and dropin_lr.final_loss("regression", "default", 0.01, 0.0, 0, 2) == default
     assert all(list(row) == [str(lr) for lr in dropin_lr.LRS] and all(v > 0 for v in row.values())
                for row in results.values())
     ratios = dropin_lr.length_ratios("regression", "lr_squared", 0.01, steps=2)
