@@ -103,6 +103,35 @@ def test_a_summed_loss_at_lr_over_n_takes_the_steps_of_the_mean_loss_at_lr() -> 
         torch.testing.assert_close(q, p, rtol=1e-9, atol=1e-12)
 
 
+def test_momentum_accumulates_the_scaled_directions() -> None:
+    """ν is chosen on each step's own ``V`` and SGD's momentum then accumulates ``ν·V``: after the same
+    first step, the second step with momentum μ is the momentum-free run's second step plus μ times
+    the first step (control: the same run at momentum 0, whose first two steps see the same
+    parameters and batches)."""
+    lr, momentum = 0.003, 0.9
+    runs = {}
+    for mu in (0.0, momentum):
+        net = _sgdtr_net(0)
+        optimizer = KFAC(net, lr=lr, momentum=mu, curvature=EXACT, **EVERY_STEP)
+        generator, params = torch.Generator().manual_seed(1000), [_sgdtr_flat(net)]
+        for _ in range(2):
+            x, y = _sgdtr_batch(generator)
+            optimizer.zero_grad()
+            F.mse_loss(net(x), y).backward()
+            optimizer.step()
+            params.append(_sgdtr_flat(net))
+        runs[mu] = params
+    plain, heavy = runs[0.0], runs[momentum]
+    torch.testing.assert_close(heavy[1], plain[1], rtol=0, atol=0)  # the first step: no history yet
+    first_step = plain[1] - plain[0]
+    torch.testing.assert_close(heavy[2] - heavy[1], plain[2] - plain[1] + momentum * first_step,
+                               rtol=1e-9, atol=1e-15)
+
+
+def _sgdtr_flat(net: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
+
+
 def _sgdtr_classifier(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
