@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = CharTransformer(args.context, args.width, args.layers, args.heads).to(args.device)
     optimizer = kfac_optim.KFAC(
-        model, lr=args.lr, momentum=0.9, damping=args.damping, kl_clip=0.1,
+        model, lr=args.lr, momentum=0.9, damping=args.damping,
+        kl_clip=0.1, update=kfac_optim.UpdateConfig(trust_region="lr_squared"),  # tuned under this trust region
         method="inverse", factor_update_steps=5, inv_update_steps=20,
     )
     print(optimizer.describe())

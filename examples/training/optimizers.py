@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, MilestoneSchedule, RuntimeConfig
+from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, MilestoneSchedule, RuntimeConfig, UpdateConfig
 from kfac_optim.config import FLAT_KEYWORDS
 
 from examples.training.config import OptimConfig, ScheduleConfig, SetupError
@@ -25,14 +25,17 @@ _SCHEDULE_KEYS = frozenset({"initial", "epochs", "gamma"})
 
 
 def kfac_kwargs(options: dict[str, Any], steps_per_epoch: int) -> dict[str, Any]:
-    """Config values -> KFAC keyword arguments: schedules to callables, dtype names to dtypes, and the
-    settings of KFAC's configs (``fisher``, ``skip_layers``, ``async_statistics``, ...: the flat keys of
+    """Config values -> KFAC keyword arguments: schedules to callables, dtype names to dtypes, ``update``'s
+    fields (``{trust_region: lr_squared}``) into ``update=``, and the settings of KFAC's configs
+    (``fisher``, ``skip_layers``, ``async_statistics``, ...: the flat keys of
     ``kfac_optim.config.FLAT_KEYWORDS``) into ``curvature=``/``asynchronous=``/``runtime=``."""
     kwargs: dict[str, Any] = {}
     for key, value in options.items():
         if value is None:
             raise SetupError(f"optim.kfac.{key} is null: give it a value, or delete the key to use KFAC's default")
-        if isinstance(value, dict):
+        if key == "update":
+            value = UpdateConfig(**value)
+        elif isinstance(value, dict):
             if set(value) != _SCHEDULE_KEYS:
                 raise SetupError(f"optim.kfac.{key}: a schedule has exactly the keys {sorted(_SCHEDULE_KEYS)}; "
                                  f"got {sorted(value)}")

@@ -201,10 +201,16 @@ class RuntimeConfig:
 class UpdateConfig:
     """How the preconditioned directions become the step (docs/design.md §4.1); every rank must share it.
 
-    ``trust_region``: the lr at which the KL bound ``kl_clip`` holds. "lr_squared" (the default): at
-    lr 1, i.e. ``ν = min(1, sqrt(kl_clip / |Σ ⟨V, ∇⟩|))`` bounds the direction and the applied step
-    ``lr_t·ν·V`` has the KL bound ``kl_clip·lr_t²``: the lr (and its schedule) sets the step's length
-    whether the clip binds or not, as SGD's does (docs/design.md §4.1). "base_lr": ν is
+    ``trust_region``: how ``kl_clip`` sets the step's length. "sgd" (the default): K-FAC's directions
+    scaled by one ``ν = Σ lr‖∇‖² / Σ lr⟨V, ∇⟩`` over all K-FAC parameters, so the step ``lr·ν·V``
+    promises the first-order decrease of SGD's ``lr·∇`` (each param group at its lr), then ``ν``
+    lowered where the step's KL estimate ``Σ lr²ν²⟨V, ∇⟩`` would exceed ``kl_clip`` (a bound in nats
+    that does not grow with the lr: a mistyped lr stays bounded). The lr scales the step as SGD's
+    does, and a summed loss at ``lr/N`` (``CurvatureConfig(loss_reduction="sum")``) takes the step of
+    the mean loss at ``lr`` (``kfac_optim.step_length.SGDDecrease``, docs/design.md §4.1).
+    The KL clips (``kfac_optim.step_length.KLClip``) scale by ``ν = min(1, sqrt(kl_clip / |Σ lr₀² ⟨V, ∇⟩|))``:
+    "lr_squared": at lr 1 (``lr₀ = 1``), so the applied step ``lr_t·ν·V`` has the KL bound
+    ``kl_clip·lr_t²`` (the default of the previous release). "base_lr": ν is
     computed at each param group's base lr (its ``"kfac_base_lr"``: its lr when the optimizer was
     built or the group added, see ``KFAC.trust_region_lr``), so while the clip binds the applied
     step ``lr_t·ν·V`` scales with the scheduled lr: the bound at ``lr_t`` is
@@ -219,15 +225,15 @@ class UpdateConfig:
     ``adam_betas``, ``adam_eps``: Adam's, for ``grafting="adam"``.
     """
 
-    trust_region: Literal["lr_squared", "base_lr", "scheduled_lr"] = "lr_squared"
+    trust_region: Literal["sgd", "lr_squared", "base_lr", "scheduled_lr"] = "sgd"
     decoupled_weight_decay: bool = False
     grafting: Literal["sgd", "adam"] | None = None
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
 
     def __post_init__(self) -> None:
-        if self.trust_region not in ("lr_squared", "base_lr", "scheduled_lr"):
-            raise ValueError("UpdateConfig.trust_region must be 'lr_squared', 'base_lr' or 'scheduled_lr', "
+        if self.trust_region not in ("sgd", "lr_squared", "base_lr", "scheduled_lr"):
+            raise ValueError("UpdateConfig.trust_region must be 'sgd', 'lr_squared', 'base_lr' or 'scheduled_lr', "
                              f"got {self.trust_region!r}")
         _check_bool("UpdateConfig", "decoupled_weight_decay", "decoupled_weight_decay", self.decoupled_weight_decay)
         if self.grafting not in (None, "sgd", "adam"):
@@ -250,8 +256,8 @@ class KFACOptions:
 
     ``damping``: λ, in Fisher units of a per-sample loss (docs/design.md §3), a float > 0, a
     callable ``step -> float`` or an ``AdaptiveDamping`` (Levenberg–Marquardt,
-    ``kfac_optim.damping``). ``kl_clip``: the trust-region size ν is computed from (None: no
-    clipping). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh
+    ``kfac_optim.damping``). ``kl_clip``: the bound on the step's KL estimate ν is computed from
+    (``UpdateConfig.trust_region``; None: no scaling). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh
     decompositions every this many steps (int >= 1 or callable ``step -> int``), or ``"auto"`` /
     an ``AutoIntervals`` (the default): chosen from the cost counted from shapes, or a
     ``MeasuredIntervals``: from the cost timed on the first steps (``kfac_optim.intervals``). ``method``:

@@ -19,8 +19,10 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
     if k % inv_update_steps(k) == 0:     refresh eig(A), eig(G)   (or the π-damped inverses;
                                          AsyncConfig: adopt the worker's last round, start one)
     V   = (G ⊗ A + λI)⁻¹ ∇W                               (per layer)
-    ν   = min(1, sqrt(kl_clip / |Σ_layers lr₀² ⟨V, ∇W⟩|))    (lr₀ = 1 by default: the KL bound of the
-                                                          applied step is kl_clip·lr²; UpdateConfig.trust_region, §4.1)
+    ν   = Σ lr‖∇W‖² / Σ lr⟨V, ∇W⟩, at most sqrt(kl_clip / |Σ lr² ⟨V, ∇W⟩|)
+          (the default trust region "sgd": SGD's first-order decrease in K-FAC's direction, its KL
+           estimate at most kl_clip; the KL clips min(1, sqrt(kl_clip / |Σ lr₀² ⟨V, ∇W⟩|)):
+           UpdateConfig.trust_region, §4.1)
     d   = ν·V  for K-FAC parameters,  ∇p  for every other parameter
           (UpdateConfig.grafting: no ν; d = M·‖s‖/‖M‖ per tensor, see kfac_optim.grafting)
           (method="eigen_adam": every other parameter takes Adam's step instead, with no SGD
@@ -96,9 +98,9 @@ class KFAC(KFACViews, Optimizer, Joinable):
             ``kfac_optim.AdaptiveDamping``: λ adapted every few steps by Levenberg–Marquardt from
             the reduction ratio of the quadratic model; it needs ``step(closure)`` (docs/api.md
             "Adaptive damping").
-        kl_clip: bound on the KL-divergence estimate of the direction at lr 1, so the applied step
-            ``lr·ν·V`` has the bound ``kl_clip·lr²`` and the lr sets its length as SGD's
-            (``UpdateConfig.trust_region``); None disables clipping.
+        kl_clip: bound on the KL-divergence estimate of the applied step ``lr·ν·V``: below it the
+            step promises SGD's first-order decrease at the lr, so the lr sets it as SGD's (``UpdateConfig.trust_region``); None: K-FAC's
+            directions unscaled.
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable), or
             "auto" (default) / a ``kfac_optim.intervals.AutoIntervals``: chosen from the cost
             counted from the layers' and the first batch's shapes, reproducible; a

@@ -1,11 +1,12 @@
 """The step's length: what turns K-FAC's preconditioned directions into the directions SGD's update
 applies (docs/design.md §4.1). One owner, chosen once at construction by :func:`step_length_for`
-from the public settings: the KL clip (:class:`KLClip`, ``kl_clip=``), an SGD or Adam graft
-(``UpdateConfig(grafting=...)``, :class:`kfac_optim.grafting.SGDGraft` / ``AdamGraft``) or none
-(:class:`NoClip`, ``kl_clip=None``).
+from the public settings: K-FAC's direction at SGD's first-order decrease, under a KL bound
+(:class:`SGDDecrease`, the default ``UpdateConfig(trust_region="sgd")``), a KL clip (:class:`KLClip`, the other trust regions), an SGD
+or Adam graft per tensor (``UpdateConfig(grafting=...)``, :class:`kfac_optim.grafting.SGDGraft` /
+``AdamGraft``) or none (:class:`NoClip`, ``kl_clip=None``).
 
-Owns: the :class:`StepLength` interface and the choice; the KL clip's ν, its sum over FSDP2
-shards and its count of non-finite directions; the trust-region lr ``lr₀`` of each param group
+Owns: the :class:`StepLength` interface and the choice; ν, its sums over FSDP2 shards and its
+count of non-finite directions (:func:`summed_terms`); the trust-region lr ``lr₀`` of each param group
 (:class:`TrustRegion`, ``UpdateConfig.trust_region``) with its base lr and the zero-base-lr warning.
 Must not know: the curvature or the blocks (it is handed the parameters in block order, the
 sharding and the counter the estimator reports), SGD's update, schedules.
@@ -29,7 +30,7 @@ from kfac_optim.grafting import AdamGraft, SGDGraft
 if TYPE_CHECKING:
     from kfac_optim.distributed.sharding import Sharding
 
-__all__ = ["KLClip", "NoClip", "StepLength", "TrustRegion", "step_length_for"]
+__all__ = ["KLClip", "NoClip", "SGDDecrease", "StepLength", "TrustRegion", "step_length_for", "summed_terms"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +88,13 @@ class TrustRegion:
         )
 
     def lr(self, group: dict[str, Any]) -> float | Tensor:
-        """``lr₀`` of ``group``: "lr_squared" (the default) 1; "scheduled_lr" its lr; "base_lr" its
+        """``lr₀`` of ``group``: "lr_squared" 1; "scheduled_lr" and "sgd" (the default, whose KL bound
+        holds at the scheduled lr) its lr; "base_lr" its
         ``"kfac_base_lr"`` (a group loaded from a state dict of an earlier release gets its
         ``"initial_lr"``, set by ``torch.optim.lr_scheduler``, else its lr now)."""
         if self.rule == "lr_squared":
             return 1.0
-        if self.rule == "scheduled_lr":
+        if self.rule in ("scheduled_lr", "sgd"):
             return group["lr"]
         if "kfac_base_lr" not in group:
             group["kfac_base_lr"] = _copy_lr(group.get("initial_lr", group["lr"]))
@@ -102,7 +104,7 @@ class TrustRegion:
 class KLClip:
     """``kl_clip=c``: every direction scaled by ``ν = min(1, sqrt(c / |Σ lr₀² ⟨d, ∇p⟩|))`` in place.
 
-    ``lr₀`` is the parameter's group's :meth:`TrustRegion.lr` (1 under the default
+    ``lr₀`` is the parameter's group's :meth:`TrustRegion.lr` (1 under
     ``trust_region="lr_squared"``), so the bound on the applied step ``lr·ν·d`` at the scheduled
     ``lr`` is ``c·(lr/lr₀)²`` (docs/design.md §4.1).
 
@@ -128,25 +130,88 @@ class KLClip:
         if not directions:
             return directions
         lr_of = {p: self.trust_region.lr(group) for group in groups for p in group["params"]}
-        zero = self.nonfinite.new_zeros((), dtype=next(iter(directions.values())).dtype)
 
-        def term(param: Tensor) -> Tensor:
-            if param not in directions or param.grad is None:
-                return zero
-            rows, grad = fsdp.local(directions[param]), fsdp.local(param.grad)
-            return torch.vdot(rows.reshape(-1), grad.to(rows.dtype).reshape(-1)) * lr_of[param] ** 2
+        def term(direction: Tensor, grad: Tensor, param: Tensor) -> Tensor:
+            return torch.vdot(direction, grad).reshape(1) * lr_of[param] ** 2
 
-        # one per K-FAC parameter, in block order; 0 for those without a direction
-        params = self._parameters()
-        per_parameter = torch.stack([term(param) for param in params])
-        if self._sharding.row_sharded is not None:  # one all-reduce of the terms over the shard group
-            sharded = [fsdp.is_sharded(p) for p in params]
-            summed = self._sharding.sum_over_shards(per_parameter.clone())
-            per_parameter = torch.stack([summed[i] if s else per_parameter[i] for i, s in enumerate(sharded)])
-        finite = torch.isfinite(per_parameter)
-        self.nonfinite += ~finite
-        kl_estimate = per_parameter.where(finite, 0.0).sum().abs()
+        (kl_estimate,) = summed_terms(directions, self._parameters(), self._sharding, self.nonfinite, term, 1).abs()
         nu = (self.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
+        torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
+        return directions
+
+
+def summed_terms(directions: dict[Tensor, Tensor], params: list[Tensor], sharding: Sharding, nonfinite: Tensor,
+                 term: Callable[[Tensor, Tensor, Tensor], Tensor], count: int) -> Tensor:
+    """``Σ_p term(V_p, ∇p, p)`` over the K-FAC parameters ``params`` (block order) whose terms are finite:
+    ``term`` maps a parameter's flattened local direction rows, gradient rows (in the direction's dtype)
+    and the parameter to ``count`` terms ``(count,)``; a parameter without a direction or gradient
+    contributes 0. FSDP2-sharded parameters' terms are summed over the shards first. A parameter
+    with a non-finite term is left out and counted in ``nonfinite`` (one entry per parameter, on the
+    device: a non-finite gradient makes its layer's whole direction non-finite). Returns ``(count,)``."""
+    zero = nonfinite.new_zeros(count, dtype=next(iter(directions.values())).dtype)
+
+    def terms_of(param: Tensor) -> Tensor:
+        if param not in directions or param.grad is None:
+            return zero
+        rows, grad = fsdp.local(directions[param]), fsdp.local(param.grad)
+        return term(rows.reshape(-1), grad.to(rows.dtype).reshape(-1), param)
+
+    per_parameter = torch.stack([terms_of(param) for param in params])  # (P, count)
+    if sharding.row_sharded is not None:  # one all-reduce of the terms over the shard group
+        sharded = [fsdp.is_sharded(p) for p in params]
+        summed = sharding.sum_over_shards(per_parameter.clone())
+        per_parameter = torch.stack([summed[i] if s else per_parameter[i] for i, s in enumerate(sharded)])
+    finite = torch.isfinite(per_parameter).all(dim=1)
+    nonfinite += ~finite
+    return per_parameter.where(finite[:, None], 0.0).sum(dim=0)
+
+
+class SGDDecrease:
+    """``trust_region="sgd"`` (the default): K-FAC's directions at the length where they promise SGD's
+    first-order decrease of the loss, the step's KL estimate bounded by ``kl_clip`` whatever the lr.
+
+    With ``lr_g`` each param group's scheduled lr (:meth:`TrustRegion.lr`) and the sums over the
+    K-FAC parameters ``p`` that have a direction::
+
+        ν = Σ lr_g ‖∇p‖² / Σ lr_g ⟨V_p, ∇p⟩              ⟨lr·ν·V, ∇⟩ = ⟨lr·∇, ∇⟩: SGD's first-order decrease
+        ν ← min(ν, sqrt(kl_clip / |Σ lr_g² ⟨V_p, ∇p⟩|))  the applied step's KL estimate at most ``kl_clip``
+
+    and every direction is scaled by ν in place (1 where every lr is 0). One ν for all K-FAC
+    parameters, so K-FAC's proportions across layers are kept. The lr scales the step as it scales
+    SGD's until the step's KL estimate reaches ``kl_clip``; from there the step stays put, so a
+    mistyped lr is bounded. Every term is homogeneous in the loss's scale, so a summed loss at
+    ``lr/N`` takes the step of the mean loss at ``lr`` when the factors keep their units
+    (``loss_reduction="sum"``). Why this length: on a quadratic whose curvature K-FAC's factors
+    hold (eigenvalues ``h``, gradient components ``g``), ``V = g/(h + λ)``, and at equal first-order
+    decrease the curvature term of ``ν·V`` is at most SGD's (Cauchy–Schwarz; equal as λ → ∞, where
+    ``ν·V → ∇``), and along the largest eigenvalue ``ν·V`` is no longer than ``∇`` (ν, a weighted
+    harmonic mean of ``h + λ``, is at most its largest): stable where SGD's lr is
+    (docs/design.md §4.1). Non-finite terms and FSDP2 shards as :class:`KLClip`.
+    """
+
+    def __init__(self, kl_clip: float, trust_region: TrustRegion, parameters: Callable[[], list[Tensor]],
+                 sharding: Sharding, nonfinite: Tensor) -> None:
+        self.kl_clip = kl_clip
+        self.trust_region = trust_region
+        self._parameters = parameters
+        self._sharding = sharding
+        self.nonfinite = nonfinite
+
+    @record_function("kfac.kl_clip")
+    def apply(self, directions: dict[Tensor, Tensor], groups: list[dict[str, Any]],
+              state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, Tensor]:
+        if not directions:
+            return directions
+        lr_of = {p: self.trust_region.lr(group) for group in groups for p in group["params"]}
+
+        def term(direction: Tensor, grad: Tensor, param: Tensor) -> Tensor:
+            lr = lr_of[param]
+            inner = torch.vdot(direction, grad)
+            return torch.stack([torch.vdot(grad, grad) * lr, inner * lr, inner * lr**2])
+
+        sgd, kfac, kl_estimate = summed_terms(directions, self._parameters(), self._sharding, self.nonfinite, term, 3)
+        nu = (sgd / kfac).where(kfac > 0, 1.0)
+        nu = torch.minimum(nu, (self.kl_clip / kl_estimate.abs()).sqrt())
         torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
         return directions
 
@@ -154,14 +219,17 @@ class KLClip:
 def step_length_for(options: KFACOptions, trust_region: TrustRegion, parameters: Callable[[], list[Tensor]],
                     sharding: Sharding, nonfinite: Tensor) -> StepLength:
     """The step length ``options`` ask for: ``UpdateConfig.grafting``'s graft (``KFACOptions``
-    refuses it beside ``kl_clip``), else the KL clip, else none. Grafts are refused under FSDP2
-    row sharding (``NotImplementedError``)."""
+    refuses it beside ``kl_clip``), else none at ``kl_clip=None``, else SGD's decrease under the KL bound
+    (``trust_region="sgd"``) or the KL clip. Grafts are refused under FSDP2 row sharding
+    (``NotImplementedError``)."""
     update = options.update
     row_sharded = sharding.row_sharded is not None
     if update.grafting == "sgd":
         return SGDGraft(row_sharded)
     if update.grafting == "adam":
         return AdamGraft(update.adam_betas, update.adam_eps, row_sharded)
-    if options.kl_clip is not None:
-        return KLClip(options.kl_clip, trust_region, parameters, sharding, nonfinite)
-    return NoClip()
+    if options.kl_clip is None:
+        return NoClip()
+    if update.trust_region == "sgd":
+        return SGDDecrease(options.kl_clip, trust_region, parameters, sharding, nonfinite)
+    return KLClip(options.kl_clip, trust_region, parameters, sharding, nonfinite)

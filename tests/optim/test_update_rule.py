@@ -122,7 +122,7 @@ def test_while_the_kl_bound_binds_the_step_scales_with_the_scheduled_lr(schedule
 
 @pytest.mark.parametrize("kl_clip", [None, 1e-4], ids=["default kl_clip", "kl_clip 1e-4"])
 def test_doubling_the_base_lr_doubles_the_clipped_step(kl_clip: float | None) -> None:
-    """The default trust region (``"lr_squared"``): ``ν = sqrt(kl_clip / ⟨V, ∇⟩) < 1`` does not
+    """The ``"lr_squared"`` trust region (the previous default): ``ν = sqrt(kl_clip / ⟨V, ∇⟩) < 1`` does not
     depend on the lr, so while the clip binds the first step is ``lr·ν·V``: twice the lr, twice the
     step (under ``"base_lr"`` or ``"scheduled_lr"`` the lr cancels and the step stays the same)."""
     settings: dict[str, Any] = {} if kl_clip is None else {"kl_clip": kl_clip}
@@ -135,7 +135,8 @@ def test_doubling_the_base_lr_doubles_the_clipped_step(kl_clip: float | None) ->
     for lr in (0.1, 0.2):
         net = _net()
         before = _params(net)
-        optimizer = KFAC(net, lr=lr, curvature=DOUBLE, inv_update_steps=1, factor_update_steps=1, **settings)
+        optimizer = KFAC(net, lr=lr, curvature=DOUBLE, inv_update_steps=1, factor_update_steps=1,
+                         update=UpdateConfig(trust_region="lr_squared"), **settings)
         _backward(net)
         optimizer.step()
         steps.append(_flat(before) - _flat(_params(net)))

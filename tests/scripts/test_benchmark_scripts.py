@@ -209,3 +209,19 @@ def test_conv_statistics_times_each_kind_and_trains_with_each(tmp_path: Path) ->
         assert [len(losses) for losses in payload["progress"]["tasks"][task]["kinds"]["reduce"]["losses"]] == [2]
     assert json.loads((tmp_path / "both.json").read_text())["cost"]["batch"] == 2
     assert (tmp_path / "both.png").exists()
+
+
+def test_dropin_lr_trains_each_variant_at_every_lr_and_reports_the_length_ratios() -> None:
+    from benchmarks import dropin_lr
+
+    results = dropin_lr.main(["--tasks", "regression", "--variants", "sgd", "lr_squared", "floor", "--momenta", "0",
+                              "--steps", "2", "--seeds", "1", "--ratios"])
+    assert list(results) == ["regression momentum=0.0 sgd", "regression momentum=0.0 lr_squared",
+                             "regression momentum=0.0 floor"]
+    # the alternative rule replaces the default's for that optimizer only
+    floor, default = (dropin_lr.final_loss("regression", v, 0.01, 0.0, 0, 2) for v in ("floor", "default"))
+    assert floor != default and dropin_lr.final_loss("regression", "default", 0.01, 0.0, 0, 2) == default
+    assert all(list(row) == [str(lr) for lr in dropin_lr.LRS] and all(v > 0 for v in row.values())
+               for row in results.values())
+    ratios = dropin_lr.length_ratios("regression", "lr_squared", 0.01, steps=2)
+    assert len(ratios) == 2 and all(r > 0 for r in ratios)

@@ -18,10 +18,12 @@ import pytest
 import torch
 from torch import nn
 
+from kfac_optim import UpdateConfig
+
 from examples import train
 from examples.training.config import ModelConfig, ScheduleConfig, load_experiment
 from examples.training.models import build_network
-from examples.training.optimizers import LRFactor
+from examples.training.optimizers import LRFactor, build_optimizer
 from helpers import import_torchvision
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +77,16 @@ def test_overrides_reach_every_run_or_the_named_one() -> None:
     assert [run.optim.lr for run in both.runs] == [0.5, 0.5]
     one = load_experiment(DIGITS, ["kfac.optim.lr=0.5"])
     assert [run.optim.lr for run in one.runs] == [load_experiment(DIGITS).runs[0].optim.lr, 0.5]
+
+
+def test_a_kfac_update_section_becomes_kfacs_update_config() -> None:
+    """``optim.kfac.update: {trust_region: ...}`` (how the shipped configs name the trust region their
+    ``kl_clip`` was tuned under) reaches ``KFAC(update=UpdateConfig(...))``."""
+    (kfac_run,) = [run for run in load_experiment(DIGITS).runs if run.name == "kfac"]
+    model = build_network(kfac_run.model, (1, 8, 8), 10)
+    optimizer = build_optimizer(kfac_run.optim, model, steps_per_epoch=10)
+    assert optimizer.options.update == UpdateConfig(trust_region="lr_squared")
+    assert optimizer.options.kl_clip == kfac_run.optim.kfac["kl_clip"]
 
 
 def test_an_unknown_key_is_a_usage_error_that_names_it(capsys: pytest.CaptureFixture[str]) -> None:
