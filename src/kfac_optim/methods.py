@@ -379,6 +379,7 @@ class EigenAdam(Eigen):
     eps: float = 1e-8
     max_rank: int | None = field(default=EIGEN_ADAM_MAX_RANK, kw_only=True)
     thin_width: int = field(default=EIGEN_ADAM_THIN_WIDTH, kw_only=True)
+    beta1: float | None = field(default=None, kw_only=True)
 
     name: ClassVar[str] = "eigen_adam"
     basis: ClassVar[Basis] = Basis.CAPPED
@@ -391,6 +392,9 @@ class EigenAdam(Eigen):
             raise ValueError(f"EigenAdam beta2 must be in [0, 1), got {self.beta2}")
         if not 0.0 < self.eps < math.inf:
             raise ValueError(f"EigenAdam eps must be a finite number > 0, got {self.eps}")
+        if self.beta1 is not None and (isinstance(self.beta1, bool) or not isinstance(self.beta1, int | float)
+                                       or not 0.0 <= self.beta1 < 1.0):
+            raise ValueError(f"EigenAdam beta1 must be None or a number in [0, 1), got {self.beta1!r}")
         if isinstance(self.thin_width, bool) or not isinstance(self.thin_width, int) or (
                 self.max_rank is not None and self.thin_width < self.max_rank):
             raise ValueError(f"EigenAdam thin_width must be an int >= max_rank ({self.max_rank}), got {self.thin_width!r}")
@@ -437,8 +441,19 @@ class EigenAdam(Eigen):
         t.add_(finite.to(t.dtype))
         torch.mul(v, self.beta2, out=scratch).addcmul_(rotated, rotated, value=1.0 - self.beta2)
         torch.where(finite, scratch, v, out=v)
+        if self.beta1 is not None:  # Adam's m̂, rotated with the bases held now, replaces R above the root
+            rotated = rotate(self._first_moment(state, grad, finite, t), a, g, scratch)
         torch.div(v, 1.0 - torch.pow(self.beta2, t), out=scratch).sqrt_().add_(self.eps)
         return unrotate(rotated.div_(scratch), a, g, scratch)
+
+    def _first_moment(self, state: dict[str, Tensor], grad: Tensor, finite: Tensor, t: Tensor) -> Tensor:
+        """``m ← β₁ m + (1 − β₁) ∇`` (in the parameters' coordinates, kept as is where ``finite`` is
+        False) and the bias-corrected ``m / (1 − β₁ᵗ)`` in a fresh tensor."""
+        if "m" not in state or state["m"].shape != grad.shape:
+            state["m"] = torch.zeros_like(grad)
+        m = state["m"]
+        torch.where(finite, torch.mul(m, self.beta1).add_(grad, alpha=1.0 - self.beta1), m, out=m)
+        return torch.div(m, 1.0 - torch.pow(self.beta1, t))
 
     def _moments(self, state: dict[str, Tensor], rotated: Tensor) -> tuple[Tensor, Tensor]:
         """The block's ``v`` (shaped as ``rotated``; resized keeping its trailing entries when the
@@ -469,6 +484,11 @@ class EigenAdam(Eigen):
         for moment, part in ((v, rotated), (w, outside)):
             updated = torch.mul(moment, self.beta2).addcmul_(part, part, value=1.0 - self.beta2)
             torch.where(finite, updated, moment, out=moment)
+        if self.beta1 is not None:  # Adam's m̂ split as ∇ is, in place of R and O above the roots
+            first = self._first_moment(state, grad, finite, t)
+            rotated = _thin_rotate(first, a, g)
+            outside = first.sub_(_thin_unrotate(rotated, a, g))
+        for moment, part in ((v, rotated), (w, outside)):
             part.div_(torch.div(moment, correction).sqrt_().add_(self.eps))
         return _thin_unrotate(rotated, a, g).add_(outside)
 
