@@ -133,6 +133,13 @@ class Method(ABC):
         gradients: ``grafting.outside_kfac_for`` checks)."""
         return None
 
+    def first_moment(self) -> float | None:
+        """Adam's ``β₁`` when :meth:`precondition` keeps the first moment itself (before its
+        normalization, as SOAP does): the param groups then need ``momentum=0``, and the parameters
+        outside K-FAC take it as their β₁ (``grafting.outside_kfac_for`` checks). None (the default):
+        the group's SGD momentum acts on the directions."""
+        return None
+
     def approximations(self, pairs: Sequence[tuple[str, FactorView, FactorView]]) -> str | None:
         """One line for ``KFAC.describe()`` naming the factors of ``pairs`` (``(layer, A, G)``) that
         this method approximates beyond K-FAC's Kronecker factorization, and how (None: none)."""
@@ -404,6 +411,10 @@ class EigenAdam(Eigen):
     def outside_kfac(self) -> tuple[float, float] | None:
         """Adam's update with this method's ``(beta2, eps)`` (its directions have Adam's scale)."""
         return self.beta2, self.eps
+
+    def first_moment(self) -> float | None:
+        """:attr:`beta1` (None: SGD's momentum on the directions)."""
+        return self.beta1
 
     def rank_thresholds(self, a: FactorView, g: FactorView, damping: float) -> tuple[float | None, float | None]:
         """0 for a capped factor (thin: its rounding-floor eigenvalues dropped, at most ``max_rank``
