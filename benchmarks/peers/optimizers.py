@@ -84,7 +84,8 @@ KFAC_VARIANTS = {"kfac_eigen": _EIGEN_SETTINGS,
                  "kfac_ema": {**KFAC_SETTINGS, "dampening": 0.9},
                  "kfac_stats1": {**KFAC_SETTINGS, "factor_update_steps": 1},
                  "kfac_refresh10": {**KFAC_SETTINGS, "inv_update_steps": 10},
-                 "kfac_soap_m": {**KFAC_SETTINGS, "momentum": 0.0, "method": kfac_optim.EigenAdam(beta1=0.9)}}
+                 "kfac_soap_m": {**KFAC_SETTINGS, "momentum": 0.0, "method": kfac_optim.EigenAdam(beta1=0.9)},
+                 "kfac_soap_freq": {**KFAC_SETTINGS, "factor_update_steps": 1, "inv_update_steps": 2}}
 """K-FAC configurations measured against each other on request (module docstring)."""
 CHOICES = (*OPTIMIZERS, *KFAC_VARIANTS)
 """Every name ``--optimizers`` accepts."""
@@ -93,7 +94,7 @@ CENTRES = {"sgd": 0.3, "adamw": 3e-3, "muon": 1e-2, "kfac": 3e-3, "soap": 3e-3, 
            "kfac_dropin": 0.3, "kfac_dropin_graft": 0.3, "kfac_dropin_damping001": 0.3,
            "kfac_dropin_lm": 0.3, "kfac_dropin_sampled": 0.3, "kfac_beta2_099": 3e-3, "kfac_ema": 3e-3,
            "kfac_stats1": 3e-3, "kfac_refresh10": 3e-3,
-           "kfac_soap_m": 3e-3}
+           "kfac_soap_m": 3e-3, "kfac_soap_freq": 3e-3}
 
 
 def lr_grid(name: str, points: int) -> list[float]:

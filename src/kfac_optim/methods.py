@@ -358,7 +358,14 @@ class EigenAdam(Eigen):
     The factors' eigenvalues and the damping ``λ`` do not enter: ``v`` replaces ``d_G d_Aᵀ + λ``
     (the per-entry second moment George et al. estimate from per-sample gradients is here the
     running mean of the mini-batch gradient's, as in SOAP); ``ε`` is the only regularizer. The
-    first moment is SGD's momentum, applied after the KL clip on ``V``.
+    first moment is SGD's momentum, applied after the KL clip on ``V`` (``beta1`` None), or, with
+    ``beta1`` (keyword, in [0, 1)), SOAP's: Adam's first moment of the gradient, kept by the method
+    in the parameters' coordinates and rotated with the bases held now, over the root::
+
+        m ← β₁ m + (1 − β₁) ∇,   V = U_G [U_Gᵀ (m / (1 − β₁ᵗ)) U_A / (sqrt(v̂) + ε)] U_Aᵀ
+
+    (two more products per step; the param groups then need ``momentum=0``, and the parameters
+    outside K-FAC take ``beta1`` as their β₁: :meth:`first_moment`).
     A diagonal factor (an embedding's ``A``) has the identity as its basis, so its side is not
     rotated. When the bases are refreshed ``v`` is kept as is, not re-projected (SOAP's choice:
     the running factors and so the bases move slowly, and nothing else need be held).
@@ -378,8 +385,10 @@ class EigenAdam(Eigen):
     eigenvectors (its trailing rows and columns) and the new ones start at 0.
     A step whose gradient has a non-finite entry leaves the state unchanged (its direction is
     non-finite, and the KL clip leaves that layer out and reports it).
-    State per block: ``v`` (shaped as ``R``, in the decomposition dtype), ``t``, and ``w`` (shaped as
-    the joint gradient) when a side is capped.
+    With ``beta1`` and a capped side, ``m̂`` is split as ``∇`` is and its two parts take the places
+    of ``R`` and ``O`` over the roots. State per block: ``v`` (shaped as ``R``, in the decomposition
+    dtype), ``t``, ``w`` (shaped as the joint gradient) when a side is capped, and ``m`` (shaped as
+    the joint gradient) with ``beta1``.
     """
 
     beta2: float = 0.95
@@ -424,12 +433,14 @@ class EigenAdam(Eigen):
     def precondition_cost(self, a: FactorView, g: FactorView) -> float:
         """Full rotations and Adam's elementwise update of the rotated gradient (about ten passes);
         with a capped side, three rotations at ``max_rank`` columns there (the projection) and
-        about ten more passes for the outside part."""
+        about ten more passes for the outside part. With ``beta1``, the rotation of ``m̂`` (one
+        product per side more, two with a capped side) and its update (about three passes)."""
         a_columns = self.max_rank if self._capped_in_pair(a, a, g) else a.dim
         g_columns = self.max_rank if self._capped_in_pair(g, a, g) else g.dim
+        first = self.beta1 is not None
         if a_columns == a.dim and g_columns == g.dim:
-            return _rotations(a, g, a.dim, g.dim, products=2) + _elementwise(a, g, passes=10)
-        return _rotations(a, g, a_columns, g_columns, products=3) + _elementwise(a, g, passes=20)
+            return _rotations(a, g, a.dim, g.dim, products=2 + first) + _elementwise(a, g, passes=10 + 3 * first)
+        return _rotations(a, g, a_columns, g_columns, products=3 + 2 * first) + _elementwise(a, g, passes=20 + 3 * first)
 
     def approximations(self, pairs: Sequence[tuple[str, FactorView, FactorView]]) -> str | None:
         capped = [f"{layer}.{side} ({factor.dim})" for layer, a, g in pairs

@@ -374,6 +374,22 @@ def test_eigen_adam_lowers_the_loss_at_least_as_much_as_adamw_at_the_same_lr(max
     assert initial - eigen_adam >= initial - reference, (initial, eigen_adam, reference)
 
 
+@pytest.mark.parametrize("max_rank", [THIN_RANK, None])
+def test_eigen_adam_with_soaps_first_moment_lowers_the_loss_at_least_as_much_as_adamw(max_rank: int | None) -> None:
+    """The same race with the first moment where SOAP keeps it (``EigenAdam(beta1=0.9)``, momentum 0)."""
+    def adamw(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=CONVERGENCE_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+    def soap_placed(model: nn.Module) -> KFAC:
+        method = EigenAdam(max_rank=max_rank, thin_width=max_rank or EigenAdam().thin_width, beta1=0.9)
+        return KFAC(model, lr=CONVERGENCE_LR, momentum=0.0, kl_clip=None, factor_update_steps=1, inv_update_steps=2,
+                    method=method)
+
+    initial, eigen_adam = regression_loss_after(soap_placed, CONVERGENCE_STEPS)
+    _, reference = regression_loss_after(adamw, CONVERGENCE_STEPS)
+    assert initial - eigen_adam >= initial - reference, (initial, eigen_adam, reference)
+
+
 def test_describe_names_the_factors_held_thin() -> None:
     optimizer = thin_optimizer(make_net())
     line = next(line for line in optimizer.describe().splitlines() if "thin eigenbasis" in line)
