@@ -15,6 +15,7 @@ two designs for a wide factor timed alone (median of ``--rounds``·5 calls): the
 (``EigenAdam.precondition`` on held ``Q (n, 128)``, and the randomized decomposition) against
 block-diagonal factors (``A`` as 9 blocks of 512: ``eigh`` per block and the blocked rotation
 with the same Adam update), and full bases (``EigenAdam(max_rank=None)``, one ``eigh`` of 4608).
+The entry ``beta1``: the thin basis with SOAP's first moment (``EigenAdam(beta1=0.9)``, momentum 0).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def optimizers() -> dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer]
                                   method=EigenAdam(max_rank=max_rank))
     return {"adamw": lambda model: torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95)),
             "eigen_adam full": kfac(None), f"eigen_adam thin {EigenAdam().max_rank}": kfac(EigenAdam().max_rank),
-            "eigen_adam thin 256": kfac(256)}
+            "eigen_adam thin 256": kfac(256),
+            f"eigen_adam thin {EigenAdam().max_rank} beta1": lambda model: KFAC(
+                model, lr=LR, momentum=0.0, kl_clip=None, method=EigenAdam(beta1=0.9))}
 
 
 def step_times(name: str, make: Callable[[torch.nn.Module], torch.optim.Optimizer], warmup: int, steps: int) -> list[float]:

@@ -40,6 +40,12 @@ SGD's grid; ``kfac_dropin_graft``: the same with ``UpdateConfig(grafting="sgd")`
 ``m ← 0.9 m + 0.1 d``) instead of SGD's sum (``m ← 0.9 m + d``, up to 10× the direction): the
 update of the preconditioned layers then has AdamW's RMS at equal lr (on AdamW's grid;
 ``python -m benchmarks.peers.update_rms``, docs/tuning.md "Replacing AdamW").
+EigenAdam against SOAP, one of SOAP's choices at a time (benchmarks/results/eigen_adam_ablation/):
+``kfac_soap_m``, SOAP's first moment (``EigenAdam(beta1=0.9)``, Adam's m of the gradient rotated
+over the root, momentum 0); ``kfac_stats1``, the factors folded every step (SOAP's statistics
+frequency, decay 0.95 per step as SOAP's); ``kfac_refresh10``, the bases refreshed every 10 steps
+(the SOAP paper's frequency); ``kfac_soap_freq``, statistics every step and bases every 2 steps
+(heavyball SOAP's default frequency); ``kfac_soap_m_freq``, the first moment and those frequencies.
 """
 
 from __future__ import annotations
@@ -80,14 +86,23 @@ KFAC_VARIANTS = {"kfac_eigen": _EIGEN_SETTINGS,
                  "kfac_dropin_lm": {**_DROP_IN, **_ADAPTIVE},
                  "kfac_dropin_sampled": {**_DROP_IN, "curvature": kfac_optim.CurvatureConfig(fisher="sampled")},
                  "kfac_beta2_099": {**KFAC_SETTINGS, "method": kfac_optim.EigenAdam(beta2=0.99)},
-                 "kfac_ema": {**KFAC_SETTINGS, "dampening": 0.9}}
+                 "kfac_ema": {**KFAC_SETTINGS, "dampening": 0.9},
+                 "kfac_stats1": {**KFAC_SETTINGS, "factor_update_steps": 1},
+                 "kfac_refresh10": {**KFAC_SETTINGS, "inv_update_steps": 10},
+                 "kfac_soap_m": {**KFAC_SETTINGS, "momentum": 0.0, "method": kfac_optim.EigenAdam(beta1=0.9)},
+                 "kfac_soap_freq": {**KFAC_SETTINGS, "factor_update_steps": 1, "inv_update_steps": 2},
+                 "kfac_soap_m_freq": {**KFAC_SETTINGS, "momentum": 0.0, "method": kfac_optim.EigenAdam(beta1=0.9),
+                                      "factor_update_steps": 1, "inv_update_steps": 2}}
 """K-FAC configurations measured against each other on request (module docstring)."""
 CHOICES = (*OPTIMIZERS, *KFAC_VARIANTS)
 """Every name ``--optimizers`` accepts."""
 CENTRES = {"sgd": 0.3, "adamw": 3e-3, "muon": 1e-2, "kfac": 3e-3, "soap": 3e-3, "kfac_eigen": 0.3,
            "kfac_eigen_lm": 0.3, "kfac_eigen_noclip": 0.03, "kfac_eigen_lm_noclip": 0.03, "kfac_eigen_uncapped": 0.3,
            "kfac_dropin": 0.3, "kfac_dropin_graft": 0.3, "kfac_dropin_damping001": 0.3,
-           "kfac_dropin_lm": 0.3, "kfac_dropin_sampled": 0.3, "kfac_beta2_099": 3e-3, "kfac_ema": 3e-3}
+           "kfac_dropin_lm": 0.3, "kfac_dropin_sampled": 0.3, "kfac_beta2_099": 3e-3, "kfac_ema": 3e-3,
+           "kfac_stats1": 3e-3, "kfac_refresh10": 3e-3,
+           "kfac_soap_m": 3e-3, "kfac_soap_freq": 3e-3,
+           "kfac_soap_m_freq": 3e-3}
 
 
 def lr_grid(name: str, points: int) -> list[float]:

@@ -51,13 +51,17 @@ from benchmarks.peers.optimizers import OptimizerPair, available as peer_availab
 from benchmarks.zoo.models import ZOO, ZooModel, available
 
 OPTIMIZERS = ("sgd", "kfac", "adamw", "eigen_adam", "muon", "soap")
-CENTRES = {"sgd": 0.1, "kfac": 0.1, "adamw": 3e-3, "eigen_adam": 3e-3, "muon": 3e-3, "soap": 3e-3}
+CENTRES = {"sgd": 0.1, "kfac": 0.1, "adamw": 3e-3, "eigen_adam": 3e-3, "muon": 3e-3, "soap": 3e-3, "eigen_adam_m": 3e-3}
 """The centre of each family's grid: the drop-in shares SGD's, EigenAdam and Muon (at AdamW's RMS) AdamW's."""
 MAX_EXTENSIONS = 2
 """How many points a grid may grow by while its best lr sits at an edge."""
 VALIDATION_SEED, TEST_SEED, BATCHES = 10_001, 20_002, 2
 DROP_IN: dict[str, Any] = {"momentum": 0.9}
 EIGEN_ADAM: dict[str, Any] = {"momentum": 0.9, "dampening": 0.9, "method": "eigen_adam", "kl_clip": None}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "eigen_adam_m": {"momentum": 0.0, "method": kfac_optim.EigenAdam(beta1=0.9), "kl_clip": None}}
+"""EigenAdam variants run only when named: ``eigen_adam_m``, SOAP's placement of the first moment
+(``EigenAdam(beta1=0.9)``, no SGD momentum), on AdamW's grid."""
 
 
 def grid_lr(name: str, k: int) -> float:
@@ -94,6 +98,8 @@ def build(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer | Opt
         return build_kfac(model, lr, 0.0, {**DROP_IN, "params": trainable})
     if name == "eigen_adam":
         return build_kfac(model, lr, 0.0, {**EIGEN_ADAM, "params": trainable})
+    if name in VARIANTS:
+        return build_kfac(model, lr, 0.0, {**VARIANTS[name], "params": trainable})
     if name == "muon":
         return _muon(model, lr)
     if name == "soap":
@@ -234,7 +240,7 @@ def _figure(results: dict[str, dict[str, dict[str, Any]]], optimizers: list[str]
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=None, help="zoo entries (default: every available one)")
-    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=[*OPTIMIZERS, *VARIANTS])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16)

@@ -145,17 +145,21 @@ class AdamOutsideKFAC:
     weight_decay)`` (``UpdateConfig.decoupled_weight_decay``: as ``AdamW``'s decay).
     """
 
-    def __init__(self, method: str, beta2: float, eps: float, decoupled_weight_decay: bool) -> None:
+    def __init__(self, method: str, beta2: float, eps: float, decoupled_weight_decay: bool,
+                 beta1: float | None = None) -> None:
         self.method = method
         self.beta2 = beta2
         self.eps = eps
         self.decoupled = decoupled_weight_decay
+        self.beta1 = beta1
+        """The method's own β₁ (``Method.first_moment``); None: the group's momentum."""
 
     def describe(self) -> str:
         """The line ``KFAC.describe()`` adds: which parameters take Adam's update, and its settings."""
+        beta1 = "the group's momentum" if self.beta1 is None else str(self.beta1)
         return (f"method {self.method}: the parameters without a K-FAC direction (the rows on the SGD path above, "
-                f"and a block's before its first decomposition) take torch.optim.Adam's update with betas=(the group's "
-                f"momentum, {self.beta2}), eps={self.eps}")
+                f"and a block's before its first decomposition) take torch.optim.Adam's update with betas=({beta1}, "
+                f"{self.beta2}), eps={self.eps}")
 
     def directions(self, groups: list[dict[str, Any]], state: dict[Tensor, dict[str, Any]],
                    preconditioned: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
@@ -165,7 +169,7 @@ class AdamOutsideKFAC:
                        f"method={self.method!r} (Adam for the parameters outside K-FAC)")
         steps: dict[Tensor, Tensor] = {}
         for group in groups:
-            betas = (group["momentum"], self.beta2)
+            betas = (group["momentum"] if self.beta1 is None else self.beta1, self.beta2)
             for p in group["params"]:
                 if p.grad is None or p in preconditioned:
                     continue
@@ -181,7 +185,14 @@ def outside_kfac_for(method: Method, update: UpdateConfig, groups: list[dict[str
     """Adam's step for the parameters without a K-FAC direction when ``method`` asks for it
     (``Method.outside_kfac``) and ``update`` does not graft Adam already; None: SGD's update. Checks,
     before any hook is registered, what Adam needs: ``grafting="adam"`` no SGD momentum in ``groups``,
-    and either dense gradients for the parameters in ``trainable`` (``ValueError`` naming the module)."""
+    and either dense gradients for the parameters in ``trainable`` (``ValueError`` naming the module);
+    a method that keeps its own first moment (``Method.first_moment``) no SGD momentum either."""
+    beta1 = method.first_moment()
+    if beta1 is not None and any(group["momentum"] != 0 for group in groups):
+        raise ValueError(
+            f"{method!r} keeps Adam's first moment itself (beta1={beta1}): set momentum=0 (and nesterov=False) in "
+            "every param group, or beta1=None to use SGD's momentum on its directions"
+        )
     if update.grafting == "adam":
         if any(group["momentum"] != 0 for group in groups):
             raise ValueError(
@@ -194,7 +205,7 @@ def outside_kfac_for(method: Method, update: UpdateConfig, groups: list[dict[str
     if adam is None:
         return None
     _check_dense_gradients(model, trainable, f"method={method.name!r} (Adam's step for the parameters outside K-FAC)")
-    return AdamOutsideKFAC(method.name, *adam, update.decoupled_weight_decay)
+    return AdamOutsideKFAC(method.name, *adam, update.decoupled_weight_decay, beta1)
 
 
 def _check_dense_gradients(model: nn.Module, trainable: set[Tensor], what: str) -> None:

@@ -133,6 +133,13 @@ class Method(ABC):
         gradients: ``grafting.outside_kfac_for`` checks)."""
         return None
 
+    def first_moment(self) -> float | None:
+        """Adam's ``β₁`` when :meth:`precondition` keeps the first moment itself (before its
+        normalization, as SOAP does): the param groups then need ``momentum=0``, and the parameters
+        outside K-FAC take it as their β₁ (``grafting.outside_kfac_for`` checks). None (the default):
+        the group's SGD momentum acts on the directions."""
+        return None
+
     def approximations(self, pairs: Sequence[tuple[str, FactorView, FactorView]]) -> str | None:
         """One line for ``KFAC.describe()`` naming the factors of ``pairs`` (``(layer, A, G)``) that
         this method approximates beyond K-FAC's Kronecker factorization, and how (None: none)."""
@@ -351,7 +358,14 @@ class EigenAdam(Eigen):
     The factors' eigenvalues and the damping ``λ`` do not enter: ``v`` replaces ``d_G d_Aᵀ + λ``
     (the per-entry second moment George et al. estimate from per-sample gradients is here the
     running mean of the mini-batch gradient's, as in SOAP); ``ε`` is the only regularizer. The
-    first moment is SGD's momentum, applied after the KL clip on ``V``.
+    first moment is SGD's momentum, applied after the KL clip on ``V`` (``beta1`` None), or, with
+    ``beta1`` (keyword, in [0, 1)), SOAP's: Adam's first moment of the gradient, kept by the method
+    in the parameters' coordinates and rotated with the bases held now, over the root::
+
+        m ← β₁ m + (1 − β₁) ∇,   V = U_G [U_Gᵀ (m / (1 − β₁ᵗ)) U_A / (sqrt(v̂) + ε)] U_Aᵀ
+
+    (two more products per step; the param groups then need ``momentum=0``, and the parameters
+    outside K-FAC take ``beta1`` as their β₁: :meth:`first_moment`).
     A diagonal factor (an embedding's ``A``) has the identity as its basis, so its side is not
     rotated. When the bases are refreshed ``v`` is kept as is, not re-projected (SOAP's choice:
     the running factors and so the bases move slowly, and nothing else need be held).
@@ -371,14 +385,17 @@ class EigenAdam(Eigen):
     eigenvectors (its trailing rows and columns) and the new ones start at 0.
     A step whose gradient has a non-finite entry leaves the state unchanged (its direction is
     non-finite, and the KL clip leaves that layer out and reports it).
-    State per block: ``v`` (shaped as ``R``, in the decomposition dtype), ``t``, and ``w`` (shaped as
-    the joint gradient) when a side is capped.
+    With ``beta1`` and a capped side, ``m̂`` is split as ``∇`` is and its two parts take the places
+    of ``R`` and ``O`` over the roots. State per block: ``v`` (shaped as ``R``, in the decomposition
+    dtype), ``t``, ``w`` (shaped as the joint gradient) when a side is capped, and ``m`` (shaped as
+    the joint gradient) with ``beta1``.
     """
 
     beta2: float = 0.95
     eps: float = 1e-8
     max_rank: int | None = field(default=EIGEN_ADAM_MAX_RANK, kw_only=True)
     thin_width: int = field(default=EIGEN_ADAM_THIN_WIDTH, kw_only=True)
+    beta1: float | None = field(default=None, kw_only=True)
 
     name: ClassVar[str] = "eigen_adam"
     basis: ClassVar[Basis] = Basis.CAPPED
@@ -391,6 +408,9 @@ class EigenAdam(Eigen):
             raise ValueError(f"EigenAdam beta2 must be in [0, 1), got {self.beta2}")
         if not 0.0 < self.eps < math.inf:
             raise ValueError(f"EigenAdam eps must be a finite number > 0, got {self.eps}")
+        if self.beta1 is not None and (isinstance(self.beta1, bool) or not isinstance(self.beta1, int | float)
+                                       or not 0.0 <= self.beta1 < 1.0):
+            raise ValueError(f"EigenAdam beta1 must be None or a number in [0, 1), got {self.beta1!r}")
         if isinstance(self.thin_width, bool) or not isinstance(self.thin_width, int) or (
                 self.max_rank is not None and self.thin_width < self.max_rank):
             raise ValueError(f"EigenAdam thin_width must be an int >= max_rank ({self.max_rank}), got {self.thin_width!r}")
@@ -401,6 +421,10 @@ class EigenAdam(Eigen):
         """Adam's update with this method's ``(beta2, eps)`` (its directions have Adam's scale)."""
         return self.beta2, self.eps
 
+    def first_moment(self) -> float | None:
+        """:attr:`beta1` (None: SGD's momentum on the directions)."""
+        return self.beta1
+
     def rank_thresholds(self, a: FactorView, g: FactorView, damping: float) -> tuple[float | None, float | None]:
         """0 for a capped factor (thin: its rounding-floor eigenvalues dropped, at most ``max_rank``
         kept), None (the full basis) for every other: the damping does not enter."""
@@ -409,12 +433,14 @@ class EigenAdam(Eigen):
     def precondition_cost(self, a: FactorView, g: FactorView) -> float:
         """Full rotations and Adam's elementwise update of the rotated gradient (about ten passes);
         with a capped side, three rotations at ``max_rank`` columns there (the projection) and
-        about ten more passes for the outside part."""
+        about ten more passes for the outside part. With ``beta1``, the rotation of ``m̂`` (one
+        product per side more, two with a capped side) and its update (about three passes)."""
         a_columns = self.max_rank if self._capped_in_pair(a, a, g) else a.dim
         g_columns = self.max_rank if self._capped_in_pair(g, a, g) else g.dim
+        first = self.beta1 is not None
         if a_columns == a.dim and g_columns == g.dim:
-            return _rotations(a, g, a.dim, g.dim, products=2) + _elementwise(a, g, passes=10)
-        return _rotations(a, g, a_columns, g_columns, products=3) + _elementwise(a, g, passes=20)
+            return _rotations(a, g, a.dim, g.dim, products=2 + first) + _elementwise(a, g, passes=10 + 3 * first)
+        return _rotations(a, g, a_columns, g_columns, products=3 + 2 * first) + _elementwise(a, g, passes=20 + 3 * first)
 
     def approximations(self, pairs: Sequence[tuple[str, FactorView, FactorView]]) -> str | None:
         capped = [f"{layer}.{side} ({factor.dim})" for layer, a, g in pairs
@@ -437,8 +463,19 @@ class EigenAdam(Eigen):
         t.add_(finite.to(t.dtype))
         torch.mul(v, self.beta2, out=scratch).addcmul_(rotated, rotated, value=1.0 - self.beta2)
         torch.where(finite, scratch, v, out=v)
+        if self.beta1 is not None:  # Adam's m̂, rotated with the bases held now, replaces R above the root
+            rotated = rotate(self._first_moment(state, grad, finite, t), a, g, scratch)
         torch.div(v, 1.0 - torch.pow(self.beta2, t), out=scratch).sqrt_().add_(self.eps)
         return unrotate(rotated.div_(scratch), a, g, scratch)
+
+    def _first_moment(self, state: dict[str, Tensor], grad: Tensor, finite: Tensor, t: Tensor) -> Tensor:
+        """``m ← β₁ m + (1 − β₁) ∇`` (in the parameters' coordinates, kept as is where ``finite`` is
+        False) and the bias-corrected ``m / (1 − β₁ᵗ)`` in a fresh tensor."""
+        if "m" not in state or state["m"].shape != grad.shape:
+            state["m"] = torch.zeros_like(grad)
+        m = state["m"]
+        torch.where(finite, torch.mul(m, self.beta1).add_(grad, alpha=1.0 - self.beta1), m, out=m)
+        return torch.div(m, 1.0 - torch.pow(self.beta1, t))
 
     def _moments(self, state: dict[str, Tensor], rotated: Tensor) -> tuple[Tensor, Tensor]:
         """The block's ``v`` (shaped as ``rotated``; resized keeping its trailing entries when the
@@ -469,6 +506,11 @@ class EigenAdam(Eigen):
         for moment, part in ((v, rotated), (w, outside)):
             updated = torch.mul(moment, self.beta2).addcmul_(part, part, value=1.0 - self.beta2)
             torch.where(finite, updated, moment, out=moment)
+        if self.beta1 is not None:  # Adam's m̂ split as ∇ is, in place of R and O above the roots
+            first = self._first_moment(state, grad, finite, t)
+            rotated = _thin_rotate(first, a, g)
+            outside = first.sub_(_thin_unrotate(rotated, a, g))
+        for moment, part in ((v, rotated), (w, outside)):
             part.div_(torch.div(moment, correction).sqrt_().add_(self.eps))
         return _thin_unrotate(rotated, a, g).add_(outside)
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kfac_optim import KFAC, CurvatureConfig, UpdateConfig
+from kfac_optim import KFAC, CurvatureConfig, EigenAdam, UpdateConfig
 from kfac_optim.layers import LinearBlock
 
 FIXED: dict[str, Any] = {"factor_update_steps": 1, "inv_update_steps": 2}
@@ -216,16 +216,19 @@ EIGEN_ADAM: dict[str, Any] = {"lr": 1e-2, "momentum": 0.9, "weight_decay": 1e-2,
 
 
 # Today: the LayerNorm's gain and shift take SGD's update at Adam's lr (they barely move).
-def test_eigen_adam_moves_parameters_outside_kfac_as_torch_adam_does() -> None:
-    """The LayerNorm's parameters against ``torch.optim.Adam(lr, betas=(momentum, 0.95), eps=1e-8,
-    weight_decay)`` fed the same gradients. Tight tolerance, not bit-identical: Adam computes
+@pytest.mark.parametrize("own_first_moment", [False, True])
+def test_eigen_adam_moves_parameters_outside_kfac_as_torch_adam_does(own_first_moment: bool) -> None:
+    """The LayerNorm's parameters against ``torch.optim.Adam(lr, betas=(0.9, 0.95), eps=1e-8,
+    weight_decay)`` fed the same gradients; β₁ is the group's momentum, or ``EigenAdam(beta1=0.9)``'s
+    with momentum 0 (the method keeps the first moment). Tight tolerance, not bit-identical: Adam computes
     ``p − (lr/(1−β₁ᵗ))·m / (sqrt(v)/sqrt(1−β₂ᵗ) + ε)`` and K-FAC ``p − lr·(m/(1−β₁ᵗ)) / (sqrt(v/(1−β₂ᵗ)) + ε)``
     (the same quantity, other rounding)."""
     model = layer_norm_mlp()
     norm = list(model[1].parameters())
     control = [p.detach().clone().requires_grad_(True) for p in norm]
     adam = torch.optim.Adam(control, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=1e-2)
-    optimizer = KFAC(model, **EIGEN_ADAM)
+    own = {"momentum": 0.0, "method": EigenAdam(beta1=0.9)} if own_first_moment else {}
+    optimizer = KFAC(model, **{**EIGEN_ADAM, **own})
     for step in range(5):
         x, y = block_loop_batch(step)
         optimizer.zero_grad()
@@ -237,7 +240,13 @@ def test_eigen_adam_moves_parameters_outside_kfac_as_torch_adam_does() -> None:
         for p, c in zip(norm, control, strict=True):
             torch.testing.assert_close(p.detach(), c.detach(), rtol=1e-6, atol=1e-7)
     assert (norm[0] - 1).abs().max() > 0.03  # it trains: about lr per step
-    assert "torch.optim.Adam's update with betas=(the group's momentum, 0.95)" in optimizer.describe()
+    beta1 = "0.9" if own_first_moment else "the group's momentum"
+    assert f"torch.optim.Adam's update with betas=({beta1}, 0.95)" in optimizer.describe()
+
+
+def test_eigen_adam_with_its_own_first_moment_refuses_sgd_momentum() -> None:
+    with pytest.raises(ValueError, match="beta1=0.9.*momentum=0"):
+        KFAC(layer_norm_mlp(), **{**EIGEN_ADAM, "method": EigenAdam(beta1=0.9)})
 
 
 def test_eigen_adam_resume_is_bit_identical_with_the_adam_moments_saved() -> None:

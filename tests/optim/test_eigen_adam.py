@@ -81,10 +81,15 @@ def basis(factor: Any) -> torch.Tensor:
     return q
 
 
-def test_directions_equal_adam_in_the_factors_eigenbases_computed_densely() -> None:
+@pytest.mark.parametrize("beta1", [None, 0.8])
+def test_directions_equal_adam_in_the_factors_eigenbases_computed_densely(beta1: float | None) -> None:
+    """``beta1`` None: ``R / (sqrt(v̂) + ε)``; a number: SOAP's placement of the first moment, Adam's
+    ``m̂`` of the gradient (in the parameters' coordinates) rotated with the bases held now,
+    ``U_Gᵀ m̂ U_A / (sqrt(v̂) + ε)``."""
     model = make_net()
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, method=EigenAdam(beta2=BETA2, eps=EPS, beta1=beta1))
     v: dict[str, torch.Tensor] = {}
+    m: dict[str, torch.Tensor] = {}
     bases_changed = 0
     previous: dict[str, torch.Tensor] = {}
     for step in range(STEPS):
@@ -106,7 +111,11 @@ def test_directions_equal_adam_in_the_factors_eigenbases_computed_densely() -> N
             rotated = u_g.T @ grads[block.name] @ u_a
             v[block.name] = BETA2 * v.get(block.name, torch.zeros_like(rotated)) + (1 - BETA2) * rotated**2
             corrected = v[block.name] / (1 - BETA2 ** (step + 1))
-            expected = u_g @ (rotated / (corrected.sqrt() + EPS)) @ u_a.T
+            numerator = rotated
+            if beta1 is not None:
+                m[block.name] = beta1 * m.get(block.name, torch.zeros_like(grads[block.name])) + (1 - beta1) * grads[block.name]
+                numerator = u_g.T @ (m[block.name] / (1 - beta1 ** (step + 1))) @ u_a
+            expected = u_g @ (numerator / (corrected.sqrt() + EPS)) @ u_a.T
             deltas = [(before[p] - p.detach().double()) / LR for p in block.parameters()]
             applied = block.joint_gradient(deltas[0], deltas[1] if len(deltas) > 1 else None)  # its layout
             where = f"{block.name} step {step}"
@@ -116,9 +125,11 @@ def test_directions_equal_adam_in_the_factors_eigenbases_computed_densely() -> N
     assert bases_changed > 0  # the second moments were carried across refreshed bases, not reset
 
 
-def test_checkpoint_resume_continues_bit_identically() -> None:
+@pytest.mark.parametrize("beta1", [None, 0.8])
+def test_checkpoint_resume_continues_bit_identically(beta1: float | None) -> None:
+    method = {"method": EigenAdam(beta2=BETA2, eps=EPS, beta1=beta1)}
     model = make_net()
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, **method)
     for step in range(5):  # step 4 folded and decomposed: the resumed run rebuilds the same bases
         eigen_adam_step(model, optimizer, step)
     saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
@@ -128,14 +139,14 @@ def test_checkpoint_resume_continues_bit_identically() -> None:
 
     resumed = make_net(seed=1)
     resumed.load_state_dict(saved_model)
-    resumed_optimizer = make_optimizer(resumed)
+    resumed_optimizer = make_optimizer(resumed, **method)
     resumed_optimizer.load_state_dict(saved_optimizer)
     for step in range(5, 9):
         eigen_adam_step(resumed, resumed_optimizer, step)
     for (name, p), q in zip(model.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q), name
     for block, other in zip(optimizer.blocks, resumed_optimizer.blocks, strict=True):
-        for key in ("v", "t"):
+        for key in ("v", "t") if beta1 is None else ("v", "t", "m"):
             assert torch.equal(block.method_state[key], other.method_state[key]), (block.name, key)
 
 
@@ -167,6 +178,8 @@ def test_a_non_finite_gradient_leaves_that_layers_second_moments_untouched(bad: 
     ({"eps": 0.0}, "eps"),
     ({"eps": float("inf")}, "eps"),
     ({"thin_width": 64}, "thin_width"),
+    ({"beta1": 1.0}, "beta1"),
+    ({"beta1": True}, "beta1"),
 ])
 def test_bad_eigen_adam_settings_name_the_setting(kwargs: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -176,7 +189,7 @@ def test_bad_eigen_adam_settings_name_the_setting(kwargs: dict[str, float], matc
 def test_describe_and_repr_name_the_method_and_its_settings() -> None:
     optimizer = KFAC(make_net(), lr=LR, method="eigen_adam", factor_update_steps=1, inv_update_steps=10)
     assert optimizer.describe().startswith("KFAC (eigen_adam)")
-    assert repr(optimizer.method) == "EigenAdam(max_rank=128, beta2=0.95, eps=1e-08, thin_width=256)"
+    assert repr(optimizer.method) == "EigenAdam(max_rank=128, beta2=0.95, eps=1e-08, thin_width=256, beta1=None)"
 
 
 # -- the thin basis of wide factors ---------------------------------------------------------------
@@ -222,13 +235,17 @@ def test_pairs_under_the_cap_are_unchanged_bit_for_bit() -> None:
     assert not torch.equal(runs[THIN_RANK]["hidden.weight"], runs[None]["hidden.weight"])
 
 
-def test_capped_directions_equal_the_thin_formula_computed_densely() -> None:
+@pytest.mark.parametrize("beta1", [None, 0.8])
+def test_capped_directions_equal_the_thin_formula_computed_densely(beta1: float | None) -> None:
     """``R = Q_Gᵀ ∇ Q_A`` in the thin bases, ``O = ∇ − Q_G R Q_Aᵀ``, each with its own second moment:
-    ``V = Q_G [R / (sqrt(v̂) + ε)] Q_Aᵀ + O / (sqrt(ŵ) + ε)``, in float64."""
+    ``V = Q_G [R / (sqrt(v̂) + ε)] Q_Aᵀ + O / (sqrt(ŵ) + ε)``, in float64; with ``beta1``, Adam's
+    ``m̂`` of the gradient split the same way takes the place of ``R`` and ``O`` in the numerators."""
     model = make_net()
-    optimizer = thin_optimizer(model)
+    optimizer = make_optimizer(model, method=EigenAdam(beta2=BETA2, eps=EPS, max_rank=THIN_RANK, thin_width=THIN_RANK,
+                                                       beta1=beta1))
     v: dict[str, torch.Tensor] = {}
     w: dict[str, torch.Tensor] = {}
+    m: dict[str, torch.Tensor] = {}
     checked = set()
     for step in range(STEPS):
         x, y = token_batch(step)
@@ -248,6 +265,11 @@ def test_capped_directions_equal_the_thin_formula_computed_densely() -> None:
             v[block.name] = BETA2 * v.get(block.name, torch.zeros_like(rotated)) + (1 - BETA2) * rotated**2
             w[block.name] = BETA2 * w.get(block.name, torch.zeros_like(grad)) + (1 - BETA2) * outside**2
             correction = 1 - BETA2 ** (step + 1)
+            if beta1 is not None:
+                m[block.name] = beta1 * m.get(block.name, torch.zeros_like(grad)) + (1 - beta1) * grad
+                first = m[block.name] / (1 - beta1 ** (step + 1))
+                rotated = q_g.T @ first @ q_a
+                outside = first - q_g @ rotated @ q_a.T
             expected = (q_g @ (rotated / ((v[block.name] / correction).sqrt() + EPS)) @ q_a.T
                         + outside / ((w[block.name] / correction).sqrt() + EPS))
             deltas = [(before[p] - p.detach().double()) / LR for p in block.parameters()]
@@ -350,6 +372,22 @@ def test_eigen_adam_lowers_the_loss_at_least_as_much_as_adamw_at_the_same_lr(max
         return torch.optim.AdamW(model.parameters(), lr=CONVERGENCE_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
     initial, eigen_adam = regression_loss_after(eigen_adam_recipe(max_rank), CONVERGENCE_STEPS)
+    _, reference = regression_loss_after(adamw, CONVERGENCE_STEPS)
+    assert initial - eigen_adam >= initial - reference, (initial, eigen_adam, reference)
+
+
+@pytest.mark.parametrize("max_rank", [THIN_RANK, None])
+def test_eigen_adam_with_soaps_first_moment_lowers_the_loss_at_least_as_much_as_adamw(max_rank: int | None) -> None:
+    """The same race with the first moment where SOAP keeps it (``EigenAdam(beta1=0.9)``, momentum 0)."""
+    def adamw(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=CONVERGENCE_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+    def soap_placed(model: nn.Module) -> KFAC:
+        method = EigenAdam(max_rank=max_rank, thin_width=max_rank or EigenAdam().thin_width, beta1=0.9)
+        return KFAC(model, lr=CONVERGENCE_LR, momentum=0.0, kl_clip=None, factor_update_steps=1, inv_update_steps=2,
+                    method=method)
+
+    initial, eigen_adam = regression_loss_after(soap_placed, CONVERGENCE_STEPS)
     _, reference = regression_loss_after(adamw, CONVERGENCE_STEPS)
     assert initial - eigen_adam >= initial - reference, (initial, eigen_adam, reference)
 
