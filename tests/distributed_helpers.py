@@ -83,10 +83,14 @@ def _rank_main(rank: int, world: int, scenario: Scenario, directory: str, group_
 
 def _pooled_rank_main(rank: int, world: int, connection: Connection) -> None:
     """One rank of a pool: run each ``(scenario, directory, group_timeout_s)`` received, in a gloo
-    group of its own and from a fresh process's state; answer its exit code; leave on ``None``."""
+    group of its own and from a fresh process's state; answer its exit code; leave when the
+    connection closes (the test process is gone)."""
     fresh_seed, fresh_dtype = torch.initial_seed(), torch.get_default_dtype()
-    while (request := connection.recv()) is not None:
-        scenario, directory, group_timeout_s = request
+    while True:
+        try:
+            scenario, directory, group_timeout_s = connection.recv()
+        except EOFError:
+            return
         torch.manual_seed(fresh_seed)
         torch.set_num_threads(1)
         torch.set_default_dtype(fresh_dtype)
@@ -143,18 +147,12 @@ class _RankPool:
                 return dead[0], False
         return None, False
 
-    def close(self, kill: bool = False) -> None:
-        for connection, process in zip(self.connections, self.processes, strict=True):
-            if not kill and process.is_alive():
-                try:
-                    connection.send(None)
-                except OSError:
-                    kill = True
+    def close(self) -> None:
+        """Kill the ranks: between scenarios they hold nothing (group destroyed, results saved), and
+        an interpreter's orderly exit after torch costs seconds."""
         for process in self.processes:
-            process.join(timeout=None if not kill else 0)
-            if process.is_alive():
-                process.kill()
-                process.join()
+            process.kill()
+            process.join()
         for connection in self.connections:
             connection.close()
 
@@ -163,7 +161,7 @@ _POOLS: dict[int, _RankPool] = {}
 
 
 def close_pools(larger_than: int = 0) -> None:
-    """End the pools of more than ``larger_than`` spawned ranks (each rank leaves its loop and exits)."""
+    """End the pools of more than ``larger_than`` spawned ranks."""
     for world in [world for world in _POOLS if world > larger_than]:
         _POOLS.pop(world).close()
 
@@ -178,7 +176,7 @@ def _run_pooled(scenario: Scenario, world: int, directory: Path, deadline_s: flo
     if failed is None and not late:
         return
     del _POOLS[world]
-    pool.close(kill=True)
+    pool.close()
     if late:
         pytest.fail(f"{world} ranks of {scenario.__name__} did not finish in {deadline_s:.0f} s")
     saved = _traceback_file(directory, scenario, failed)
