@@ -4,9 +4,10 @@ Usage: ``python -m benchmarks.scaling [--model resnet18|resnet50|mlp] [--worlds 
 (``--help`` lists every flag). Prints two tables, writes JSON and a PNG (``--out``).
 
 **Measured** (gloo ranks on this machine, one thread each, file:// rendezvous): for every world
-size and grad-worker fraction, ``world`` processes train the model under DDP on their shards of the
-same global batch, with factor and decomposition updates on every step so that each timed step
-holds every phase. Each rank times, per step (median over ``--steps`` after ``--warmup``):
+size, ``world`` fresh processes train the model under DDP on their shards of the same global batch,
+once for each grad-worker fraction in turn (a new model and optimizer each time), with factor and
+decomposition updates on every step so that each timed step holds every phase. Each rank times,
+per step (median over ``--steps`` after ``--warmup``):
 
   decompose              ``kfac.decompose``: the decompositions this rank owns
   precondition           ``kfac.precondition``: preconditioning this rank computes (its
@@ -106,53 +107,59 @@ def global_batch(step: int, batch_size: int, image_size: int) -> tuple[torch.Ten
 
 
 def run_rank(rank: int, world: int, config: dict[str, Any], directory: str) -> None:
-    """One rank of one configuration: train, time every phase, write ``rank<r>.json``."""
+    """One rank of one world size: for each of ``config["fractions"]``, train, time every phase;
+    write ``rank<r>.json`` (this rank's result by fraction)."""
     torch.set_num_threads(config["threads"])
     if world > 1:
         dist.init_process_group(
             "gloo", init_method=f"file://{Path(directory) / 'rendezvous'}", rank=rank, world_size=world
         )
     try:
-        torch.manual_seed(0)
-        model = build_model(config["model"], config["image_size"])
-        net = DDP(model) if world > 1 else model
-        optimizer = KFAC(
-            net, lr=0.01, momentum=0.9, damping=config["damping"], method=config["method"],
-            factor_update_steps=1, inv_update_steps=1,
-            runtime=RuntimeConfig(grad_worker_fraction=config["fraction"] if world > 1 else 1.0),
-        )
-        meter = PhaseMeter(optimizer)
-        shard = config["batch_size"] // world
-        steps = []
-        for step in range(config["warmup"] + config["steps"]):
-            x, y = global_batch(step, config["batch_size"], config["image_size"])
-            x, y = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
-            with meter.step():
-                start = time.perf_counter()
-                optimizer.zero_grad()
-                F.cross_entropy(net(x), y).backward()
-                optimizer.step()
-                total = time.perf_counter() - start
-            seconds, sent = meter.take()
-            if step >= config["warmup"]:
-                steps.append({"step_s": total, "seconds": seconds, "bytes": sent})
-        owned = optimizer.owned_factors
-        result = {
-            "rank": rank,
-            "owned_factors": len(owned),
-            "step_ms": 1e3 * statistics.median(s["step_s"] for s in steps),
-            "ms": {p: 1e3 * statistics.median(s["seconds"][p] for s in steps) for p in PHASES},
-            "bytes_per_step": steps[-1]["bytes"],
-        }
-        (Path(directory) / f"rank{rank}.json").write_text(json.dumps(result))
+        results = {fraction: measure_fraction(rank, world, config, fraction) for fraction in config["fractions"]}
+        (Path(directory) / f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         if dist.is_initialized():
             gc.collect()  # free DDP reducers and collectives' work objects while the group is alive
             dist.destroy_process_group()
 
 
-def measure(world: int, config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Run one configuration on ``world`` fresh processes; every rank's result, by rank."""
+def measure_fraction(rank: int, world: int, config: dict[str, Any], fraction: str) -> dict[str, Any]:
+    """Train a fresh model with grad-worker fraction ``fraction`` ("-": one process); this rank's figures."""
+    torch.manual_seed(0)
+    model = build_model(config["model"], config["image_size"])
+    net = DDP(model) if world > 1 else model
+    optimizer = KFAC(
+        net, lr=0.01, momentum=0.9, damping=config["damping"], method=config["method"],
+        factor_update_steps=1, inv_update_steps=1,
+        runtime=RuntimeConfig(grad_worker_fraction=fraction if world > 1 else 1.0),
+    )
+    meter = PhaseMeter(optimizer)
+    shard = config["batch_size"] // world
+    steps = []
+    for step in range(config["warmup"] + config["steps"]):
+        x, y = global_batch(step, config["batch_size"], config["image_size"])
+        x, y = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
+        with meter.step():
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            optimizer.step()
+            total = time.perf_counter() - start
+        seconds, sent = meter.take()
+        if step >= config["warmup"]:
+            steps.append({"step_s": total, "seconds": seconds, "bytes": sent})
+    return {
+        "rank": rank,
+        "owned_factors": len(optimizer.owned_factors),
+        "step_ms": 1e3 * statistics.median(s["step_s"] for s in steps),
+        "ms": {p: 1e3 * statistics.median(s["seconds"][p] for s in steps) for p in PHASES},
+        "bytes_per_step": steps[-1]["bytes"],
+    }
+
+
+def measure(world: int, config: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Run every fraction of ``config["fractions"]`` on ``world`` fresh processes; by fraction,
+    every rank's result, by rank."""
     with tempfile.TemporaryDirectory() as directory:
         context = mp.start_processes(
             run_rank, args=(world, config, directory), nprocs=world, join=False, start_method="spawn"
@@ -163,7 +170,8 @@ def measure(world: int, config: dict[str, Any]) -> list[dict[str, Any]]:
                 for process in context.processes:
                     process.kill()
                 raise TimeoutError(f"{world} ranks did not finish in {DEADLINE_S:.0f} s")
-        return [json.loads((Path(directory) / f"rank{r}.json").read_text()) for r in range(world)]
+        ranks = [json.loads((Path(directory) / f"rank{r}.json").read_text()) for r in range(world)]
+        return {fraction: [rank[fraction] for rank in ranks] for fraction in config["fractions"]}
 
 
 def summarize(world: int, fraction: str, ranks: list[dict[str, Any]], single: float | None) -> dict[str, Any]:
@@ -260,14 +268,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"config": config, "torch": torch.__version__, "machine": platform.machine(),
                               "cpus": os.cpu_count(), "measured": []}
     if not args.skip_measured:
-        runs = [(w, f) for w in sorted(set(args.worlds)) for f in (["-"] if w == 1 else args.fractions)]
         single: float | None = None
-        for world, fraction in tqdm(runs, desc="configurations", unit="run"):
-            ranks = measure(world, {**config, "fraction": fraction})
-            row = summarize(world, fraction, ranks, single)
-            if world == 1:
-                single = row["compute_ms_max"]
-            report["measured"].append(row)
+        for world in tqdm(sorted(set(args.worlds)), desc="world sizes", unit="world"):
+            fractions = ["-"] if world == 1 else args.fractions
+            for fraction, ranks in measure(world, {**config, "fractions": fractions}).items():
+                row = summarize(world, fraction, ranks, single)
+                if world == 1:
+                    single = row["compute_ms_max"]
+                report["measured"].append(row)
         print(f"\n{args.model}, global batch {config['batch_size']}, {config['image_size']}px, {args.method}, "
               f"factor and decomposition updates every step, {args.threads} thread(s) per rank, "
               f"median of {args.steps} steps")

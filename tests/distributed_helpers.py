@@ -7,18 +7,28 @@ an NCCL group, rank ``r`` on CUDA device ``r``), runs the
 scenario and saves the dict it returns in ``directory``; the test process loads every rank's dict.
 A hang fails the test at the deadline instead of blocking the suite, and a rank that raises (or
 exits with a code the caller does not expect) fails it at once, with that rank's traceback.
+
+``spawn`` on gloo ranks of a world in ``POOLED_WORLDS`` reuses spawned processes: one pool of
+``world`` processes, started on first use, runs every such scenario of the session, each in a
+process group of its own (created for it, destroyed after it), from a fresh process's seed, thread
+count, default dtype, grad mode and warning filters. A process start costs seconds of imports;
+the scenarios need a fresh group, not a fresh interpreter. A failed or late scenario kills its pool
+(the next one starts a new pool). ``close_pools`` ends them (tests/conftest.py: the 2-rank pool with
+the session, larger ones, about 0.4 GB a rank, when the tests leave the folder that used them).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Collection
 from datetime import timedelta
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +49,9 @@ def _traceback_file(directory: Path, scenario: Scenario, rank: int) -> Path:
     return directory / f"{scenario.__name__}-{rank}.traceback"
 
 
-def _rank_main(rank: int, world: int, scenario: Scenario, directory: str, group_timeout_s: float,
-               abandon_group: bool, backend: str) -> None:
-    torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    path = Path(directory)
+def _run_scenario(rank: int, world: int, scenario: Scenario, path: Path, group_timeout_s: float, backend: str) -> int:
+    """Create the group, run ``scenario`` and save what it returns (or its traceback); 0, or 1 if it raised.
+    The group is left for the caller to destroy."""
     dist.init_process_group(
         backend,
         init_method=f"file://{path / f'rendezvous-{scenario.__name__}'}",
@@ -59,10 +66,122 @@ def _rank_main(rank: int, world: int, scenario: Scenario, directory: str, group_
         _traceback_file(path, scenario, rank).write_text(traceback.format_exc())
         exit_code = 1
     gc.collect()  # free DDP reducers and collectives' work objects while the group and Python are alive
+    return exit_code
+
+
+def _rank_main(rank: int, world: int, scenario: Scenario, directory: str, group_timeout_s: float,
+               abandon_group: bool, backend: str) -> None:
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    exit_code = _run_scenario(rank, world, scenario, Path(directory), group_timeout_s, backend)
     if abandon_group:
         os._exit(exit_code)  # a peer is dead on purpose: do not wait for it in destroy_process_group
     dist.destroy_process_group()
     sys.exit(exit_code)
+
+
+def _pooled_rank_main(rank: int, world: int, connection: Connection) -> None:
+    """One rank of a pool: run each ``(scenario, directory, group_timeout_s)`` received, in a gloo
+    group of its own and from a fresh process's state; answer its exit code; leave when the
+    connection closes (the test process is gone)."""
+    fresh_seed, fresh_dtype = torch.initial_seed(), torch.get_default_dtype()
+    while True:
+        try:
+            scenario, directory, group_timeout_s = connection.recv()
+        except EOFError:
+            return
+        torch.manual_seed(fresh_seed)
+        torch.set_num_threads(1)
+        torch.set_default_dtype(fresh_dtype)
+        torch.set_grad_enabled(True)
+        with warnings.catch_warnings():
+            exit_code = _run_scenario(rank, world, scenario, Path(directory), group_timeout_s, "gloo")
+        dist.destroy_process_group()
+        connection.send(exit_code)
+        if exit_code:
+            return
+
+
+POOLED_WORLDS = (2, 4)  # the world sizes more than one scenario of the suite runs on (3: one scenario)
+
+
+class _RankPool:
+    """``world`` spawned processes that run scenarios one after another (``_pooled_rank_main``)."""
+
+    def __init__(self, world: int) -> None:
+        context = mp.get_context("spawn")
+        self.world = world
+        self.connections: list[Connection] = []
+        self.processes = []
+        for rank in range(world):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_pooled_rank_main, args=(rank, world, theirs))
+            process.start()
+            theirs.close()
+            self.connections.append(ours)
+            self.processes.append(process)
+
+    def run(self, scenario: Scenario, directory: Path, deadline: float, group_timeout_s: float) -> tuple[int | None, bool]:
+        """Run ``scenario`` on every rank; ``(None, False)`` when all returned 0 before ``deadline``
+        (a ``time.monotonic()``), else the first failed rank (or None) and whether it was late."""
+        for connection in self.connections:
+            connection.send((scenario, str(directory), group_timeout_s))
+        pending = dict(enumerate(self.connections))
+        while pending:
+            if time.monotonic() > deadline:
+                return None, True
+            ready = wait([*pending.values(), *(p.sentinel for p in self.processes)],
+                         timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            for rank, connection in list(pending.items()):
+                if connection in ready:
+                    try:
+                        exit_code = connection.recv()
+                    except (EOFError, OSError):  # the rank died without answering
+                        return rank, False
+                    if exit_code != 0:
+                        return rank, False
+                    del pending[rank]
+            dead = [rank for rank, p in enumerate(self.processes) if rank in pending and not p.is_alive()]
+            if dead and not any(self.connections[rank].poll() for rank in dead):
+                return dead[0], False
+        return None, False
+
+    def close(self) -> None:
+        """Kill the ranks: between scenarios they hold nothing (group destroyed, results saved), and
+        an interpreter's orderly exit after torch costs seconds."""
+        for process in self.processes:
+            process.kill()
+            process.join()
+        for connection in self.connections:
+            connection.close()
+
+
+_POOLS: dict[int, _RankPool] = {}
+
+
+def close_pools(larger_than: int = 0) -> None:
+    """End the pools of more than ``larger_than`` spawned ranks."""
+    for world in [world for world in _POOLS if world > larger_than]:
+        _POOLS.pop(world).close()
+
+
+atexit.register(close_pools)  # before multiprocessing's own exit handler joins the children
+
+
+def _run_pooled(scenario: Scenario, world: int, directory: Path, deadline_s: float) -> None:
+    deadline = time.monotonic() + deadline_s  # a pool's start counts, as a spawn's does
+    pool = _POOLS.get(world) or _POOLS.setdefault(world, _RankPool(world))
+    failed, late = pool.run(scenario, directory, deadline, group_timeout_s=deadline_s / 2)
+    if failed is None and not late:
+        return
+    del _POOLS[world]
+    pool.close()
+    if late:
+        pytest.fail(f"{world} ranks of {scenario.__name__} did not finish in {deadline_s:.0f} s")
+    saved = _traceback_file(directory, scenario, failed)
+    why = saved.read_text() if saved.exists() else "(no traceback saved)"
+    pytest.fail(f"rank {failed} of {world} in {scenario.__name__} failed (pooled rank):\n{why}")
 
 
 def run_ranks(
@@ -117,8 +236,12 @@ def load_results(scenario: Scenario, world: int, directory: Path) -> list[dict[s
 
 
 def spawn(scenario: Scenario, world: int, directory: Path, *, deadline_s: float, backend: str = "gloo") -> list[dict[str, Any]]:
-    """Run ``scenario`` on ``world`` ranks of ``backend`` (``run_ranks``); every rank's results."""
-    run_ranks(scenario, world, directory, deadline_s=deadline_s, backend=backend)
+    """Run ``scenario`` on ``world`` ranks of ``backend`` (``run_ranks``, or a pool of gloo ranks
+    for a world in ``POOLED_WORLDS``); every rank's results."""
+    if backend == "gloo" and world in POOLED_WORLDS:
+        _run_pooled(scenario, world, directory, deadline_s)
+    else:
+        run_ranks(scenario, world, directory, deadline_s=deadline_s, backend=backend)
     return load_results(scenario, world, directory)
 
 

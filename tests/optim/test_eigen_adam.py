@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed_helpers import spawn
+from tests.distributed_helpers import spawn
 from helpers import seeded_batch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
