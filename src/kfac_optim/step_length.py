@@ -166,7 +166,7 @@ def summed_terms(directions: dict[Tensor, Tensor], params: list[Tensor], shardin
     return per_parameter.where(finite[:, None], 0.0).sum(dim=0)
 
 
-class SGDDecrease:
+class SGDDecrease(KLClip):
     """``trust_region="sgd"`` (the default): K-FAC's directions at the length where they promise SGD's
     first-order decrease of the loss, the step's KL estimate bounded by ``kl_clip`` whatever the lr.
 
@@ -186,16 +186,9 @@ class SGDDecrease:
     decrease the curvature term of ``ν·V`` is at most SGD's (Cauchy–Schwarz; equal as λ → ∞, where
     ``ν·V → ∇``), and along the largest eigenvalue ``ν·V`` is no longer than ``∇`` (ν, a weighted
     harmonic mean of ``h + λ``, is at most its largest): stable where SGD's lr is
-    (docs/design.md §4.1). Non-finite terms and FSDP2 shards as :class:`KLClip`.
+    (docs/design.md §4.1). Non-finite terms, FSDP2 shards and the constructor as :class:`KLClip`,
+    whose ν is capped at 1 where this one's is capped at SGD's decrease.
     """
-
-    def __init__(self, kl_clip: float, trust_region: TrustRegion, parameters: Callable[[], list[Tensor]],
-                 sharding: Sharding, nonfinite: Tensor) -> None:
-        self.kl_clip = kl_clip
-        self.trust_region = trust_region
-        self._parameters = parameters
-        self._sharding = sharding
-        self.nonfinite = nonfinite
 
     @record_function("kfac.kl_clip")
     def apply(self, directions: dict[Tensor, Tensor], groups: list[dict[str, Any]],
