@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,17 +90,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("runs/interval_rules"))
     args = parser.parse_args(argv)
-    library_logger = logging.getLogger("kfac_optim")
-    threads, level = torch.get_num_threads(), library_logger.level
-    torch.set_num_threads(1)
-    library_logger.setLevel(logging.ERROR)  # the runs' one-time notes would bury the table
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return _compare(args)
-    finally:  # a caller's process (a test) keeps its own settings
-        torch.set_num_threads(threads)
-        library_logger.setLevel(level)
+    with zoo.quiet_runs(1):
+        return _compare(args)
 
 
 def _compare(args: argparse.Namespace) -> dict[str, Any]:

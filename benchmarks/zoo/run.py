@@ -31,11 +31,13 @@ equal-step and equal-time losses against SGD's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import re
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,16 +249,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/zoo"))
     args = parser.parse_args(argv)
+    with quiet_runs(args.threads):
+        return _compare(args, parser)
+
+
+@contextlib.contextmanager
+def quiet_runs(threads: int) -> Iterator[None]:
+    """Run inside: ``threads`` threads, warnings ignored and the library's notes at ERROR (the runs'
+    one-time notes would bury the table); the caller's process (a test) gets its settings back."""
     library_logger = logging.getLogger("kfac_optim")
-    threads, level = torch.get_num_threads(), library_logger.level
-    torch.set_num_threads(args.threads)
-    library_logger.setLevel(logging.ERROR)  # the runs' one-time notes would bury the table
+    saved_threads, level = torch.get_num_threads(), library_logger.level
+    torch.set_num_threads(threads)
+    library_logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return _compare(args, parser)
-    finally:  # a caller's process (a test) keeps its own settings
-        torch.set_num_threads(threads)
+            yield
+    finally:
+        torch.set_num_threads(saved_threads)
         library_logger.setLevel(level)
 
 
