@@ -124,6 +124,9 @@ class KLClip:
         self._sharding = sharding
         self.nonfinite = nonfinite
 
+    terms = 1
+    """How many sums :meth:`scale` reads (``summed_terms``' ``count``)."""
+
     @record_function("kfac.kl_clip")
     def apply(self, directions: dict[Tensor, Tensor], groups: list[dict[str, Any]],
               state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, Tensor]:
@@ -132,12 +135,20 @@ class KLClip:
         lr_of = {p: self.trust_region.lr(group) for group in groups for p in group["params"]}
 
         def term(direction: Tensor, grad: Tensor, param: Tensor) -> Tensor:
-            return torch.vdot(direction, grad).reshape(1) * lr_of[param] ** 2
+            return self.term(direction, grad, lr_of[param])
 
-        (kl_estimate,) = summed_terms(directions, self._parameters(), self._sharding, self.nonfinite, term, 1).abs()
-        nu = (self.kl_clip / kl_estimate).sqrt().clamp(max=1.0)
-        torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
+        sums = summed_terms(directions, self._parameters(), self._sharding, self.nonfinite, term, self.terms)
+        torch._foreach_mul_([fsdp.local(d) for d in directions.values()], self.scale(sums))
         return directions
+
+    def term(self, direction: Tensor, grad: Tensor, lr: float | Tensor) -> Tensor:
+        """One parameter's terms ``(terms,)`` from its flattened direction and gradient rows and its
+        :meth:`TrustRegion.lr`: the KL estimate ``lr² ⟨V, ∇⟩``."""
+        return torch.vdot(direction, grad).reshape(1) * lr**2
+
+    def scale(self, sums: Tensor) -> Tensor:
+        """ν from the summed terms ``(terms,)``."""
+        return (self.kl_clip / sums[0].abs()).sqrt().clamp(max=1.0)
 
 
 def summed_terms(directions: dict[Tensor, Tensor], params: list[Tensor], sharding: Sharding, nonfinite: Tensor,
@@ -190,23 +201,17 @@ class SGDDecrease(KLClip):
     whose ν is capped at 1 where this one's is capped at SGD's decrease.
     """
 
-    @record_function("kfac.kl_clip")
-    def apply(self, directions: dict[Tensor, Tensor], groups: list[dict[str, Any]],
-              state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, Tensor]:
-        if not directions:
-            return directions
-        lr_of = {p: self.trust_region.lr(group) for group in groups for p in group["params"]}
+    terms = 3
 
-        def term(direction: Tensor, grad: Tensor, param: Tensor) -> Tensor:
-            lr = lr_of[param]
-            inner = torch.vdot(direction, grad)
-            return torch.stack([torch.vdot(grad, grad) * lr, inner * lr, inner * lr**2])
+    def term(self, direction: Tensor, grad: Tensor, lr: float | Tensor) -> Tensor:
+        """SGD's decrease ``lr ‖∇‖²``, K-FAC's ``lr ⟨V, ∇⟩`` and the KL estimate ``lr² ⟨V, ∇⟩``."""
+        inner = torch.vdot(direction, grad)
+        return torch.stack([torch.vdot(grad, grad) * lr, inner * lr, inner * lr**2])
 
-        sgd, kfac, kl_estimate = summed_terms(directions, self._parameters(), self._sharding, self.nonfinite, term, 3)
+    def scale(self, sums: Tensor) -> Tensor:
+        sgd, kfac, kl_estimate = sums
         nu = (sgd / kfac).where(kfac > 0, 1.0)
-        nu = torch.minimum(nu, (self.kl_clip / kl_estimate.abs()).sqrt())
-        torch._foreach_mul_([fsdp.local(d) for d in directions.values()], nu)
-        return directions
+        return torch.minimum(nu, (self.kl_clip / kl_estimate.abs()).sqrt())
 
 
 def step_length_for(options: KFACOptions, trust_region: TrustRegion, parameters: Callable[[], list[Tensor]],
