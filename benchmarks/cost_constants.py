@@ -1,4 +1,4 @@
-"""Where the constants of ``kfac_optim.costs`` come from: each kind of work's rate on this machine,
+"""Where the constants of ``kfac_optim.schedule.costs`` come from: each kind of work's rate on this machine,
 in flop-equivalents (the time of one floating-point operation of a large matrix product).
 
 Usage: ``python -m benchmarks.cost_constants [--sizes 256 512 1024 2048] [--threads 1] [--repeats 3] [--out DIR]``.
@@ -29,11 +29,12 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from benchmarks.output import write_json_and_plot
-from kfac_optim import costs, linalg
+from kfac_optim import linalg
+from kfac_optim.schedule import costs
 from kfac_optim.methods import DEFAULT_MAX_RANK
 
 LIBRARY = {"eigh": costs.EIGH, "inverse": costs.INVERSE, "range": costs.RANGE, "element": costs.ELEMENT}
-"""The constants of ``kfac_optim.costs`` each measurement is compared with."""
+"""The constants of ``kfac_optim.schedule.costs`` each measurement is compared with."""
 
 
 def best_seconds(work: Callable[[], object], repeats: int, device: torch.device | None = None) -> float:
@@ -97,7 +98,7 @@ def plot(result: dict[str, object]) -> Figure:
     axes.set_yscale("log")
     axes.set_xlabel("factor size n")
     axes.set_ylabel("flop-equivalents per unit of work")
-    axes.set_title("kfac_optim.costs constants (dashed) against this machine")
+    axes.set_title("kfac_optim.schedule.costs constants (dashed) against this machine")
     axes.legend(fontsize=8)
     figure.tight_layout()
     return figure

@@ -66,12 +66,12 @@ TASKS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Batc
                 _images, F.cross_entropy),
 }
 class AlternativeLength:
-    """A length rule measured against the default's (``kfac_optim.step_length.SGDDecrease``), under the
+    """A length rule measured against the default's (``kfac_optim.update.step_length.SGDDecrease``), under the
     same KL bound ``Σ lr²ν²⟨V_p, ∇p⟩ ≤ kl_clip``: ``"euclidean"``, ``ν = sqrt(Σ‖∇p‖² / Σ‖V_p‖²)`` (SGD's
     Euclidean length); ``"layer"``, each parameter's ``V_p`` at ``‖∇p‖`` (per-layer lengths), then one ν
     for the bound; ``"floor"``, ``ν = max(1, Σ‖∇p‖² / Σ⟨V_p, ∇p⟩)`` (K-FAC's own step ``lr·V``,
     lengthened to SGD's first-order decrease where it promises less). One param group, one process,
-    finite gradients (a ``kfac_optim.step_length.StepLength``)."""
+    finite gradients (a ``kfac_optim.update.step_length.StepLength``)."""
 
     def __init__(self, kl_clip: float, rule: str) -> None:
         self.kl_clip, self.rule = kl_clip, rule

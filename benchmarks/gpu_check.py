@@ -14,7 +14,7 @@ and the next phase runs; the budgets add up to under five minutes on one H100):
   first, medians and means of the timed steps; the first step, which decomposes, apart);
 - ``gpt``: the peers' ``CharGPT`` (benchmarks/peers/tasks.py) at width 512, 2 blocks, context
   256, batch 32, bf16 autocast: SGD, AdamW and ``KFAC(model)``, the same way;
-- ``costs``: the rates behind ``kfac_optim.costs``'s constants on the device
+- ``costs``: the rates behind ``kfac_optim.schedule.costs``'s constants on the device
   (``benchmarks.cost_constants.measure``).
 
 Writes ``DIR/gpu_check.json`` (every phase's result), ``DIR/gpu_check.md`` (the table it prints),

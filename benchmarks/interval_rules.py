@@ -31,7 +31,7 @@ from tqdm import tqdm
 from benchmarks.zoo import run as zoo
 from benchmarks.zoo.models import ZOO
 from kfac_optim import KFAC
-from kfac_optim.intervals import MIN_AUTO_INVERSE, AutoIntervals, StepCosts
+from kfac_optim.schedule.intervals import MIN_AUTO_INVERSE, AutoIntervals, StepCosts
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from kfac_optim import KFAC, CurvatureConfig
-from kfac_optim.capture import StatisticsCapture
+from kfac_optim.capture.hooks import StatisticsCapture
 from kfac_optim.layers import KroneckerBlock, LinearBlock
 from kfac_optim.methods import method_named
 from kfac_optim.layers import discover_blocks

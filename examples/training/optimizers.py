@@ -2,7 +2,7 @@
 
 `sgd` and `adamw` are torch's; `kfac` is `kfac_optim.KFAC`. Schedules are expressed in
 epochs in the config and converted to optimizer steps here, once `steps_per_epoch` is known:
-K-FAC's `{initial, epochs, gamma}` values become `kfac_optim.schedules.MilestoneSchedule`s.
+K-FAC's `{initial, epochs, gamma}` values become `kfac_optim.schedule.milestones.MilestoneSchedule`s.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """kfac_optim: K-FAC natural-gradient descent for PyTorch as one ``torch.optim.Optimizer``."""
 
-from kfac_optim import schedules
 from kfac_optim.config import AsyncConfig, CurvatureConfig, RuntimeConfig, UpdateConfig
-from kfac_optim.damping import AdaptiveDamping
+from kfac_optim.update.damping import AdaptiveDamping
 from kfac_optim.layers import KroneckerBlock, discover_blocks, register_block
 from kfac_optim.methods import DampedInverse, Eigen, EigenAdam, Method
-from kfac_optim.methods_root import RootKronecker  # registers method="root"
+from kfac_optim.methods.root import RootKronecker  # registers method="root"
 from kfac_optim.optimizer import KFAC
-from kfac_optim.schedules import MilestoneSchedule
+from kfac_optim.schedule.milestones import MilestoneSchedule
 
 __all__ = [
     "KFAC",
@@ -26,7 +25,6 @@ __all__ = [
     "__version__",
     "discover_blocks",
     "register_block",
-    "schedules",
 ]
 
 __version__ = "0.1.0"

@@ -80,14 +80,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.optim import Optimizer
 
-from kfac_optim.background import Job, Result
-from kfac_optim.damping import check_state as check_damping_state
+from kfac_optim.background.decompositions import Job, Result
+from kfac_optim.update.damping import check_state as check_damping_state
 from kfac_optim.diagnostics import warn_user
-from kfac_optim.fold_schedule import check_state as check_stagger_state
-from kfac_optim.intervals import check_state as check_intervals
+from kfac_optim.estimator.folds import check_state as check_stagger_state
+from kfac_optim.schedule.intervals import check_state as check_intervals
 
 if TYPE_CHECKING:
-    from kfac_optim.estimator import KroneckerEstimator
+    from kfac_optim.estimator.estimator import KroneckerEstimator
 
 _NOT_SAVED = ("decomposition", "decomposed_key")
 

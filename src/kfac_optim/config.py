@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kfac_optim.damping import AdaptiveDamping, check_damping
+from kfac_optim.update.damping import AdaptiveDamping, check_damping
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES
-from kfac_optim.intervals import AutoIntervals, auto_of, check_interval
+from kfac_optim.schedule.intervals import AutoIntervals, auto_of, check_interval
 from kfac_optim.layers import ConvStatistics, KroneckerBlock
 from kfac_optim.layers.conv_statistics import check_conv_statistics
 from kfac_optim.layers.registry import SkipLayers, check_block_overrides
@@ -95,7 +95,7 @@ class CurvatureConfig:
     positions of a convolution become rows (``kfac_optim.layers.conv_statistics``: ``Expand()``,
     ``Reduce()``, ``SampledPositions(count, seed)``, ``ReduceAbove(positions)``), for every conv
     block whatever ``weight_sharing`` says (None: as ``weight_sharing`` says). ``stagger``: spread the blocks'
-    factor updates over the steps of each factor interval (``kfac_optim.stagger``).
+    factor updates over the steps of each factor interval (``kfac_optim.estimator.stagger``).
     ``factor_dtype``, ``inv_dtype``: float32 or float64 for factors and decompositions.
     ``skip_layers``: module-name regexes (full match against the name or the class name) or module
     types whose layers take the SGD path. ``blocks``: ``{module type: KroneckerBlock subclass}``,
@@ -207,8 +207,8 @@ class UpdateConfig:
     lowered where the step's KL estimate ``Σ lr²ν²⟨V, ∇⟩`` would exceed ``kl_clip`` (a bound in nats
     that does not grow with the lr: a mistyped lr stays bounded). The lr scales the step as SGD's
     does, and a summed loss at ``lr/N`` (``CurvatureConfig(loss_reduction="sum")``) takes the step of
-    the mean loss at ``lr`` (``kfac_optim.step_length.SGDDecrease``, docs/design.md §4.1).
-    The KL clips (``kfac_optim.step_length.KLClip``) scale by ``ν = min(1, sqrt(kl_clip / |Σ lr₀² ⟨V, ∇⟩|))``:
+    the mean loss at ``lr`` (``kfac_optim.update.step_length.SGDDecrease``, docs/design.md §4.1).
+    The KL clips (``kfac_optim.update.step_length.KLClip``) scale by ``ν = min(1, sqrt(kl_clip / |Σ lr₀² ⟨V, ∇⟩|))``:
     "lr_squared": at lr 1 (``lr₀ = 1``), so the applied step ``lr_t·ν·V`` has the KL bound
     ``kl_clip·lr_t²`` (the default of the previous release). "base_lr": ν is
     computed at each param group's base lr (its ``"kfac_base_lr"``: its lr when the optimizer was
@@ -221,7 +221,7 @@ class UpdateConfig:
     ``decoupled_weight_decay``: the group's ``weight_decay`` as ``p ← p·(1 − lr·weight_decay)``,
     outside the direction, momentum and clip (as ``torch.optim.AdamW``); False: SGD's coupled decay.
     ``grafting``: "sgd" or "adam": per parameter tensor, K-FAC's direction with the norm of that
-    optimizer's step (``kfac_optim.grafting``); replaces the KL clip (``kl_clip`` must be None).
+    optimizer's step (``kfac_optim.update.grafting``); replaces the KL clip (``kl_clip`` must be None).
     ``adam_betas``, ``adam_eps``: Adam's, for ``grafting="adam"``.
     """
 
@@ -256,11 +256,11 @@ class KFACOptions:
 
     ``damping``: λ, in Fisher units of a per-sample loss (docs/design.md §3), a float > 0, a
     callable ``step -> float`` or an ``AdaptiveDamping`` (Levenberg–Marquardt,
-    ``kfac_optim.damping``). ``kl_clip``: the bound on the step's KL estimate ν is computed from
+    ``kfac_optim.update.damping``). ``kl_clip``: the bound on the step's KL estimate ν is computed from
     (``UpdateConfig.trust_region``; None: no scaling). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh
     decompositions every this many steps (int >= 1 or callable ``step -> int``), or ``"auto"`` /
     an ``AutoIntervals`` (the default): chosen from the cost counted from shapes, or a
-    ``MeasuredIntervals``: from the cost timed on the first steps (``kfac_optim.intervals``). ``method``:
+    ``MeasuredIntervals``: from the cost timed on the first steps (``kfac_optim.schedule.intervals``). ``method``:
     "eigen", "inverse", "eigen_adam" or a ``kfac_optim.Method``. ``curvature``, ``asynchronous``, ``update``: see
     :class:`CurvatureConfig`, :class:`AsyncConfig` (None: decompositions in line) and :class:`UpdateConfig`.
     """

@@ -24,7 +24,7 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
            estimate at most kl_clip; the KL clips min(1, sqrt(kl_clip / |Σ lr₀² ⟨V, ∇W⟩|)):
            UpdateConfig.trust_region, §4.1)
     d   = ν·V  for K-FAC parameters,  ∇p  for every other parameter
-          (UpdateConfig.grafting: no ν; d = M·‖s‖/‖M‖ per tensor, see kfac_optim.grafting)
+          (UpdateConfig.grafting: no ν; d = M·‖s‖/‖M‖ per tensor, see kfac_optim.update.grafting)
           (method="eigen_adam": every other parameter takes Adam's step instead, with no SGD
            momentum or decay on top: grafting.AdamOutsideKFAC)
     UpdateConfig.decoupled_weight_decay:  p ← p·(1 − lr·weight_decay), and SGD's decay is 0
@@ -58,15 +58,15 @@ from kfac_optim.config import (
     from_deprecated_keywords,
 )
 from kfac_optim.distributed.join import JoinSupport
-from kfac_optim.estimator import LARGE_FACTOR_DIM, KroneckerEstimator, block_dims, unwrap_model
-from kfac_optim.grafting import outside_kfac_for
+from kfac_optim.estimator.estimator import LARGE_FACTOR_DIM, KroneckerEstimator, block_dims, unwrap_model
+from kfac_optim.update.grafting import outside_kfac_for
 from kfac_optim.layers import discover_blocks
 from kfac_optim.layers.positions import RealPositions
 from kfac_optim.methods import Method, method_named
 from kfac_optim.optimizer_views import KFACViews
 from kfac_optim.precision import MixedPrecision
-from kfac_optim.sgd_update import sgd_update
-from kfac_optim.step_length import StepLength, TrustRegion, step_length_for
+from kfac_optim.update.sgd import sgd_update
+from kfac_optim.update.step_length import StepLength, TrustRegion, step_length_for
 
 __all__ = ["KFAC", "LARGE_FACTOR_DIM", "block_dims", "discover_blocks"]
 
@@ -102,7 +102,7 @@ class KFAC(KFACViews, Optimizer, Joinable):
             step promises SGD's first-order decrease at the lr, so the lr sets it as SGD's (``UpdateConfig.trust_region``); None: K-FAC's
             directions unscaled.
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable), or
-            "auto" (default) / a ``kfac_optim.intervals.AutoIntervals``: chosen from the cost
+            "auto" (default) / a ``kfac_optim.schedule.intervals.AutoIntervals``: chosen from the cost
             counted from the layers' and the first batch's shapes, reproducible; a
             ``MeasuredIntervals`` times the first steps instead (docs/api.md "Automatic intervals").
         inv_update_steps: refresh decompositions every this many steps (int ≥ 1, callable, "auto").
@@ -173,15 +173,17 @@ class KFAC(KFACViews, Optimizer, Joinable):
         super().__init__(params, defaults)
         Joinable.__init__(self)
         trainable = {p for group in self.param_groups for p in group["params"]}  # the model's and any outside it
-        self._outside_adam = outside_kfac_for(method_named(self._options.method), self._options.update,
-                                              self.param_groups, self.model, trainable)  # checked before any hook
+        self._outside_adam = outside_kfac_for(
+            method_named(self._options.method), self._options.update.grafting,
+            self._options.update.decoupled_weight_decay, self.param_groups, self.model, trainable)  # checked before any hook
         self._precision = MixedPrecision(self, runtime.grad_scaler,
                                          statistics_loss_scaled=curvature.fisher == "empirical")
         self.estimator = KroneckerEstimator(self.model, trainable, self._options, runtime, self._precision)
         self._join = JoinSupport(self.estimator.sharding, self.estimator.shadow_step, self, model)
         self._checkpointing = checkpoint.Checkpointing(self, self.estimator)
-        self._step_length: StepLength = step_length_for(self._options, self._trust_region, self.estimator.parameters,
-                                                        self.estimator.sharding, self.estimator.nonfinite_directions)
+        self._step_length: StepLength = step_length_for(
+            self._options.update, self._options.kl_clip, self._trust_region, self.estimator.parameters,
+            self.estimator.sharding, self.estimator.nonfinite_directions)
         logger.info("%s", self.describe())
 
     def __setstate__(self, state: dict[str, Any]) -> None:

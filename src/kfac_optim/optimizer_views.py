@@ -17,8 +17,8 @@ from kfac_optim.layers import ModuleReport
 from kfac_optim.methods import Method
 
 if TYPE_CHECKING:
-    from kfac_optim.estimator import KroneckerEstimator
-    from kfac_optim.grafting import AdamOutsideKFAC
+    from kfac_optim.estimator.estimator import KroneckerEstimator
+    from kfac_optim.update.grafting import AdamOutsideKFAC
 
 
 class KFACViews:

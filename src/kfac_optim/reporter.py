@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from kfac_optim.layers.factor import Factor
     from kfac_optim.layers.registry import Discovery
     from kfac_optim.methods import Method
-    from kfac_optim.statistics_pipeline import Recording
+    from kfac_optim.capture.hooks import Recording
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, RuntimeConfig
-from kfac_optim.schedules import MilestoneSchedule
+from kfac_optim.schedule.milestones import MilestoneSchedule
 from tests.distributed_helpers import load_results, results_file, run_ranks
 from tests.distributed.test_distributed import STEPS, ddp_train, make_ddp_net, parameters, saved_factors
 

@@ -1,5 +1,5 @@
 """Same seed, same run: the default automatic intervals are counted from shapes, never timed
-(``kfac_optim.costs``, docs/api.md "Automatic intervals"), and a run saved at any step and loaded
+(``kfac_optim.schedule.costs``, docs/api.md "Automatic intervals"), and a run saved at any step and loaded
 into a freshly built optimizer continues bit-identically (docs/api.md ``state_dict()``).
 
 Every comparison is bit for bit (``torch.equal``) against a control run in this process.
@@ -18,7 +18,7 @@ from torch import nn
 
 from kfac_optim import KFAC, AdaptiveDamping, AsyncConfig, CurvatureConfig, RuntimeConfig
 from helpers import checkpoint_bytes
-from kfac_optim.intervals import MeasuredIntervals, StepCosts
+from kfac_optim.schedule.intervals import MeasuredIntervals, StepCosts
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC, AdaptiveDamping, CurvatureConfig, RuntimeConfig
-from kfac_optim.damping import LevenbergMarquardt, damping_rule
+from kfac_optim.update.damping import LevenbergMarquardt, damping_rule
 
 BATCH = 16
 

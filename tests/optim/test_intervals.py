@@ -1,4 +1,4 @@
-"""Automatic intervals (``kfac_optim.intervals``): the calibration's schedule, the cost model,
+"""Automatic intervals (``kfac_optim.schedule.intervals``): the calibration's schedule, the cost model,
 the decision (logged, in describe()) and its revision at re-measured decomposition rounds, and
 checkpoints that keep it.
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC
-from kfac_optim.intervals import AutoIntervals, IntervalSchedule, MeasuredIntervals, StepCosts, check_state
+from kfac_optim.schedule.intervals import AutoIntervals, IntervalSchedule, MeasuredIntervals, StepCosts, check_state
 
 COSTS = StepCosts(step=0.1, factor=0.05, decomposition=3.5)  # ResNet-18-like: seconds
 
@@ -61,7 +61,7 @@ def test_calibration_then_injected_costs_give_the_same_intervals_every_run(caplo
     assert [optimizer.is_factor_step(k) for k in range(3)] == [True, True, False]
     assert [optimizer.is_inverse_step(k) for k in range(3)] == [True, False, False]
     assert "factor_update_steps=auto (measuring)" in optimizer.describe()
-    with caplog.at_level(logging.INFO, logger="kfac_optim.intervals"):
+    with caplog.at_level(logging.INFO, logger="kfac_optim.schedule.intervals"):
         train(optimizer, model, 4)
     assert "factor_update_steps=2 (auto), inv_update_steps=140 (auto)" in caplog.text
     assert optimizer.describe().splitlines()[-1].startswith(

@@ -1,4 +1,4 @@
-"""Staggered factor updates (``KFAC(..., curvature=CurvatureConfig(stagger=True))``, ``kfac_optim.stagger``):
+"""Staggered factor updates (``KFAC(..., curvature=CurvatureConfig(stagger=True))``, ``kfac_optim.estimator.stagger``):
 which layers capture and fold on which step, and the factors they build."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from torch import nn
 
 from helpers import seeded_batch
 from kfac_optim import KFAC, CurvatureConfig
-from kfac_optim.stagger import assign_phases
+from kfac_optim.estimator.stagger import assign_phases
 
 BATCH = 8
 DIMS = [(4, 6), (6, 5), (5, 3)]  # three Linear layers, statistics costs 8·(5²+6²), 8·(7²+5²), 8·(6²+3²)

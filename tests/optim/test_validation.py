@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC, CurvatureConfig, RuntimeConfig, UpdateConfig
-from kfac_optim.intervals import AutoIntervals
+from kfac_optim.schedule.intervals import AutoIntervals
 
 
 # -- the validation table: KFAC(**kwargs) with one bad argument ---------------------------------

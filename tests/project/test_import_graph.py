@@ -164,7 +164,7 @@ def test_the_optimizer_leaves_the_step_length_to_its_owner() -> None:
     shards for it (issue 27: the KL clip no longer reaches into ``distributed.fsdp`` from the optimizer)."""
     graph = import_graph()
     assert "kfac_optim.distributed.fsdp" not in graph["kfac_optim.optimizer"]
-    assert "kfac_optim.step_length" in graph["kfac_optim.optimizer"]
+    assert "kfac_optim.update.step_length" in graph["kfac_optim.optimizer"]
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from benchmarks import (
     step_time,
     whole_steps,
 )
-from kfac_optim.intervals import AutoIntervals, StepCosts
+from kfac_optim.schedule.intervals import AutoIntervals, StepCosts
 from kfac_optim.optimizer import block_dims
 
 

@@ -3,7 +3,7 @@
 Owns: :class:`WorkItem` (a factor's block, side, dimension and kind), the canonical item order
 (block name, then A before G), and the items' decomposition costs in the plan's unit, asked of
 the decomposition method (:func:`item_costs`: ``Method.decomposition_cost``, the same counts the
-automatic intervals use, ``kfac_optim.costs``), so the plan weighs a capped factor at its
+automatic intervals use, ``kfac_optim.schedule.costs``), so the plan weighs a capped factor at its
 randomized eigensolver's cost and an inverse at a Cholesky's, not at a full ``eigh``'s.
 Must not know: ranks, the assignment, the KAISA grid, tensors or ``torch.distributed``.
 
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from kfac_optim import costs
+from kfac_optim.schedule import costs
 from kfac_optim.methods import Method, method_named
 
 Factor = Literal["A", "G"]

@@ -297,7 +297,7 @@ class KroneckerBlock(ABC):
 
     def forward_rows(self) -> int:
         """The input rows the layer's forward multiplied with its weight in the captures since the
-        last fold (what a step's forward and backward cost is counted from, ``kfac_optim.costs``):
+        last fold (what a step's forward and backward cost is counted from, ``kfac_optim.schedule.costs``):
         ``A``'s pending rows by default; a block whose statistics make fewer rows than its
         forward multiplies (a conv's ``Reduce``) counts the forward's."""
         return self.A.pending_rows

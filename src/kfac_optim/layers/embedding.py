@@ -30,7 +30,7 @@ sides are swapped), so ``reduce`` applies within the head's call only.
 
 Indices without a batch dimension (``position(torch.arange(T))`` broadcast over the batch):
 autograd sums the output-gradient over the batch before the hook sees it, so the per-sample
-statistics cannot be formed; see :mod:`kfac_optim.batch_free`, which finds such blocks and turns
+statistics cannot be formed; see :mod:`kfac_optim.capture.batch_free`, which finds such blocks and turns
 them to the SGD path (:meth:`KroneckerBlock.leave_to_sgd`). :attr:`EmbeddingBlock.unbatched`
 counts the calls and rows with 1-D indices since the last fold, for that check.
 """

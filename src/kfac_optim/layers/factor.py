@@ -28,7 +28,7 @@ from kfac_optim.layers.support import EMPTY_SUPPORT, Support
 from kfac_optim.state_checks import check_shapes, check_tensors
 
 if TYPE_CHECKING:
-    from kfac_optim.decompositions import Decomposer, Decomposition
+    from kfac_optim.methods.decompositions import Decomposer, Decomposition
     from kfac_optim.methods import Method
 
 FactorName = Literal["A", "G"]
@@ -263,7 +263,7 @@ class Factor:
 
     def snapshot(self) -> Factor:
         """A shallow copy holding a copy of ``running``: what a background decomposition reads
-        while this factor keeps folding (see ``kfac_optim.background``)."""
+        while this factor keeps folding (see ``kfac_optim.background.decompositions``)."""
         copied = copy.copy(self)
         copied.running = self.running.clone()
         return copied

@@ -8,7 +8,7 @@ a parameter's ``.grad`` (:func:`gradient_node`, :func:`writes_gradient`) and kee
 another (:func:`keeps_graph`); :class:`InertHook`, what a copied or
 pickled model gets in place of a capture hook, and :class:`CopiedAsInert`, the base of hook
 objects that turn into one.
-Must not know: blocks, factors, the capture itself (``kfac_optim.capture`` and the blocks that
+Must not know: blocks, factors, the capture itself (``kfac_optim.capture.hooks`` and the blocks that
 install their own hooks, e.g. ``layers.attention``, build on this module; it imports nothing of
 the package).
 """

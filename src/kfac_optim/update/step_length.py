@@ -2,7 +2,7 @@
 applies (docs/design.md §4.1). One owner, chosen once at construction by :func:`step_length_for`
 from the public settings: K-FAC's direction at SGD's first-order decrease, under a KL bound
 (:class:`SGDDecrease`, the default ``UpdateConfig(trust_region="sgd")``), a KL clip (:class:`KLClip`, the other trust regions), an SGD
-or Adam graft per tensor (``UpdateConfig(grafting=...)``, :class:`kfac_optim.grafting.SGDGraft` /
+or Adam graft per tensor (``UpdateConfig(grafting=...)``, :class:`kfac_optim.update.grafting.SGDGraft` /
 ``AdamGraft``) or none (:class:`NoClip`, ``kl_clip=None``).
 
 Owns: the :class:`StepLength` interface and the choice; ν, its sums over FSDP2 shards and its
@@ -22,10 +22,9 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from kfac_optim.config import KFACOptions
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed import fsdp
-from kfac_optim.grafting import AdamGraft, SGDGraft
+from kfac_optim.update.grafting import AdamGraft, SGDGraft
 
 if TYPE_CHECKING:
     from kfac_optim.distributed.sharding import Sharding
@@ -214,20 +213,28 @@ class SGDDecrease(KLClip):
         return torch.minimum(nu, (self.kl_clip / kl_estimate.abs()).sqrt())
 
 
-def step_length_for(options: KFACOptions, trust_region: TrustRegion, parameters: Callable[[], list[Tensor]],
-                    sharding: Sharding, nonfinite: Tensor) -> StepLength:
-    """The step length ``options`` ask for: ``UpdateConfig.grafting``'s graft (``KFACOptions``
+class UpdateSettings(Protocol):
+    """The fields of ``kfac_optim.config.UpdateConfig`` that choose the step length."""
+
+    trust_region: str
+    grafting: str | None
+    adam_betas: tuple[float, float]
+    adam_eps: float
+
+
+def step_length_for(update: UpdateSettings, kl_clip: float | None, trust_region: TrustRegion,
+                    parameters: Callable[[], list[Tensor]], sharding: Sharding, nonfinite: Tensor) -> StepLength:
+    """The step length ``update`` and ``kl_clip`` ask for: ``update.grafting``'s graft (``KFACOptions``
     refuses it beside ``kl_clip``), else none at ``kl_clip=None``, else SGD's decrease under the KL bound
     (``trust_region="sgd"``) or the KL clip. Grafts are refused under FSDP2 row sharding
     (``NotImplementedError``)."""
-    update = options.update
     row_sharded = sharding.row_sharded is not None
     if update.grafting == "sgd":
         return SGDGraft(row_sharded)
     if update.grafting == "adam":
         return AdamGraft(update.adam_betas, update.adam_eps, row_sharded)
-    if options.kl_clip is None:
+    if kl_clip is None:
         return NoClip()
     if update.trust_region == "sgd":
-        return SGDDecrease(options.kl_clip, trust_region, parameters, sharding, nonfinite)
-    return KLClip(options.kl_clip, trust_region, parameters, sharding, nonfinite)
+        return SGDDecrease(kl_clip, trust_region, parameters, sharding, nonfinite)
+    return KLClip(kl_clip, trust_region, parameters, sharding, nonfinite)

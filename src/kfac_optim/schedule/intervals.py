@@ -6,7 +6,7 @@ it is added to (the budget rule below), and the chosen intervals' state (saved i
 docs/api.md "Automatic intervals"). Two kinds of automatic intervals:
 
 - :class:`AutoIntervals` (the default of ``KFAC``, ``"auto"``): the costs are *counted* from
-  shapes (``kfac_optim.costs``: the blocks' factor sizes, one batch's rows, the method), so the
+  shapes (``kfac_optim.schedule.costs``: the blocks' factor sizes, one batch's rows, the method), so the
   intervals are a pure function of the model, the batch shapes and the settings: the same on every
   run, and on every rank without a collective (DDP's ranks hold the same layers and, as its
   samplers give them, batches of the same shape). They are decided at the start of the first step
@@ -78,7 +78,7 @@ from typing import Any
 import torch
 
 from kfac_optim.diagnostics import warn_user
-from kfac_optim.schedules import resolve
+from kfac_optim.schedule.milestones import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def check_interval(name: str, value: int) -> int:
 class StepCosts:
     """The costs the budget rule weighs: the SGD-equivalent ``step``, a factor step's extra, one
     decomposition round, and one step's ``precondition`` (0 in checkpoints of earlier releases).
-    In flop-equivalents (``kfac_optim.costs``) for :class:`AutoIntervals`, in seconds for
+    In flop-equivalents (``kfac_optim.schedule.costs``) for :class:`AutoIntervals`, in seconds for
     :class:`MeasuredIntervals`; only their ratios matter."""
 
     step: float
@@ -122,7 +122,7 @@ class StepCosts:
 @dataclass(frozen=True)
 class AutoIntervals:
     """``factor_update_steps`` / ``inv_update_steps`` chosen from the costs counted from shapes
-    (deterministic; module docstring and ``kfac_optim.costs``).
+    (deterministic; module docstring and ``kfac_optim.schedule.costs``).
 
     ``overhead``: the budget of the curvature's amortized cost, as a fraction of a plain step (> 0;
     the preconditioning takes at most half of it, module docstring).
@@ -480,6 +480,6 @@ def _seconds(costs: StepCosts) -> str:
 
 
 def _counted(costs: StepCosts) -> str:
-    return (f"counted costs (flop-equivalents, kfac_optim.costs): step {costs.step:.3g} (SGD-equivalent), "
+    return (f"counted costs (flop-equivalents, kfac_optim.schedule.costs): step {costs.step:.3g} (SGD-equivalent), "
             f"preconditioning {costs.precondition:.3g}, factor work {costs.factor:.3g}, "
             f"decompositions {costs.decomposition:.3g}")

@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -90,11 +91,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from kfac_optim import compiled_capture
-from kfac_optim.capture_calls import NO_CALL, ModelCall, ModelCallStart, computed_from, read_call, tensors_in
-from kfac_optim.capture_lifetime import remove_hooks, take_over
-from kfac_optim.capture_pairs import Tapped, same_tensor, tensors_of
-from kfac_optim.compiled_capture import TapSite
+from kfac_optim.capture import compiled as compiled_capture
+from kfac_optim.capture.calls import NO_CALL, ModelCall, ModelCallStart, computed_from, read_call, tensors_in
+from kfac_optim.capture.lifetime import remove_hooks, take_over
+from kfac_optim.capture.pairs import Tapped, same_tensor, tensors_of
+from kfac_optim.capture.compiled import TapSite
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed import fsdp
 from kfac_optim.layers.base import KroneckerBlock
@@ -109,7 +110,7 @@ from kfac_optim.layers.hooks import (
     writes_gradient,
 )
 from kfac_optim.layers.positions import RealPositions
-from kfac_optim.statistics_worker import StatisticsWorker
+from kfac_optim.background.statistics import StatisticsWorker
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,23 @@ class CaptureHook(CopiedAsInert):
         if capture is not None and isinstance(copied_module, nn.Module):
             capture.copies.append((weakref.ref(copied_module), inert))
         return inert
+
+
+@dataclass(frozen=True)
+class Recording:
+    """What the capture saw since the last factor step (``kfac_optim.estimator.pipeline.InLineStatistics.recording``).
+
+    ``recorded``: pairs recorded; ``arrivals``: output-gradients that reached the hooks (recorded or
+    not); ``transformed``: a forward ran inside a ``torch.func`` transform (not hooked);
+    ``graph_backward``: a backward with ``create_graph=True`` was not recorded; ``active``: the
+    capture has hooks installed (not removed).
+    """
+
+    recorded: int
+    arrivals: int
+    transformed: bool
+    graph_backward: bool
+    active: bool
 
 
 class StatisticsCapture:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from kfac_optim.background import BackgroundDecompositions, Job, Result
+from kfac_optim.background.decompositions import BackgroundDecompositions, Job, Result
 from kfac_optim.config import AsyncConfig
 from kfac_optim.distributed.sharding import Sharding
 from kfac_optim.layers import KroneckerBlock

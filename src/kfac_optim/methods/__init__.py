@@ -4,7 +4,7 @@ Owns, per method: the per-factor damping shifts, the damped Kronecker preconditi
 gradient (or its variants: Adam's second moment in the eigenbasis, a root), its costs, the basis
 it takes (:class:`Basis`), the state it keeps per block, and what the parameters outside K-FAC
 get (:meth:`Method.outside_kfac`). How each factor is decomposed, travels between ranks, is saved
-and sized is the other axis, the method's :attr:`Method.decomposer` (``kfac_optim.decompositions``).
+and sized is the other axis, the method's :attr:`Method.decomposer` (``kfac_optim.methods.decompositions``).
 The optimizer turns its ``method`` argument into one of these (:func:`method_named`); below that
 no method is named by a string or tested by type: blocks, checkpoints and the distributed layer
 ask a method (or its decomposer) for what depends on it.
@@ -39,8 +39,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kfac_optim import costs, linalg
-from kfac_optim.decompositions import Decomposer, Decomposition, EigenDecomposer, FactorView, InverseDecomposer
+from kfac_optim import linalg
+from kfac_optim.schedule import costs
+from kfac_optim.methods.decompositions import Decomposer, Decomposition, EigenDecomposer, FactorView, InverseDecomposer
 
 
 class Basis(Enum):
@@ -66,7 +67,7 @@ class Method(ABC):
     name: str
     decomposer: Decomposer
     """How this method's factors are decomposed, travel between ranks, are saved in checkpoints and
-    sized (``kfac_optim.decompositions``): a class attribute or a field set at construction."""
+    sized (``kfac_optim.methods.decompositions``): a class attribute or a field set at construction."""
     uses_damping: ClassVar[bool] = True
     """Whether the damping λ enters :meth:`precondition` (False: ``AdaptiveDamping`` is refused)."""
     basis: ClassVar[Basis]
@@ -107,7 +108,7 @@ class Method(ABC):
         return self.decomposer.capped(factor)
 
     def decomposition_cost(self, a: FactorView, g: FactorView) -> tuple[float, float]:
-        """The cost of decomposing ``a`` and ``g`` once, in ``kfac_optim.costs``' flop-equivalents
+        """The cost of decomposing ``a`` and ``g`` once, in ``kfac_optim.schedule.costs``' flop-equivalents
         (the default automatic intervals' cost model). Default: a full ``eigh`` of every dense
         factor, one elementwise pass over a diagonal one."""
         return _factor_cost(a, costs.EIGH), _factor_cost(g, costs.EIGH)
@@ -556,5 +557,5 @@ def method_named(name: str | Method) -> Method:
         method = METHODS[name]()
     if not isinstance(getattr(method, "decomposer", None), Decomposer):
         raise TypeError(f"method {type(method).__name__} has no decomposer: set Method.decomposer to a "
-                        "kfac_optim.decompositions.Decomposer (how its factors are decomposed, shipped and saved)")
+                        "kfac_optim.methods.decompositions.Decomposer (how its factors are decomposed, shipped and saved)")
     return method

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
-from kfac_optim.capture_calls import ModelCall
+from kfac_optim.capture.calls import ModelCall
 from kfac_optim.layers.base import KroneckerBlock
 from kfac_optim.layers.positions import RealPositions
 

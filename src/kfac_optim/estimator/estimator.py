@@ -27,22 +27,23 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from kfac_optim import batch_free, directions
+from kfac_optim.capture import batch_free
+from kfac_optim.update import directions
 from kfac_optim import fisher as fisher_lib
 from kfac_optim.config import KFACOptions, RuntimeConfig
-from kfac_optim.costs import model_costs
-from kfac_optim.damping import DampingRule, damping_rule
-from kfac_optim.decomposition_steps import DecompositionSteps, Round, decomposition_steps
+from kfac_optim.schedule.costs import model_costs
+from kfac_optim.update.damping import DampingRule, damping_rule
+from kfac_optim.estimator.decomposition_steps import DecompositionSteps, Round, decomposition_steps
 from kfac_optim.distributed.sharding import Sharding
-from kfac_optim.fold_schedule import fold_schedule
-from kfac_optim.intervals import IntervalSchedule, StepCosts
+from kfac_optim.estimator.folds import fold_schedule
+from kfac_optim.schedule.intervals import IntervalSchedule, StepCosts
 from kfac_optim.layers import KroneckerBlock, ModuleReport, discover_blocks
 from kfac_optim.layers.registry import SkipLayers, find_layers
 from kfac_optim.methods import Method, method_named
 from kfac_optim.precision import MixedPrecision
 from kfac_optim.reporter import LARGE_FACTOR_DIM, Reporter, memory_usage
-from kfac_optim.statistics_pipeline import statistics_pipeline
-from kfac_optim.weight_uses import WeightUseCheck
+from kfac_optim.estimator.pipeline import statistics_pipeline
+from kfac_optim.capture.weight_uses import WeightUseCheck
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ class KroneckerEstimator:
 
     def _counted_costs(self) -> StepCosts | None:
         """The default automatic intervals' costs, counted from the blocks' shapes and the rows they
-        captured since the last step (``kfac_optim.costs``; None: none captured). The same on every
+        captured since the last step (``kfac_optim.schedule.costs``; None: none captured). The same on every
         rank whose batch has the same shape, so no collective decides them."""
         self.statistics.settle()  # async_statistics: the rows are counted on the worker
         return model_costs(self.blocks, self.method.decomposition_cost, self.method.precondition_cost)

@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from kfac_optim.intervals import StepCosts
+from kfac_optim.schedule.intervals import StepCosts
 
 logger = logging.getLogger(__name__)
 

@@ -13,16 +13,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from kfac_optim.capture import StatisticsCapture
+from kfac_optim.capture.hooks import Recording, StatisticsCapture
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.layers import KroneckerBlock
 from kfac_optim.precision import MixedPrecision
-from kfac_optim.statistics_worker import StatisticsWorker
+from kfac_optim.background.statistics import StatisticsWorker
 
 logger = logging.getLogger(__name__)
 
@@ -45,23 +44,6 @@ def clear_pending(blocks: Sequence[KroneckerBlock]) -> None:
     """Forget the pending statistics of ``blocks``."""
     for block in blocks:
         block.clear_pending()
-
-
-@dataclass(frozen=True)
-class Recording:
-    """What the capture saw since the last factor step (:meth:`InLineStatistics.recording`).
-
-    ``recorded``: pairs recorded; ``arrivals``: output-gradients that reached the hooks (recorded or
-    not); ``transformed``: a forward ran inside a ``torch.func`` transform (not hooked);
-    ``graph_backward``: a backward with ``create_graph=True`` was not recorded; ``active``: the
-    capture has hooks installed (not removed).
-    """
-
-    recorded: int
-    arrivals: int
-    transformed: bool
-    graph_backward: bool
-    active: bool
 
 
 class InLineStatistics:

@@ -2,7 +2,7 @@
 Distributed Shampoo's default): K-FAC's direction with the step length of a simple optimizer.
 
 Owns: the per-parameter-tensor grafts of ``UpdateConfig(grafting=...)`` (:class:`SGDGraft`,
-:class:`AdamGraft`, two of ``kfac_optim.step_length``'s step lengths) and the graft optimizer's
+:class:`AdamGraft`, two of ``kfac_optim.update.step_length``'s step lengths) and the graft optimizer's
 state (Adam's moments, in the optimizer's ``state[p]`` so ``state_dict()`` carries them); Adam's
 step for the parameters that a method of Adam's scale (``Method.outside_kfac``: ``"eigen_adam"``)
 leaves outside K-FAC (:class:`AdamOutsideKFAC`, the same step and state, and its checks:
@@ -31,7 +31,6 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from kfac_optim.config import UpdateConfig
     from kfac_optim.methods import Method
 
 __all__ = ["AdamGraft", "AdamOutsideKFAC", "SGDGraft", "adam_step", "outside_kfac_for"]
@@ -44,7 +43,7 @@ _TINY = 1e-30
 
 class SGDGraft:
     """``UpdateConfig(grafting="sgd")``: ``d = V·‖∇p‖/‖V‖`` per K-FAC parameter tensor; every other
-    parameter keeps its gradient (SGD's path). A :class:`kfac_optim.step_length.StepLength`."""
+    parameter keeps its gradient (SGD's path). A :class:`kfac_optim.update.step_length.StepLength`."""
 
     def __init__(self, row_sharded: bool) -> None:
         _refuse_row_sharding(row_sharded)
@@ -64,7 +63,7 @@ class SGDGraft:
 class AdamGraft:
     """``UpdateConfig(grafting="adam")``: ``d = M·‖s‖/‖M‖`` per K-FAC parameter tensor, ``d = s`` for
     every other parameter with a gradient (the module docstring); Adam's moments and the average
-    ``M`` in ``state[p]``. A :class:`kfac_optim.step_length.StepLength`."""
+    ``M`` in ``state[p]``. A :class:`kfac_optim.update.step_length.StepLength`."""
 
     def __init__(self, betas: tuple[float, float], eps: float, row_sharded: bool) -> None:
         _refuse_row_sharding(row_sharded)
@@ -180,10 +179,10 @@ class AdamOutsideKFAC:
         return steps
 
 
-def outside_kfac_for(method: Method, update: UpdateConfig, groups: list[dict[str, Any]], model: nn.Module,
-                     trainable: set[Tensor]) -> AdamOutsideKFAC | None:
+def outside_kfac_for(method: Method, grafting: str | None, decoupled_weight_decay: bool, groups: list[dict[str, Any]],
+                     model: nn.Module, trainable: set[Tensor]) -> AdamOutsideKFAC | None:
     """Adam's step for the parameters without a K-FAC direction when ``method`` asks for it
-    (``Method.outside_kfac``) and ``update`` does not graft Adam already; None: SGD's update. Checks,
+    (``Method.outside_kfac``) and ``grafting`` (``UpdateConfig.grafting``) is not Adam's already; None: SGD's update. Checks,
     before any hook is registered, what Adam needs: ``grafting="adam"`` no SGD momentum in ``groups``,
     and either dense gradients for the parameters in ``trainable`` (``ValueError`` naming the module);
     a method that keeps its own first moment (``Method.first_moment``) no SGD momentum either."""
@@ -193,7 +192,7 @@ def outside_kfac_for(method: Method, update: UpdateConfig, groups: list[dict[str
             f"{method!r} keeps Adam's first moment itself (beta1={beta1}): set momentum=0 (and nesterov=False) in "
             "every param group, or beta1=None to use SGD's momentum on its directions"
         )
-    if update.grafting == "adam":
+    if grafting == "adam":
         if any(group["momentum"] != 0 for group in groups):
             raise ValueError(
                 "UpdateConfig.grafting='adam' carries its own momentum (Adam's first moment): set momentum=0 "
@@ -205,7 +204,7 @@ def outside_kfac_for(method: Method, update: UpdateConfig, groups: list[dict[str
     if adam is None:
         return None
     _check_dense_gradients(model, trainable, f"method={method.name!r} (Adam's step for the parameters outside K-FAC)")
-    return AdamOutsideKFAC(method.name, *adam, update.decoupled_weight_decay, beta1)
+    return AdamOutsideKFAC(method.name, *adam, decoupled_weight_decay, beta1)
 
 
 def _check_dense_gradients(model: nn.Module, trainable: set[Tensor], what: str) -> None:

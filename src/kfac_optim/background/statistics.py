@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kfac_optim.background import on_worker_stream
+from kfac_optim.background.decompositions import on_worker_stream
 
 logger = logging.getLogger(__name__)
 

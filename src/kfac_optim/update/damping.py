@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from kfac_optim.layers import KroneckerBlock
-from kfac_optim.schedules import resolve
+from kfac_optim.schedule.milestones import resolve
 
 __all__ = ["AdaptiveDamping", "DampingRule", "LevenbergMarquardt", "ScheduledDamping", "damping_rule",
            "kronecker_quadratic"]

@@ -15,10 +15,10 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kfac_optim.capture import StatisticsCapture
-from kfac_optim.intervals import IntervalSchedule
+from kfac_optim.capture.hooks import StatisticsCapture
+from kfac_optim.schedule.intervals import IntervalSchedule
 from kfac_optim.layers import KroneckerBlock
-from kfac_optim.stagger import FactorStagger
+from kfac_optim.estimator.stagger import FactorStagger
 
 logger = logging.getLogger(__name__)
 
