@@ -267,7 +267,7 @@ def measure_runs(build_model: Callable[[], nn.Module], batch: tuple[Tensor, Tens
         model = build_model()
         optimizer = make(model)
 
-        def step() -> None:
+        def step(model: nn.Module = model, optimizer: torch.optim.Optimizer = optimizer) -> None:
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 loss = loss_of(model(x), y)
@@ -286,7 +286,7 @@ def measure_runs(build_model: Callable[[], nn.Module], batch: tuple[Tensor, Tens
         runs[name] = timing
         say(f"  {name}: median {timing['median_ms']:.1f} ms, mean {timing['mean_ms']:.1f} ms over {timing['steps']} steps, "
             f"first {timing['first_ms']:.0f} ms")
-        del model, optimizer
+        del step, model, optimizer
     baseline = next(iter(runs.values()))
     for timing in runs.values():
         timing["median_ratio"] = timing["median_ms"] / baseline["median_ms"]
