@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
-
 import math
+from pathlib import Path
 
 import torch
 

@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from benchmarks.output import write_json_and_plot
 from kfac_optim import linalg
-from kfac_optim.schedule import costs
 from kfac_optim.methods import DEFAULT_MAX_RANK
+from kfac_optim.schedule import costs
 
 LIBRARY = {"eigh": costs.EIGH, "inverse": costs.INVERSE, "range": costs.RANGE, "element": costs.ELEMENT}
 """The constants of ``kfac_optim.schedule.costs`` each measurement is compared with."""

@@ -72,9 +72,8 @@ from tqdm import tqdm
 
 from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.capture.hooks import StatisticsCapture
-from kfac_optim.layers import KroneckerBlock, LinearBlock
+from kfac_optim.layers import KroneckerBlock, LinearBlock, discover_blocks
 from kfac_optim.methods import method_named
-from kfac_optim.layers import discover_blocks
 
 MODELS = {
     # name: (image size, batch size)

@@ -19,8 +19,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from examples.training.config import SECTIONS, SetupError, load_experiment, parse_override
 from examples.train import DEFAULT_CONFIG
+from examples.training.config import SECTIONS, SetupError, load_experiment, parse_override
 
 
 def parse_grid(text: str) -> tuple[str, list[str]]:

@@ -59,7 +59,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 import kfac_optim
-
 from benchmarks.peers.tasks import Task
 
 OPTIMIZERS = ("sgd", "adamw", "muon", "kfac", "soap")

@@ -16,10 +16,9 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from examples.training.config import OptimConfig, ScheduleConfig, SetupError
 from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, MilestoneSchedule, RuntimeConfig, UpdateConfig
 from kfac_optim.config import FLAT_KEYWORDS
-
-from examples.training.config import OptimConfig, ScheduleConfig, SetupError
 
 _SCHEDULE_KEYS = frozenset({"initial", "epochs", "gamma"})
 

@@ -32,10 +32,10 @@ from tqdm import tqdm
 
 from examples.training import data as data_lib
 from examples.training.config import RunConfig, SetupError, TrainConfig
-from examples.training.process_group import DistEnv, all_reduce_max, all_reduce_sum, barrier
+from examples.training.mixed_precision import Precision, check_supported
 from examples.training.models import build_network, is_reconstruction
 from examples.training.optimizers import build_lr_scheduler, build_optimizer, kfac_kwargs
-from examples.training.mixed_precision import Precision, check_supported
+from examples.training.process_group import DistEnv, all_reduce_max, all_reduce_sum, barrier
 from examples.training.report import Record, append_record, write_records
 from kfac_optim import KFAC
 
