@@ -55,7 +55,6 @@ from kfac_optim.config import (
     RuntimeConfig,
     UpdateConfig,
     check_hyperparameter,
-    from_deprecated_keywords,
 )
 from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.estimator.estimator import LARGE_FACTOR_DIM, KroneckerEstimator, block_dims, unwrap_model
@@ -116,8 +115,6 @@ class KFAC(KFACViews, Optimizer, Joinable):
             GradScaler, the statistics thread.
         update: :class:`~kfac_optim.config.UpdateConfig`: how directions become the step: the
             trust region's base lr, decoupled weight decay, grafting.
-        **deprecated: the flat keywords of earlier releases (``kfac_optim.config.DEPRECATED_KEYWORDS``),
-            accepted with a ``DeprecationWarning`` naming their new spelling (docs/api.md).
 
     Mixed precision: ``scaler.step(optimizer)`` with a ``torch.amp.GradScaler`` skips the whole
     step on inf/nan gradients (factors, momentum, step count and parameters untouched) and
@@ -149,7 +146,6 @@ class KFAC(KFACViews, Optimizer, Joinable):
         asynchronous: AsyncConfig | None = None,
         runtime: RuntimeConfig | None = None,
         update: UpdateConfig | None = None,
-        **deprecated: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -161,7 +157,7 @@ class KFAC(KFACViews, Optimizer, Joinable):
                                   ("update", update, UpdateConfig)):
             if value is not None and not isinstance(value, kind):
                 raise TypeError(f"{name} must be a {kind.__name__} or None, got {type(value).__name__}")
-        curvature, asynchronous, runtime = from_deprecated_keywords(deprecated, curvature, asynchronous, runtime)
+        curvature, runtime = curvature or CurvatureConfig(), runtime or RuntimeConfig()
         self._options = KFACOptions(damping, kl_clip, factor_update_steps, inv_update_steps, method,
                                     curvature, asynchronous, update or UpdateConfig())
         self._trust_region = TrustRegion(self._options.kl_clip, self._options.update.trust_region)
