@@ -129,7 +129,7 @@ def test_every_relative_link_resolves() -> None:
 
 
 def test_the_readme_is_a_five_minute_read() -> None:
-    """At most 250 lines, the optimizer in use within the first 60 (issue 27); the rest lives in docs/."""
+    """At most 250 lines, the optimizer in use within the first 60; the rest lives in docs/."""
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 250
     assert any("KFAC(" in line for line in lines[:60])
