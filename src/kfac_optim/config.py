@@ -91,7 +91,7 @@ class CurvatureConfig:
     :meth:`KFAC.sample_fisher`'s backward at targets drawn from the model).
     ``loss_reduction``: "mean" or "sum", how the training loss reduces over the batch (None:
     "mean"); it does not apply to ``fisher="sampled"``, whose loss is a sum (a ``ValueError`` there).
-    ``weight_sharing``: "expand" or "reduce" (docs/design.md §3). ``conv_positions``: which output
+    ``weight_sharing``: "expand" or "reduce" (docs/numerics.md). ``conv_positions``: which output
     positions of a convolution become rows (``kfac_optim.layers.conv_statistics``: ``Expand()``,
     ``Reduce()``, ``SampledPositions(count, seed)``, ``ReduceAbove(positions)``), for every conv
     block whatever ``weight_sharing`` says (None: as ``weight_sharing`` says). ``stagger``: spread the blocks'
@@ -246,7 +246,7 @@ class UpdateConfig:
 class KFACOptions:
     """The K-FAC settings every rank must share (the SGD ones live in ``param_groups``), validated.
 
-    ``damping``: λ, in Fisher units of a per-sample loss (docs/design.md §3), a float > 0, a
+    ``damping``: λ, in Fisher units of a per-sample loss (docs/numerics.md), a float > 0, a
     callable ``step -> float`` or an ``AdaptiveDamping`` (Levenberg–Marquardt,
     ``kfac_optim.update.damping``). ``kl_clip``: the bound on the step's KL estimate ν is computed from
     (``UpdateConfig.trust_region``; None: no scaling). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh

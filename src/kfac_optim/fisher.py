@@ -4,7 +4,7 @@ Owns: the supported likelihoods and the loss whose output-gradients give G's sta
 ``KFAC(curvature=CurvatureConfig(fisher="sampled"))``, padded positions left out of it.
 Must not know: hooks, blocks, the step (the caller hands the real positions in).
 
-The empirical Fisher (docs/design.md §3) takes G from the gradients of the training loss at the data's
+The empirical Fisher (docs/numerics.md) takes G from the gradients of the training loss at the data's
 targets, so it shrinks with the residuals as training converges. The true Fisher (Martens &
 Grosse 2015, §5) takes the expectation over targets ``y`` drawn from the model's predictive
 distribution instead; one draw per sample gives an unbiased estimate. For outputs ``f`` of N
@@ -23,7 +23,7 @@ samples, the per-sample loss ``ℓ`` and its output-gradient ``ĝ = ∂ℓ/∂f`
 So the statistics are in the units of a mean-reduced ``F.cross_entropy`` / ``F.mse_loss`` training
 loss, as the empirical ones are, and damping keeps its meaning. For sequences that is the
 empirical Fisher of ``F.cross_entropy(logits.reshape(-1, C), y.reshape(-1))``, the mean over all
-``N·T`` tokens, whose blocks count the N sequences as samples (docs/design.md §3 "What N is"):
+``N·T`` tokens, whose blocks count the N sequences as samples (docs/numerics.md, "What N is"):
 its rows are ``ĝ_t = N·∂L/∂f_t = δ_t / T`` too, so ``G = (1/T)·E_token[δδᵀ]`` on both paths (the
 per-token Fisher over T: damping λ acts as ``λ·T`` on the per-token Fisher, see
 docs/transformer_diagnosis.md "Units"). Flattening ``(N, T, C)`` to ``(N·T, C)`` by hand instead

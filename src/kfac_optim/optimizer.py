@@ -213,7 +213,7 @@ class KFAC(KFACViews, Optimizer, Joinable):
     @contextlib.contextmanager
     def samples(self, count: int) -> Iterator[None]:
         """The forwards run inside hold ``count`` samples: N, what the loss of their backward averages
-        over (docs/design.md §3, "What N is"), for every layer, counted once however many times the
+        over (docs/numerics.md, "What N is"), for every layer, counted once however many times the
         model or its submodules are called inside. For what the model's call cannot tell: packed
         rows without ``position_ids`` or ``cu_seq_lens_*`` keywords, a model called without a tensor
         argument, submodules called outside the model's forward. Does not nest; ``KFAC.mask`` may

@@ -3,7 +3,7 @@
 Owns: deciding, from the pending statistics of one factor step, which blocks were called with an
 input that carries no batch dimension (embeddings with 1-D indices; any block kind whose every call
 held one sample while other blocks saw batches), turning them to the SGD path, and saying so (a
-one-time warning per block, and the reason in ``KFAC.describe()``; docs/design.md §3 "What N is").
+one-time warning per block, and the reason in ``KFAC.describe()``; docs/numerics.md, "What N is").
 Must not know: factor math, schedules, ranks (every rank decides from its own shapes; with equal
 per-rank batch shapes they decide alike).
 
@@ -56,12 +56,12 @@ logger = logging.getLogger(__name__)
 REASON = (
     "its indices have no batch dimension (1-D, e.g. positions from torch.arange(T) broadcast over the batch): "
     "autograd sums its output-gradient over the batch before K-FAC sees it, so no per-sample statistics exist "
-    "(docs/design.md §3, 'What N is')"
+    "(docs/numerics.md, 'What N is')"
 )
 SINGLE_SAMPLE_REASON = (
     "its input has no batch dimension (one sample per call, e.g. a (1, T, T, 2) position table broadcast over "
     "the batch): autograd sums its output-gradient over the batch before K-FAC sees it, so no per-sample "
-    "statistics exist (docs/design.md §3, 'What N is')"
+    "statistics exist (docs/numerics.md, 'What N is')"
 )
 
 
@@ -112,6 +112,6 @@ def _left_embeddings(blocks: Sequence[KroneckerBlock]) -> dict[str, str]:
             warn_user(f"K-FAC layer '{block.name}' was called with 1-D indices of length {length:g}, the batch size, "
                       f"and other layers see {length:g} positions per sample: it is taken as a batch of token ids; "
                       f"if they are positions broadcast over the batch, its statistics depend on the batch size "
-                      "(docs/design.md §3, 'What N is'): use a batch size other than the sequence length, or "
+                      "(docs/numerics.md, 'What N is'): use a batch size other than the sequence length, or "
                       "skip_layers", RuntimeWarning)
     return left

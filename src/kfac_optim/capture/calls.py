@@ -10,7 +10,7 @@ object such as Hugging Face's ``DynamicCache``).
 Must not know: blocks, factors, the backward pass; the capture (``capture.py``) keeps the count,
 the current call and the tapped outputs' autograd nodes, and calls these.
 
-Which samples a pair holds (docs/design.md §3, "What N is"): a forward pre-hook on the model given
+Which samples a pair holds (docs/numerics.md, "What N is"): a forward pre-hook on the model given
 to KFAC counts its calls (a call whose inputs were computed from an output tapped in the previous
 call continues it: a recurrence run call by call), and each pair carries the call it came from; a
 block counts N once per backward pass and model call (``KroneckerBlock.count_samples``), so a

@@ -20,7 +20,7 @@ pass, so:
 ``register_full_backward_hook`` is deliberately not used (it breaks on in-place ops after the layer).
 The input is taken however the layer was called (positionally or by keyword).
 
-Which samples a pair holds (docs/design.md §3, "What N is"): the model call it came from
+Which samples a pair holds (docs/numerics.md, "What N is"): the model call it came from
 (``capture_calls``: chunked forwards count per call, a recurrence run call by call as one) and,
 under ``KFAC.mask`` (:meth:`StatisticsCapture.masked`), the real positions of its forward, fitted
 to its layer's input by the block (``KroneckerBlock.mask_of``; ``layers.positions``). Forwards
@@ -373,7 +373,7 @@ class StatisticsCapture:
         self._warned.add("samples")
         warn_user(f"K-FAC layer '{block.name}' counts its samples N from dim 0 of its own input: the model was "
                   "called without a tensor argument, so K-FAC cannot tell how many samples the loss averages "
-                  "over (docs/design.md §3, 'What N is'); state it with `with optimizer.samples(n):` around the "
+                  "over (docs/numerics.md, 'What N is'); state it with `with optimizer.samples(n):` around the "
                   "forward", RuntimeWarning)
 
     def _untraced_reason(self, block: KroneckerBlock, site: TapSite | None) -> str | None:

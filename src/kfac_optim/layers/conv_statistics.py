@@ -7,7 +7,7 @@ unfolding, the fixed position subsets of :class:`SampledPositions`.
 Must not know: the factors' storage, groups (the block splits the columns per group), which
 kernel taps read only zero padding (the block says which taps to build), the optimizer.
 
-Conventions (docs/design.md §3), for N samples of a layer with L output positions per sample,
+Conventions (docs/numerics.md), for N samples of a layer with L output positions per sample,
 patches ``a_{n,l}`` (``C_in·prod(kernel)`` wide, channel-major like ``W.view(out, -1)``; with a
 bias a trailing 1) and output-gradients ``ĝ_{n,l}`` (``C_out``; ``ĝ = N·g`` for a mean loss):
 

@@ -14,7 +14,7 @@ Defined behaviour:
   which ``KFAC.describe()`` reports.
 
 Tied weights (``head.weight = embedding.weight`` for an ``nn.Linear(D, V)`` head after the
-embedding; docs/design.md §3): the block also captures the head. Each use of ``W`` gives gradients
+embedding; docs/numerics.md): the block also captures the head. Each use of ``W`` gives gradients
 ``u vᵀ`` with ``u`` on the V side and ``v`` on the D side: the embedding's ``(one-hot a, ĝ)``, the
 head's ``(ĝ, a)``. So the Fisher of ``W`` is approximated by the sum of two Kronecker products,
 ``diag(A_emb) ⊗ G_emb + diag(G_head) ⊗ A_head`` (the head's ``G: (V, V)`` kept to its diagonal,

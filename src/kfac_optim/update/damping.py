@@ -18,7 +18,7 @@ closure's loss on the step's batch and ``∇h`` the gradients its backward left:
 
 ``h(θ + δ)`` is one more call of the closure, under ``torch.no_grad()``, after the update. The
 curvature of the model is the **undamped Kronecker-factored Fisher** ``G ⊗ A`` of each block,
-from its running factors (docs/design.md §3): the curvature the preconditioner inverts, so ρ asks
+from its running factors (docs/numerics.md): the curvature the preconditioner inverts, so ρ asks
 how well the model that chose the step predicted it. It costs two small matrix products per
 block and no pass over the data; an exact Fisher-vector product would need per-sample gradients
 or the loss's output Hessian, which a closure returning a scalar loss does not expose, and a
