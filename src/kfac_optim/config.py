@@ -202,14 +202,13 @@ class UpdateConfig:
     the mean loss at ``lr`` (``kfac_optim.update.step_length.SGDDecrease``, docs/design.md §4.1).
     The KL clips (``kfac_optim.update.step_length.KLClip``) scale by ``ν = min(1, sqrt(kl_clip / |Σ lr₀² ⟨V, ∇⟩|))``:
     "lr_squared": at lr 1 (``lr₀ = 1``), so the applied step ``lr_t·ν·V`` has the KL bound
-    ``kl_clip·lr_t²`` (the default of the previous release). "base_lr": ν is
+    ``kl_clip·lr_t²``. "base_lr": ν is
     computed at each param group's base lr (its ``"kfac_base_lr"``: its lr when the optimizer was
     built or the group added, see ``KFAC.trust_region_lr``), so while the clip binds the applied
     step ``lr_t·ν·V`` scales with the scheduled lr: the bound at ``lr_t`` is
-    ``kl_clip·(lr_t / base_lr)²``, so the base lr cancels while the clip binds (the default of
-    earlier releases: ``kl_clip=c`` there is ``kl_clip=c / base_lr²`` under "lr_squared" for one param
-    group). "scheduled_lr": ν at the scheduled lr (the rule before that; the step does not follow a
-    schedule while the clip binds).
+    ``kl_clip·(lr_t / base_lr)²``, so the base lr cancels while the clip binds (``kl_clip=c`` there
+    is ``kl_clip=c / base_lr²`` under "lr_squared" for one param group). "scheduled_lr": ν at the
+    scheduled lr (the step does not follow a schedule while the clip binds).
     ``decoupled_weight_decay``: the group's ``weight_decay`` as ``p ← p·(1 − lr·weight_decay)``,
     outside the direction, momentum and clip (as ``torch.optim.AdamW``); False: SGD's coupled decay.
     ``grafting``: "sgd" or "adam": per parameter tensor, K-FAC's direction with the norm of that
