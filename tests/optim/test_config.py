@@ -9,7 +9,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, RuntimeConfig, UpdateConfig
