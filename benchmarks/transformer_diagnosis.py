@@ -14,7 +14,7 @@ embedding/head) on Python sources of the standard library. Two parts:
            per-token gradients; the cosine between K-FAC's step and the exact natural-gradient step
            ``(F + λI)⁻¹∇``, step norms, KL-clip factors, and the spectra of the A and G factors.
 
-Units (docs/design.md §3): with a loss that averages over B·T tokens, K-FAC counts N = B samples, so
+Units (docs/numerics.md): with a loss that averages over B·T tokens, K-FAC counts N = B samples, so
 its ``G ⊗ A`` is the per-token Fisher ``F_tok`` divided by T (empirical Fisher), and the damping λ
 acts as ``λ·T`` in per-token units. ``sample_fisher`` rejects ``(B, T, V)`` logits, so this script
 passes them reshaped to ``(B·T, V)``: the sampled loss then sums over tokens while N stays B, so the

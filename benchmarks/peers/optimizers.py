@@ -64,7 +64,7 @@ from benchmarks.peers.tasks import Task
 OPTIMIZERS = ("sgd", "adamw", "muon", "kfac", "soap")
 """The default comparison."""
 # The one K-FAC configuration, the README's AdamW swap: method "eigen_adam" (Adam's second moment in
-# K-FAC's eigenbasis, docs/design.md §3.1; Adam-scale lr, so the grid is centred as AdamW's), no KL
+# K-FAC's eigenbasis, docs/numerics.md, "Eigen-Adam"; Adam-scale lr, so the grid is centred as AdamW's), no KL
 # clip (the step has Adam's scale), SGD's momentum, and the library's automatic intervals (as users
 # get them). It replaced the eigen method with damping 0.1 and kl_clip 1e-3 (lr centre 0.3): on gpt
 # its final loss was 0.01 nats above AdamW's in one run, against 0.14 for the eigen method in

@@ -12,64 +12,15 @@ pre hook a user registered (it is registered for the call only), so those see th
 and may repair it before K-FAC checks it; the checked entry is restored after the SGD part
 loaded, by a post hook that runs before the user's.
 
-**What one rank's entry holds** (docs/design.md §5). ``state_dict()`` never communicates: DDP
-scripts call it on rank 0 only. Between decomposition steps every rank folds its own batches'
-statistics into its running factors; the ranks average them (one all-reduce) right before the
-next decomposition step. One rank's entry therefore holds the global factors as of the last
-reduction plus that rank's statistics since; what it cannot hold is the other ranks' statistics
-since the last reduction (a checkpoint taken at a decomposition step, or after
-``KFAC.synchronize_factors()`` on every rank, holds the global factors). A run resumed from it,
-on any number of ranks, starts every rank from those factors. The decompositions it holds are
-this rank's (all of them with ``grad_worker_fraction=1`` or on one process; under ``f < 1`` the
-ones this rank is a gradient worker of): the others are recomputed from the loaded factors at
-the first step, so a checkpoint taken right after a decomposition step (the factors then are
-those decomposed) resumes bit-identically at any world size, the saved one included. A round in
-flight (``AsyncConfig``) holds the factors this rank decomposes.
-
-**Nothing redundant.** Dense running factors and damped inverses are saved packed (their upper
-triangle, ``Factor.packed``); eigendecompositions as held (thin at the eigenbasis cap: ``Q (n, r)``),
-since between decomposition steps they are of older factors than the running ones and cannot be
-recomputed from what is saved. Pending statistics, supports and plans are not saved. The entry
-carries ``"format"`` (:data:`FORMAT`); an entry without one (format 1, earlier releases: factors
-whole) is still read, an unknown format is refused naming it.
-
-**DCP** (resharding checkpoints, any world size).
-
-``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` keys the model and
-the optimizer's per-parameter state (momentum buffers: ``DTensor`` shards under FSDP2) by
-parameter name, and keeps only ``"state"`` and ``"param_groups"``; K-FAC's part travels as its
-own entry::
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "kfac": optimizer.kfac_state()}
-    dcp.save(state, checkpoint_id=path)                     # on every rank
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)   # a fresh model/optimizer, any world size
-    state = {"model": model_sd, "optim": optim_sd, "kfac": optimizer.kfac_state()}
-    dcp.load(state, checkpoint_id=path)                     # K-FAC's part is restored here
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-The factors saved are the global ones (``KFACState.state_dict`` reduces them first, a collective
-as ``dcp.save`` is; ``KFAC.state_dict()`` itself never communicates), the same on every rank, so
-DCP writes them once and every rank of any world size (one process included) reads them whole.
-Decompositions are not saved: under ``grad_worker_fraction < 1`` each rank holds different
-ones; they are recomputed from the factors at the first step after loading (identical to the
-saved run's when the checkpoint follows a decomposition step, as the factors then are those
-decomposed). The health counters (``discarded``, ``failures``) are one rank's. For the same
-reason the round of decompositions in flight under ``AsyncConfig`` (which
-``KFAC.state_dict()`` saves) is left out: a run resumed from DCP holds no round, decomposes its
-factors in line at its first step, and so does not continue bit-identically with the saved run.
-The stagger phases' costs are left out too (DCP loads only the keys the destination holds, and a
-fresh optimizer has none before its phases are fixed): a staggered run resumed from DCP fixes
-them again at its next all-block factor step. The automatic intervals' entry (None until chosen,
-then a dict) travels wrapped in a 1-tuple, which DCP stores as one leaf, so a fresh optimizer
-(whose entry is None) holds the key the saved one wrote and loads the chosen intervals.
-
-``get_state_dict`` initializes an optimizer that has no per-parameter state by calling
-``step()`` once with zero gradients and lr 0 (DCP's ``_init_optim_state``). On the fresh optimizer
-one loads into, that step is undone by the loaded step count; on a live optimizer it happens only
-with ``momentum=0`` and cleared gradients, and would count one K-FAC step: save before
-``zero_grad()`` then.
+What one rank's entry holds, why it never communicates, and why it holds nothing redundant
+(packed factors, decompositions as held): docs/design.md §5, "Checkpoints". The entry carries
+``"format"`` (:data:`FORMAT`). DCP (``KFAC.kfac_state()``; docs/guide.md, docs/api.md): the
+global factors (``KFACState.state_dict`` reduces them first, a collective as ``dcp.save`` is), no
+decompositions, no round in flight and no stagger costs; the automatic intervals' entry travels
+wrapped in a 1-tuple so that a fresh optimizer holds the key. ``get_state_dict`` initializes an
+optimizer without per-parameter state by one ``step()`` at lr 0 (DCP's ``_init_optim_state``): on
+a fresh optimizer the loaded step count undoes it; on a live one it counts a K-FAC step, so save
+before ``zero_grad()``.
 """
 
 from __future__ import annotations

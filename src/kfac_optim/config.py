@@ -2,8 +2,8 @@
 
 Owns: the advanced settings grouped by what they are about, each checked when it is created
 (``ValueError``/``TypeError`` naming the setting; a contradictory combination names both), the
-one object of settings every rank must share (:class:`KFACOptions`), and the translation of the
-flat keywords of earlier releases (:func:`from_deprecated_keywords`).
+one object of settings every rank must share (:class:`KFACOptions`), and the flat names of the
+configs' fields (:data:`FLAT_KEYWORDS`, for code that reads flat settings such as a config file).
 Must not know: how the settings are used (the estimator, the optimizer, the distributed layer).
 
 - :class:`CurvatureConfig`: where the statistics come from and how they become factors
@@ -91,7 +91,7 @@ class CurvatureConfig:
     :meth:`KFAC.sample_fisher`'s backward at targets drawn from the model).
     ``loss_reduction``: "mean" or "sum", how the training loss reduces over the batch (None:
     "mean"); it does not apply to ``fisher="sampled"``, whose loss is a sum (a ``ValueError`` there).
-    ``weight_sharing``: "expand" or "reduce" (docs/design.md §3). ``conv_positions``: which output
+    ``weight_sharing``: "expand" or "reduce" (docs/numerics.md). ``conv_positions``: which output
     positions of a convolution become rows (``kfac_optim.layers.conv_statistics``: ``Expand()``,
     ``Reduce()``, ``SampledPositions(count, seed)``, ``ReduceAbove(positions)``), for every conv
     block whatever ``weight_sharing`` says (None: as ``weight_sharing`` says). ``stagger``: spread the blocks'
@@ -151,24 +151,16 @@ class AsyncConfig:
 
     A round starts at a decomposition step with snapshots of the factors and is adopted at the next
     decomposition step, or ``delay`` (an int >= 1) steps after the one that started it if that
-    comes first (None: at the next decomposition step). ``decompositions=False`` is the same as no
-    ``AsyncConfig`` (the spelling of ``async_decompositions=False``).
+    comes first (None: at the next decomposition step).
     """
 
-    decompositions: bool = True
     delay: int | None = None
 
     def __post_init__(self) -> None:
-        _check_bool("AsyncConfig", "decompositions", "async_decompositions", self.decompositions)
         if self.delay is not None and (isinstance(self.delay, bool) or not isinstance(self.delay, int)):
             raise TypeError(f"async_delay must be an int or None, got {type(self.delay).__name__}")
         if self.delay is not None and self.delay < 1:
             raise ValueError(f"async_delay must be >= 1, got {self.delay}")
-        if self.delay is not None and not self.decompositions:
-            raise ValueError(
-                f"AsyncConfig(delay={self.delay}) needs AsyncConfig(decompositions=True) (the flat keywords "
-                "async_delay and async_decompositions of earlier releases): there is no round in flight to adopt late"
-            )
 
 
 @dataclass(frozen=True)
@@ -210,14 +202,13 @@ class UpdateConfig:
     the mean loss at ``lr`` (``kfac_optim.update.step_length.SGDDecrease``, docs/design.md §4.1).
     The KL clips (``kfac_optim.update.step_length.KLClip``) scale by ``ν = min(1, sqrt(kl_clip / |Σ lr₀² ⟨V, ∇⟩|))``:
     "lr_squared": at lr 1 (``lr₀ = 1``), so the applied step ``lr_t·ν·V`` has the KL bound
-    ``kl_clip·lr_t²`` (the default of the previous release). "base_lr": ν is
+    ``kl_clip·lr_t²``. "base_lr": ν is
     computed at each param group's base lr (its ``"kfac_base_lr"``: its lr when the optimizer was
     built or the group added, see ``KFAC.trust_region_lr``), so while the clip binds the applied
     step ``lr_t·ν·V`` scales with the scheduled lr: the bound at ``lr_t`` is
-    ``kl_clip·(lr_t / base_lr)²``, so the base lr cancels while the clip binds (the default of
-    earlier releases: ``kl_clip=c`` there is ``kl_clip=c / base_lr²`` under "lr_squared" for one param
-    group). "scheduled_lr": ν at the scheduled lr (the rule before that; the step does not follow a
-    schedule while the clip binds).
+    ``kl_clip·(lr_t / base_lr)²``, so the base lr cancels while the clip binds (``kl_clip=c`` there
+    is ``kl_clip=c / base_lr²`` under "lr_squared" for one param group). "scheduled_lr": ν at the
+    scheduled lr (the step does not follow a schedule while the clip binds).
     ``decoupled_weight_decay``: the group's ``weight_decay`` as ``p ← p·(1 − lr·weight_decay)``,
     outside the direction, momentum and clip (as ``torch.optim.AdamW``); False: SGD's coupled decay.
     ``grafting``: "sgd" or "adam": per parameter tensor, K-FAC's direction with the norm of that
@@ -254,7 +245,7 @@ class UpdateConfig:
 class KFACOptions:
     """The K-FAC settings every rank must share (the SGD ones live in ``param_groups``), validated.
 
-    ``damping``: λ, in Fisher units of a per-sample loss (docs/design.md §3), a float > 0, a
+    ``damping``: λ, in Fisher units of a per-sample loss (docs/numerics.md), a float > 0, a
     callable ``step -> float`` or an ``AdaptiveDamping`` (Levenberg–Marquardt,
     ``kfac_optim.update.damping``). ``kl_clip``: the bound on the step's KL estimate ν is computed from
     (``UpdateConfig.trust_region``; None: no scaling). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh
@@ -297,8 +288,6 @@ class KFACOptions:
                 f"UpdateConfig.grafting={self.update.grafting!r} sets the step length itself and replaces the KL clip: "
                 f"pass kl_clip=None (got kl_clip={self.kl_clip})"
             )
-        if self.asynchronous is not None and not self.asynchronous.decompositions:
-            object.__setattr__(self, "asynchronous", None)  # AsyncConfig(decompositions=False): in line
         if self.curvature.stagger and auto is not None and isinstance(self.factor_update_steps, (str, AutoIntervals)):
             raise ValueError(
                 "CurvatureConfig.stagger (stagger_factor_updates) needs an explicit factor_update_steps > 1 (not "
@@ -334,9 +323,9 @@ class KFACOptions:
         """``{name: value}`` of every setting, the same names on every rank whatever they chose (the
         digests are gathered in this order): what ``distributed/consistency.py`` compares across
         ranks. ``CurvatureConfig``'s fields as ``"curvature.fisher"``, but for ``skip_layers`` and
-        ``blocks``, whose effect the check compares as the layer list; ``AsyncConfig``'s as
-        ``"async_decompositions"`` and ``"async_delay"``."""
-        asynchronous = self.asynchronous or AsyncConfig(decompositions=False)
+        ``blocks``, whose effect the check compares as the layer list; ``AsyncConfig`` as
+        ``"asynchronous"`` (whether one is given) and ``"asynchronous.delay"``."""
+        asynchronous = self.asynchronous
         return {
             "damping": self.damping,
             "kl_clip": self.kl_clip,
@@ -345,8 +334,8 @@ class KFACOptions:
             "method": self.method,
             **{f"curvature.{f.name}": getattr(self.curvature, f.name) for f in fields(self.curvature)
                if f.name not in _COMPARED_AS_LAYERS},
-            "async_decompositions": asynchronous.decompositions,
-            "async_delay": asynchronous.delay,
+            "asynchronous": asynchronous is not None,
+            "asynchronous.delay": None if asynchronous is None else asynchronous.delay,
             **{f"update.{f.name}": getattr(self.update, f.name) for f in fields(self.update)},
         }
 
@@ -363,65 +352,17 @@ _CURVATURE_KEYWORDS = {
     "inv_dtype": "inv_dtype",
     "skip_layers": "skip_layers",
 }
-_ASYNC_KEYWORDS = {"async_decompositions": "decompositions", "async_delay": "delay"}
+_ASYNC_KEYWORDS = {"async_delay": "delay"}
 _RUNTIME_KEYWORDS = {
     "grad_worker_fraction": "grad_worker_fraction",
     "process_group": "process_group",
     "grad_scaler": "grad_scaler",
     "async_statistics": "async_statistics",
 }
-DEPRECATED_KEYWORDS: dict[str, str] = {
-    **{old: f"curvature=CurvatureConfig({new}=...)" for old, new in _CURVATURE_KEYWORDS.items()},
-    "async_decompositions": "asynchronous=AsyncConfig()",
-    "async_delay": "asynchronous=AsyncConfig(delay=...)",
-    **{old: f"runtime=RuntimeConfig({new}=...)" for old, new in _RUNTIME_KEYWORDS.items()},
-}
-"""The flat keywords of earlier releases and their new spelling (accepted with a ``DeprecationWarning``)."""
 FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
     **{old: ("curvature", new) for old, new in _CURVATURE_KEYWORDS.items()},
     **{old: ("asynchronous", new) for old, new in _ASYNC_KEYWORDS.items()},
     **{old: ("runtime", new) for old, new in _RUNTIME_KEYWORDS.items()},
 }
-"""The same keywords as ``{old: (the KFAC argument of their config, its field)}``, for code that
-translates flat settings (e.g. a training config file) into configs."""
-
-
-def from_deprecated_keywords(
-    keywords: Mapping[str, Any],
-    curvature: CurvatureConfig | None,
-    asynchronous: AsyncConfig | None,
-    runtime: RuntimeConfig | None,
-) -> tuple[CurvatureConfig, AsyncConfig | None, RuntimeConfig]:
-    """The configs, with the flat keywords of earlier releases moved in (one ``DeprecationWarning``).
-
-    Raises:
-        TypeError: an unknown keyword, or an old keyword next to the config that now holds it.
-    """
-    unknown = sorted(set(keywords) - set(DEPRECATED_KEYWORDS))
-    if unknown:
-        raise TypeError(f"KFAC() got an unexpected keyword argument {unknown[0]!r}")
-    if keywords:
-        warn_user(
-            "KFAC keyword(s) moved into configs and will be removed in the next release: "
-            + "; ".join(f"{old}= -> {DEPRECATED_KEYWORDS[old]}" for old in keywords)
-            + " (see docs/api.md, 'Migrating from flat keywords')",
-            DeprecationWarning,
-        )
-
-    def moved(table: dict[str, str], config: Any, name: str) -> dict[str, Any]:
-        given = {new: keywords[old] for old, new in table.items() if old in keywords}
-        if given and config is not None:
-            old = next(old for old in table if old in keywords)
-            raise TypeError(f"KFAC(): {old}= is part of {name}= now; give it there, not both")
-        return given
-
-    curvature_given = moved(_CURVATURE_KEYWORDS, curvature, "curvature")
-    async_given = moved(_ASYNC_KEYWORDS, asynchronous, "asynchronous")
-    runtime_given = moved(_RUNTIME_KEYWORDS, runtime, "runtime")
-    if async_given:
-        asynchronous = AsyncConfig(**{"decompositions": False, **async_given})
-    return (
-        curvature if curvature is not None else CurvatureConfig(**curvature_given),
-        asynchronous,
-        runtime if runtime is not None else RuntimeConfig(**runtime_given),
-    )
+"""``{flat name: (the KFAC argument of its config, the field)}``, for code that translates flat
+settings (a training config file's keys) into configs."""

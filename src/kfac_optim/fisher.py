@@ -4,32 +4,22 @@ Owns: the supported likelihoods and the loss whose output-gradients give G's sta
 ``KFAC(curvature=CurvatureConfig(fisher="sampled"))``, padded positions left out of it.
 Must not know: hooks, blocks, the step (the caller hands the real positions in).
 
-The empirical Fisher (docs/design.md §3) takes G from the gradients of the training loss at the data's
-targets, so it shrinks with the residuals as training converges. The true Fisher (Martens &
-Grosse 2015, §5) takes the expectation over targets ``y`` drawn from the model's predictive
-distribution instead; one draw per sample gives an unbiased estimate. For outputs ``f`` of N
-samples, the per-sample loss ``ℓ`` and its output-gradient ``ĝ = ∂ℓ/∂f`` are:
+The true Fisher (Martens & Grosse 2015, §5) takes the expectation over targets ``y`` drawn from
+the model's predictive distribution; one draw per sample gives an unbiased estimate. For outputs
+``f`` of N samples, the per-sample loss ``ℓ`` and its output-gradient ``ĝ = ∂ℓ/∂f``:
 
-- ``"cross_entropy"``: ``f``: logits ``(N, C)``, ``y ~ Categorical(softmax(f))``,
-  ``ℓ = -log softmax(f)_y`` (``F.cross_entropy`` per sample), ``E[ĝ ĝᵀ] = diag(p) - p pᵀ``;
-  sequences: logits ``(N, T, C)``, or ``(N, d1, ..., C)`` with ``T = d1·...`` positions (classes
-  last, as a language model's ``(B, T, V)``), one draw ``y_t`` per position and the sample's loss
-  the **mean over its positions**, ``ℓ = (1/T) Σ_t -log softmax(f_t)_{y_t}``, so ``ĝ_t = δ_t / T``
-  with ``E[δ_t δ_tᵀ] = diag(p_t) - p_t p_tᵀ`` (see below);
-- ``"mse"``: ``f``: predictions ``(N, ...)`` of D elements per sample, ``y = f + sqrt(D/2)·ε``
-  with ``ε ~ N(0, I)``, ``ℓ = (1/D) Σ (f - y)²`` (``F.mse_loss`` per sample, the negative
-  log-likelihood of that Gaussian up to a constant), ``E[ĝ ĝᵀ] = (2/D)·I``.
+- ``"cross_entropy"``: logits ``(N, C)``, ``y ~ Categorical(softmax(f))``, ``ℓ = -log softmax(f)_y``,
+  ``E[ĝ ĝᵀ] = diag(p) - p pᵀ``; sequences: logits ``(N, T, C)`` (or ``(N, d1, ..., C)``, classes
+  last), one draw per position and the sample's loss the **mean over its positions**, so
+  ``ĝ_t = δ_t / T`` with ``E[δ_t δ_tᵀ] = diag(p_t) - p_t p_tᵀ``;
+- ``"mse"``: predictions ``(N, ...)`` of D elements per sample, ``y = f + sqrt(D/2)·ε``,
+  ``ε ~ N(0, I)``, ``ℓ = (1/D) Σ (f - y)²`` (``F.mse_loss`` per sample), ``E[ĝ ĝᵀ] = (2/D)·I``.
 
 So the statistics are in the units of a mean-reduced ``F.cross_entropy`` / ``F.mse_loss`` training
-loss, as the empirical ones are, and damping keeps its meaning. For sequences that is the
-empirical Fisher of ``F.cross_entropy(logits.reshape(-1, C), y.reshape(-1))``, the mean over all
-``N·T`` tokens, whose blocks count the N sequences as samples (docs/design.md §3 "What N is"):
-its rows are ``ĝ_t = N·∂L/∂f_t = δ_t / T`` too, so ``G = (1/T)·E_token[δδᵀ]`` on both paths (the
-per-token Fisher over T: damping λ acts as ``λ·T`` on the per-token Fisher, see
-docs/transformer_diagnosis.md "Units"). Flattening ``(N, T, C)`` to ``(N·T, C)`` by hand instead
-would sum the T tokens of a sample and give a G T² times the empirical one. The loss returned is the **sum**
-of the per-sample losses: its output-gradients are the ``ĝ`` themselves, of order one, which
-keeps them representable in float16 without a loss scale.
+loss, as the empirical ones are (docs/numerics.md, "The Fisher"; for sequences
+``G = (1/T)·E_token[δδᵀ]`` on both paths, see "What N is"). The loss returned is the **sum** of the
+per-sample losses: its output-gradients are the ``ĝ`` themselves, of order one, representable in
+float16 without a loss scale.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Owns: the eigendecomposition and inverse of one factor (rank-deficient ones included: zero rows
 deflated, low rank through the range, a float64 retry), the choice of its numerical rank, the
-damped Kronecker solves of docs/design.md §3 (full or thin), and packing a symmetric matrix to
+damped Kronecker solves of docs/numerics.md (full or thin), and packing a symmetric matrix to
 its upper triangle.
 Must not know: layers, modules, ranks or optimizer state.
 """
@@ -40,7 +40,7 @@ class Eigen:
         return self.Q.shape[1] < self.Q.shape[0]
 
 
-# Rank selection (docs/design.md §3, the eigen method). Preconditioning weighs the eigenpair (i, j) of
+# Rank selection (docs/numerics.md, the eigen method). Preconditioning weighs the eigenpair (i, j) of
 # G ⊗ A by 1/(d_G,i·d_A,j + λ); a dropped eigenvalue counts as 0, i.e. its weight becomes 1/λ,
 # a relative change of d_G,i·d_A,j/(d_G,i·d_A,j + λ) ≤ d_A,j·tr(G)/λ. Dropping the eigenvalues of
 # A at or below RANK_RTOL·λ/tr(G) (and of G at or below RANK_RTOL·λ/tr(A)) therefore changes every

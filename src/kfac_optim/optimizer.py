@@ -3,30 +3,22 @@
 Owns: the ``torch.optim`` contract (param groups, SGD's arguments, ``state``) and the order of work
 inside ``step()``.
 Delegates: the curvature (blocks, statistics, factors, decompositions, preconditioning) to a
-``KroneckerEstimator`` (``estimator.py``); the step's length (KL clip, graft or none) to a
-``StepLength`` (``step_length.py``); Adam's step outside K-FAC to ``grafting.py``; SGD's update
-to ``sgd_update.py``; the read-only views to ``optimizer_views.py``; settings to ``config.py``;
-checkpoints to ``checkpoint.py``; loss scaling to ``precision.py``; ``Join`` to ``distributed/join.py``.
+``KroneckerEstimator`` (``estimator/``); the step's length (KL clip, graft or none) to a
+``StepLength`` (``update/step_length.py``); Adam's step outside K-FAC to ``update/grafting.py``;
+SGD's update to ``update/sgd.py``; the read-only views to ``optimizer_views.py``; settings to
+``config.py``; checkpoints to ``checkpoint.py``; loss scaling to ``precision.py``; ``Join`` to
+``distributed/join.py``.
 
 One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient ``∇W``
-(docs/design.md §4; ``k`` is the step counter, ``λ`` the damping at ``k``)::
+(docs/design.md §4 and §4.1; ``k`` is the step counter, ``λ`` the damping at ``k``)::
 
-    if GradScaler found inf/nan:         drop this backward's statistics, return   (see precision)
+    if GradScaler found inf/nan:         drop this backward's statistics, return
     ∇ ← ∇ / s under GradScaler;          batch G ← batch G / s²                    (loss scale s)
     if k % factor_update_steps(k) == 0:  A, G ← decay·(A, G) + (1 − decay)·(batch A, batch G)
-                                         (CurvatureConfig.stagger: per block, k % I == its phase)
-                                         (batch G from the training loss, or from sample_fisher)
-    if k % inv_update_steps(k) == 0:     refresh eig(A), eig(G)   (or the π-damped inverses;
-                                         AsyncConfig: adopt the worker's last round, start one)
-    V   = (G ⊗ A + λI)⁻¹ ∇W                               (per layer)
-    ν   = Σ lr‖∇W‖² / Σ lr⟨V, ∇W⟩, at most sqrt(kl_clip / |Σ lr² ⟨V, ∇W⟩|)
-          (the default trust region "sgd": SGD's first-order decrease in K-FAC's direction, its KL
-           estimate at most kl_clip; the KL clips min(1, sqrt(kl_clip / |Σ lr₀² ⟨V, ∇W⟩|)):
-           UpdateConfig.trust_region, §4.1)
-    d   = ν·V  for K-FAC parameters,  ∇p  for every other parameter
-          (UpdateConfig.grafting: no ν; d = M·‖s‖/‖M‖ per tensor, see kfac_optim.update.grafting)
-          (method="eigen_adam": every other parameter takes Adam's step instead, with no SGD
-           momentum or decay on top: grafting.AdamOutsideKFAC)
+    if k % inv_update_steps(k) == 0:     refresh the decompositions of A and G (the method's)
+    V   = (G ⊗ A + λI)⁻¹ ∇W                               (per layer, as the method applies it)
+    ν   = Σ lr‖∇W‖² / Σ lr⟨V, ∇W⟩, at most sqrt(kl_clip / |Σ lr² ⟨V, ∇W⟩|)   (UpdateConfig)
+    d   = ν·V  for K-FAC parameters,  ∇p  (or Adam's step, by the method) for every other one
     UpdateConfig.decoupled_weight_decay:  p ← p·(1 − lr·weight_decay), and SGD's decay is 0
     then exactly torch.optim.SGD on d: weight decay, momentum/dampening/nesterov, p ← p − lr·d
 """
@@ -55,7 +47,6 @@ from kfac_optim.config import (
     RuntimeConfig,
     UpdateConfig,
     check_hyperparameter,
-    from_deprecated_keywords,
 )
 from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.estimator.estimator import LARGE_FACTOR_DIM, KroneckerEstimator, block_dims, unwrap_model
@@ -116,8 +107,6 @@ class KFAC(KFACViews, Optimizer, Joinable):
             GradScaler, the statistics thread.
         update: :class:`~kfac_optim.config.UpdateConfig`: how directions become the step: the
             trust region's base lr, decoupled weight decay, grafting.
-        **deprecated: the flat keywords of earlier releases (``kfac_optim.config.DEPRECATED_KEYWORDS``),
-            accepted with a ``DeprecationWarning`` naming their new spelling (docs/api.md).
 
     Mixed precision: ``scaler.step(optimizer)`` with a ``torch.amp.GradScaler`` skips the whole
     step on inf/nan gradients (factors, momentum, step count and parameters untouched) and
@@ -149,7 +138,6 @@ class KFAC(KFACViews, Optimizer, Joinable):
         asynchronous: AsyncConfig | None = None,
         runtime: RuntimeConfig | None = None,
         update: UpdateConfig | None = None,
-        **deprecated: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -161,7 +149,7 @@ class KFAC(KFACViews, Optimizer, Joinable):
                                   ("update", update, UpdateConfig)):
             if value is not None and not isinstance(value, kind):
                 raise TypeError(f"{name} must be a {kind.__name__} or None, got {type(value).__name__}")
-        curvature, asynchronous, runtime = from_deprecated_keywords(deprecated, curvature, asynchronous, runtime)
+        curvature, runtime = curvature or CurvatureConfig(), runtime or RuntimeConfig()
         self._options = KFACOptions(damping, kl_clip, factor_update_steps, inv_update_steps, method,
                                     curvature, asynchronous, update or UpdateConfig())
         self._trust_region = TrustRegion(self._options.kl_clip, self._options.update.trust_region)
@@ -217,7 +205,7 @@ class KFAC(KFACViews, Optimizer, Joinable):
     @contextlib.contextmanager
     def samples(self, count: int) -> Iterator[None]:
         """The forwards run inside hold ``count`` samples: N, what the loss of their backward averages
-        over (docs/design.md §3, "What N is"), for every layer, counted once however many times the
+        over (docs/numerics.md, "What N is"), for every layer, counted once however many times the
         model or its submodules are called inside. For what the model's call cannot tell: packed
         rows without ``position_ids`` or ``cu_seq_lens_*`` keywords, a model called without a tensor
         argument, submodules called outside the model's forward. Does not nest; ``KFAC.mask`` may

@@ -5,41 +5,20 @@ gradients, the factor by which G statistics captured under a loss scale are corr
 glue (loss scale, O1 casts around hook math, O2 master parameters), and detecting misuse.
 Must not know: factor math (blocks take plain scales), ranks, schedules.
 
-**Native AMP** (docs/design.md §6). ``KFAC._step_supports_amp_scaling`` makes ``scaler.step(optimizer)``
-call ``step()`` with ``optimizer.found_inf`` and ``optimizer.grad_scale`` set (then delete them):
+Native AMP (docs/design.md §6): ``found_inf`` is read once per step (the only host sync added) and
+an inf step is skipped; ``grad_scale`` unscales the gradients with ``GradScaler.unscale_``'s kernel
+(so with K-FAC off the update is SGD + GradScaler's bit for bit) and G statistics, captured from
+scaled output-gradients ``s·g``, are folded with ``s⁻²`` as a device tensor. After
+``scaler.unscale_(optimizer)`` the scale is read from ``RuntimeConfig(grad_scaler=scaler)``;
+without it the step's statistics are dropped with a warning. The sampled Fisher's pass is never
+loss-scaled (``MixedPrecision(statistics_loss_scaled=False)``).
 
-- ``found_inf`` is read once per step (the only host sync added); on inf the step is skipped;
-- ``grad_scale`` (the scale tensor in force during backward: ``update()`` runs after ``step``)
-  unscales the gradients in place with the kernel and the ``1/scale`` that ``GradScaler.unscale_``
-  uses, so where K-FAC is off the update is bit-identical to ``torch.optim.SGD`` + GradScaler;
-- G statistics were captured from scaled output-gradients ``s·g``; they are folded with
-  ``s⁻²`` as a device tensor, so no per-layer sync.
-
-After ``scaler.unscale_(optimizer)`` (gradient clipping) ``GradScaler.step`` sets ``grad_scale``
-to None: the gradients are already unscaled, the statistics are not. ``KFAC(runtime=RuntimeConfig(grad_scaler=scaler))``
-names the scaler whose (not yet updated) scale is read then; without it the step's statistics
-cannot be corrected and are dropped with a warning (the factors are never corrupted, but they
-are not updated either).
-
-Statistics of the sampled Fisher (``CurvatureConfig(fisher="sampled")``) come from an extra backward pass
-that is never loss-scaled: ``MixedPrecision(statistics_loss_scaled=False)`` leaves them alone
-(gradients are still unscaled as above).
-
-**Apex amp** (legacy, O1/O2; Apex is never imported unless the optimizer went through
-``amp.initialize``, which leaves ``optimizer._amp_stash``):
-
-- the loss scale, ``apex.amp._amp_state.loss_scalers[0].loss_scale()`` (a Python float), changes
-  at the exit of ``scale_loss``, after backward and before ``step``; so it is read in the capture
-  hooks, during backward, where each output-gradient is upcast and divided by it (with
-  ``num_losses > 1`` the first loss's scaler is assumed);
-- O1 patches torch functions to cast to fp16 while its handle is active; hook math runs inside
-  ``apex.amp.disable_casts()`` then (``step`` already runs so under O1);
-- O2 replaces the fp16 model parameters in ``param_groups`` by fp32 masters (lazily, at the first
-  ``scale_loss`` or ``zero_grad``); ``_amp_stash.all_fp16_params[i]`` pairs with
-  ``all_fp32_from_fp16_params[i]``, and blocks are re-pointed at the masters, whose gradients are
-  fp32 and unscaled;
-- on overflow Apex skips ``step()`` and sets ``optimizer.most_recent_scale``; ``KFAC`` discards
-  the pending statistics of the skipped backward there (see ``KFAC.most_recent_scale``).
+Apex amp (legacy, O1/O2; never imported unless the optimizer went through ``amp.initialize``,
+which leaves ``optimizer._amp_stash``): the loss scale (``loss_scalers[0]``, a Python float) changes
+after backward and before ``step``, so the capture hooks read it during backward; O1's casts are
+disabled around hook math; under O2 blocks are re-pointed at the fp32 master parameters
+(``_amp_stash.all_fp16_params[i]`` pairs with ``all_fp32_from_fp16_params[i]``); when Apex skips a
+step it sets ``optimizer.most_recent_scale`` and ``KFAC`` discards that backward's pending statistics.
 """
 
 from __future__ import annotations

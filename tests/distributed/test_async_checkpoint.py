@@ -121,7 +121,7 @@ def test_a_checkpoint_between_rounds_holds_none() -> None:
     model, optimizer = fresh(asynchronous=AsyncConfig(delay=1))
     checkpoint_run(model, optimizer, range(5))  # step 3's round was adopted at step 4
     assert optimizer.state_dict()["kfac"]["round"] is None
-    model, optimizer = fresh(asynchronous=AsyncConfig(decompositions=False))
+    model, optimizer = fresh(asynchronous=None)
     checkpoint_run(model, optimizer, range(4))
     assert optimizer.state_dict()["kfac"]["round"] is None
 
@@ -130,7 +130,7 @@ def test_synchronous_optimizer_adopts_a_saved_round_at_once() -> None:
     model, optimizer = fresh()
     checkpoint_run(model, optimizer, range(4))
     checkpoint = saved(model, optimizer)
-    _, synchronous = resumed(checkpoint, asynchronous=AsyncConfig(decompositions=False))
+    _, synchronous = resumed(checkpoint, asynchronous=None)
     for block in synchronous.blocks:
         for name, factor in block.factors.items():
             held = checkpoint["optimizer"]["kfac"]["round"]["factors"][block.name][name]
@@ -143,7 +143,7 @@ def test_checkpoints_without_a_round_load_into_an_async_optimizer() -> None:
     """From before rounds were saved (no entry), and from a synchronous run (None): the async
     optimizer holds the saved decompositions, so it steps as the synchronous run does until its
     first decomposition step (6), which adopts nothing and starts a round of the factors then."""
-    model, optimizer = fresh(asynchronous=AsyncConfig(decompositions=False))
+    model, optimizer = fresh(asynchronous=None)
     checkpoint_run(model, optimizer, range(4))
     checkpoint = saved(model, optimizer)
     old = copy.deepcopy(checkpoint)
@@ -177,7 +177,7 @@ def test_a_failed_result_in_the_round_is_reported_when_adopted() -> None:
     head = checkpoint["optimizer"]["kfac"]["round"]["factors"]["head"]
     assert optimizer.blocks[1].A.decomposed_key[0] == head["A"]["version"]
     with pytest.warns(RuntimeWarning, match=r"'head'.*decomposition of G failed"):  # adopted at once
-        resumed(checkpoint, asynchronous=AsyncConfig(decompositions=False))
+        resumed(checkpoint, asynchronous=None)
 
 
 def state_of(optimizer: KFAC) -> list:

@@ -1,5 +1,5 @@
-"""Distributed K-FAC when ranks part ways (issue 11, "Ranks"): mismatched settings, uneven inputs
-under ``Join``, ``state_dict()`` called on one rank only (issue 28: never a collective), a rank that dies.
+"""Distributed K-FAC when ranks part ways (docs/design.md §5, "When ranks part ways"): mismatched settings,
+uneven inputs under ``Join``, ``state_dict()`` called on one rank only (never a collective), a rank that dies.
 
 One spawn of 2 real gloo ranks runs every scenario in turn (the cheap, group-preserving ones
 first) and saves what each rank saw; the tests read it in this process. Scenarios that could

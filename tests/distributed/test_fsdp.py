@@ -1,4 +1,4 @@
-"""K-FAC on models sharded by FSDP2 (``fully_shard``) and HSDP, on real gloo ranks (DESIGN §10).
+"""K-FAC on models sharded by FSDP2 (``fully_shard``) and HSDP, on real gloo ranks (docs/design.md §5, "FSDP2 and HSDP").
 
 One spawn of 2 and one of 4 CPU ranks (tests/distributed_helpers.py: file:// rendezvous, one
 thread each, a deadline that fails the test instead of hanging) run every scenario and save what

@@ -1,7 +1,6 @@
 """KFAC inside the training loops people write: hook lifecycle, copies, faults, checkpoints.
 
-Each test reproduces a failure seen with ordinary training code (issue 11) and states the
-behaviour that replaced it (docs/guide.md, "Failure modes").
+Each test reproduces a situation of ordinary training code and states the behaviour K-FAC has in it (docs/guide.md, "Failure modes").
 """
 
 from __future__ import annotations

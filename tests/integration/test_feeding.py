@@ -1,17 +1,14 @@
-"""Which backward passes and which samples feed the Kronecker factors (issue 22).
+"""Which backward passes and which samples feed the Kronecker factors.
 
-One test per situation of issue 22's "What it must show". Each compares ``KFAC`` in an ordinary
+One test per situation. Each compares ``KFAC`` in an ordinary
 training loop with the same loop written the simple way (or with ``torch.optim.SGD`` where K-FAC
 must not touch a parameter), through the public API only: factors are read from
 ``kfac_state_dict()``, what K-FAC does with a module from ``describe()`` / ``module_reports``.
 
-The rule these tests pin down (issue 22, docs/design.md §4 "Capture"): a block records the
+The rule these tests pin down (docs/design.md §4 "Capture"): a block records the
 output-gradients of the backward that accumulates its weight's ``.grad``, once per forward;
 side passes (``torch.autograd.grad`` over parameters or inputs) and passes through frozen
 modules never record, and several backwards of one forward add up like their summed loss.
-
-Every test failed on the code before its fix (the comment above each says how); the ones whose
-fix has not landed yet are marked ``xfail(strict=True)`` (``OPEN``), so a test that starts to pass shows up.
 """
 
 from __future__ import annotations
@@ -34,8 +31,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.layers import ModuleReport
 from kfac_optim.layers.factor import unpack_running
-
-OPEN = pytest.mark.xfail(strict=True, reason="issue 22: fixed in the next round")
 
 OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": None, "curvature": CurvatureConfig(factor_decay=0.9), "inv_update_steps": 1}
 STEPS = 3
@@ -72,7 +67,7 @@ def factors(optimizer: KFAC) -> dict[str, Tensor]:
 def assert_factors_equal(actual: dict[str, Tensor], expected: dict[str, Tensor], rtol: float = 0, atol: float = 0) -> None:
     """The same factors, bit for bit by default."""
     assert actual.keys() == expected.keys()
-    for key in sorted(expected, key=lambda key: (not key.endswith(".G"), key)):  # G first: what the fix changes
+    for key in sorted(expected, key=lambda key: (not key.endswith(".G"), key)):  # G first: where a wrong capture shows
         torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}")
 
 
@@ -108,7 +103,6 @@ def run_classifier(extra_pass: Callable[[nn.Module, Tensor, Tensor, Tensor], Non
     return factors(optimizer), model
 
 
-# Today: "0.G: Tensor-likes are not equal! ... 0.079" (every G factor is fed by both backwards).
 def test_monitoring_grad_pass_before_backward_does_not_change_the_factors() -> None:
     def gradient_norm(model: nn.Module, x: Tensor, y: Tensor, loss: Tensor) -> None:
         grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
@@ -117,7 +111,6 @@ def test_monitoring_grad_pass_before_backward_does_not_change_the_factors() -> N
     assert_runs_equal(expected=run_classifier(None), actual=run_classifier(gradient_norm))
 
 
-# Today: "0.G: Tensor-likes are not equal! ... 0.078" (the input-gradient pass feeds G and counts N).
 def test_adversarial_input_gradient_pass_in_train_mode_does_not_change_the_factors() -> None:
     def run(attack_in_eval_mode: bool) -> tuple[dict[str, Tensor], nn.Module]:
         model = mlp()
@@ -137,7 +130,6 @@ def test_adversarial_input_gradient_pass_in_train_mode_does_not_change_the_facto
     assert_runs_equal(expected=run(attack_in_eval_mode=True), actual=run(attack_in_eval_mode=False))
 
 
-# Before the fix: every G and A factor differs (the discarded backward's statistics were folded).
 def test_setting_grads_to_none_drops_the_statistics_of_the_discarded_gradient() -> None:
     """``p.grad = None`` after a backward (a gradient thrown away outside the optimizer) drops
     that backward's pending statistics, as ``KFAC.zero_grad()`` would."""
@@ -163,7 +155,6 @@ def gan_batch(step: int, n: int = 6) -> tuple[Tensor, Tensor]:
     return torch.randn(n, 4, generator=generator), torch.randn(n, 2, generator=generator)
 
 
-# Today: "0.G: Tensor-likes are not equal! ... 0.074" of D (the generator's pass through frozen D records).
 def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors() -> None:
     """CycleGAN's ``set_requires_grad(D, False)`` around the generator's loss; both optimizers
     zeroed at the top of the iteration, both stepped at the end. The reference runs the
@@ -191,7 +182,6 @@ def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors
     assert_runs_equal(expected=run(generator_pass_in_eval_mode=True), actual=run(generator_pass_in_eval_mode=False))
 
 
-# Today: "0.G: Tensor-likes are not equal! ... 0.038" of D (the generator's backward through D stays pending).
 def test_module_level_zero_grad_gives_the_same_factors_as_the_optimizers() -> None:
     """The DCGAN example's loop: ``netD.zero_grad()`` / ``netG.zero_grad()`` instead of the
     optimizers'. The generator's backward runs through D (not frozen) after D's step."""
@@ -233,7 +223,6 @@ class TwoHeads(nn.Module):
         return self.head_a(h), self.head_b(h)
 
 
-# Today: "head_a.G: Tensor-likes are not close! ... 5.0e-04" (trunk.G: 0.13; each backward counted as a new micro-batch).
 def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
     def run(separately: bool) -> tuple[dict[str, Tensor], nn.Module]:
         model = TwoHeads()
@@ -257,7 +246,6 @@ def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
 # --- trainability and parameters ----------------------------------------------------------------
 
 
-# Today: "the unfrozen backbone did not move" (no block, not in any param group).
 def test_backbone_unfrozen_after_construction_trains_and_is_preconditioned() -> None:
     model = mlp(sizes=(4, 8, 8, 3))  # "0", "2": backbone; "4": head
     backbone = model[:3]
@@ -320,7 +308,6 @@ def test_unfrozen_layer_starts_with_empty_factors_and_takes_the_dense_kfac_step(
     torch.testing.assert_close(after.double(), expected, rtol=1e-5, atol=1e-6)
 
 
-# Today: "ValueError: params must all be parameters of model".
 def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None:
     """A learnable loss temperature in ``params``: it follows SGD bit for bit (the reference:
     K-FAC on the model alone and ``torch.optim.SGD`` on the temperature)."""
@@ -354,7 +341,6 @@ def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None
     assert len(extra) == 1, optimizer.describe()  # the temperature, on the SGD path
 
 
-# Today: "bias: Tensor-likes are not equal! ... 0.138" against SGD (K-FAC takes the complex layer).
 def test_complex_linear_takes_the_sgd_path_with_a_true_reason() -> None:
     def run(make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(4)
@@ -390,11 +376,10 @@ def parametrized(kind: str) -> nn.Sequential:
     return model
 
 
-# Today: AssertionError showing describe(): "SGD: no K-FAC block registered for ParametrizedLinear" (prune: "... for Linear").
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "prune"])
 def test_parametrized_linear_is_preconditioned_or_takes_the_sgd_path_with_a_true_reason(kind: str) -> None:
-    """Either choice of issue 22 is accepted here; the fix should aim for preconditioning
-    (then this test gains a dense reference). On the SGD path the reason names the
+    """Either choice is accepted here: preconditioned (then this test gains a dense reference)
+    or the SGD path. On the SGD path the reason names the
     parametrization and the layer's parameters follow ``torch.optim.SGD`` bit for bit."""
     def groups(net: nn.Module) -> list[dict[str, Any]]:  # layer 0 (K-FAC's) frozen by lr 0, as in the complex test
         return [{"params": net[0].parameters(), "lr": 0.0}, {"params": net[2].parameters()}]
@@ -449,7 +434,6 @@ def lm_loss(model: nn.Module, tokens: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
 
 
-# Today: "position's G changes 1.7x between B=8 and B=128 (token's: 1.0x)" (T positions counted as samples).
 def test_position_embedding_statistics_do_not_depend_on_the_batch_size() -> None:
     """The trace of a layer's G (a per-sample Fisher) has the same expectation at any batch size;
     averaged over 8 batches each, B=8 and B=128 agree within 10% for the token embedding. The
@@ -566,8 +550,8 @@ def compile_run(backend: str | None, step_compiled: bool = True, steps: int = 12
     return {name: p.detach().clone() for name, p in model.named_parameters()}, optimizer
 
 
-# Before the fix: "assert 0 == 12" (the compiled step never advanced the step counter: Dynamo drops
-# attribute writes on Optimizer subclasses). Now KFAC.step is a compile boundary (torch.compiler.disable).
+# KFAC.step is a compile boundary (torch.compiler.disable): Dynamo drops attribute writes on Optimizer
+# subclasses, so a traced step would never advance the step counter.
 # Inductor's kernels round the model's own gradients differently from eager (SGD's would differ alike),
 # so under inductor the bit-for-bit reference is the same compiled model with the step called eagerly.
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
@@ -616,7 +600,6 @@ def test_compiled_train_step_adds_no_graph_for_the_kfac_step() -> None:
     assert graphs(with_kfac=True) == graphs(with_kfac=False)
 
 
-# Today: "AssertionError: (4, 1, [])": 4 graphs with K-FAC, 1 without (fullgraph=True: "HOP: Non-nullified side effect").
 def test_fullgraph_compiled_model_with_kfac_armed_records_like_eager() -> None:
     torch._dynamo.reset()
     x, y = batch(0)
@@ -660,7 +643,6 @@ COMPILED_MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Tensor
 }
 
 
-# Before the fix: 4 graphs with K-FAC for the MLP, 1 without; fullgraph=True raised "HOP: Non-nullified side effect".
 # Bit for bit: AOT autograd's backward (aot_eager: ATen ops, no fusion) gives these models eager's
 # output-gradients, and the statistics math runs eagerly on them (inductor's kernels would round differently).
 @pytest.mark.parametrize("kind", sorted(COMPILED_MODELS))
@@ -731,7 +713,6 @@ def test_compiled_multi_task_backwards_add_up_like_the_summed_loss(backend: str)
     assert_factors_equal(factors(optimizer), factors(reference_optimizer), rtol=1e-6, atol=1e-7)
 
 
-# Before: the compiled graph traced before KFAC existed ran without its hooks, and every step folded nothing, silently.
 def test_a_model_compiled_and_run_before_kfac_existed_warns_that_nothing_was_recorded() -> None:
     """Dynamo does not guard on module hooks: graphs traced before ``KFAC(model)`` keep running
     without the capture. The factor step says so once (and ``torch._dynamo.reset()`` cures it)."""
@@ -753,8 +734,6 @@ def test_a_model_compiled_and_run_before_kfac_existed_warns_that_nothing_was_rec
     assert all(factor.abs().sum() > 0 for factor in factors(optimizer).values())
 
 
-# Before: get_state_dict on a fresh KFAC (the first call of a DCP resume, FSDP2's included) warned that
-# a model compiled with torch.compile ran without K-FAC's hooks, in scripts that compile nothing.
 def test_torch_state_initialization_at_lr_0_warns_nothing_and_a_moving_step_still_does() -> None:
     """``torch.distributed.checkpoint``'s ``get_state_dict`` builds a fresh optimizer's state with one
     ``step()`` at lr 0 on gradients it sets to zero, with no backward: no statistics is no news then.
@@ -818,9 +797,6 @@ def train_lm(model: nn.Module, optimizer: KFAC, rank: int = 0, world: int = 1) -
     return {name: p.detach().clone() for name, p in inner.named_parameters()}
 
 
-# Controls measured with this harness on the code before the fix (2 ranks vs one process, largest
-# parameter difference after 10 steps): no positions, untied head 1.0e-6; no positions, tied head
-# 1.6e-2; positions, untied head 1.2e-2. Each cause alone breaks the 1e-5 bound.
 def scenario_tied_lm(rank: int, world: int, directory: Path) -> dict[str, Any]:
     """The same training under DDP and under FSDP2 (``fully_shard`` on the root; one spawn for both)."""
     from torch.distributed.fsdp import fully_shard
@@ -832,7 +808,6 @@ def scenario_tied_lm(rank: int, world: int, directory: Path) -> dict[str, Any]:
     return {"ddp": ddp, "fsdp": {name: p.full_tensor() for name, p in fsdp.items()}}
 
 
-# Before the fix: "mlp.bias: Tensor-likes are not close! ... Greatest absolute difference: 0.0166" (positions, tied head).
 def test_tied_lm_with_learned_positions_on_two_ddp_ranks_equals_one_process(tmp_path: Path) -> None:
     """DDP and FSDP2, 2 ranks each: the parameters after 10 steps equal one process's on the whole batch."""
     from tests.distributed_helpers import spawn

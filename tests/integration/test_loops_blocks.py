@@ -1,4 +1,4 @@
-"""Training loops of round two (issue 26 §3) around which layers get which block, and what
+"""Training loops around which layers get which block, and what
 ``describe()`` / ``memory_usage()`` say: a frozen bias, subclasses that override ``forward``, a
 construction-time lr of 0, ``eigen_adam``'s parameters outside K-FAC, frozen layers, coverage.
 
@@ -59,7 +59,6 @@ def mlp_with_first_bias(bias: bool) -> nn.Sequential:
     return plain
 
 
-# Today: the weight differs (joint [W | b] factors with a zero bias gradient, 2.3% of the update).
 def test_a_bias_frozen_before_construction_leaves_the_block_of_bias_false_bit_for_bit() -> None:
     """A layer whose bias is frozen (at 0) and a bias-free layer with the same weight compute the same
     function and gradients; with the block of ``bias=False`` (A without the trailing 1) their K-FAC
@@ -131,7 +130,6 @@ class MuReadoutBlock(LinearBlock):
         return super().layer_input(args, kwargs, module) / self.module.width_mult
 
 
-# Today: MuReadout inherits LinearBlock, no warning, A 16x the second moment of x / width_mult.
 def test_a_subclass_overriding_forward_inherits_no_block_and_is_named_once_with_how_to_register() -> None:
     model = nn.Sequential(PlainSubclass(4, 8), nn.Tanh(), MuReadout(8, 3, width_mult=4.0))
     with pytest.warns(UserWarning, match=r"MuReadout subclasses Linear but overrides forward.*register_block") as caught:
@@ -155,7 +153,6 @@ def test_a_subclass_overriding_forward_inherits_no_block_and_is_named_once_with_
 # -- 3. built at lr=0 ----------------------------------------------------------------------------
 
 
-# Today: no warning.
 def test_an_lr_of_zero_at_construction_warns_and_the_clip_is_indeed_off() -> None:
     """The warning's reason, checked: built at lr 0 and warmed up by hand to 0.1, the run is the
     run without a KL clip, bit for bit (ν = 1 at every step). The clip at the base lr is
@@ -215,7 +212,6 @@ EIGEN_ADAM: dict[str, Any] = {"lr": 1e-2, "momentum": 0.9, "weight_decay": 1e-2,
                               "method": "eigen_adam", **FIXED}
 
 
-# Today: the LayerNorm's gain and shift take SGD's update at Adam's lr (they barely move).
 @pytest.mark.parametrize("own_first_moment", [False, True])
 def test_eigen_adam_moves_parameters_outside_kfac_as_torch_adam_does(own_first_moment: bool) -> None:
     """The LayerNorm's parameters against ``torch.optim.Adam(lr, betas=(0.9, 0.95), eps=1e-8,
@@ -266,7 +262,6 @@ def test_eigen_adam_resume_is_bit_identical_with_the_adam_moments_saved() -> Non
         assert torch.equal(a, b), name
 
 
-# Today: accepted, and the sparse embedding takes SGD's update at Adam's lr.
 def test_eigen_adam_refuses_sparse_gradients_naming_the_module() -> None:
     model = nn.Sequential(nn.Embedding(5, 4, sparse=True), nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"method='eigen_adam' .* needs dense gradients: module '0' has sparse=True"):
@@ -284,7 +279,6 @@ def frozen_base_mlp(seed: int = 0) -> nn.Sequential:
     return model
 
 
-# Today: the frozen layer's factors hold 2 x (33² + 32²) floats from construction.
 def test_a_frozen_layer_holds_no_factor_memory_and_taps_nothing() -> None:
     model = frozen_base_mlp()
     optimizer = KFAC(model, lr=0.1, **FIXED)
@@ -355,7 +349,6 @@ class GRUWithLinearHead(nn.Module):
         return self.head(self.rnn(x)[0][:, -1])
 
 
-# Today: no warning (describe() says 5.5% at INFO).
 def test_a_model_mostly_without_blocks_warns_once_naming_the_largest_and_how_to_register() -> None:
     with pytest.warns(UserWarning, match=r"preconditions 48/(\d+) .* under 50%.*'rnn' \(GRU.*register_block") as caught:
         KFAC(GRUWithLinearHead(), lr=0.1, **FIXED)
@@ -390,7 +383,6 @@ class PositionEmbeddingLM(nn.Module):
         return self.head(self.token(x) + self.position(torch.arange(x.shape[1])))
 
 
-# Today: "3 blocks precondition 224/224 ... (100.0%)" after the position embedding moved to SGD.
 def test_describe_counts_a_position_embedding_left_to_sgd_as_not_preconditioned() -> None:
     model = PositionEmbeddingLM()
     optimizer = KFAC(model, lr=0.1, **FIXED)
@@ -403,7 +395,6 @@ def test_describe_counts_a_position_embedding_left_to_sgd_as_not_preconditioned(
     assert report_row(optimizer, "position").block is None
 
 
-# Today: describe() still shows the old head (its 3x8 weight and block).
 def test_describe_shows_a_replaced_head_added_to_the_param_groups_as_new_and_on_the_sgd_path() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -418,7 +409,6 @@ def test_describe_shows_a_replaced_head_added_to_the_param_groups_as_new_and_on_
     assert "1 blocks precondition 32/96 weight-matrix elements" in first, first
 
 
-# Today: describe() says "(weight+bias)" as if both were preconditioned.
 def test_describe_says_what_bitfit_biases_get_and_they_get_it() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))

@@ -1,6 +1,6 @@
 """Padding with no user code: a model called with Hugging Face's ``attention_mask=`` keyword (1 =
 real token, 0 = pad, ``(B, T)``) gives K-FAC the real positions as ``KFAC.mask`` would
-(docs/design.md §3, "Padding"), in a plain loop, under reentrant activation checkpointing, inside
+(docs/numerics.md, "Padding"), in a plain loop, under reentrant activation checkpointing, inside
 ``transformers.Trainer`` and inside an ``accelerate`` loop.
 
 Each test pads the same three sequences (5, 2 and 4 real tokens) to two lengths, 8 and 16 (right

@@ -1,4 +1,4 @@
-"""One N per backward, taken from the model's call (docs/design.md §3, "What N is"): N is what the
+"""One N per backward, taken from the model's call (docs/numerics.md, "What N is"): N is what the
 loss averages over, the same for every layer, not each layer's dim 0.
 
 Each test lays the same data out two ways, the plain one (a batch of sequences ``(N, T)``, one

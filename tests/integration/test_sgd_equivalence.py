@@ -1,4 +1,4 @@
-"""With preconditioning off, KFAC is torch.optim.SGD bit for bit (docs/design.md §3)."""
+"""With preconditioning off, KFAC is torch.optim.SGD bit for bit (docs/numerics.md)."""
 
 from __future__ import annotations
 

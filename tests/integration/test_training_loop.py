@@ -96,7 +96,7 @@ def test_inplace_relu_after_a_layer_sees_the_layers_own_output_gradient() -> Non
 
 
 def test_no_statistics_under_no_grad_or_between_factor_steps() -> None:
-    """(Eval mode records since issue 26: tests/integration/test_loops_capture.py.)"""
+    """(Eval mode records: tests/integration/test_loops_capture.py.)"""
     model = CapturePathsNet()
     optimizer = KFAC(model, lr=0.1, factor_update_steps=2, inv_update_steps=10)
     x, y = loop_batch(4)

@@ -2,7 +2,7 @@
 
 References: patches taken position by position from the input padded as the layer pads it
 (explicit slicing, any number of spatial dims), per-sample output-gradients from autograd on each
-sample's own loss, and the docs/design.md §3 formulas written out: "expand" every position a row,
+sample's own loss, and the docs/numerics.md formulas written out: "expand" every position a row,
 "reduce" one row per sample (mean patch, summed ĝ), sampled positions (the documented subset,
 ``G`` scaled by L/m).
 """

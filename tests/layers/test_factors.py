@@ -63,7 +63,7 @@ def with_bias_column(rows: torch.Tensor, bias: bool) -> torch.Tensor:
 
 
 def reference_factors(a_rows: torch.Tensor, g_hat_rows: torch.Tensor, n_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """docs/design.md §3: A = (1/(N·R)) Σ a aᵀ, G = (1/N) Σ ĝ ĝᵀ over all N·R rows."""
+    """docs/numerics.md: A = (1/(N·R)) Σ a aᵀ, G = (1/N) Σ ĝ ĝᵀ over all N·R rows."""
     return a_rows.T @ a_rows / len(a_rows), g_hat_rows.T @ g_hat_rows / n_samples
 
 

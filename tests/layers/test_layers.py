@@ -603,7 +603,7 @@ def test_a_model_with_attention_copies_and_pickles_with_inert_taps() -> None:
 
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
 def test_sequence_first_linear_blocks_count_the_length_as_samples_and_the_optimizer_warns(loss_reduction: str) -> None:
-    """docs/design.md §3: attention blocks count the batch N in either layout, Linear blocks dim 0 of
+    """docs/numerics.md: attention blocks count the batch N in either layout, Linear blocks dim 0 of
     their input. The same layer and batch, sequence-first vs batch-first: every A and attention's G
     agree; the Linear blocks' G differs by L/N (mean loss) or N/L (sum), and only the sequence-first
     optimizer warns."""

@@ -1,4 +1,4 @@
-"""Every dense running factor equals its transpose exactly after every fold (docs/design.md §3).
+"""Every dense running factor equals its transpose exactly after every fold (docs/numerics.md).
 
 Checkpoints hold a factor's upper triangle, so a factor whose triangles differ by one rounding
 resumes as another factor. Whether a BLAS kernel returns ``xᵀx`` exactly symmetric depends on

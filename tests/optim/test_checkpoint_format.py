@@ -1,4 +1,4 @@
-"""The ``"kfac"`` checkpoint entry holds nothing redundant (issue 28, docs/design.md §5).
+"""The ``"kfac"`` checkpoint entry holds nothing redundant (docs/design.md §5).
 
 Dense running factors are saved packed (their upper triangle) and decompositions at their capped
 rank, so the entry's size is bounded by what the layer shapes say; a checkpoint of format 1

@@ -1,5 +1,5 @@
 """``KFAC``'s typed configs (docs/api.md "Configs"): the constructor's size, contradictory settings,
-the deprecated flat keywords and the read-only ``options``."""
+no flat keywords and the read-only ``options``."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, RuntimeConfig, UpdateConfig
-from kfac_optim.config import DEPRECATED_KEYWORDS, KFACOptions
+from kfac_optim.config import FLAT_KEYWORDS, KFACOptions
 from kfac_optim.layers.linear import LinearBlock
 
 
@@ -23,17 +22,16 @@ def _config_model() -> nn.Module:
 
 
 def test_the_constructor_has_at_most_18_named_parameters() -> None:
-    """Named parameters only: ``**deprecated`` is the shim for the flat keywords of earlier releases."""
+    """Named parameters only: no ``**keywords`` catch-all."""
     signature = inspect.signature(KFAC.__init__).parameters.values()
     parameters = [p.name for p in signature if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
     assert len(parameters) <= 18, parameters
-    assert [p.name for p in signature if p.kind is inspect.Parameter.VAR_KEYWORD] == ["deprecated"]
+    assert [p.name for p in signature if p.kind is inspect.Parameter.VAR_KEYWORD] == []
 
 
 @pytest.mark.parametrize(
     ("make", "first", "second"),
     [
-        (lambda: AsyncConfig(decompositions=False, delay=2), "delay", "decompositions"),
         (lambda: CurvatureConfig(fisher="sampled", loss_reduction="mean"), "loss_reduction", "fisher"),
         (lambda: KFACOptions(curvature=CurvatureConfig(stagger=True)), "stagger", "factor_update_steps"),
         (lambda: KFAC(_config_model(), curvature=CurvatureConfig(stagger=True), factor_update_steps=1, inv_update_steps=10), "stagger",
@@ -43,20 +41,13 @@ def test_the_constructor_has_at_most_18_named_parameters() -> None:
          "grafting", "momentum"),
         (lambda: UpdateConfig(adam_betas=(0.9, 0.95)), "adam_betas", "grafting"),
     ],
-    ids=["async delay without async decompositions", "loss_reduction under the sampled Fisher",
+    ids=["loss_reduction under the sampled Fisher",
          "stagger at interval 1 (options)", "stagger at interval 1 (KFAC)", "grafting with the KL clip",
          "adam grafting with SGD momentum (nesterov)", "adam betas without adam grafting"],
 )
 def test_a_contradictory_combination_is_a_value_error_naming_both(make, first: str, second: str) -> None:
     with pytest.raises(ValueError, match=rf"(?s)({first}.*{second}|{second}.*{first})"):
         make()
-
-
-def test_the_old_spelling_of_a_contradiction_is_refused_too() -> None:
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="async_delay.*async_decompositions"):
-        KFAC(_config_model(), async_delay=2, factor_update_steps=1, inv_update_steps=10)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="loss_reduction.*fisher"):
-        KFAC(_config_model(), fisher="sampled", loss_reduction="sum", factor_update_steps=1, inv_update_steps=10)
 
 
 def test_an_inverse_interval_off_the_factor_interval_warns() -> None:
@@ -93,58 +84,11 @@ def test_an_unknown_keyword_is_a_type_error() -> None:
         KFAC(_config_model(), fischer="sampled", factor_update_steps=1, inv_update_steps=10)
 
 
-def test_an_old_keyword_next_to_its_config_is_a_type_error() -> None:
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="fisher= is part of curvature="):
-        KFAC(_config_model(), fisher="sampled", curvature=CurvatureConfig(), factor_update_steps=1, inv_update_steps=10)
-
-
-def _trained_config_run(**settings) -> list[torch.Tensor]:
-    model = _config_model()
-    optimizer = KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=2, inv_update_steps=2, **settings)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(4):
-        optimizer.zero_grad()
-        x, y = torch.randn(8, 4, generator=generator), torch.randint(0, 2, (8,), generator=generator)
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-    optimizer.remove_hooks()
-    return [p.detach().clone() for p in model.parameters()]
-
-
-OLD_AND_NEW = [
-    (dict(factor_decay=0.5, weight_sharing="reduce", factor_dtype=torch.float64, inv_dtype=torch.float64,
-          stagger_factor_updates=True, skip_layers=["2"], loss_reduction="sum"),
-     dict(curvature=CurvatureConfig(factor_decay=0.5, weight_sharing="reduce", factor_dtype=torch.float64,
-                                    inv_dtype=torch.float64, stagger=True, skip_layers=["2"],
-                                    loss_reduction="sum"))),
-    (dict(async_decompositions=True, async_delay=1, async_statistics=True, grad_worker_fraction=1.0),
-     dict(asynchronous=AsyncConfig(delay=1), runtime=RuntimeConfig(async_statistics=True))),
-]
-
-
-@pytest.mark.parametrize(("old", "new"), OLD_AND_NEW, ids=["curvature", "async and runtime"])
-def test_the_old_flat_keywords_warn_naming_the_new_spelling_and_train_the_same(old: dict, new: dict) -> None:
-    with pytest.warns(DeprecationWarning) as caught:
-        by_old = _trained_config_run(**old)
-    (message,) = {str(w.message) for w in caught if w.category is DeprecationWarning}
-    for keyword in old:
-        assert f"{keyword}= -> {DEPRECATED_KEYWORDS[keyword]}" in message
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        by_new = _trained_config_run(**new)
-    assert all(torch.equal(a, b) for a, b in zip(by_old, by_new, strict=True))
-
-
-def test_every_deprecated_keyword_names_a_field_that_exists() -> None:
-    fields = {
-        "curvature": CurvatureConfig.__dataclass_fields__,
-        "asynchronous": AsyncConfig.__dataclass_fields__,
-        "runtime": RuntimeConfig.__dataclass_fields__,
-    }
-    for old, new in DEPRECATED_KEYWORDS.items():
-        argument, rest = new.split("=", 1)
-        field = rest[rest.index("(") + 1 :].split("=", 1)[0].rstrip(")")
-        assert field == "" or field in fields[argument], (old, new)
+@pytest.mark.parametrize("keyword", sorted(FLAT_KEYWORDS))
+def test_a_flat_keyword_is_a_type_error(keyword: str) -> None:
+    """The configs' fields are given in their config only: ``KFAC(model, fisher=...)`` is no spelling."""
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):
+        KFAC(_config_model(), factor_update_steps=1, inv_update_steps=10, **{keyword: None})
 
 
 def test_options_is_read_only_and_holds_the_configs() -> None:
@@ -160,7 +104,7 @@ def test_the_rank_check_reads_every_shared_setting_and_no_per_process_one() -> N
     settings = KFACOptions(asynchronous=AsyncConfig(delay=2)).rank_settings()
     assert settings.keys() == KFACOptions().rank_settings().keys()  # the same names, in order, on every rank
     assert {"damping", "kl_clip", "factor_update_steps", "inv_update_steps", "method", "curvature.fisher",
-            "curvature.factor_dtype", "async_decompositions", "async_delay"} <= set(settings)
+            "curvature.factor_dtype", "asynchronous", "asynchronous.delay"} <= set(settings)
     assert "curvature.skip_layers" not in settings  # compared as the layer list it gives
     assert not any("process_group" in name or "grad_scaler" in name or "statistics" in name for name in settings)
 

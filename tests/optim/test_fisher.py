@@ -205,7 +205,7 @@ def test_checkpointed_models_are_sampled_or_the_user_is_told(reentrant: bool) ->
 
 
 def test_sample_fisher_in_eval_mode_records_as_in_training_mode() -> None:
-    """Issue 26: eval mode records (RL loops train with dropout off); under no_grad nothing."""
+    """Eval mode records (RL loops train with dropout off); under no_grad nothing."""
     model, optimizer = make()
     model.eval()
     with torch.no_grad():

@@ -47,7 +47,7 @@ BASE: dict[str, Any] = {"lr": 0.1}
 VALIDATION_TABLE = [
     # the model and the parameters
     bad({"model": [nn.Parameter(torch.zeros(2))]}, TypeError, "model", id="model=list of parameters"),
-    # (params outside the model are accepted since issue 22: they take the SGD path, tests/integration/test_feeding.py)
+    # (params outside the model are accepted: they take the SGD path, tests/integration/test_feeding.py)
     # SGD's own arguments
     bad({"lr": -0.1}, ValueError, "lr"),
     bad({"lr": float("nan")}, ValueError, "lr"),

@@ -1,4 +1,4 @@
-"""docs/design.md §2 names every module of ``src/kfac_optim`` and no module that is not there."""
+"""docs/architecture.md's "Layout" names every module of ``src/kfac_optim`` and no module that is not there."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ PACKAGE = ROOT / "src" / "kfac_optim"
 
 
 def layout_modules() -> set[str]:
-    """The package's files as §2's layout block lists them: ``"optimizer.py"``, ``"layers/base.py"``."""
-    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
-    section = text[text.index("## 2. Layout") : text.index("## 3.")]
+    """The package's files as the layout block lists them: ``"optimizer.py"``, ``"layers/base.py"``."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    start = text.index("\n## Layout\n")
+    section = text[start : text.index("\n## ", start + 1)]
     block = section[section.index("```") + 3 :]
     block = block[: block.index("```")]
     names: set[str] = set()
@@ -36,12 +37,12 @@ def layout_modules() -> set[str]:
     return names
 
 
-def test_the_layout_in_design_md_lists_exactly_the_package_modules() -> None:
+def test_the_layout_in_architecture_md_lists_exactly_the_package_modules() -> None:
     on_disk = {
         path.relative_to(PACKAGE).as_posix()
         for path in PACKAGE.rglob("*.py")
         if not (path.name == "__init__.py" and path.parent != PACKAGE)
     }
     listed = layout_modules()
-    assert sorted(on_disk - listed) == [], "modules missing from docs/design.md §2"
-    assert sorted(listed - on_disk) == [], "docs/design.md §2 names modules that do not exist"
+    assert sorted(on_disk - listed) == [], "modules missing from docs/architecture.md's layout"
+    assert sorted(listed - on_disk) == [], "docs/architecture.md's layout names modules that do not exist"

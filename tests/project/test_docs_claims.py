@@ -1,10 +1,10 @@
 """What the documents say about the code and about each other holds (docs/design.md §2).
 
 - The package imports neither ``examples`` nor ``benchmarks``.
-- design.md §2 names every public name of ``kfac_optim.__all__``.
+- architecture.md's layout names every public name of ``kfac_optim.__all__``.
 - Every citation of a design.md section (``design.md §4.1``) names a section that exists, and every
   citation of a named part of a document (``benchmarks/RESULTS.md, "Step time"``, ``docs/design.md
-  §4, "Compiled models"``, ``docs/guide.md "What feeds the factors"``) names a heading or a bold
+  §4, "Compiled models"``, ``docs/numerics.md, "What N is"``) names a heading or a bold
   lead-in of that document (of that section, when one is given).
 - Every relative Markdown link of the README and the documents points at a file that exists and,
   with ``#anchor``, at one of its headings.
@@ -28,8 +28,9 @@ CITING = [*DOCUMENTS, *sorted(SOURCE.rglob("*.py")), *sorted((ROOT / "tests").rg
           *sorted((ROOT / "benchmarks").rglob("*.py")), *sorted((ROOT / "examples").rglob("*.py"))]
 NAMED = {"README": "README.md", "RESULTS.md": "benchmarks/RESULTS.md", "api.md": "docs/api.md",
          "design.md": "docs/design.md", "tuning.md": "docs/tuning.md", "guide.md": "docs/guide.md",
-         "transformer_diagnosis.md": "docs/transformer_diagnosis.md"}
-CITATION = re.compile(r"(README|(?:[\w/]*/)?(?:RESULTS|api|design|tuning|guide|transformer_diagnosis)\.md)"
+         "transformer_diagnosis.md": "docs/transformer_diagnosis.md", "numerics.md": "docs/numerics.md",
+         "architecture.md": "docs/architecture.md"}
+CITATION = re.compile(r"(README|(?:[\w/]*/)?(?:RESULTS|api|design|tuning|guide|transformer_diagnosis|numerics|architecture)\.md)"
                       r"(?:,?\s+§(?P<section>\d+(?:\.\d+)?))?,?\s+[\"“](?P<name>[^\"”\n]{3,80})[\"”]")
 SECTION = re.compile(r"design\.md\s+§(\d+(?:\.\d+)?)")
 
@@ -64,8 +65,8 @@ def test_the_package_imports_neither_examples_nor_benchmarks() -> None:
     assert offenders == []
 
 
-def test_design_layout_names_every_public_name() -> None:
-    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+def test_the_layout_names_every_public_name() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     entry = text[text.index("  __init__.py"):text.index("  optimizer.py")]
     words = set(re.findall(r"[\w]+", entry))
     assert sorted(set(kfac_optim.__all__) - words) == []
@@ -73,7 +74,7 @@ def test_design_layout_names_every_public_name() -> None:
 
 def test_every_cited_design_section_exists() -> None:
     sections = design_sections()
-    assert {"2", "3", "3.1", "4", "4.1", "5", "6", "7", "8"} <= sections
+    assert {"2", "3", "4", "4.1", "5", "6", "7", "8"} <= sections
     missing = [f"{path.relative_to(ROOT)}: §{number}" for path in CITING
                for number in SECTION.findall(path.read_text(encoding="utf-8")) if number not in sections]
     assert missing == []
@@ -129,7 +130,7 @@ def test_every_relative_link_resolves() -> None:
 
 
 def test_the_readme_is_a_five_minute_read() -> None:
-    """At most 250 lines, the optimizer in use within the first 60 (issue 27); the rest lives in docs/."""
+    """At most 250 lines, the optimizer in use within the first 60; the rest lives in docs/."""
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 250
     assert any("KFAC(" in line for line in lines[:60])

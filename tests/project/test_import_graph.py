@@ -161,7 +161,7 @@ def test_the_package_has_no_import_cycle() -> None:
 
 def test_the_optimizer_leaves_the_step_length_to_its_owner() -> None:
     """``optimizer.py`` hands the step's length to ``step_length.py``, which alone touches FSDP2's
-    shards for it (issue 27: the KL clip no longer reaches into ``distributed.fsdp`` from the optimizer)."""
+    shards for it (the optimizer does not reach into ``distributed.fsdp`` for the KL clip)."""
     graph = import_graph()
     assert "kfac_optim.distributed.fsdp" not in graph["kfac_optim.optimizer"]
     assert "kfac_optim.update.step_length" in graph["kfac_optim.optimizer"]

@@ -1,11 +1,10 @@
-"""The repository spells ``KFAC``'s settings the current way: no ``DeprecationWarning``, no old spelling.
+"""The repository spells ``KFAC``'s settings one way: each in its config, never as a flat keyword.
 
-The examples and benchmarks build ``KFAC`` in the current spelling: every K-FAC run of every config file in configs/ (with the flat keys that map to configs, and the
-``--set`` overrides RESULTS.md uses), the recipes' and the benchmarks' optimizers, built with
-``DeprecationWarning`` as an error. The rest of the repository: no ``KFAC(...)`` call in code or in
-the documents' Python blocks passes a flat keyword (outside ``pytest.warns(DeprecationWarning)``), no
-document, docstring or comment spells a setting the old way, and the suite turns ``KFAC``'s own
-``DeprecationWarning`` into an error (pytest.ini).
+The examples and benchmarks build ``KFAC`` through the configs: every K-FAC run of every config file
+in configs/ (with the flat keys the training application maps to configs, and the ``--set`` overrides
+RESULTS.md uses), the recipes' and the benchmarks' optimizers. The rest of the repository: no
+``KFAC(...)`` call in code or in the documents' Python blocks passes a flat keyword, and no document,
+docstring or comment spells a setting the old way.
 """
 
 from __future__ import annotations
@@ -83,7 +82,6 @@ def test_recipes_and_benchmarks_spell_kfac_without_deprecated_keywords() -> None
 ROOT = Path(__file__).parents[2]
 OLD_NAMES = re.compile(r"\b(?:async_decompositions|async_delay|stagger_factor_updates)\b")
 """Flat keywords that are no config field's name: any mention is the old spelling."""
-MIGRATION = "### Migrating from flat keywords"
 
 
 def flat_keywords_of_kfac_calls(text: str) -> list[tuple[int, str]]:
@@ -105,28 +103,13 @@ def flat_keywords_of_kfac_calls(text: str) -> list[tuple[int, str]]:
     return found
 
 
-def _deprecation_context(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
-    """Whether ``node`` runs inside ``with pytest.warns(DeprecationWarning...)``."""
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, ast.With):
-            for item in node.items:
-                call = item.context_expr
-                if isinstance(call, ast.Call) and ast.unparse(call.func) == "pytest.warns" and call.args \
-                        and ast.unparse(call.args[0]) == "DeprecationWarning":
-                    return True
-    return False
-
-
 def flat_keyword_calls(source: str) -> list[int]:
-    """Lines of ``KFAC(...)`` calls in ``source`` that pass a flat keyword outside ``pytest.warns``."""
+    """Lines of ``KFAC(...)`` calls in ``source`` that pass a flat keyword."""
     if not flat_keywords_of_kfac_calls(source):
         return []  # the text scan finds every such call cheaply; the syntax tree tells the context
-    tree = ast.parse(source)
-    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
-    return [node.lineno for node in ast.walk(tree)
+    return [node.lineno for node in ast.walk(ast.parse(source))
             if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "KFAC"
-            and any(k.arg in FLAT_KEYWORDS for k in node.keywords) and not _deprecation_context(node, parents)]
+            and any(k.arg in FLAT_KEYWORDS for k in node.keywords)]
 
 
 def docstrings(body: list[ast.stmt]) -> list[str]:
@@ -143,29 +126,17 @@ def docstrings(body: list[ast.stmt]) -> list[str]:
 
 def prose(path: Path) -> str:
     """The text of ``path`` where old spellings would be documentation: a Python file's docstrings
-    and comments, a Markdown file whole (docs/api.md without its migration table)."""
+    and comments, a Markdown file whole."""
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".md":
-        if MIGRATION in text:
-            start = text.index(MIGRATION)
-            text = text[:start] + text[text.index("\n#", start + len(MIGRATION)):]
         return text
     comments = re.findall(r"(?m)#[^\n]*", text)  # a '#' inside a string is read as a comment: harmless here
     return "\n".join(docstrings(ast.parse(text).body) + comments)
 
 
-def test_the_suite_turns_kfac_s_deprecation_warnings_into_errors() -> None:
-    """pytest.ini: a test that spells a setting the old way fails, unless it asks for the warning."""
-    old_spelling = {"factor_decay": 0.9}  # spelled as data: the call itself must not be flagged by the scan below
-    with pytest.raises(DeprecationWarning, match="curvature=CurvatureConfig"):
-        kfac_optim.KFAC(small_model(), factor_update_steps=1, inv_update_steps=10, **old_spelling)
-    with pytest.warns(DeprecationWarning, match="curvature=CurvatureConfig"):
-        kfac_optim.KFAC(small_model(), factor_decay=0.9, factor_update_steps=1, inv_update_steps=10)
-
-
 def test_no_code_passes_kfac_a_flat_keyword() -> None:
     """src/, tests/, examples/, benchmarks/ and the documents' Python blocks: every ``KFAC(...)`` call
-    uses the configs (a test of the old spelling wraps it in ``pytest.warns(DeprecationWarning)``)."""
+    uses the configs."""
     offenders = []
     for path in sorted({*ROOT.glob("src/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("examples/**/*.py"),
                         *ROOT.glob("benchmarks/**/*.py")}):
@@ -178,8 +149,8 @@ def test_no_code_passes_kfac_a_flat_keyword() -> None:
 
 def test_no_document_or_docstring_spells_a_setting_the_old_way() -> None:
     """The README, docs/ and the docstrings and comments of src/, tests/, examples/ and benchmarks/.
-    Left out: what defines or tests the old spellings (kfac_optim/config.py, docs/api.md's migration
-    table, this file, test_config.py and test_message_spelling.py) and the records of past runs and changes
+    Left out: what defines or tests the flat names (kfac_optim/config.py, this file, test_config.py
+    and test_message_spelling.py) and the records of past runs and changes
     (benchmarks/RESULTS.md, CHANGELOG.md), which keep the spelling of their time."""
     exempt = {ROOT / "src" / "kfac_optim" / "config.py", Path(__file__).resolve(), ROOT / "tests" / "optim" / "test_config.py",
               ROOT / "tests" / "project" / "test_message_spelling.py"}

@@ -7,24 +7,17 @@ call's arguments (:func:`read_call`); the test whether a call continues the prev
 (:func:`computed_from` over :func:`tensors_in` its arguments: its inputs were computed from an
 output tapped in that call, a recurrence run call by call, also through a dataclass or a cache
 object such as Hugging Face's ``DynamicCache``).
-Must not know: blocks, factors, the backward pass; the capture (``capture.py``) keeps the count,
+Must not know: blocks, factors, the backward pass; the capture (``capture.hooks``) keeps the count,
 the current call and the tapped outputs' autograd nodes, and calls these.
 
-Which samples a pair holds (docs/design.md §3, "What N is"): a forward pre-hook on the model given
-to KFAC counts its calls (a call whose inputs were computed from an output tapped in the previous
-call continues it: a recurrence run call by call), and each pair carries the call it came from; a
-block counts N once per backward pass and model call (``KroneckerBlock.count_samples``), so a
-module called several times within one forward of the model (an RNN cell over time steps, an
-encoder run on chunks) counts the call's samples once, and chunks of a batch each run through the
-model (``torch.cat([model(c) for c in x.split(16)])``) count theirs per call. N is the call's, not
-a layer's dim 0: stated with ``KFAC.samples(n)``, else the number of sequences of packed rows
-(``cu_seq_lens_q`` / ``cu_seqlens`` keywords, or the restarts of ``position_ids``), else dim 0 of
-the call's first tensor argument; a call with none of these leaves N unknown (each block counts
-its input's dim 0, warned once). Padding: an ``attention_mask`` keyword ``(N, T)`` (1 = real,
-Hugging Face's convention) or a ``KFAC.mask`` around the call gives the call's real positions,
-which travel with its pairs (also to a forward recomputed by reentrant activation checkpointing
-during the backward, after the call and the ``with`` have ended). Forwards inside a
-``torch.func`` transform are not hooked (``capture.py``).
+The rules (docs/numerics.md, "Whose samples a call holds", "What N is" and "Padding"): each pair
+carries the call it came from and a block counts N once per backward pass and model call
+(``KroneckerBlock.count_samples``). N is the call's: stated with ``KFAC.samples(n)``, else the
+sequences of packed rows (``cu_seq_lens_q`` / ``cu_seqlens`` keywords, or the restarts of
+``position_ids``), else dim 0 of the call's first tensor argument; else unknown (each block counts
+its input's dim 0, warned once). An ``attention_mask`` keyword ``(N, T)`` or a ``KFAC.mask`` around
+the call gives its real positions, which travel with its pairs (also to a forward recomputed by
+reentrant activation checkpointing).
 """
 
 from __future__ import annotations

@@ -6,76 +6,20 @@ Must not know: factor math (blocks do it), step counting or schedules (the optim
 for all modules or, with staggered factor updates, for some: :meth:`StatisticsCapture.arm`).
 
 When armed, a module called with grad enabled and an output that requires grad gets a tensor hook
-on that output; when the output-gradient arrives, the (input, output-grad) pair is handed to the
-block. Training and eval mode record alike (RL and RLHF loops train in ``eval()`` to turn dropout
-off); a validation pass records nothing because it runs under ``torch.no_grad()`` or has no
-backward that writes ``.grad`` (docs/design.md §4, "Capture"). Nothing is computed in the forward
-pass, so:
-  - a forward whose backward never runs costs nothing;
-  - ``torch.utils.checkpoint`` does not double count: the reentrant variant's first forward runs
-    without grad (skipped), and the non-reentrant variant's recomputed output receives no
-    gradient of its own (its hook never fires);
-  - an in-place op on the output (``ReLU(inplace=True)``) is safe: a tensor hook registered before
-    the in-place op sees the gradient of the layer's own output.
+on that output; when the output-gradient arrives, the (input, output-gradient) pair is handed to
+the block, with the model call it came from (``capture.calls``) and that call's real positions
+(:meth:`StatisticsCapture.masked`). Nothing is computed in the forward pass.
 ``register_full_backward_hook`` is deliberately not used (it breaks on in-place ops after the layer).
-The input is taken however the layer was called (positionally or by keyword).
 
-Which samples a pair holds (docs/design.md §3, "What N is"): the model call it came from
-(``capture_calls``: chunked forwards count per call, a recurrence run call by call as one) and,
-under ``KFAC.mask`` (:meth:`StatisticsCapture.masked`), the real positions of its forward, fitted
-to its layer's input by the block (``KroneckerBlock.mask_of``; ``layers.positions``). Forwards
-inside a ``torch.func`` transform (``torch.func.grad``, ``vmap``) are not hooked: their gradients
-never reach a tensor hook of the backward that writes ``.grad``
-(:attr:`StatisticsCapture.transformed_skipped`, warned once by the estimator). A block whose
-layer takes the SGD path (``KroneckerBlock.sgd_reason``) is not hooked.
-
-Which backward records (docs/design.md §4, "Capture"; docs/guide.md "What feeds the factors"): a block
-records the output-gradients of the backward pass that writes its parameters' ``.grad`` (its
-weight's ``AccumulateGrad`` node runs in that graph task: :func:`~kfac_optim.layers.hooks.writes_gradient`),
-once per forward. So ``torch.autograd.grad`` side passes (monitoring, input gradients for FGSM or
-saliency) and passes through a module whose parameters do not require grad (a frozen GAN
-discriminator: not even hooked) record nothing. Several backward passes of one forward
-(``retain_graph=True``, a multi-task loss back-propagated per task) add their output-gradients
-for the same samples: the forward's pair is held while its graph is kept and handed on once with
-the summed output-gradient (at the backward that frees the graph, else at the step), as
-``(loss_a + loss_b).backward()`` would. A new forward is a new micro-batch. The gradient the
-statistics belong to can be discarded outside the optimizer (``module.zero_grad()``, ``p.grad =
-None``): a block whose statistics are pending drops them when its weight has no ``.grad`` at its
-next recording (and at the step, ``KroneckerEstimator.update_curvature``). The sampled Fisher's
-pass (:meth:`StatisticsCapture.recording_outputs`, an ``autograd.grad`` over layer outputs)
-records by construction.
-
-Double backward (docs/design.md §4, "Capture"): an output-gradient that arrives with grad enabled
-belongs to a backward run with ``create_graph=True``, which builds a graph for a later backward
-(a gradient penalty's ``torch.autograd.grad(loss, x, create_graph=True)``). It is not recorded:
-statistics are plain tensors, and the step records the output-gradients of the backward that
-produces ``.grad`` (which then runs without ``create_graph``), once.
-
-Lifetime (docs/design.md §4): the hooks die with their capture, i.e. with the optimizer that owns
-it (a finalizer removes them), and hold it only weakly. A module has at most one live capture: a
-new one takes the module over and removes the old capture's hooks, with a warning. A hook records
-only for the module object it was registered on: ``copy.deepcopy(model)`` gives the copy inert
-placeholders (removed again by :meth:`StatisticsCapture.remove`), and a shallow copy sharing the
-hook dict is ignored.
-
-Under ``torch.compile`` (docs/design.md §4, "Compiled models"): while Dynamo traces the forward,
-the hook returns the output tapped in the graph (``compiled_capture``) instead of registering a
-tensor hook, so the compiled model has as many graphs as without K-FAC (``fullgraph=True`` works).
-The tap's backward hands the pair to :meth:`StatisticsCapture.record_traced` at run time, inside
-the backward pass, where :meth:`StatisticsCapture.record` decides as above. A layer whose block
-captures through its own hooks (``nn.MultiheadAttention``'s) and the sampled Fisher keep their
-tensor hooks (a graph break each), with a one-time warning.
-
-With ``every_backward=False`` (the sampled Fisher) output-gradients are recorded only inside
-:meth:`StatisticsCapture.recording`, the optimizer's extra backward pass at sampled targets; the
-training loss's own backward then passes the hooks without recording.
-
-With a statistics worker (``RuntimeConfig(async_statistics=True)``, see ``statistics_worker``) a recorded
-pair is handed on by the worker instead of inside the backward pass, with the backward pass it
-came from (:func:`~kfac_optim.layers.hooks.in_graph_task`). The pair's tensors are read then, so
-a pair whose input or output-gradient was modified in place in between (a reused input buffer)
-is dropped and named in :attr:`StatisticsCapture.overwritten` (checked by the tensors' version
-counters) instead of recorded wrong.
+The rules, each in docs/design.md §4: which backward records ("Which backward records": the one
+that writes the parameters' ``.grad``, once per forward; ``retain_graph`` passes summed; side
+passes, frozen modules and ``torch.func`` transforms record nothing), eval mode ("Eval mode
+records"), double backward and the hooks' lifetime ("Capture lifecycle"), ``torch.compile``
+("Compiled models": :meth:`StatisticsCapture.record_traced`), and the statistics worker
+("Statistics off the critical path": a pair modified in place before the worker reads it is
+dropped and named in :attr:`StatisticsCapture.overwritten`). Which samples a pair holds:
+docs/numerics.md, "What N is". With ``every_backward=False`` (the sampled Fisher) pairs are
+recorded only inside :meth:`StatisticsCapture.recording`.
 """
 
 from __future__ import annotations
@@ -373,7 +317,7 @@ class StatisticsCapture:
         self._warned.add("samples")
         warn_user(f"K-FAC layer '{block.name}' counts its samples N from dim 0 of its own input: the model was "
                   "called without a tensor argument, so K-FAC cannot tell how many samples the loss averages "
-                  "over (docs/design.md §3, 'What N is'); state it with `with optimizer.samples(n):` around the "
+                  "over (docs/numerics.md, 'What N is'); state it with `with optimizer.samples(n):` around the "
                   "forward", RuntimeWarning)
 
     def _untraced_reason(self, block: KroneckerBlock, site: TapSite | None) -> str | None:

@@ -6,37 +6,21 @@ preconditioned rows back, and summing per-shard partial sums (the KL-clip term).
 Must not know: how a direction is computed from a whole gradient (the caller passes that as a
 function), factors, schedules, param groups.
 
-**Layout.** ``fully_shard`` keeps every parameter as a ``DTensor`` sharded on dim 0 (``Shard(0)``)
-over one mesh dimension, the *shard group* of ``s`` ranks, and (HSDP) replicated over the others.
-Rank ``k`` of a shard group holds rows ``[k·c, min((k+1)·c, out))`` with ``c = ceil(out / s)``
-(``torch.chunk``'s rule; trailing ranks may hold fewer rows or none). A block's gradients, as
-the row matrix ``(out, cols)`` of :func:`row_shape` (``[∇W | ∇b]``), are sharded the same way:
-its parameters share dim 0. After backward FSDP has averaged the gradients over every rank
-(reduce-scatter, and all-reduce over the replicas), so the shards hold exactly DDP's averaged
-gradient, cut into rows.
+Layout: ``fully_shard`` keeps every parameter as a ``DTensor`` sharded on dim 0 over the *shard
+group* of ``s`` ranks (``torch.chunk``'s rule: rank ``k`` holds rows ``[k·c, min((k+1)·c, out))``,
+``c = ceil(out / s)``), replicated over the other mesh dimension under HSDP. A block's gradients,
+as the row matrix ``(out, cols)`` of :func:`row_shape` (``[∇W | ∇b]``), are sharded the same way,
+and hold DDP's averaged gradient cut into rows.
 
-**Data flow** (docs/design.md §5). ``V = G⁻¹ ∇W A⁻¹`` needs whole columns on the G side, so each block
-is preconditioned whole, once per *service group*, by one rank that holds its decompositions
-(one of its gradient workers in the KAISA plan):
-
-1. the shard group of that rank ``gather``s the block's rows to it (padded to ``c`` rows);
-2. it rebuilds the whole gradients from the ``(out, cols)`` rows and preconditions them with the
-   block (its own joint layout: grouped blocks, Embedding's transposed weight), as rows again;
-3. it ``scatter``s the rows of the result back: every rank of the service group receives the
-   rows of its own shard index (HSDP replicas receive the same rows).
-
-The service groups are the KAISA plan's rows (receiver groups) or the shard groups, whichever is
-larger (one must contain the other). With ``f = 1/world`` (mem-opt) the one service group is every
-rank and the block's owner preconditions it; with ``f = 1`` every rank is a gradient worker and
-the preconditioning of the blocks is balanced over the shard group; under HSDP with ``f`` equal
-to ``1/s`` each shard group has its own gradient worker per block. A rank holds whole gradients
-only of the blocks it preconditions, one bucket at a time, never every layer's. Blocks move in
-buckets, one ``gather`` and one ``scatter`` per bucket (a bucket: blocks of one preconditioner).
-
-Bytes per step, per block of ``out × cols`` entries: each rank of the preconditioner's shard
-group sends ``c·cols`` entries, and each rank of the service group receives ``c·cols``; FSDP itself
-all-gathers the parameters and reduce-scatters the gradients (``~out·cols`` per rank each).
-Collectives use the gradients' device (NCCL for CUDA, gloo for CPU); nothing assumes a backend.
+Data flow (docs/design.md §5, "FSDP2 and HSDP"): ``V = G⁻¹ ∇W A⁻¹`` needs whole columns, so each
+block is preconditioned whole, once per *service group* (the plan's rows or the shard groups,
+whichever is larger), by one of its gradient workers: (1) its shard group ``gather``s the block's
+rows to it, padded to ``c``; (2) it rebuilds the whole gradients and preconditions them with the
+block; (3) it ``scatter``s the result's rows back over the service group. Blocks move in buckets
+(one ``gather`` and one ``scatter`` per bucket of one preconditioner), so a rank holds whole
+gradients only of the blocks it preconditions, one bucket at a time. Bytes per step and block:
+``c·cols`` entries sent by each rank of the shard group and received by each of the service group.
+Collectives use the gradients' device (NCCL for CUDA, gloo for CPU).
 """
 
 from __future__ import annotations

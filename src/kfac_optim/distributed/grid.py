@@ -14,16 +14,11 @@ Grid (KAISA, Pauloski et al. 2021, arXiv:2107.01739): with ``g`` gradient worker
         0 1 2 3   <- row 0        rows (receiver groups):    (0, 1, 2, 3) (4, 5, 6, 7)
         4 5 6 7   <- row 1
 
-Each block gets one column, its gradient workers. They all hold both of the block's
-decompositions (computed by the block's owners, which lie in that column, and broadcast over the
-column) and precondition its gradient; the gradient worker in row ``i`` then broadcasts the
-preconditioned gradient over row ``i``.
-
-- ``f = 1`` (comm-opt): one column of every rank, rows of one rank: every decomposition is
-  broadcast to all ranks, gradients are never sent.
-- ``f = 1/world_size`` (mem-opt): columns of one rank, one row of every rank: the owner alone
-  holds the block's decompositions, preconditions, and broadcasts the result to all ranks.
-- in between (hybrid): both broadcasts, over smaller groups.
+Each block gets one column, its gradient workers: they hold both of its decompositions (broadcast
+over the column by the block's owners) and precondition its gradient; the gradient worker in row
+``i`` then broadcasts the direction over row ``i``. ``f = 1`` (comm-opt): one column of every rank,
+gradients never sent; ``f = 1/world_size`` (mem-opt): columns of one rank, one row of every rank;
+in between (hybrid): both broadcasts, over smaller groups (docs/design.md §5, "Strategies").
 """
 
 from __future__ import annotations

@@ -7,25 +7,17 @@ runs the same code as ``step()``), the plan's details, the optimizer's private s
 the ``Sharding``, the shadow step and the optimizer's public ``param_groups`` / ``state``).
 
 Usage: ``with Join([ddp_model, optimizer]): for batch in this_ranks_batches: ...`` with one
-forward, backward and ``step()`` per batch. The DDP model comes first: its hook answers the
-others' per-iteration "who is still here" all-reduce and their gradient all-reduces; then, once
-per iteration the others run, ``KFAC``'s main hook takes part in their ``step()``'s collectives:
+forward, backward and ``step()`` per batch, the DDP model first. Once per iteration the others
+run, the main hook follows the same factor / decomposition schedule, joins the all-reduce of the
+running factors with its own (folding nothing more, docs/design.md §5), decomposes the factors it
+owns and joins the decomposition broadcasts. Once every rank has joined, the post hook makes the
+factors global and gives every rank the momentum buffers of the last rank to join, so the ranks
+leave ``Join`` identical.
 
-- it counts the step and follows the same factor / decomposition schedule;
-- on decomposition steps it joins the all-reduce of the running factors with its own (it folds
-  nothing more: as for a layer that saw no input, its factor keeps its value, docs/design.md
-  §5), then decomposes the factors it owns (it holds the same global factors as everyone) and
-  joins the decomposition broadcasts as owner and as receiver.
-
-``grad_worker_fraction < 1`` is refused: there a rank preconditions and broadcasts the gradients of
-the layers it owns every step, and a joined rank has no gradient (DDP's hook sends zeros and keeps
-no result). Once every rank has joined, the post hook makes the factors global and gives every rank
-the momentum buffers of the last rank to join (DDP's post hook gives it that rank's parameters),
-so the ranks leave ``Join`` identical and stay so.
-
-Not seen by a joined rank: steps the others skip (a ``GradScaler`` overflow), and ``no_sync``
-gradient accumulation (several iterations per step). There the ranks' step counts part ways and
-their collectives no longer match: an error, or with gloo possibly an abort on a size mismatch.
+``grad_worker_fraction < 1`` is refused: a joined rank has no gradient to precondition and
+broadcast. Not seen by a joined rank: steps the others skip (a ``GradScaler`` overflow) and
+``no_sync`` gradient accumulation; there the ranks' collectives no longer match (an error, or with
+gloo possibly an abort).
 """
 
 from __future__ import annotations

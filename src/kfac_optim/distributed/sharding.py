@@ -8,35 +8,19 @@ do that), schedules, param groups. It moves the blocks' tensors between ranks.
 With one rank (no process group) every method is a no-op or trivially true, so the optimizer
 calls the same seams in every setting.
 
-**Lazy factor reduction.** Each rank folds its own statistics into its own running factors. The
-running average is linear, so averaging the ranks' running factors right before a decomposition
-(or a checkpoint) gives the same factors as averaging the batch statistics at every factor step,
-as long as every rank folds on the same steps. A rank whose layer saw no input since the last
-reduction folds nothing: its factor keeps its value (as a single process does for a batch
-without that layer). A rank whose factor was never initialized (the layer never saw input there,
-or every batch was non-finite) takes part with zeros and is not counted: the global factor is the
-mean over the ranks that have one, and is initialized if any rank's is. After the reduction every
-rank holds the global factor, so from then on all ranks agree on ``initialized`` and the running
-average's first-update rule. Exactly equal to reducing at every factor step (and to one process
-on the concatenated batch, with equal per-rank batches) when every rank folds every layer on
-every factor step; with layers idle on some ranks it is the stated weighted mean instead.
+Lazy factor reduction: the ranks' running factors are averaged right before a decomposition step
+(or a checkpoint), which equals averaging every factor step's statistics while every rank folds
+on the same steps. A rank whose factor was never initialized takes part with zeros and is not
+counted (the mean is over the ranks that have one); afterwards every rank holds the global factor
+and agrees on ``initialized``.
 
-**Decompositions.** Only the plan's owner computes a decomposition. On every decomposition step
-the ranks agree, in one small all-reduce, on which decompositions their owners hold (a first
-decomposition can fail) and with which damping shift; owners then broadcast them over the
-block's gradient workers (``f > 1/world``). A rank that is not a gradient worker of a block holds
-no decomposition for it. Gradient workers precondition; with ``f < 1`` the gradient worker of
-each row broadcasts the preconditioned gradient over its row, so every rank ends the step with
-the same directions and the same KL-clip sum.
-
-Every rank's DDP-averaged gradients are identical, so whether a block has a gradient is the same
-on every rank; that is what lets receivers know what to expect without asking.
-
-**FSDP2.** Blocks whose parameters are ``DTensor``s sharded by ``fully_shard`` hold only rows of
-their gradients; their directions come from :meth:`Sharding.precondition_sharded` (see
-``distributed.fsdp``: gathered to one gradient worker per service group, preconditioned there,
-scattered back as rows) instead of :meth:`Sharding.share_directions`. Factors and decompositions
-move exactly as under DDP.
+Decompositions: only the plan's owner computes one; the ranks agree, in one small all-reduce, on
+which decompositions their owners hold and with which damping shift; owners broadcast them over
+the block's gradient workers (``f > 1/world``). With ``f < 1`` the gradient worker of each row
+broadcasts the preconditioned gradient over its row, so every rank ends the step with the same
+directions and KL-clip sum. Every rank's DDP-averaged gradients are identical, so receivers know
+what to expect without asking. FSDP2 row-sharded blocks take :meth:`Sharding.precondition_sharded`
+(``distributed.fsdp``) instead of :meth:`Sharding.share_directions`.
 """
 
 from __future__ import annotations

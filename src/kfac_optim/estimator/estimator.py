@@ -2,10 +2,10 @@
 
 Owns: the blocks (discovery), the step count that schedules the curvature work, and the step's
 verbs over four objects chosen once at construction: the statistics pipeline (capture and fold, in
-line or on the statistics worker: ``statistics_pipeline.py``), the fold schedule (all blocks on
-factor steps, or staggered: ``fold_schedule.py``), the decomposition steps (in line or in background
-rounds: ``decomposition_steps.py``) and the reporter (one-time warnings, ``describe()``, ``memory_usage()``:
-``reporter.py``); the directions come from ``directions.py``.
+line or on the statistics worker: ``pipeline.py``), the fold schedule (all blocks on factor
+steps, or staggered: ``folds.py``), the decomposition steps (in line or in background rounds:
+``decomposition_steps.py``) and the reporter (one-time warnings, ``describe()``, ``memory_usage()``:
+``reporter.py``); the directions come from ``update/directions.py``.
 Talks to the distributed layer through the ``Sharding`` it builds from ``RuntimeConfig`` and to
 loss scaling through the ``MixedPrecision`` it is given.
 Must not know: param groups, the step's length, SGD's update, checkpoints' format (``checkpoint.py``).

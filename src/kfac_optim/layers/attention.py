@@ -175,7 +175,7 @@ class OutProjectionBlock(_FedByTheAttentionTap):
 
 
 def sequence_first_note(blocks: list[KroneckerBlock]) -> str | None:
-    """A warning for a model whose sample counts may disagree between its blocks (docs/design.md §3).
+    """A warning for a model whose sample counts may disagree between its blocks (docs/numerics.md).
 
     Attention blocks count the real batch N whatever ``batch_first``; every other block counts dim
     0 of its layer's input, which in a sequence-first model is the sequence length L. The note is
@@ -195,7 +195,7 @@ def sequence_first_note(blocks: list[KroneckerBlock]) -> str | None:
         "as the samples N, while every other block (Linear, Embedding, ...) counts dim 0 of its input; those fed "
         "(L, N, ...) count N = L, which scales their G by L/N (mean loss; N/L for a sum) against attention's: "
         "their damping acts as damping·N/L, and their step as N/L times, those of the batch-first model "
-        "(docs/design.md §3). batch_first=True makes every block count N"
+        "(docs/numerics.md). batch_first=True makes every block count N"
     )
 
 

@@ -10,7 +10,7 @@ installs its own hooks may ask of the statistics capture.
 Must not know: the hooks themselves (``capture``, ``layers.hooks``), param groups, ranks, loss
 scaling (callers pass plain scales), which method is used (it asks the ``Method`` it is handed).
 
-Conventions: ``layers.factor`` (docs/design.md §3). The joint weight ``[W | b]`` is
+Conventions: ``layers.factor`` (docs/numerics.md). The joint weight ``[W | b]`` is
 ``(out, in [+1])``, or ``(groups, out/groups, in [+1])`` for a block of ``groups`` independent pairs.
 """
 
@@ -334,7 +334,7 @@ class KroneckerBlock(ABC):
         adds every call's rows but the samples once ("expand", Eschenhagen et al. 2023); calls from
         separate calls of the model (chunks of one batch) hold different samples and each counts.
         The samples are the model call's N (:func:`~kfac_optim.layers.hooks.current_call_samples`,
-        docs/design.md §3 "What N is"), the same for every block; ``samples``, the layer input's own
+        docs/numerics.md, "What N is"), the same for every block; ``samples``, the layer input's own
         count, only where that N is unknown or the block :attr:`counts_own_batch`. Outside a
         backward pass every call counts. Also counts the call, and whether its layer input held one
         sample while the model's input held several rows, for ``batch_free``."""

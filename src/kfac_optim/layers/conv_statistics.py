@@ -7,25 +7,16 @@ unfolding, the fixed position subsets of :class:`SampledPositions`.
 Must not know: the factors' storage, groups (the block splits the columns per group), which
 kernel taps read only zero padding (the block says which taps to build), the optimizer.
 
-Conventions (docs/design.md §3), for N samples of a layer with L output positions per sample,
-patches ``a_{n,l}`` (``C_in·prod(kernel)`` wide, channel-major like ``W.view(out, -1)``; with a
-bias a trailing 1) and output-gradients ``ĝ_{n,l}`` (``C_out``; ``ĝ = N·g`` for a mean loss):
+Formulas and costs: docs/numerics.md, "Convolution statistics". For N samples of a layer with L
+output positions per sample, patches ``a_{n,l}`` (``C_in·prod(kernel)`` wide, channel-major like
+``W.view(out, -1)``; with a bias a trailing 1) and output-gradients ``ĝ_{n,l}`` (``C_out``):
 
-- :class:`Expand` (Grosse & Martens 2016): every position is a row,
-  ``A = 1/(N·L) Σ_{n,l} a aᵀ``, ``G = 1/N Σ_{n,l} ĝ ĝᵀ``. Cost ``≈ N·L·(C_in·K)²``: a 3x3 conv's
-  ``A`` costs ``9·C_in/C_out`` times its forward.
-- :class:`Reduce` (Eschenhagen et al. 2023, "K-FAC-reduce"): one row per sample,
-  ``ā_n = 1/L Σ_l a_{n,l}`` (the mean patch; its bias entry is 1) and ``ĝ_n = Σ_l ĝ_{n,l}`` (the summed
-  output-gradient), ``A = 1/N Σ_n ā_n ā_nᵀ``, ``G = 1/N Σ_n ĝ_n ĝ_nᵀ``. The mean patch is summed
-  axis by axis from the padded input (no unfold): cost ``≈ N·C_in·k·L`` additions and two
-  N-row Gram matrices, ``N·((C_in·K)² + C_out²)`` multiply-adds.
-- :class:`SampledPositions` (``count``, ``seed``): the same subset S of ``m = min(count, L)``
-  positions for every sample and step, drawn once per output shape from a generator seeded with
-  ``seed`` (reproducible, no state to save): ``A = 1/(N·m) Σ_{n, l∈S} a aᵀ``,
-  ``G = (L/m)·1/N Σ_{n, l∈S} ĝ ĝᵀ``, unbiased for :class:`Expand`'s ``A`` and ``G`` over the
-  draw of S. With ``L ≤ count`` it is :class:`Expand`.
-- :class:`ReduceAbove` (``positions``): a rule on the layer's shapes, resolved per call:
-  :class:`Expand` when ``L ≤ positions``, :class:`Reduce` above.
+- :class:`Expand`: every position a row, ``A = 1/(N·L) Σ a aᵀ``, ``G = 1/N Σ ĝ ĝᵀ``;
+- :class:`Reduce` (K-FAC-reduce): one row per sample, the mean patch ``ā_n`` (bias entry 1) and
+  the summed output-gradient ``ĝ_n``; the mean patch is summed axis by axis from the padded input;
+- :class:`SampledPositions` (``count``, ``seed``): a fixed subset S of ``m = min(count, L)``
+  positions, drawn once per output shape from a seeded generator, ``G`` scaled by ``L/m``;
+- :class:`ReduceAbove` (``positions``): :class:`Expand` when ``L ≤ positions``, :class:`Reduce` above.
 
 Each kind hands the block columns ``(N, C_in·T, L')`` (the patches of the T taps the block asks
 for, at L' positions per sample: L, 1 or m) and ``(N, C_out, L')``; the block turns them into rows.

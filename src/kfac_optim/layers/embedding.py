@@ -14,25 +14,13 @@ Defined behaviour:
   which ``KFAC.describe()`` reports.
 
 Tied weights (``head.weight = embedding.weight`` for an ``nn.Linear(D, V)`` head after the
-embedding; docs/design.md §3): the block also captures the head. Each use of ``W`` gives gradients
-``u vᵀ`` with ``u`` on the V side and ``v`` on the D side: the embedding's ``(one-hot a, ĝ)``, the
-head's ``(ĝ, a)``. So the Fisher of ``W`` is approximated by the sum of two Kronecker products,
-``diag(A_emb) ⊗ G_emb + diag(G_head) ⊗ A_head`` (the head's ``G: (V, V)`` kept to its diagonal,
-``Σ ĝ²/N``, never a ``V x V`` matrix; ``A_head = (1/(N·R)) Σ a aᵀ``, or per sample with
-``reduce``). Each of the four use factors keeps its own running average (:class:`TiedHead`), and
-the block's ``A (V,)`` diagonal and ``G (D, D)`` dense, the ones decomposed, are the Kronecker
-product nearest in Frobenius norm to the sum of the two uses' running averages
+embedding; docs/numerics.md, "Tied weights"): the block also captures the head; each of the four
+use factors keeps its own running average (:class:`TiedHead`), and the block's ``A (V,)`` and
+``G (D, D)`` are the Kronecker product nearest in Frobenius norm to the sum of the two uses
 (``linalg.nearest_kronecker_sum``), recomputed after every fold and after the ranks average the
-use factors (:meth:`EmbeddingBlock.reduced_factors`): the combination is not linear, so it is
-taken after the average, and 2 DDP/FSDP ranks give one process's factors. It equals an untied
-embedding exactly when the head records nothing. The two uses cannot be summed per sample (their
-sides are swapped), so ``reduce`` applies within the head's call only.
-
-Indices without a batch dimension (``position(torch.arange(T))`` broadcast over the batch):
-autograd sums the output-gradient over the batch before the hook sees it, so the per-sample
-statistics cannot be formed; see :mod:`kfac_optim.capture.batch_free`, which finds such blocks and turns
-them to the SGD path (:meth:`KroneckerBlock.leave_to_sgd`). :attr:`EmbeddingBlock.unbatched`
-counts the calls and rows with 1-D indices since the last fold, for that check.
+use factors (:meth:`EmbeddingBlock.reduced_factors`). Indices without a batch dimension
+(``position(torch.arange(T))``): :attr:`EmbeddingBlock.unbatched` counts their calls and rows for
+:mod:`kfac_optim.capture.batch_free`, which turns such blocks to the SGD path.
 """
 
 from __future__ import annotations

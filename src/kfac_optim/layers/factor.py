@@ -7,7 +7,7 @@ output-gradient scaling of the conventions below is written.
 Must not know: modules, blocks, hooks, ranks; which method decomposes (a ``methods.Method`` is
 handed in and does the math); the geometry of a ``layers.support.Support`` (e.g. ``layers.conv``'s boxes).
 
-Conventions (docs/design.md §3), for a layer with joint weight ``[W | b]`` of shape ``(out, in [+1])``:
+Conventions (docs/numerics.md), for a layer with joint weight ``[W | b]`` of shape ``(out, in [+1])``:
   ``A = (1/(N·R)) Σ a aᵀ``: ``(in [+1], in [+1])``, ``a`` the input rows with a trailing 1 for a bias;
   ``G = (1/N) Σ ĝ ĝᵀ``: ``(out, out)``, ``ĝ = N·g`` for a mean-reduced loss (``ĝ = g`` for "sum"),
 over the N·R rows of N samples since the last fold. Factor kinds: dense ``(dim, dim)``, batched

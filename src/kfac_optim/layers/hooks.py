@@ -64,13 +64,13 @@ def current_samples() -> tuple[int, int]:
     """Which samples the pair being recorded holds, as ``(graph task, model call)``: two calls of a
     module in one backward pass hold the same samples exactly when they came from one call of the
     model (time steps of an RNN cell, a weight-tied layer applied twice) and different samples
-    when they came from different calls (chunks of a batch; docs/design.md §3, 'What N is')."""
+    when they came from different calls (chunks of a batch; docs/numerics.md, 'What N is')."""
     return current_graph_task(), getattr(_pair, "call", -1)
 
 
 def current_call_samples() -> tuple[int | None, int | None]:
     """``(samples, rows)`` of the model call the pair being recorded came from: N, the samples its
-    loss averages over (docs/design.md §3, "What N is"), and the dim 0 of its input; None: unknown."""
+    loss averages over (docs/numerics.md, "What N is"), and the dim 0 of its input; None: unknown."""
     return getattr(_pair, "samples", None), getattr(_pair, "rows", None)
 
 

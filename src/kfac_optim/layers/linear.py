@@ -16,7 +16,7 @@ uses of the weight per sample are the positions of every call in one backward pa
 Calls of the module hold the same samples when they come from one forward of the model, different
 samples when they come from separate ones (chunks of a batch; :meth:`KroneckerBlock.count_samples`).
 
-Padding (``layers.positions``, docs/design.md §3): under ``KFAC.mask`` a call whose input's leading
+Padding (``layers.positions``, docs/numerics.md): under ``KFAC.mask`` a call whose input's leading
 dims start with the mask's shape counts only the real positions, in both modes. A nested jagged
 input (``torch.nested``, ``layout=torch.jagged``: ``(N, j, in)``) has no padding: its rows are its
 values ``(Σ_n j_n, in)``, N its number of sequences.

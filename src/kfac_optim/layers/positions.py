@@ -5,7 +5,7 @@ and how many of its entries are True), its validation, and fitting it to one lay
 Must not know: blocks, factors, the capture (blocks apply a fitted mask to their rows, the capture
 hands it to them with each pair: ``layers.hooks.recording_pair``).
 
-Convention (docs/design.md §3, "Padding"): a padded position is not a row. ``A`` averages over
+Convention (docs/numerics.md, "Padding"): a padded position is not a row. ``A`` averages over
 the real rows only (``A = (1/R_real) Σ_real a aᵀ``), ``G`` sums over them (``ĝ`` is zero at a
 padded position under ``ignore_index`` anyway), N stays the number of sequences, and with
 ``weight_sharing="reduce"`` a sample's row is the mean of its real positions' inputs and the sum

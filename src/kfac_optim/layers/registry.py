@@ -345,7 +345,7 @@ def find_layers(
         warn_user(
             "tied weights: " + "; ".join(untied) + ": the block cannot take the second module's uses into its "
             "statistics, which are its own module's only (an Embedding followed by a Linear head sharing its "
-            "weight is supported; docs/design.md §3)"
+            "weight is supported; docs/numerics.md)"
         )
     if ignored_sharing:
         warn_user(

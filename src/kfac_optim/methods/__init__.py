@@ -7,24 +7,21 @@ get (:meth:`Method.outside_kfac`). How each factor is decomposed, travels betwee
 and sized is the other axis, the method's :attr:`Method.decomposer` (``kfac_optim.methods.decompositions``).
 The optimizer turns its ``method`` argument into one of these (:func:`method_named`); below that
 no method is named by a string or tested by type: blocks, checkpoints and the distributed layer
-ask a method (or its decomposer) for what depends on it.
+ask a method (or its decomposer) for what depends on it (docs/design.md §3).
 Must not know: modules, hooks, ranks, schedules; a factor is read through
 ``decompositions.FactorView`` (``layers.factor.Factor`` is one), so this module imports nothing of ``layers``.
 
 Factor kinds (see ``layers.factor``): **dense** ``(n, n)``, or ``(k, n, n)`` for ``k`` independent
 blocks (grouped convolutions), and **diagonal** ``(n,)``. A joint gradient is ``(out, in)`` (or
-``(k, out, in)``) with ``G`` on the left and ``A`` on the right.
+``(k, out, in)``) with ``G`` on the left and ``A`` on the right. The methods' formulas:
+docs/numerics.md, "Methods and the update" and "Eigen-Adam".
 
-Basis: each method declares the decomposition its :meth:`Method.precondition` takes
-(:attr:`Method.basis`, a :class:`Basis`): full eigenbases, eigenbases that may be thin or capped
-with an isotropic complement, or damped inverses. A method that defines ``precondition`` must
-declare its basis (``TypeError`` at class definition otherwise), and an eigen method that needs
-full bases refuses the eigenbasis cap at construction (``ValueError`` naming the method and
-``max_rank``): no method is handed a basis it did not declare.
-
-Method state: a method may keep per-block tensors across steps (:attr:`Method.stateful`, e.g.
-:class:`EigenAdam`'s second moments). They live in the dict the block hands to
+A method that defines ``precondition`` must declare its basis (``TypeError`` at class definition
+otherwise), and an eigen method that needs full bases refuses the eigenbasis cap (``ValueError``
+naming the method and ``max_rank``). Per-block state (:attr:`Method.stateful`, e.g.
+:class:`EigenAdam`'s second moments) lives in the dict the block hands to
 :meth:`Method.precondition` (``KroneckerBlock.method_state``), saved with the block's state.
+A new method: a subclass registered with :func:`register_method` (docs/architecture.md).
 """
 
 from __future__ import annotations

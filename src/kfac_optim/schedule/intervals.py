@@ -2,67 +2,22 @@
 
 Owns: which steps fold statistics (factor steps) and which refresh decompositions (decomposition
 steps); for ``"auto"`` the choice of the intervals from the costs of K-FAC's work against the step
-it is added to (the budget rule below), and the chosen intervals' state (saved in checkpoints,
-docs/api.md "Automatic intervals"). Two kinds of automatic intervals:
+it is added to (the budget rule), and the chosen intervals' state (saved in checkpoints).
+Must not know: blocks, factors, the optimizer (the estimator calls it at the start of every step's
+curvature work, :meth:`IntervalSchedule.begin_step`, and hands it the counted costs).
 
-- :class:`AutoIntervals` (the default of ``KFAC``, ``"auto"``): the costs are *counted* from
-  shapes (``kfac_optim.schedule.costs``: the blocks' factor sizes, one batch's rows, the method), so the
-  intervals are a pure function of the model, the batch shapes and the settings: the same on every
-  run, and on every rank without a collective (DDP's ranks hold the same layers and, as its
-  samplers give them, batches of the same shape). They are decided at the start of the first step
-  whose statistics were captured (step 0 in a plain loop): that step and every one before it fold
-  and decompose, as under any interval, so no statistics are lost while deciding.
-- :class:`MeasuredIntervals` (opt-in, **not reproducible**: it reads the clock, so two runs may
-  differ): the costs measured in wall time on the first steps and re-measured later, below.
+- :class:`AutoIntervals` (the default, ``"auto"``): the costs are *counted* from shapes
+  (``kfac_optim.schedule.costs``), so the intervals are a pure function of the model, the batch
+  shapes and the settings: the same on every run and every rank, without a collective. They are
+  decided at the start of the first step whose statistics were captured; that step and every one
+  before it fold and decompose, so no statistics are lost while deciding.
+- :class:`MeasuredIntervals` (opt-in, **not reproducible**: it reads the clock): the costs timed on
+  the first steps (steps ``c``, ``c + 1``, ``c + 2``; decided at ``c + 3``, averaged over ranks in one
+  all-reduce) and re-timed at every later synchronous decomposition round.
 
-Must not know: blocks, factors, the optimizer (the estimator calls it at the points below, and
-hands it the counted costs).
-
-**Measured calibration** (:class:`MeasuredIntervals`; ``c`` = the first step the schedule runs
-undecided: 0, or the step a checkpoint saved during calibration resumes at): step ``c`` folds and
-decomposes, ``c + 1`` folds, ``c + 2`` does neither; the intervals are decided at the start of step
-``c + 3`` (whose statistics are captured, and folded if it is a factor step under the decision).
-Measured, in seconds of wall time from a step's start to the end of its ``step()`` call (forward,
-backward and the step), a step's start being the ``optimizer.zero_grad()`` before it, or the
-previous step's end when the loop does not call ``zero_grad`` (so work between the two, e.g.
-loading the next batch, is left out):
-
-- ``precondition``: K-FAC's preconditioning of step ``c + 2``, timed around it;
-- ``step``: step ``c + 2`` minus its ``precondition``: the SGD-equivalent step (forward,
-  backward, the KL clip and SGD's update: what the curvature work is added to);
-- ``factor``: step ``c + 1`` minus step ``c + 2``: the statistics' capture (hooks) and the fold;
-- ``decomposition``: the decompositions of step ``c``, timed around them.
-
-The four are averaged over ranks (one all-reduce, at step ``c + 3`` on every rank), so every
-rank takes the same intervals.
-
-**Re-measurement** (:class:`MeasuredIntervals` only). The factors' rank grows over the first folds
-(a factor of ``n`` rows has rank ≤ ``n``; ``linalg.symmetric_eigen`` decomposes a low-rank one in
-far less than ``eigh``'s time), so the calibration's decompositions and preconditioning are the
-cheapest of the run. After the decision, every synchronous decomposition round (not under
-``AsyncConfig``, whose rounds run on the worker) is timed again, decompositions and that step's
-preconditioning, averaged over ranks at the start of the next step (one all-reduce, the same step
-on every rank), averaged with the previous estimate (half each: the load of a shared machine
-swings) and the decomposition interval chosen again from them; the factor interval stays. On
-CUDA the calibration steps and these rounds synchronize the device to be timed (a decomposition
-round syncs the host anyway); every other step adds no host sync. The counted costs of
-:class:`AutoIntervals` are those of full-rank factors, so they are not revised.
-
-**Budget rule** (both kinds). A step costs ``step + precondition + factor / I_f + decomposition / I_d``
-on average. The budget is ``overhead × step`` (a fraction of the SGD-equivalent step). The
-preconditioning, paid every step, takes from it at most half; each kind of curvature work gets
-half of what is left, ``share = (overhead·step − min(precondition, overhead·step / 2)) / 2``::
-
-    I_f = clamp(ceil(factor / share), 1, max_factor)
-    I_d = clamp(ceil(decomposition / share), 10, max_inverse), rounded up to a multiple of I_f
-
-so the step stays within ``overhead × step`` of SGD's while the preconditioning takes at most half
-the budget (the floor of 10 keeps K-FAC's customary decomposition interval when decompositions are
-cheap). The preconditioning is not set by an interval (``methods.Eigen``'s eigenbasis cap bounds
-it): longer intervals would not make it cheaper, only the curvature staler, so beyond half the
-budget it is paid on top and the curvature work keeps a quarter of the budget. When a cap binds,
-one warning says so and how to override it. An explicit ``factor_update_steps`` or
-``inv_update_steps`` (int or callable) is kept as given.
+The budget rule, its constants and the calibration: docs/api.md "Automatic intervals" and
+docs/design.md §4 "Automatic intervals". An explicit ``factor_update_steps`` or
+``inv_update_steps`` (int or callable) is kept as given; when a cap binds, one warning says so.
 """
 
 from __future__ import annotations

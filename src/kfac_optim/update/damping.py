@@ -9,20 +9,16 @@ hands it the parameters, the closure and the blocks at the points below).
 
 **Levenberg–Marquardt** (Martens & Grosse 2015 §6.5). Every ``every`` steps (``T₁``; the steps
 ``k`` with ``k % every == 0``), with ``θ`` the parameters before the step, ``δ`` the change the
-step applied to them (lr, momentum, KL clip, weight decay: whatever the update did), ``h`` the
-closure's loss on the step's batch and ``∇h`` the gradients its backward left::
+step applied to them, ``h`` the closure's loss on the step's batch and ``∇h`` the gradients its
+backward left::
 
     M(δ) − M(0) = ⟨∇h, δ⟩ + ½ Σ_blocks ⟨D, G D A⟩        (D: a block's joint change [δW | δb])
     ρ = (h(θ + δ) − h(θ)) / (M(δ) − M(0))
     λ ← max(ω·λ, minimum)  if ρ > 3/4;   λ ← min(λ/ω, maximum)  if ρ < 1/4 or ρ is not finite
 
 ``h(θ + δ)`` is one more call of the closure, under ``torch.no_grad()``, after the update. The
-curvature of the model is the **undamped Kronecker-factored Fisher** ``G ⊗ A`` of each block,
-from its running factors (docs/design.md §3): the curvature the preconditioner inverts, so ρ asks
-how well the model that chose the step predicted it. It costs two small matrix products per
-block and no pass over the data; an exact Fisher-vector product would need per-sample gradients
-or the loss's output Hessian, which a closure returning a scalar loss does not expose, and a
-second backward pass. Parameters outside the blocks contribute ``⟨∇h, δ⟩`` only.
+model's curvature is each block's undamped running ``G ⊗ A`` (why: docs/design.md §4.2, "Which
+curvature"); parameters outside the blocks contribute ``⟨∇h, δ⟩`` only.
 """
 
 from __future__ import annotations

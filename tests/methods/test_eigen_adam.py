@@ -1,4 +1,4 @@
-"""``EigenAdam`` (method="eigen_adam"): Adam's second moment in K-FAC's eigenbasis (docs/design.md §3.x).
+"""``EigenAdam`` (method="eigen_adam"): Adam's second moment in K-FAC's eigenbasis (docs/numerics.md, "Eigen-Adam").
 
 The reference is built here from first principles: the joint gradients ``[∇W | ∇b]`` read before
 each step, the eigenbases of the running factors (checked to diagonalize them), and the update

@@ -1,4 +1,4 @@
-"""The method seam (docs/design.md §3.2): a new method is one type, defined here with no edit of ``src/``.
+"""The method seam (docs/design.md §3): a new method is one type, defined here with no edit of ``src/``.
 
 ``DiagonalKronecker`` approximates each factor by its diagonal, ``V = (diag G + √λ)⁻¹ ∇ (diag A + √λ)⁻¹``,
 with a decomposition of its own (``DiagonalDecomposer``: a vector per factor, saved as a dict no
