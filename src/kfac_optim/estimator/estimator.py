@@ -328,11 +328,11 @@ class KroneckerEstimator:
         steps = state["steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"'steps' must be an int >= 0, got {steps!r}")
+        check_children(self.state_children, state)
         with within("'intervals'"):
             self.intervals.check_state(state.get("intervals"))
         with within("'round'"):
             self.decomposition_steps.check_state(state.get("round"), steps)
-        check_children(self.state_children, state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checked :meth:`state_dict`: the step, the intervals at it, the children in
