@@ -112,7 +112,8 @@ def test_an_error_deep_in_the_tree_names_every_key_down_to_it() -> None:
     state = source.state_dict()
     state["kfac"]["blocks"]["2"]["factors"]["G"]["running"] = torch.zeros(2)
     _, target = tree_optimizer(steps=1)
-    with pytest.raises(ValueError, match=r"^K-FAC checkpoint, 'blocks', layer '2', factor G: 'running' has shape \(2,\)"):
+    misfit = r"^K-FAC checkpoint, 'blocks', layer '2', factor G: 'running' has shape \(2,\)"
+    with pytest.raises(ValueError, match=misfit):
         target.load_state_dict(state)
 
 
