@@ -169,7 +169,8 @@ def loaded_kfac(model: nn.Module, blocks: list[KroneckerBlock], method: str, dam
     opt = KFAC(model, lr=1e-4, momentum=0.9, weight_decay=5e-4, damping=damping, method=method,
                factor_update_steps=NEVER, inv_update_steps=NEVER, kl_clip=1e-3)
     state = opt.state_dict()
-    state["kfac"] = {"steps": 1, "blocks": {block.name: block.state_dict(opt.method) for block in blocks}}
+    state["kfac"]["steps"] = 1
+    state["kfac"]["blocks"] = {block.name: block.state_dict(opt.method) for block in blocks}
     opt.load_state_dict(state)
     return opt
 

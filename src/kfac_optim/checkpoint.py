@@ -1,26 +1,20 @@
 """K-FAC's checkpoints: the ``"kfac"`` entry of ``KFAC.state_dict()``, and its DCP view.
 
-Owns: the format of K-FAC's own state (its step, every layer's factors and decompositions keyed
-by module name, and the round of decompositions in flight), its checks against a model, and
-the hooks through which it travels with ``Optimizer.state_dict`` / ``load_state_dict``
-(:class:`Checkpointing`); the ``Stateful`` view for ``torch.distributed.checkpoint`` (:class:`KFACState`).
-Must not know: factor math, ranks, the plan (the estimator restores; blocks check their own state).
+Owns: the entry's framing (``"format"``, :data:`FORMAT`, refused naming it when unknown; the error
+prefix ``"K-FAC checkpoint"``) around the estimator's tree of owners (``kfac_optim.state``: each
+saves, checks and loads its own part), the hooks through which the entry travels with
+``Optimizer.state_dict`` / ``load_state_dict`` (:class:`Checkpointing`), and the ``Stateful`` view
+for ``torch.distributed.checkpoint`` (:class:`KFACState`).
+Must not know: what an owner saves (factors, rounds, schedules), factor math, ranks, the plan.
 
 ``state_dict()``: K-FAC's post hook is registered first, so every post hook a user registers sees
 (and may replace) the ``"kfac"`` entry. ``load_state_dict()``: K-FAC's pre hook runs after every
 pre hook a user registered (it is registered for the call only), so those see the whole state
-and may repair it before K-FAC checks it; the checked entry is restored after the SGD part
-loaded, by a post hook that runs before the user's.
-
-What one rank's entry holds, why it never communicates, and why it holds nothing redundant
-(packed factors, decompositions as held): docs/design.md §5, "Checkpoints". The entry carries
-``"format"`` (:data:`FORMAT`). DCP (``KFAC.kfac_state()``; docs/guide.md, docs/api.md): the
-global factors (``KFACState.state_dict`` reduces them first, a collective as ``dcp.save`` is), no
-decompositions, no round in flight and no stagger costs; the automatic intervals' entry travels
-wrapped in a 1-tuple so that a fresh optimizer holds the key. ``get_state_dict`` initializes an
-optimizer without per-parameter state by one ``step()`` at lr 0 (DCP's ``_init_optim_state``): on
-a fresh optimizer the loaded step count undoes it; on a live one it counts a K-FAC step, so save
-before ``zero_grad()``.
+and may repair it before K-FAC checks it (the whole tree, before anything changes); the checked
+entry is restored after the SGD part loaded, by a post hook that runs before the user's.
+``state_dict()`` never communicates: one rank's entry holds the global factors as of the last
+reduction plus that rank's statistics since, and the decompositions this rank holds (docs/design.md
+§5 "Checkpoints"; docs/api.md ``state_dict()``).
 """
 
 from __future__ import annotations
@@ -31,11 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.optim import Optimizer
 
-from kfac_optim.background.decompositions import Job, Result
-from kfac_optim.update.damping import check_state as check_damping_state
-from kfac_optim.diagnostics import warn_user
-from kfac_optim.estimator.folds import check_state as check_stagger_state
-from kfac_optim.schedule.intervals import check_state as check_intervals
+from kfac_optim.state import within
 
 if TYPE_CHECKING:
     from kfac_optim.estimator.estimator import KroneckerEstimator
@@ -43,146 +33,39 @@ if TYPE_CHECKING:
 _NOT_SAVED = ("decomposition", "decomposed_key")
 
 FORMAT = 2
-"""The ``"kfac"`` entry's format: 2 packs dense running factors and inverses (their upper triangle,
-``Factor.packed``). 1 (earlier releases, no ``"format"`` key) saved them whole; still read."""
+"""The ``"kfac"`` entry's format: dense running factors and inverses packed (their upper triangle,
+``Factor.packed``). An entry of another format (or without one: earlier releases) is refused."""
 
 
 def kfac_state_dict(estimator: KroneckerEstimator) -> dict[str, Any]:
-    """The ``"kfac"`` entry: ``{"format": FORMAT, "steps", "blocks": {name: block state}, "round": round_state(...),
-    "intervals": the automatic intervals once chosen (``IntervalSchedule.state_dict``; None: not chosen),
-    "damping": ``AdaptiveDamping``'s λ and last ρ (``DampingRule.state_dict``; None: a constant or scheduled λ),
-    "stagger": the costs the stagger phases come from (``StaggeredFolds.state_dict``; None: no phases)}``.
-
-    This rank's state, read without communicating (the statistics worker and a round in flight
-    are waited for: both are local): the running factors are this rank's, global as of the last
-    reduction plus its own statistics since (see the module docstring)."""
-    estimator.settle_statistics()
-    return {
-        "format": FORMAT,
-        "steps": estimator.steps,
-        "blocks": {block.name: block.state_dict(estimator.method) for block in estimator.blocks},
-        "round": round_state(estimator),
-        "intervals": estimator.intervals.state_dict(),
-        "damping": estimator.damping.state_dict(),
-        "stagger": estimator.folds.state_dict(),
-    }
+    """The ``"kfac"`` entry: ``{"format": FORMAT, **estimator.state_dict()}``, this rank's state read
+    without communicating (see the module docstring)."""
+    return {"format": FORMAT, **estimator.state_dict()}
 
 
-def round_state(estimator: KroneckerEstimator) -> dict[str, Any] | None:
-    """The round of decompositions in flight (``AsyncConfig``), None when there is none.
+def check(estimator: KroneckerEstimator, kfac_state: Any) -> None:
+    """Check a checkpoint's ``"kfac"`` entry: its format, then the estimator's tree against this model.
 
-    Waits for the worker; its results stay held and are adopted at the same step as if nothing
-    had been saved. ``{"adopt_at": the step that adopts it (None: the next decomposition step),
-    "factors": {block: {factor: {"decomposition": as in the block's state (None: it failed),
-    "version": the factor version it decomposes, "shift": the shift it was given}}}}``: the
-    factors this rank decomposes.
+    Raises:
+        ValueError: ``"K-FAC checkpoint, <the keys down to the misfit>: <why>"`` (nothing is changed).
     """
-    results, adopt_at = estimator.decomposition_steps.saved_round()
-    if not results:
-        return None
-    factors: dict[str, dict[str, Any]] = {}
-    for job, result in results:
-        block, name = job.owner
-        factors.setdefault(block.name, {})[name] = {
-            "decomposition": block.factors[name].saved_decomposition(job.method, result),
-            "version": job.version,
-            "shift": job.shift,
-        }
-    return {"adopt_at": adopt_at, "factors": factors}
+    with within("K-FAC checkpoint"):
+        if not isinstance(kfac_state, dict):
+            raise ValueError(f"the 'kfac' entry must be a dict, got {type(kfac_state).__name__}")
+        version = kfac_state.get("format")
+        if version is None:
+            raise ValueError("the 'kfac' entry has no 'format': saved by an earlier release of kfac_optim, "
+                             "which this release does not read")
+        if isinstance(version, bool) or version != FORMAT:
+            raise ValueError(f"'format' {version!r} is not one this release reads ({FORMAT}: packed factors); "
+                             "was it saved by another release of kfac_optim?")
+        estimator.check_state(kfac_state)
 
 
 def load_kfac_state_dict(estimator: KroneckerEstimator, kfac_state: Any) -> None:
-    """Check ``kfac_state`` against the estimator's blocks, then restore it."""
-    restore_checked(estimator, kfac_state, check(estimator, kfac_state))
-
-
-def restore_checked(estimator: KroneckerEstimator, kfac_state: dict[str, Any], saved: dict[str, Any]) -> None:
-    """Restore a checked entry (``saved``: its blocks by name, from :func:`check`)."""
-    saved_round = kfac_state.get("round")
-    estimator.restore(kfac_state["steps"], saved, _saved_round(estimator, saved_round),
-                      None if saved_round is None else saved_round["adopt_at"], saved_round is not None,
-                      kfac_state.get("intervals"), kfac_state.get("damping"), kfac_state.get("stagger"))
-
-
-def check(estimator: KroneckerEstimator, kfac_state: Any) -> dict[str, Any]:
-    """Check a checkpoint's ``"kfac"`` entry against the estimator's blocks; return its blocks by name.
-
-    Raises:
-        ValueError: naming the layer and the field that does not fit (nothing is changed).
-    """
-    if not isinstance(kfac_state, dict) or not isinstance(kfac_state.get("blocks"), dict):
-        raise ValueError("K-FAC checkpoint: the 'kfac' entry must be a dict with 'steps' and 'blocks'")
-    version = kfac_state.get("format", 1)
-    if isinstance(version, bool) or version not in (1, FORMAT):
-        raise ValueError(
-            f"K-FAC checkpoint: 'format' {version!r} is not one this release reads (1: whole factors, "
-            f"{FORMAT}: packed factors); was it saved by another release of kfac_optim?"
-        )
-    steps = kfac_state.get("steps")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"K-FAC checkpoint: 'steps' must be an int >= 0, got {steps!r}")
-    saved = kfac_state["blocks"]
-    for block in estimator.blocks:
-        if block.name in saved:
-            block.validate_state(saved[block.name], estimator.method)
-    _check_round(estimator, kfac_state.get("round"), steps)
-    check_intervals(kfac_state.get("intervals"))
-    check_damping_state(kfac_state.get("damping"))
-    check_stagger_state(kfac_state.get("stagger"))
-    missing = [block.name for block in estimator.blocks if block.name not in saved]
-    unknown = sorted(set(saved) - {block.name for block in estimator.blocks})
-    if missing or unknown:
-        warn_user(
-            f"K-FAC checkpoint does not match the model: layers without saved factors {missing} "
-            f"start fresh; saved layers not in the model {unknown} are ignored",
-        )
-    return saved
-
-
-def _check_round(estimator: KroneckerEstimator, saved_round: Any, steps: int) -> None:
-    """Check a checkpoint's round in flight (see :func:`round_state`) against the blocks."""
-    if saved_round is None:
-        return
-    shaped = isinstance(saved_round, dict) and isinstance(saved_round.get("factors"), dict)
-    if not shaped or "adopt_at" not in saved_round:
-        raise ValueError("K-FAC checkpoint: 'round' must be None or a dict with 'adopt_at' and 'factors'")
-    adopt_at = saved_round["adopt_at"]
-    if adopt_at is not None and (isinstance(adopt_at, bool) or not isinstance(adopt_at, int) or adopt_at < steps):
-        raise ValueError(
-            f"K-FAC checkpoint: the round's 'adopt_at' must be None or an int >= 'steps' ({steps}), "
-            f"got {adopt_at!r}"
-        )
-    blocks = {block.name: block for block in estimator.blocks}
-    for block_name, factors in saved_round["factors"].items():
-        if block_name not in blocks:
-            continue  # a saved layer the model lacks: ignored, as its factors are
-        where = f"K-FAC checkpoint, layer '{block_name}', the round in flight"
-        if not isinstance(factors, dict):
-            raise ValueError(f"{where}: expected a dict of factors, got {type(factors).__name__}")
-        for name, result in factors.items():
-            if name not in blocks[block_name].factors:
-                raise ValueError(f"{where}: this layer has no factor {name!r}")
-            try:
-                blocks[block_name].factors[name].validate_result(result, estimator.method)
-            except ValueError as error:
-                raise ValueError(f"{where}, factor {name}: {error}") from None
-
-
-def _saved_round(estimator: KroneckerEstimator, saved_round: dict[str, Any] | None) -> list[tuple[Job, Result]]:
-    """A checked round entry of a checkpoint as jobs with their results (layers of this model only)."""
-    if saved_round is None:
-        return []
-    blocks = {block.name: block for block in estimator.blocks}
-    inv_dtype = estimator.options.curvature.inv_dtype
-    return [
-        (
-            Job((blocks[block_name], name), blocks[block_name].factors[name], result["version"], estimator.method,
-                float(result["shift"]), inv_dtype, None),
-            blocks[block_name].factors[name].loaded_decomposition(estimator.method, result["decomposition"]),
-        )
-        for block_name, factors in saved_round["factors"].items() if block_name in blocks
-        for name, result in factors.items()
-    ]
+    """Check ``kfac_state`` against the estimator, then restore it."""
+    check(estimator, kfac_state)
+    estimator.load_state_dict(kfac_state)
 
 
 class Checkpointing:
@@ -190,7 +73,7 @@ class Checkpointing:
 
     def __init__(self, optimizer: Optimizer, estimator: KroneckerEstimator) -> None:
         self._estimator = estimator
-        self._checked: tuple[dict[str, Any], dict[str, Any]] | None = None  # between the pre and the post hook
+        self._checked: dict[str, Any] | None = None  # between the pre and the post hook
         optimizer.register_state_dict_post_hook(self._add_entry)  # first: the user's hooks see "kfac"
         optimizer.register_load_state_dict_post_hook(self._restore_entry)
 
@@ -212,14 +95,14 @@ class Checkpointing:
         state_dict = dict(state_dict)
         kfac_state = state_dict.pop("kfac", None)
         if kfac_state is not None:
-            self._checked = (kfac_state, check(self._estimator, kfac_state))
+            check(self._estimator, kfac_state)
+            self._checked = kfac_state
         return state_dict
 
     def _restore_entry(self, optimizer: Optimizer) -> None:
         if self._checked is not None:
-            kfac_state, saved = self._checked
-            self._checked = None
-            restore_checked(self._estimator, kfac_state, saved)
+            kfac_state, self._checked = self._checked, None
+            self._estimator.load_state_dict(kfac_state)
 
 
 class HasKFACState(Protocol):
@@ -233,7 +116,46 @@ class HasKFACState(Protocol):
 
 
 class KFACState:
-    """``torch.distributed.checkpoint.stateful.Stateful`` over one ``KFAC`` optimizer's own state."""
+    """``torch.distributed.checkpoint.stateful.Stateful`` over one ``KFAC`` optimizer's own state.
+
+    Resharding checkpoints, any world size.
+
+    ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` keys the model and
+    the optimizer's per-parameter state (momentum buffers: ``DTensor`` shards under FSDP2) by
+    parameter name, and keeps only ``"state"`` and ``"param_groups"``; K-FAC's part travels as its
+    own entry::
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd, "kfac": optimizer.kfac_state()}
+        dcp.save(state, checkpoint_id=path)                     # on every rank
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)   # a fresh model/optimizer, any world size
+        state = {"model": model_sd, "optim": optim_sd, "kfac": optimizer.kfac_state()}
+        dcp.load(state, checkpoint_id=path)                     # K-FAC's part is restored here
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    The factors saved are the global ones (``KFACState.state_dict`` reduces them first, a collective
+    as ``dcp.save`` is; ``KFAC.state_dict()`` itself never communicates), the same on every rank, so
+    DCP writes them once and every rank of any world size (one process included) reads them whole.
+    Decompositions are not saved: under ``grad_worker_fraction < 1`` each rank holds different
+    ones; they are recomputed from the factors at the first step after loading (identical to the
+    saved run's when the checkpoint follows a decomposition step, as the factors then are those
+    decomposed). The health counters (``discarded``, ``failures``) are one rank's. For the same
+    reason the round of decompositions in flight under ``AsyncConfig`` (which
+    ``KFAC.state_dict()`` saves) is left out: a run resumed from DCP holds no round, decomposes its
+    factors in line at its first step, and so does not continue bit-identically with the saved run.
+    The stagger phases' costs are left out too (DCP loads only the keys the destination holds, and a
+    fresh optimizer has none before its phases are fixed): a staggered run resumed from DCP fixes
+    them again at its next all-block factor step. The automatic intervals' entry (None until chosen,
+    then a dict) travels wrapped in a 1-tuple, which DCP stores as one leaf, so a fresh optimizer
+    (whose entry is None) holds the key the saved one wrote and loads the chosen intervals.
+
+    ``get_state_dict`` initializes an optimizer that has no per-parameter state by calling
+    ``step()`` once with zero gradients and lr 0 (DCP's ``_init_optim_state``). On the fresh optimizer
+    one loads into, that step is undone by the loaded step count; on a live optimizer it happens only
+    with ``momentum=0`` and cleared gradients, and would count one K-FAC step: save before
+    ``zero_grad()`` then.
+    """
 
     def __init__(self, optimizer: HasKFACState) -> None:
         self._optimizer = optimizer
@@ -245,8 +167,8 @@ class KFACState:
         which call it, are: every rank then holds the same entry, which DCP writes once."""
         self._optimizer.synchronize_factors()
         state = self._optimizer.kfac_state_dict()
-        del state["round"], state["stagger"]  # see the module docstring
-        state["intervals"] = (state["intervals"],)  # one leaf to DCP (module docstring)
+        del state["round"], state["stagger"]  # see the class docstring
+        state["intervals"] = (state["intervals"],)  # one leaf to DCP (the class docstring)
         for block in state["blocks"].values():
             for factor in block["factors"].values():
                 for key in _NOT_SAVED:

@@ -1,8 +1,8 @@
 """The ``"kfac"`` checkpoint entry holds nothing redundant (docs/design.md §5).
 
 Dense running factors are saved packed (their upper triangle) and decompositions at their capped
-rank, so the entry's size is bounded by what the layer shapes say; a checkpoint of format 1
-(earlier releases: factors whole) still loads, and an unknown format is refused naming it.
+rank, so the entry's size is bounded by what the layer shapes say; an entry of another format (or
+none: earlier releases) is refused naming it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from torch import nn
 from helpers import seeded_batch
 from kfac_optim import KFAC
 from kfac_optim.checkpoint import FORMAT
-from kfac_optim.layers.factor import unpack_running
 from kfac_optim.methods import Eigen
 from tests.distributed.test_distributed import ddp_train, make_ddp_net
 from tests.integration.test_feeding import TinyLM, lm_batch, lm_loss
@@ -51,7 +50,7 @@ def test_kfac_entry_is_at_most_packed_factors_plus_capped_decompositions(method:
     """Bound from the shapes alone (fp32): per factor of dimension n, its upper triangle
     n(n+1)/2 and an eigenbasis of at most min(n, cap) columns (Q, d and σ), or for the damped
     inverse another triangle; plus 4 KiB of serialization per factor. Saving factors (and
-    inverses) whole (format 1) exceeds it by ~n²/2 per factor."""
+    inverses) whole would exceed it by ~n²/2 per factor."""
     model = wide_mlp()
     optimizer = KFAC(model, **FORMAT_SETTINGS, method=method)
     train_wide_mlp(model, optimizer, range(3))  # steps 0 and 2 decompose: every factor holds one
@@ -90,29 +89,20 @@ def test_packed_entry_round_trips_bit_identically_between_decompositions() -> No
         assert torch.equal(p, q), name
 
 
-def test_checkpoint_of_format_1_still_loads_and_an_unknown_format_is_refused() -> None:
-    """Format 1 (no "format" key, factors whole) resumes as the packed entry does; format 3 is a
-    ValueError naming the format, and nothing changes."""
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda entry: entry.update(format=3), "'format' 3 is not one this release reads"),
+    (lambda entry: entry.pop("format"), "has no 'format': saved by an earlier release"),
+])
+def test_an_unknown_or_missing_format_is_refused_and_nothing_changes(edit, match: str) -> None:
     model = wide_mlp()
     optimizer = KFAC(model, **FORMAT_SETTINGS)
     train_wide_mlp(model, optimizer, range(3))
     state = optimizer.state_dict()
-    old = {**state, "kfac": {key: value for key, value in state["kfac"].items() if key != "format"}}
-    held = {b.name: b.factors for b in optimizer.blocks}
-    old["kfac"]["blocks"] = {
-        name: {**block, "factors": {kind: {**factor, "running": unpack_running(factor["running"], held[name][kind].dim)}
-                                    for kind, factor in block["factors"].items()}}
-        for name, block in state["kfac"]["blocks"].items()
-    }
-    for loaded_state in (state, old):
-        fresh = KFAC(wide_mlp(), **FORMAT_SETTINGS)
-        fresh.load_state_dict(loaded_state)
-        for block, other in zip(optimizer.blocks, fresh.blocks, strict=True):
-            for name, factor in block.factors.items():
-                assert torch.equal(factor.running, other.factors[name].running), (block.name, name)
+    state["kfac"] = dict(state["kfac"])
+    edit(state["kfac"])
     fresh = KFAC(wide_mlp(), **FORMAT_SETTINGS)
-    with pytest.raises(ValueError, match="'format' 3 is not one this release reads"):
-        fresh.load_state_dict({**state, "kfac": {**state["kfac"], "format": 3}})
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(state)
     assert fresh.steps == 0 and not any(bool(f.initialized) for b in fresh.blocks for f in b.factors.values())
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_optim import KFAC
-from kfac_optim.schedule.intervals import AutoIntervals, IntervalSchedule, MeasuredIntervals, StepCosts, check_state
+from kfac_optim.schedule.intervals import AutoIntervals, IntervalSchedule, MeasuredIntervals, StepCosts
 
 COSTS = StepCosts(step=0.1, factor=0.05, decomposition=3.5)  # ResNet-18-like: seconds
 
@@ -229,8 +229,8 @@ def test_later_decomposition_rounds_are_measured_again_and_the_inverse_interval_
 
 def test_checkpoints_of_costs_without_preconditioning_still_load() -> None:
     state = {"factor": 2, "inverse": 140, "costs": {"step": 0.1, "factor": 0.05, "decomposition": 3.5}}
-    check_state(state)
     schedule = IntervalSchedule("auto", "auto", torch.device("cpu"))
+    schedule.check_state(state)
     schedule.load_state_dict(state, step=50)
     assert schedule.chosen == (2, 140) and schedule.costs.precondition == 0.0
 

@@ -158,7 +158,7 @@ def test_a_bad_damping_state_in_a_checkpoint_is_refused_and_changes_nothing() ->
     state = optimizer.state_dict()
     state["kfac"]["damping"] = {"damping": -1.0, "rho": 0.5}
     before = optimizer.damping_at(1)
-    with pytest.raises(ValueError, match="'damping' damping must be a finite number > 0"):
+    with pytest.raises(ValueError, match="'damping': 'damping' must be a finite number > 0"):
         optimizer.load_state_dict(state)
     assert optimizer.damping_at(1) == before
 

@@ -4,17 +4,19 @@ Owns: a decomposition step (make the factors global, decompose what this rank ow
 decomposition step's one host sync (the factors' health flags and the non-finite directions' count,
 handed to the ``Reporter``), and with ``AsyncConfig`` the rounds of ``BackgroundDecompositions``:
 which factors go to the worker, the step a round is adopted at (``adopt_at``), adopting it, and
-its part of a checkpoint (:meth:`InLineDecompositionSteps.saved_round`, :meth:`InLineDecompositionSteps.restore`).
+the round in flight's checkpoint state (the ``"round"`` entry, ``kfac_optim.state``'s protocol).
 Chosen once, at construction (:func:`decomposition_steps`). (How one factor is decomposed is the
-method's business: ``methods.py``.)
+method's business: ``methods``.)
 Must not know: statistics (the caller settles them first), schedules (the caller says which steps
-decompose), checkpoints' format (``checkpoint.py``), the optimizer.
+decompose), the checkpoint's framing (``checkpoint.py``), the optimizer.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,6 +29,7 @@ from kfac_optim.layers import KroneckerBlock
 from kfac_optim.layers.factor import Factor
 from kfac_optim.methods import Method
 from kfac_optim.reporter import Reporter
+from kfac_optim.state import within
 
 logger = logging.getLogger(__name__)
 
@@ -131,18 +134,77 @@ class InLineDecompositionSteps:
                 block.factors[name].adopt(result, job.method.keyed_shift(job.shift), job.version)
                 self._reporter.decomposed(block, name)
 
-    def saved_round(self) -> tuple[Round, int | None]:
-        """The round in flight and :attr:`adopt_at`, for a checkpoint (none in line)."""
+    # -- checkpoints: the round in flight ----------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The round of decompositions in flight (``AsyncConfig``; None: none, always in line):
+        ``{"adopt_at": the step that adopts it (None: the next decomposition step), "factors":
+        {layer: {factor: {"decomposition": as the factor saves one (None: it failed), "version":
+        the factor version it decomposes, "shift": the shift it was given}}}}``, the factors this
+        rank decomposes. Waits for the worker; the round stays in flight, adopted as if not saved."""
+        results, adopt_at = self._round_in_flight()
+        if not results:
+            return None
+        factors: dict[str, dict[str, Any]] = {}
+        for job, result in results:
+            block, name = job.owner
+            factors.setdefault(block.name, {})[name] = {
+                "decomposition": block.factors[name].saved_decomposition(job.method, result),
+                "version": job.version,
+                "shift": job.shift,
+            }
+        return {"adopt_at": adopt_at, "factors": factors}
+
+    def check_state(self, state: Any, steps: int) -> None:
+        """Raise ``ValueError`` naming the key if ``state`` (a :meth:`state_dict`) does not fit these
+        blocks, or is adopted before ``steps`` (the step the checkpoint resumes at); saved layers
+        this model lacks are ignored, as their factors are."""
+        if state is None:
+            return
+        if not isinstance(state, dict) or not isinstance(state.get("factors"), dict) or "adopt_at" not in state:
+            raise ValueError("expected None or a dict with 'adopt_at' and 'factors'")
+        adopt_at = state["adopt_at"]
+        if adopt_at is not None and (isinstance(adopt_at, bool) or not isinstance(adopt_at, int) or adopt_at < steps):
+            raise ValueError(f"'adopt_at' must be None or an int >= 'steps' ({steps}), got {adopt_at!r}")
+        blocks = {block.name: block for block in self._blocks}
+        for block_name, factors in state["factors"].items():
+            if block_name not in blocks:
+                continue
+            with within(f"layer '{block_name}'"):
+                if not isinstance(factors, dict):
+                    raise ValueError(f"expected a dict of factors, got {type(factors).__name__}")
+                for name, result in factors.items():
+                    if name not in blocks[block_name].factors:
+                        raise ValueError(f"this layer has no factor {name!r}")
+                    with within(f"factor {name}"):
+                        _check_result(blocks[block_name].factors[name], result, self._method)
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Replace the round in flight by a checked :meth:`state_dict` (None: none), after the blocks loaded."""
+        self._drop_round()
+        if state is None:
+            return
+        blocks = {block.name: block for block in self._blocks}
+        results = [
+            (Job((blocks[block_name], name), blocks[block_name].factors[name], saved["version"], self._method,
+                 float(saved["shift"]), self._inv_dtype, None),
+             blocks[block_name].factors[name].loaded_decomposition(self._method, saved["decomposition"]))
+            for block_name, factors in state["factors"].items() if block_name in blocks
+            for name, saved in factors.items()
+        ]
+        self._hold(results, state["adopt_at"])
+
+    def _round_in_flight(self) -> tuple[Round, int | None]:
+        """The round in flight and :attr:`adopt_at` (none in line)."""
         return [], None
 
-    def drop_round(self) -> None:
-        """Before a restore replaces the factors: forget any round in flight (none in line)."""
+    def _drop_round(self) -> None:
+        """Forget any round in flight (none in line)."""
 
-    def restore(self, results: Round, adopt_at: int | None, round_saved: bool) -> None:
-        """After a restore: a checkpoint's round in flight (``results`` of the factors of this model,
-        ``adopt_at`` its step, ``round_saved`` whether the checkpoint held one), adopted at once in
-        line: a synchronous run holds the newest decompositions it has, and refreshes them all at
-        its next decomposition step anyway."""
+    def _hold(self, results: Round, adopt_at: int | None) -> None:
+        """A checkpoint's round (``results`` of the factors of this model), adopted at once in line:
+        a synchronous run holds the newest decompositions it has, and refreshes them all at its next
+        decomposition step anyway."""
         self.adopt(results)
 
 
@@ -191,22 +253,21 @@ class BackgroundDecompositionSteps(InLineDecompositionSteps):
             return None  # a first decomposition: in line
         return Job((block, name), factor.snapshot(), factor.version, self._method, shift, self._inv_dtype, drop_below)
 
-    def saved_round(self) -> tuple[Round, int | None]:
+    def _round_in_flight(self) -> tuple[Round, int | None]:
         """The round in flight (waiting for the worker; it stays in flight) and :attr:`adopt_at`."""
         return self.background.wait(), self.adopt_at
 
-    def drop_round(self) -> None:
+    def _drop_round(self) -> None:
         """A round in flight decomposes the factors being replaced: stop it."""
         self.background.close()
         self.adopt_at = None
 
-    def restore(self, results: Round, adopt_at: int | None, round_saved: bool) -> None:
+    def _hold(self, results: Round, adopt_at: int | None) -> None:
         """Hold the saved round (the results of the factors this rank decomposes) and adopt it at its
         saved step, as in the run that saved it."""
-        if round_saved:
-            decomposes = self._sharding.decomposes
-            self.background.hold([(job, r) for job, r in results if decomposes(job.owner[0].name, job.owner[1])])
-            self.adopt_at = adopt_at  # on every rank alike, as it decides a collective
+        decomposes = self._sharding.decomposes
+        self.background.hold([(job, r) for job, r in results if decomposes(job.owner[0].name, job.owner[1])])
+        self.adopt_at = adopt_at  # on every rank alike, as it decides a collective
 
 
 DecompositionSteps = InLineDecompositionSteps
@@ -219,3 +280,19 @@ def decomposition_steps(blocks: Sequence[KroneckerBlock], method: Method, inv_dt
     if asynchronous is None:
         return InLineDecompositionSteps(blocks, method, inv_dtype, sharding, reporter, nonfinite)
     return BackgroundDecompositionSteps(blocks, method, inv_dtype, sharding, reporter, nonfinite, asynchronous)
+
+
+def _check_result(factor: Factor, state: Any, method: Method) -> None:
+    """Raise ``ValueError`` naming the field if ``state`` is not one factor's entry of the round (see
+    :meth:`InLineDecompositionSteps.state_dict`)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"expected a dict, got {type(state).__name__}")
+    for key in ("decomposition", "version", "shift"):
+        if key not in state:
+            raise ValueError(f"'{key}' is missing")
+    factor.check_decomposition(method, state["decomposition"])
+    version, shift = state["version"], state["shift"]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"'version' must be an int >= 0, got {version!r}")
+    if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift):
+        raise ValueError(f"'shift' must be a finite float, got {shift!r}")

@@ -8,7 +8,9 @@ steps, or staggered: ``folds.py``), the decomposition steps (in line or in backg
 ``reporter.py``); the directions come from ``update/directions.py``.
 Talks to the distributed layer through the ``Sharding`` it builds from ``RuntimeConfig`` and to
 loss scaling through the ``MixedPrecision`` it is given.
-Must not know: param groups, the step's length, SGD's update, checkpoints' format (``checkpoint.py``).
+Its checkpoint state is a tree of owners (``kfac_optim.state``): its step, the intervals and the
+round in flight (which resume at that step), and its children (blocks, damping, stagger).
+Must not know: param groups, the step's length, SGD's update, the checkpoint's framing (``checkpoint.py``).
 
 One step of the optimizer reaches it in this order (docs/design.md §4)::
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,17 +36,19 @@ from kfac_optim import fisher as fisher_lib
 from kfac_optim.config import KFACOptions, RuntimeConfig
 from kfac_optim.schedule.costs import model_costs
 from kfac_optim.update.damping import DampingRule, damping_rule
-from kfac_optim.estimator.decomposition_steps import DecompositionSteps, Round, decomposition_steps
+from kfac_optim.estimator.decomposition_steps import DecompositionSteps, decomposition_steps
 from kfac_optim.distributed.sharding import Sharding
 from kfac_optim.estimator.folds import fold_schedule
 from kfac_optim.schedule.intervals import IntervalSchedule, StepCosts
 from kfac_optim.layers import KroneckerBlock, ModuleReport, discover_blocks
+from kfac_optim.layers.block_states import BlockStates
 from kfac_optim.layers.registry import SkipLayers, find_layers
 from kfac_optim.methods import Method, method_named
 from kfac_optim.precision import MixedPrecision
 from kfac_optim.reporter import LARGE_FACTOR_DIM, Reporter, memory_usage
 from kfac_optim.estimator.pipeline import statistics_pipeline
 from kfac_optim.capture.weight_uses import WeightUseCheck
+from kfac_optim.state import Stateful, check_children, load_children, save_children, within
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +129,9 @@ class KroneckerEstimator:
                                    sum_over_ranks=self.sharding.sum_over_ranks)
         self.damping: DampingRule = damping_rule(options.damping,
                                                  distributed=self.sharding.active or self.sharding.row_sharded is not None)
+        self.state_children: dict[str, Stateful] = {
+            "blocks": BlockStates(self.blocks, self.method), "damping": self.damping, "stagger": self.folds}
+        """The owners of checkpoint state under their keys (``kfac_optim.state``), loaded in this order."""
         self.arm()
 
     def _check_method_state_is_local(self, runtime: RuntimeConfig) -> None:
@@ -303,25 +311,36 @@ class KroneckerEstimator:
         if self.capture.recorded == recorded_before:
             self.reporter.nothing_sampled()
 
-    # -- checkpoints -------------------------------------------------------------------------
+    # -- checkpoints (kfac_optim.state's protocol) ---------------------------------------------
 
-    def restore(self, steps: int, saved: dict[str, dict], results: Round, adopt_at: int | None,
-                round_saved: bool, intervals: dict | None = None, damping: dict | None = None,
-                stagger: dict[str, float] | None = None) -> None:
-        """Load validated blocks (``checkpoint.py``), the chosen automatic intervals (None: none
-        chosen, calibrate from the next step), ``AdaptiveDamping``'s state (None: none saved), the
-        stagger phases' costs (None: none fixed, ``StaggeredFolds.load_state_dict``) and
-        hand the decomposition steps the saved round in flight (``results``, to adopt at ``adopt_at``;
-        ``round_saved``: whether the checkpoint held one; ``DecompositionSteps.restore``)."""
+    def state_dict(self) -> dict[str, Any]:
+        """``{"steps", "intervals", "round", **its children's}``: this rank's state, local (the
+        statistics worker and a round in flight are waited for). The intervals and the round in
+        flight resume at the saved step; every other owner is a child (:attr:`state_children`)."""
+        self.statistics.settle()
+        return {"steps": self.steps, "intervals": self.intervals.state_dict(),
+                "round": self.decomposition_steps.state_dict(), **save_children(self.state_children)}
+
+    def check_state(self, state: Any) -> None:
+        """Raise ``ValueError`` naming the key if ``state`` (a :meth:`state_dict`) does not fit; nothing changes."""
+        if not isinstance(state, dict) or "steps" not in state:
+            raise ValueError("expected a dict with 'steps' and 'blocks'")
+        steps = state["steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"'steps' must be an int >= 0, got {steps!r}")
+        check_children(self.state_children, state)
+        with within("'intervals'"):
+            self.intervals.check_state(state.get("intervals"))
+        with within("'round'"):
+            self.decomposition_steps.check_state(state.get("round"), steps)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checked :meth:`state_dict`: the step, the intervals at it, the children in
+        order, then the round in flight (over the loaded factors)."""
         self.statistics.settle()  # work in flight writes into the factors being replaced
-        self.decomposition_steps.drop_round()
-        self.steps = int(steps)
-        self.intervals.load_state_dict(intervals, self.steps)
-        self.damping.load_state_dict(damping)
-        self.folds.load_state_dict(stagger)
-        for block in self.blocks:
-            if block.name in saved:
-                block.load_state_dict(saved[block.name], self.method)
-        self.decomposition_steps.restore(results, adopt_at, round_saved)
+        self.steps = int(state["steps"])
+        self.intervals.load_state_dict(state.get("intervals"), self.steps)
+        load_children(self.state_children, state)
+        self.decomposition_steps.load_state_dict(state.get("round"))
         self.sharding.loaded()
         self.arm()

@@ -4,7 +4,8 @@ Owns: the choice between every block on the factor steps of the intervals (:clas
 and each block on its phase's steps (:class:`StaggeredFolds`, ``CurvatureConfig(stagger=True)``:
 ``stagger.FactorStagger``'s phases, fixed from the first factor step that recorded statistics,
 which folds every block), made once at construction (:func:`fold_schedule`); arming the capture
-for a step accordingly; what a checkpoint keeps of it (the phases' costs: the ``"stagger"`` entry).
+for a step accordingly; what a checkpoint keeps of it (the phases' costs: the ``"stagger"`` entry,
+``kfac_optim.state``'s protocol).
 Must not know: the statistics' math, where the fold runs (the statistics pipeline), decompositions.
 """
 
@@ -48,8 +49,19 @@ class IntervalFolds:
         """What a checkpoint needs to continue the schedule (the ``"stagger"`` entry): nothing here."""
         return None
 
+    def check_state(self, state: Any) -> None:
+        """Raise ``ValueError`` if ``state`` is not None or a dict of unit name to a finite cost >= 0
+        (:meth:`StaggeredFolds.state_dict`; checked whatever the schedule, as both read any)."""
+        if state is None:
+            return
+        valid = isinstance(state, dict) and all(
+            isinstance(name, str) and isinstance(cost, (int, float)) and not isinstance(cost, bool)
+            and math.isfinite(cost) and cost >= 0 for name, cost in state.items())
+        if not valid:
+            raise ValueError(f"expected None or a dict of layer name to a finite cost >= 0, got {state!r}")
+
     def load_state_dict(self, state: dict[str, float] | None) -> None:
-        """Continue the schedule of a checkpoint's ``"stagger"`` entry (checked: :func:`check_state`)."""
+        """Continue the schedule of a checkpoint's ``"stagger"`` entry (checked: :meth:`check_state`)."""
 
 
 class StaggeredFolds(IntervalFolds):
@@ -99,22 +111,6 @@ class StaggeredFolds(IntervalFolds):
         next factor step with statistics, which folds every block."""
         names = self._stagger.names
         self._stagger.set_costs(None if state is None or set(state) != set(names) else [state[n] for n in names])
-
-
-def check_state(state: Any) -> None:
-    """Check a checkpoint's ``"stagger"`` entry (:meth:`StaggeredFolds.state_dict`).
-
-    Raises:
-        ValueError: naming the field that does not fit.
-    """
-    if state is None:
-        return
-    valid = isinstance(state, dict) and all(
-        isinstance(name, str) and isinstance(cost, (int, float)) and not isinstance(cost, bool)
-        and math.isfinite(cost) and cost >= 0 for name, cost in state.items())
-    if not valid:
-        raise ValueError("K-FAC checkpoint: 'stagger' must be None or a dict of layer name to a finite cost >= 0, "
-                         f"got {state!r}")
 
 
 FoldSchedule = IntervalFolds

@@ -33,6 +33,7 @@ from kfac_optim.layers.factor import Factor, FactorName, output_gram_scale
 from kfac_optim.layers.hooks import current_call_samples, current_samples
 from kfac_optim.layers.positions import RealPositions
 from kfac_optim.methods import Method
+from kfac_optim.state import within
 
 logger = logging.getLogger(__name__)
 
@@ -440,25 +441,22 @@ class KroneckerBlock(ABC):
             state["method_state"] = {key: value.clone() for key, value in self.method_state.items()}
         return state
 
-    def validate_state(self, state: Any, method: Method | None = None) -> None:
-        """Raise ``ValueError`` naming the layer, factor and field if ``state`` (a :meth:`state_dict`)
-        does not fit this block (its decompositions ``method``'s); nothing is modified."""
-        where = f"K-FAC checkpoint, layer '{self.name}'"
+    def check_state(self, state: Any, method: Method | None = None) -> None:
+        """Raise ``ValueError`` naming the factor and field if ``state`` (a :meth:`state_dict`) does
+        not fit this block (its decompositions ``method``'s); nothing is changed."""
         if not isinstance(state, dict) or not isinstance(state.get("factors"), dict) or "failures" not in state:
-            raise ValueError(f"{where}: expected a dict with 'factors' and 'failures'")
+            raise ValueError("expected a dict with 'factors' and 'failures'")
         for name, factor in self.factors.items():
-            if name not in state["factors"]:
-                raise ValueError(f"{where}, factor {name}: missing")
-            try:
-                factor.validate_state(state["factors"][name], method)
-            except ValueError as error:
-                raise ValueError(f"{where}, factor {name}: {error}") from None
+            with within(f"factor {name}"):
+                if name not in state["factors"]:
+                    raise ValueError("missing")
+                factor.check_state(state["factors"][name], method)
         method_state = state.get("method_state", {})
         if not isinstance(method_state, dict) or not all(isinstance(v, Tensor) for v in method_state.values()):
-            raise ValueError(f"{where}: 'method_state' must be a dict of tensors")
+            raise ValueError("'method_state' must be a dict of tensors")
 
     def load_state_dict(self, state: dict[str, Any], method: Method | None = None) -> None:
-        """Restore a validated :meth:`state_dict` (decompositions read by ``method``'s decomposer)."""
+        """Restore a checked :meth:`state_dict` (decompositions read by ``method``'s decomposer)."""
         for name, factor in self.factors.items():
             factor.load_state_dict(state["factors"][name], method)
         self.failures = int(state["failures"])

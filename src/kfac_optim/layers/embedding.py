@@ -37,6 +37,7 @@ from kfac_optim.layers.factor import DiagonalFactor, Factor, FactorName, output_
 from kfac_optim.layers.hooks import current_mask
 from kfac_optim.layers.positions import RealPositions
 from kfac_optim.methods import Method
+from kfac_optim.state import within
 
 
 class TiedHead:
@@ -247,21 +248,18 @@ class EmbeddingBlock(KroneckerBlock):
             state["uses"] = {name: factor.state_dict(method) for name, factor in self.head.factors().items()}
         return state
 
-    def validate_state(self, state: Any, method: Method | None = None) -> None:
-        super().validate_state(state, method)
+    def check_state(self, state: Any, method: Method | None = None) -> None:
+        super().check_state(state, method)
         if self.head is None:
             return
-        where = f"K-FAC checkpoint, layer '{self.name}'"
         uses = state.get("uses")
         if not isinstance(uses, dict):
-            raise ValueError(f"{where}: expected 'uses', the running factors of both uses of the tied weight")
+            raise ValueError("expected 'uses', the running factors of both uses of the tied weight")
         for name, factor in self.head.factors().items():
-            if name not in uses:
-                raise ValueError(f"{where}, use factor {name}: missing")
-            try:
-                factor.validate_state(uses[name], method)
-            except ValueError as error:
-                raise ValueError(f"{where}, use factor {name}: {error}") from None
+            with within(f"use factor {name}"):
+                if name not in uses:
+                    raise ValueError("missing")
+                factor.check_state(uses[name], method)
 
     def load_state_dict(self, state: dict[str, Any], method: Method | None = None) -> None:
         if self.head is not None:

@@ -2,8 +2,8 @@
 
 Owns: the factor's storage (allocated on first use), accumulating Gram matrices (or a diagonal's counts) since the last fold, folding them into
 the running average (non-finite batches discarded, no host sync), the decomposition held and when
-it is stale, checkpoint state and its validation; :func:`output_gram_scale`, the one place the
-output-gradient scaling of the conventions below is written.
+it is stale, its checkpoint state (``kfac_optim.state``'s protocol, the method handed in);
+:func:`output_gram_scale`, the one place the output-gradient scaling of the conventions below is written.
 Must not know: modules, blocks, hooks, ranks; which method decomposes (a ``methods.Method`` is
 handed in and does the math); the geometry of a ``layers.support.Support`` (e.g. ``layers.conv``'s boxes).
 
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from kfac_optim import linalg
 from kfac_optim.layers.support import EMPTY_SUPPORT, Support
-from kfac_optim.state_checks import check_shapes, check_tensors
+from kfac_optim.state import check_shapes, check_tensors
 
 if TYPE_CHECKING:
     from kfac_optim.methods.decompositions import Decomposer, Decomposition
@@ -362,14 +362,8 @@ class Factor:
         return (*self.batch_shape, linalg.triu_size(self.dim))
 
     def unpacked(self, saved: Tensor) -> Tensor:
-        """A new tensor shaped as the storage from :meth:`packed`'s output, or a whole one (:func:`unpack_running`)."""
+        """A new tensor shaped as the storage from :meth:`packed`'s output (:func:`unpack_running`)."""
         return unpack_running(saved, self.dim, self.groups, self.diagonal)
-
-    def saved_shape(self, saved: Tensor) -> tuple[int, ...]:
-        """The shape a saved symmetric tensor of this factor must have: packed (:meth:`packed_shape`),
-        or whole (the storage's: a diagonal factor's, or as checkpoints of format 1 hold it)."""
-        storage = self.storage_shape(self.dim, self.groups)
-        return self.packed_shape() if saved.dim() < len(storage) else storage
 
     def saved_decomposition(self, method: Method | None, decomposition: Decomposition | None) -> Any:
         """``decomposition`` (of this factor) as ``method``'s decomposer saves it; None for None."""
@@ -389,10 +383,10 @@ class Factor:
                 raise ValueError(f"'{field}' is saved but no method was given to read it")
             method.decomposer.check_saved(self, saved, field)
 
-    def validate_state(self, state: Any, method: Method | None = None) -> None:
+    def check_state(self, state: Any, method: Method | None = None) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable :meth:`state_dict` of this
-        factor: every key present, ``running`` packed (:meth:`packed_shape`) or whole (the storage's
-        shape, as checkpoints of format 1 hold it), the decomposition ``method``'s, all finite."""
+        factor: every key present, ``running`` packed (:meth:`packed_shape`), the decomposition
+        ``method``'s, all finite; nothing is changed."""
         if not isinstance(state, dict):
             raise ValueError(f"expected a dict, got {type(state).__name__}")
         for key in ("running", "initialized", "discarded", "version", "decomposition", "decomposed_key"):
@@ -410,29 +404,13 @@ class Factor:
             raise ValueError(f"'rank_bound' must be None or an int >= 0, got {bound!r}")
         expected = {"initialized": (), "discarded": ()}
         if "running" in tensors:
-            expected["running"] = self.saved_shape(tensors["running"])
+            expected["running"] = self.packed_shape()
         check_shapes(tensors, expected)
-
-    def validate_result(self, state: Any, method: Method) -> None:
-        """Raise ``ValueError`` naming the field if ``state`` is not a usable saved result of a background
-        decomposition of this factor by ``method``: ``{"decomposition": saved as by :meth:`saved_decomposition`
-        or None (failed), "version": the factor version decomposed (int >= 0), "shift": the shift it was given (finite)}``."""
-        if not isinstance(state, dict):
-            raise ValueError(f"expected a dict, got {type(state).__name__}")
-        for key in ("decomposition", "version", "shift"):
-            if key not in state:
-                raise ValueError(f"'{key}' is missing")
-        self.check_decomposition(method, state["decomposition"])
-        version, shift = state["version"], state["shift"]
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"'version' must be an int >= 0, got {version!r}")
-        if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift):
-            raise ValueError(f"'shift' must be a finite float, got {shift!r}")
 
     def load_state_dict(self, state: dict[str, Any], method: Method | None = None) -> None:
         """Restore from :meth:`state_dict` (tensors move to this factor's device and dtypes; ``running``
-        packed, whole, or None: never allocated; the decomposition read by ``method``'s decomposer);
-        the caller validates ``state`` first (:meth:`validate_state`)."""
+        packed, or None: never allocated; the decomposition read by ``method``'s decomposer); the
+        caller checks ``state`` first (:meth:`check_state`)."""
         device, dtype = self.device, self.dtype
         if state["running"] is None:
             self.release()
@@ -461,9 +439,9 @@ def _decomposer(method: Method | None, what: str) -> Decomposer:
 
 def unpack_running(saved: Tensor, dim: int, groups: int = 1, diagonal: bool = False) -> Tensor:
     """A new tensor holding the running factor (or a damped inverse; ``dim``, ``groups`` and kind
-    as the :class:`Factor`'s) that a checkpoint saved as ``saved``: packed (:meth:`Factor.packed`)
-    or whole (a diagonal factor's ``(dim,)``; a dense one's storage, as checkpoints of format 1 hold it)."""
-    if diagonal or tuple(saved.shape) == Factor.storage_shape(dim, groups):
+    as the :class:`Factor`'s) that a checkpoint saved as ``saved`` (:meth:`Factor.packed`: a diagonal
+    factor's ``(dim,)`` itself)."""
+    if diagonal:
         return saved.clone()
     if groups == 1:
         return linalg.unpack_symmetric(saved, dim)

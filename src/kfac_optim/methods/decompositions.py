@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from kfac_optim import linalg
-from kfac_optim.state_checks import check_shapes, check_tensors
+from kfac_optim.state import check_shapes, check_tensors
 
 Decomposition = linalg.Eigen | Tensor
 
@@ -60,10 +60,10 @@ class FactorView(Protocol):
         """A symmetric tensor shaped as the storage as checkpoints hold it (its upper triangle)."""
 
     def unpacked(self, saved: Tensor) -> Tensor:
-        """A new tensor shaped as the storage from :meth:`packed`'s output (or a whole one)."""
+        """A new tensor shaped as the storage from :meth:`packed`'s output."""
 
-    def saved_shape(self, saved: Tensor) -> tuple[int, ...]:
-        """The shape a saved symmetric tensor must have: packed, or whole (format 1)."""
+    def packed_shape(self) -> tuple[int, ...]:
+        """The shape of :meth:`packed`'s output."""
 
 
 class Decomposer(ABC):
@@ -297,4 +297,4 @@ class InverseDecomposer(Decomposer):
 
     def check_saved(self, factor: FactorView, saved: Any, field: str) -> None:
         check_tensors({field: saved})
-        check_shapes({field: saved}, {field: factor.saved_shape(saved)})
+        check_shapes({field: saved}, {field: factor.packed_shape()})

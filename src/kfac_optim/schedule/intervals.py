@@ -34,6 +34,7 @@ import torch
 
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.schedule.milestones import resolve
+from kfac_optim.state import within
 
 logger = logging.getLogger(__name__)
 
@@ -385,8 +386,26 @@ class IntervalSchedule:
         return {"factor": None if self._factor is not None else self.chosen[0],
                 "inverse": None if self._inverse is not None else self.chosen[1], "costs": asdict(self.costs)}
 
+    def check_state(self, state: Any) -> None:
+        """Raise ``ValueError`` naming the field if ``state`` is not None or a :meth:`state_dict`."""
+        if state is None:
+            return
+        if not isinstance(state, dict) or not {"factor", "inverse", "costs"} <= set(state):
+            raise ValueError("expected None or a dict with 'factor', 'inverse' and 'costs'")
+        for name in ("factor", "inverse"):
+            if state[name] is not None:  # None: an explicit interval's
+                try:
+                    check_interval(name, state[name])
+                except ValueError as error:
+                    raise ValueError(f"{error} (or None for an explicit one)") from None
+        with within("'costs'"):
+            try:
+                StepCosts(**state["costs"])
+            except TypeError as error:
+                raise ValueError(str(error)) from None
+
     def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
-        """Restore :meth:`state_dict` (checked by :func:`check_state`) at ``step``; None, or a state
+        """Restore :meth:`state_dict` (checked by :meth:`check_state`) at ``step``; None, or a state
         without an interval this schedule chooses (saved where it was explicit): decide afresh from
         ``step``. Explicit intervals are kept as given."""
         self._start, self._decomposition, self._precondition, self._round = step, None, None, None
@@ -400,29 +419,6 @@ class IntervalSchedule:
             self.chosen, self.costs = None, None
         else:
             self.chosen, self.costs = (factor, inverse), StepCosts(**state["costs"])
-
-
-def check_state(state: Any) -> None:
-    """Check a checkpoint's ``"intervals"`` entry (:meth:`IntervalSchedule.state_dict`).
-
-    Raises:
-        ValueError: naming the field that does not fit.
-    """
-    if state is None:
-        return
-    if not isinstance(state, dict) or not {"factor", "inverse", "costs"} <= set(state):
-        raise ValueError("K-FAC checkpoint: 'intervals' must be None or a dict with 'factor', 'inverse' and 'costs'")
-    for name in ("factor", "inverse"):
-        if state[name] is None:  # an explicit interval's
-            continue
-        try:
-            check_interval(name, state[name])
-        except ValueError as error:
-            raise ValueError(f"K-FAC checkpoint, 'intervals': {error} (or None for an explicit one)") from None
-    try:
-        StepCosts(**state["costs"])
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"K-FAC checkpoint, 'intervals' costs: {error}") from None
 
 
 def _is_auto(value: Any) -> bool:

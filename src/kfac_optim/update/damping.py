@@ -114,7 +114,21 @@ class DampingRule(ABC):
         return None
 
     def state_dict(self) -> dict[str, float | None] | None:
+        """``AdaptiveDamping``'s λ and last ρ, ``{"damping", "rho"}``; None: a constant or scheduled λ."""
         return None
+
+    def check_state(self, state: Any) -> None:
+        """Raise ``ValueError`` naming the field if ``state`` is not None or a :meth:`state_dict` of an
+        adaptive rule (checked whatever the rule, as every rule reads any)."""
+        if state is None:
+            return
+        if not isinstance(state, dict) or set(state) != {"damping", "rho"}:
+            raise ValueError("expected None or a dict with 'damping' and 'rho'")
+        damping, rho = state["damping"], state["rho"]
+        if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or not 0 < damping < math.inf:
+            raise ValueError(f"'damping' must be a finite number > 0, got {damping!r}")
+        if rho is not None and (isinstance(rho, bool) or not isinstance(rho, numbers.Real)):
+            raise ValueError(f"'rho' must be a number or None, got {rho!r}")
 
     def load_state_dict(self, state: dict[str, float | None] | None) -> None:
         if state is not None:
@@ -219,23 +233,6 @@ class LevenbergMarquardt(DampingRule):
             self.damping, self.rho = self.config.initial, None
             return
         self.damping, self.rho = float(state["damping"]), state["rho"]
-
-
-def check_state(state: Any) -> None:
-    """Check a checkpoint's ``"damping"`` entry (:meth:`DampingRule.state_dict`).
-
-    Raises:
-        ValueError: naming the field that does not fit.
-    """
-    if state is None:
-        return
-    if not isinstance(state, dict) or set(state) != {"damping", "rho"}:
-        raise ValueError("K-FAC checkpoint: 'damping' must be None or a dict with 'damping' and 'rho'")
-    damping, rho = state["damping"], state["rho"]
-    if isinstance(damping, bool) or not isinstance(damping, numbers.Real) or not 0 < damping < math.inf:
-        raise ValueError(f"K-FAC checkpoint: 'damping' damping must be a finite number > 0, got {damping!r}")
-    if rho is not None and (isinstance(rho, bool) or not isinstance(rho, numbers.Real)):
-        raise ValueError(f"K-FAC checkpoint: 'damping' rho must be a number or None, got {rho!r}")
 
 
 def damping_rule(damping: float | Callable[[int], float] | AdaptiveDamping, distributed: bool = False) -> DampingRule:
