@@ -71,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     middle = (args.steps // 2) // INV_UPDATE_STEPS * INV_UPDATE_STEPS + 1  # steps up to a decomposition step
     with process_group(ranks):
         model = sharded_toy_model(device)
-        optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1,
-                                    inv_update_steps=INV_UPDATE_STEPS)
+        optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=INV_UPDATE_STEPS)
         train(model, optimizer, batches, range(middle), ranks)
         path = tempfile.mkdtemp() if rank == 0 else None
         shared = [path]
