@@ -184,7 +184,8 @@ def symmetric_eigen(
     if k:
         block = factor if k == n else factor[active][:, active]
         columns = None if rank_bound is None else rank_bound + LOW_RANK_OVERSAMPLE
-        truncating = capped and drop_below is not None and k > max_rank and (rank_bound is None or rank_bound > max_rank)
+        truncating = (capped and drop_below is not None and k > max_rank
+                      and (rank_bound is None or rank_bound > max_rank))
         if truncating:
             result = _top_eigh(block, max_rank)
         elif drop_below is not None and columns is not None and columns <= THIN_MAX_FRACTION * k:

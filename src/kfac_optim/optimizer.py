@@ -153,7 +153,8 @@ class KFAC(KFACViews, Optimizer, Joinable):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        for name, value in (("lr", lr), ("momentum", momentum), ("dampening", dampening), ("weight_decay", weight_decay)):
+        for name, value in (("lr", lr), ("momentum", momentum), ("dampening", dampening),
+                            ("weight_decay", weight_decay)):
             check_hyperparameter(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov requires momentum > 0 and dampening = 0")
@@ -175,7 +176,8 @@ class KFAC(KFACViews, Optimizer, Joinable):
         trainable = {p for group in self.param_groups for p in group["params"]}  # the model's and any outside it
         self._outside_adam = outside_kfac_for(
             method_named(self._options.method), self._options.update.grafting,
-            self._options.update.decoupled_weight_decay, self.param_groups, self.model, trainable)  # checked before any hook
+            self._options.update.decoupled_weight_decay, self.param_groups, self.model,
+            trainable)  # checked before any hook
         self._precision = MixedPrecision(self, runtime.grad_scaler,
                                          statistics_loss_scaled=curvature.fisher == "empirical")
         self.estimator = KroneckerEstimator(self.model, trainable, self._options, runtime, self._precision)
@@ -273,7 +275,8 @@ class KFAC(KFACViews, Optimizer, Joinable):
         self._precision.bind_master_params(estimator.blocks)
         self._join.check_step(self._join_config)
 
-        estimator.update_curvature(statistics_scale, self._moves)  # fold on factor steps, decompose on decomposition steps
+        # fold on factor steps, decompose on decomposition steps
+        estimator.update_curvature(statistics_scale, self._moves)
         directions = estimator.precondition()           # V = (G ⊗ A + λI)⁻¹ ∇W, by parameter
         directions = self._step_length.apply(directions, self.param_groups, self.state)  # ν·V, M·‖s‖/‖M‖ or V
         adam: dict[Tensor, Tensor] = {}

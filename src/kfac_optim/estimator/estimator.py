@@ -122,8 +122,8 @@ class KroneckerEstimator:
                                           remeasure=self.decomposition_steps.remeasures)
         self.folds = fold_schedule(self.blocks, self.intervals, stagger=curvature.stagger,
                                    sum_over_ranks=self.sharding.sum_over_ranks)
-        self.damping: DampingRule = damping_rule(options.damping,
-                                                 distributed=self.sharding.active or self.sharding.row_sharded is not None)
+        self.damping: DampingRule = damping_rule(
+            options.damping, distributed=self.sharding.active or self.sharding.row_sharded is not None)
         self.arm()
 
     def _check_method_state_is_local(self, runtime: RuntimeConfig) -> None:

@@ -218,4 +218,5 @@ def _check_dense_gradients(model: nn.Module, trainable: set[Tensor], what: str) 
 
 def _norm_ratio(reference: Tensor, direction: Tensor) -> Tensor:
     """``‖reference‖ / ‖direction‖`` as a 0-dim tensor on the device (``‖direction‖`` floored)."""
-    return torch.linalg.vector_norm(reference).to(direction.dtype) / torch.linalg.vector_norm(direction).clamp(min=_TINY)
+    return (torch.linalg.vector_norm(reference).to(direction.dtype)
+            / torch.linalg.vector_norm(direction).clamp(min=_TINY))
