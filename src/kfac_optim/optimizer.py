@@ -99,8 +99,8 @@ class KFAC(KFACViews, Optimizer, Joinable):
             the reduction ratio of the quadratic model; it needs ``step(closure)`` (docs/api.md
             "Adaptive damping").
         kl_clip: bound on the KL-divergence estimate of the applied step ``lr·ν·V``: below it the
-            step promises SGD's first-order decrease at the lr, so the lr sets it as SGD's (``UpdateConfig.trust_region``); None: K-FAC's
-            directions unscaled.
+            step promises SGD's first-order decrease at the lr, so the lr sets it as SGD's
+            (``UpdateConfig.trust_region``); None: K-FAC's directions unscaled.
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable), or
             "auto" (default) / a ``kfac_optim.schedule.intervals.AutoIntervals``: chosen from the cost
             counted from the layers' and the first batch's shapes, reproducible; a

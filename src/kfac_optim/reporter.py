@@ -369,8 +369,8 @@ def memory_usage(blocks: Sequence[KroneckerBlock], method: Method, row_sharded: 
     layer frozen since construction allocates its factors when it first records, ``Factor.allocated``);
     ``"pending"``: the buffers statistics are captured into (allocated likewise); ``"decompositions"``: the
     eigendecompositions or inverses this rank holds (all layers with ``f = 1``, about
-    ``f`` of them otherwise, as ``method`` sizes them); ``"sharded_preconditioning"``: under FSDP2 (``row_sharded``), the most this
-    rank holds at once while preconditioning sharded layers (gathered gradient rows and one whole
+    ``f`` of them otherwise, as ``method`` sizes them); ``"sharded_preconditioning"``: under FSDP2 (``row_sharded``),
+    the most this rank holds at once while preconditioning sharded layers (gathered gradient rows and one whole
     gradient and direction, in ``inv_dtype``; 0 without sharded layers). Momentum buffers are SGD's
     and not counted.
     """

@@ -36,8 +36,8 @@ The test tells a batch-free index tensor from a batch of token ids (``nn.Embeddi
 called with labels ``(N,)`` is an ordinary batched use) by the batch of the same forward: a block
 called with 1-D indices of length ``L`` per call is batch-free when the other blocks recorded a
 different number of samples, N ≠ L, each counted once per call of the model (a table called twice in
-one forward, as a diffusion transformer's class embedding, counts its labels once). When N = L it is taken as batched; if another
-block's inputs also have L positions per sample (positions from ``arange(T)`` with a batch of
+one forward, as a diffusion transformer's class embedding, counts its labels once). When N = L it is taken as batched;
+if another block's inputs also have L positions per sample (positions from ``arange(T)`` with a batch of
 exactly T), the case is ambiguous and a warning says so.
 """
 

@@ -1,8 +1,8 @@
 """Kronecker factors: one symmetric factor's pending statistics, running average and decomposition.
 
-Owns: the factor's storage (allocated on first use), accumulating Gram matrices (or a diagonal's counts) since the last fold, folding them into
-the running average (non-finite batches discarded, no host sync), the decomposition held and when
-it is stale, checkpoint state and its validation; :func:`output_gram_scale`, the one place the
+Owns: the factor's storage (allocated on first use), accumulating Gram matrices (or a diagonal's counts) since the last
+fold, folding them into the running average (non-finite batches discarded, no host sync), the decomposition held and
+when it is stale, checkpoint state and its validation; :func:`output_gram_scale`, the one place the
 output-gradient scaling of the conventions below is written.
 Must not know: modules, blocks, hooks, ranks; which method decomposes (a ``methods.Method`` is
 handed in and does the math); the geometry of a ``layers.support.Support`` (e.g. ``layers.conv``'s boxes).
@@ -416,7 +416,8 @@ class Factor:
     def validate_result(self, state: Any, method: Method) -> None:
         """Raise ``ValueError`` naming the field if ``state`` is not a usable saved result of a background
         decomposition of this factor by ``method``: ``{"decomposition": saved as by :meth:`saved_decomposition`
-        or None (failed), "version": the factor version decomposed (int >= 0), "shift": the shift it was given (finite)}``."""
+        or None (failed), "version": the factor version decomposed (int >= 0), "shift": the shift it was given
+        (finite)}``."""
         if not isinstance(state, dict):
             raise ValueError(f"expected a dict, got {type(state).__name__}")
         for key in ("decomposition", "version", "shift"):
@@ -452,7 +453,8 @@ class Factor:
 
 
 def _decomposer(method: Method | None, what: str) -> Decomposer:
-    """``method``'s decomposer; ``ValueError`` naming ``what`` when a decomposition is at stake and no method is given."""
+    """``method``'s decomposer; ``ValueError`` naming ``what`` when a decomposition is at stake and no method is
+    given."""
     if method is None:
         raise ValueError(f"Factor.{what}(method=None): a decomposition is held or saved, pass method= (the Method "
                          "whose decomposer made it)")

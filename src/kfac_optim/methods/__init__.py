@@ -377,9 +377,9 @@ class EigenAdam(Eigen):
 
     ``max_rank``, ``thin_width`` (keywords; ``max_rank`` None: full bases everywhere): the thin basis
     of wide factors. A dense factor wider than ``thin_width`` (≥ ``max_rank``), of a pair of dense
-    ungrouped factors, is held as at most ``max_rank`` leading eigenvectors ``Q`` (:class:`Eigen`'s cap: a randomized eigensolver, O(n²·max_rank);
-    its isotropic ``σ`` is not used). Its side's ``U`` above is then ``Q (n, r)``, and the part of
-    the gradient outside the kept eigenvectors, ``O = ∇ − U_G R U_Aᵀ``, takes Adam's elementwise
+    ungrouped factors, is held as at most ``max_rank`` leading eigenvectors ``Q`` (:class:`Eigen`'s cap: a randomized
+    eigensolver, O(n²·max_rank); its isotropic ``σ`` is not used). Its side's ``U`` above is then ``Q (n, r)``, and the
+    part of the gradient outside the kept eigenvectors, ``O = ∇ − U_G R U_Aᵀ``, takes Adam's elementwise
     update in the parameters' own coordinates with its own second moment::
 
         w ← β₂ w + (1 − β₂) O²,   V = U_G [R / (sqrt(v̂) + ε)] U_Aᵀ + O / (sqrt(w / (1 − β₂ᵗ)) + ε)
