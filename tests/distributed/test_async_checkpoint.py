@@ -113,7 +113,7 @@ def test_resume_while_a_round_is_in_flight_continues_bit_identically(
     assert entry["adopt_at"] == (None if async_delay is None else 5 if save_at < 6 else 8)
     assert set(entry["factors"]) == {"conv", "head"}
     for block in reference_optimizer.blocks:
-        for name, factor in entry["factors"][block.name].items():
+        for factor in entry["factors"][block.name].values():
             assert set(factor["decomposition"]) == {"Q", "d"} and factor["version"] in (4, 7)
 
 

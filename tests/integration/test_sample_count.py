@@ -42,7 +42,7 @@ def per_sample_reference(layers: dict[str, nn.Linear], run: callable, samples: i
     grads: dict[str, list[torch.Tensor]] = {name: [] for name in layers}
     for n in range(samples):
         seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in layers}
-        handles = [layer.register_forward_hook(lambda m, i, o, name=name: seen[name].append((i[0].detach(), o)))
+        handles = [layer.register_forward_hook(lambda m, i, o, name=name, seen=seen: seen[name].append((i[0].detach(), o)))
                    for name, layer in layers.items()]
         share = run(n)
         for handle in handles:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_optim import KFAC, CurvatureConfig, UpdateConfig
+from kfac_optim import KFAC, CurvatureConfig
 
 EXACT = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64)
 EVERY_STEP = {"factor_update_steps": 1, "inv_update_steps": 1}
