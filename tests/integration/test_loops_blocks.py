@@ -134,7 +134,8 @@ class MuReadoutBlock(LinearBlock):
 # Today: MuReadout inherits LinearBlock, no warning, A 16x the second moment of x / width_mult.
 def test_a_subclass_overriding_forward_inherits_no_block_and_is_named_once_with_how_to_register() -> None:
     model = nn.Sequential(PlainSubclass(4, 8), nn.Tanh(), MuReadout(8, 3, width_mult=4.0))
-    with pytest.warns(UserWarning, match=r"MuReadout subclasses Linear but overrides forward.*register_block") as caught:
+    with pytest.warns(UserWarning,
+                      match=r"MuReadout subclasses Linear but overrides forward.*register_block") as caught:
         optimizer = KFAC(model, lr=0.1, **FIXED)
     assert sum("MuReadout" in str(w.message) for w in caught) == 1
     assert [b.name for b in optimizer.blocks] == ["0"]  # the plain subclass keeps Linear's block
@@ -373,7 +374,8 @@ def test_a_model_mostly_with_blocks_does_not_warn_about_coverage() -> None:
     messages = [str(w.message) for w in record]
     assert not any("under 50%" in message for message in messages), messages
     # the Bilinear still gets the warning of a weight matrix over 1% of the elements on SGD's path
-    assert [m.partition(" takes")[0] for m in messages] == ["'3.weight' (Bilinear, 256 elements, 15.8% of the trainable ones)"]
+    assert [m.partition(" takes")[0]
+            for m in messages] == ["'3.weight' (Bilinear, 256 elements, 15.8% of the trainable ones)"]
 
 
 # -- 7. describe() true after every change ---------------------------------------------------------
@@ -425,7 +427,9 @@ def test_describe_says_what_bitfit_biases_get_and_they_get_it() -> None:
     for layer in (model[0], model[2]):
         layer.weight.requires_grad_(False)
     optimizer = KFAC(model, lr=0.1, **FIXED)
-    assert "weight is frozen now" in report_row(optimizer, "0").detail and "bias takes the SGD path" in report_row(optimizer, "0").detail
+    assert "weight is frozen now" in report_row(optimizer,
+                                                "0").detail and "bias takes the SGD path" in report_row(optimizer,
+                                                                                                        "0").detail
     before = model[0].bias.detach().clone()
     x, y = block_loop_batch(0)
     F.cross_entropy(model(x), y).backward()

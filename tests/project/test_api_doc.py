@@ -125,7 +125,8 @@ def test_a_documented_signature_is_the_code_s(name: str, params: str, line: int)
 def config_tables(text: str) -> dict[str, list[tuple[list[str], list[str]]]]:
     """``{config name: [(field names of a row, its default cells' code spans)]}`` of each config table."""
     tables = {}
-    for match in re.finditer(r"^\*\*`(\w+Config)`\*\*.*?\n\| field \| default \| meaning \|\n\|[-|]+\|\n((?:\|[^\n]*\n)+)",
+    for match in re.finditer(r"^\*\*`(\w+Config)`\*\*.*?\n\| field \| default \| meaning "
+                             r"\|\n\|[-|]+\|\n((?:\|[^\n]*\n)+)",
                              text, re.S | re.M):
         rows = []
         for row in match[2].splitlines():

@@ -118,7 +118,8 @@ def test_amp_steps_compares_fp16_with_fp32_and_writes_json_and_a_plot(tmp_path: 
 def test_whole_steps_times_each_run_and_compares_rank_aware_preconditioning(tmp_path: Path) -> None:
     payload = whole_steps.main(["--model", "mlp", "--image-size", "4", "--batch-size", "8", "--steps", "3",
                                 "--factor-interval", "2", "--inverse-interval", "2",
-                                "--runs", "sync", "async", "async-stagger", "async-statistics", "--precondition", "--repeats", "1",
+                                "--runs", "sync", "async", "async-stagger", "async-statistics",
+                                "--precondition", "--repeats", "1",
                                 "--out", str(tmp_path)])
     runs = payload["runs"]
     assert set(runs) == {"sync", "async", "async-stagger", "async-statistics"}

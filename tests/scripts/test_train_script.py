@@ -138,7 +138,8 @@ def test_resume_continues_exactly_where_the_checkpoint_stopped(tmp_path: Path) -
     assert run_main("--runs", "sgd", "--epochs", 2, "--out-dir", tmp_path / "straight") == 0
     assert run_main("--runs", "sgd", "--epochs", 1, "--out-dir", tmp_path / "resumed") == 0
     assert run_main("--runs", "sgd", "--epochs", 2, "--resume", "--out-dir", tmp_path / "resumed") == 0
-    assert without_timings(records(tmp_path / "resumed", "sgd")) == without_timings(records(tmp_path / "straight", "sgd"))
+    assert without_timings(records(tmp_path / "resumed", "sgd")) == without_timings(records(tmp_path / "straight",
+                                                                                            "sgd"))
 
 
 def test_resume_refuses_a_checkpoint_of_a_different_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
