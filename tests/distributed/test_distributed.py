@@ -41,7 +41,8 @@ OPTIONS: dict[str, Any] = dict(
 )
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 assert_same = partial(assert_same_tensors, **TOLERANCE)  # rtol=0, atol=0 for bit-identity
-STAGGER: dict[str, Any] = dict(curvature=CurvatureConfig(factor_decay=0.9, stagger=True), factor_update_steps=3)  # phases 0-2 over 4 blocks
+# phases 0-2 over 4 blocks
+STAGGER: dict[str, Any] = dict(curvature=CurvatureConfig(factor_decay=0.9, stagger=True), factor_update_steps=3)
 DEFAULT_INTERVALS: dict[str, Any] = dict(factor_update_steps="auto", inv_update_steps="auto")
 DEFAULT_STEPS = 12  # past the first automatic decomposition interval (at least 10)
 
@@ -168,7 +169,8 @@ def symmetric_matrices(seed: int) -> list[torch.Tensor]:
 
 
 MODERN_RUNS = [(1.0, "eigen"), ("mem-opt", "inverse"), ("mem-opt", "root")]  # root: its Eigen bases travel
-CAPPED = Eigen(max_rank=4)  # fc1's A (33), conv's A (10), fc2's A and G (8 each), head's A (7): truncated at step 0 (12 rows)
+# fc1's A (33), conv's A (10), fc2's A and G (8 each), head's A (7): truncated at step 0 (12 rows)
+CAPPED = Eigen(max_rank=4)
 
 
 def ddp_run(
@@ -203,7 +205,8 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
     results["params no_sync"] = parameters(model)
 
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})  # comm-opt: every rank receives the decompositions it does not own
+    # comm-opt: every rank receives the decompositions it does not own
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     storage: list[dict[str, int]] = []
 
     def record_received_storage() -> None:

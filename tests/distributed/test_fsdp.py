@@ -387,7 +387,8 @@ def fsdp_two_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def fsdp_four_ranks(module_tmp_path: Path, fsdp_two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return spawn(fsdp_scenario_four_ranks, 4, module_tmp_path, deadline_s=DEADLINE_S)  # resumes from the 2-rank DCP checkpoint
+    # resumes from the 2-rank DCP checkpoint
+    return spawn(fsdp_scenario_four_ranks, 4, module_tmp_path, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture(scope="module")

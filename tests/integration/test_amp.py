@@ -67,8 +67,8 @@ def amp_run(
     extra = {"runtime": RuntimeConfig(grad_scaler=scaler)} if pass_scaler else {}
     if fisher != "empirical":
         extra["curvature"] = CurvatureConfig(fisher=fisher)
-    optimizer = make_optimizer(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS},
-                               **extra) if make_optimizer is KFAC else make_optimizer(model)
+    optimizer = (make_optimizer(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}, **extra)
+                 if make_optimizer is KFAC else make_optimizer(model))
     input_dtype = next(model.parameters()).dtype
     for step in range(steps):
         x, y = amp_batch(step)

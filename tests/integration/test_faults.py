@@ -160,8 +160,8 @@ def test_a_copy_of_the_model_can_be_trained_by_its_own_optimizer() -> None:
     for model, optimizer in zip((twin, control), optimizers, strict=True):
         faults_train_step(model, optimizer)
     twin_optimizer, control_optimizer = optimizers
-    assert [block.name for block in twin_optimizer.blocks] == [block.name
-                                                               for block in control_optimizer.blocks] == ["0", "2"]
+    assert ([block.name for block in twin_optimizer.blocks] == [block.name for block in control_optimizer.blocks]
+            == ["0", "2"])
     for block, reference in zip(twin_optimizer.blocks, control_optimizer.blocks, strict=True):
         assert bool(block.A.initialized) and bool(block.G.initialized)
         for name, factor in block.factors.items():

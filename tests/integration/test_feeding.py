@@ -95,7 +95,9 @@ def report(optimizer: KFAC, module_name: str) -> ModuleReport:
 # --- side passes --------------------------------------------------------------------------------
 
 
-def run_classifier(extra_pass: Callable[[nn.Module, Tensor, Tensor, Tensor], None] | None) -> tuple[dict[str, Tensor], nn.Module]:
+def run_classifier(
+    extra_pass: Callable[[nn.Module, Tensor, Tensor, Tensor], None] | None
+) -> tuple[dict[str, Tensor], nn.Module]:
     """``STEPS`` plain K-FAC steps; ``extra_pass(model, x, y, loss)`` runs after the forward,
     before ``loss.backward()``."""
     model = mlp()
@@ -175,8 +177,8 @@ def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors
 
     def run(generator_pass_in_eval_mode: bool) -> tuple[dict[str, Tensor], nn.Module]:
         net_g, net_d = gan()
-        opt_g, opt_d = KFAC(net_g, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), KFAC(net_d,
-                                                                                                          **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+        opt_g, opt_d = (KFAC(net_g, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}),
+                        KFAC(net_d, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}))
         for step in range(STEPS):
             real, noise = gan_batch(step)
             opt_g.zero_grad()
@@ -202,8 +204,8 @@ def test_module_level_zero_grad_gives_the_same_factors_as_the_optimizers() -> No
 
     def run(zero: Callable[[nn.Module, KFAC], None]) -> tuple[dict[str, Tensor], nn.Module]:
         net_g, net_d = gan()
-        opt_g, opt_d = KFAC(net_g, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), KFAC(net_d,
-                                                                                                          **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+        opt_g, opt_d = (KFAC(net_g, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}),
+                        KFAC(net_d, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}))
         for step in range(STEPS):
             real, noise = gan_batch(step)
             zero(net_d, opt_d)
@@ -238,7 +240,8 @@ class TwoHeads(nn.Module):
         return self.head_a(h), self.head_b(h)
 
 
-# Today: "head_a.G: Tensor-likes are not close! ... 5.0e-04" (trunk.G: 0.13; each backward counted as a new micro-batch).
+# Today: "head_a.G: Tensor-likes are not close! ... 5.0e-04"
+# (trunk.G: 0.13; each backward counted as a new micro-batch).
 def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
     def run(separately: bool) -> tuple[dict[str, Tensor], nn.Module]:
         model = TwoHeads()
@@ -398,7 +401,8 @@ def parametrized(kind: str) -> nn.Sequential:
     return model
 
 
-# Today: AssertionError showing describe(): "SGD: no K-FAC block registered for ParametrizedLinear" (prune: "... for Linear").
+# Today: AssertionError showing describe(): "SGD: no K-FAC block registered for ParametrizedLinear"
+# (prune: "... for Linear").
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "prune"])
 def test_parametrized_linear_is_preconditioned_or_takes_the_sgd_path_with_a_true_reason(kind: str) -> None:
     """Either choice of issue 22 is accepted here; the fix should aim for preconditioning
@@ -626,7 +630,8 @@ def test_compiled_train_step_adds_no_graph_for_the_kfac_step() -> None:
     assert graphs(with_kfac=True) == graphs(with_kfac=False)
 
 
-# Today: "AssertionError: (4, 1, [])": 4 graphs with K-FAC, 1 without (fullgraph=True: "HOP: Non-nullified side effect").
+# Today: "AssertionError: (4, 1, [])": 4 graphs with K-FAC, 1 without
+# (fullgraph=True: "HOP: Non-nullified side effect").
 def test_fullgraph_compiled_model_with_kfac_armed_records_like_eager() -> None:
     torch._dynamo.reset()
     x, y = batch(0)
@@ -844,7 +849,8 @@ def scenario_tied_lm(rank: int, world: int, directory: Path) -> dict[str, Any]:
     return {"ddp": ddp, "fsdp": {name: p.full_tensor() for name, p in fsdp.items()}}
 
 
-# Before the fix: "mlp.bias: Tensor-likes are not close! ... Greatest absolute difference: 0.0166" (positions, tied head).
+# Before the fix: "mlp.bias: Tensor-likes are not close! ... Greatest absolute difference: 0.0166"
+# (positions, tied head).
 def test_tied_lm_with_learned_positions_on_two_ddp_ranks_equals_one_process(tmp_path: Path) -> None:
     """DDP and FSDP2, 2 ranks each: the parameters after 10 steps equal one process's on the whole batch."""
     from tests.distributed_helpers import spawn

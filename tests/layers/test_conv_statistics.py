@@ -68,8 +68,8 @@ def per_sample_conv_output_grads(conv: nn.Module, x: torch.Tensor, target: torch
 
 
 def step_with_conv_statistics(conv: nn.Module, x: torch.Tensor, target: torch.Tensor,
-                              statistics: ConvStatistics | None, **curvature) -> tuple[KFAC,
-                                                                                       torch.Tensor, torch.Tensor]:
+                              statistics: ConvStatistics | None,
+                              **curvature) -> tuple[KFAC, torch.Tensor, torch.Tensor]:
     """One K-FAC step (lr 1, no clip, λ = 0.1) on a copy of ``conv``: the optimizer, the joint
     gradient and the applied direction."""
     conv = copy.deepcopy(conv)

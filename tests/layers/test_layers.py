@@ -156,7 +156,8 @@ def test_grouped_conv_is_one_kronecker_pair_per_group(conv_type, channels, group
         else:
             eye_a, eye_g = torch.eye(A.shape[-1]), torch.eye(G.shape[-1])
             expected = (
-                torch.linalg.inv(G[j] + damping**0.5 / pi * eye_g) @ g_j @ torch.linalg.inv(A[j] + pi * damping**0.5 * eye_a)
+                torch.linalg.inv(G[j] + damping**0.5 / pi * eye_g) @ g_j
+                @ torch.linalg.inv(A[j] + pi * damping**0.5 * eye_a)
             )
         torch.testing.assert_close(direction[out_rows[j]], expected, rtol=1e-9, atol=1e-12)
 

@@ -133,7 +133,9 @@ def test_a_factor_truncated_at_the_rank_cap_keeps_its_top_eigenpairs_and_the_mea
 
 
 @pytest.mark.parametrize("caps", [(8, None), (None, 5), (8, 5)])
-def test_the_capped_eigen_solve_is_the_dense_solve_of_the_approximated_factors(caps: tuple[int | None, int | None]) -> None:
+def test_the_capped_eigen_solve_is_the_dense_solve_of_the_approximated_factors(
+    caps: tuple[int | None, int | None]
+) -> None:
     A, G = full_rank_factor(40, zero_rows=4), full_rank_factor(12)
     grad = torch.randn(12, 40, dtype=torch.float64)
     grad[:, :4] = 0  # the zero rows' gradient columns (as a zero-padded conv's)
@@ -173,8 +175,8 @@ def test_a_cap_at_or_above_the_rank_gives_the_exact_thin_solve() -> None:
         # at the cap exactly: σ = 0 comes along (the layout of a truncated factor), the same solve
         capped = linalg.symmetric_eigen(A, torch.float64, threshold, rank_bound=bound, max_rank=6)
         assert capped is not None and capped.Q.shape == (40, 6)
-        assert torch.equal(capped.complement,
-                           torch.zeros(1, dtype=torch.float64)) if bound else float(capped.complement) < 1e-12
+        assert (torch.equal(capped.complement, torch.zeros(1, dtype=torch.float64)) if bound
+                else float(capped.complement) < 1e-12)
         capped_direction = linalg.eigen_precondition(grad, capped, eig_g, damping)
         assert relative_error(capped_direction, dense) < 1e-6
         assert relative_error(capped_direction, uncapped_direction) < 1e-10
@@ -320,7 +322,9 @@ def test_async_delay_adopts_the_round_that_many_steps_later() -> None:
         KFAC(net, asynchronous=AsyncConfig(delay=0), factor_update_steps=1, inv_update_steps=10)
 
 
-def test_the_eigenbasis_cap_in_the_optimizer_is_described_logged_and_checkpointed(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_eigenbasis_cap_in_the_optimizer_is_described_logged_and_checkpointed(
+    caplog: pytest.LogCaptureFixture
+) -> None:
     from kfac_optim.methods import Eigen
 
     torch.manual_seed(0)

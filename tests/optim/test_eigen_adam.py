@@ -113,8 +113,8 @@ def test_directions_equal_adam_in_the_factors_eigenbases_computed_densely(beta1:
             corrected = v[block.name] / (1 - BETA2 ** (step + 1))
             numerator = rotated
             if beta1 is not None:
-                m[block.name] = beta1 * m.get(block.name,
-                                              torch.zeros_like(grads[block.name])) + (1 - beta1) * grads[block.name]
+                m[block.name] = (beta1 * m.get(block.name, torch.zeros_like(grads[block.name]))
+                                 + (1 - beta1) * grads[block.name])
                 numerator = u_g.T @ (m[block.name] / (1 - beta1 ** (step + 1))) @ u_a
             expected = u_g @ (numerator / (corrected.sqrt() + EPS)) @ u_a.T
             deltas = [(before[p] - p.detach().double()) / LR for p in block.parameters()]
@@ -398,7 +398,8 @@ def test_eigen_adam_with_soaps_first_moment_lowers_the_loss_at_least_as_much_as_
 def test_describe_names_the_factors_held_thin() -> None:
     optimizer = thin_optimizer(make_net())
     line = next(line for line in optimizer.describe().splitlines() if "thin eigenbasis" in line)
-    assert "max_rank=4 above width 4" in line and "hidden.A (16)" in line and "hidden.G (6)" in line and "head.A (7)" in line
+    assert ("max_rank=4 above width 4" in line and "hidden.A (16)" in line and "hidden.G (6)" in line
+            and "head.A (7)" in line)
     assert "embed" not in line and "head.G" not in line
 
 

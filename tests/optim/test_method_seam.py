@@ -66,8 +66,8 @@ class DiagonalDecomposer(Decomposer):
 
     def check_saved(self, factor: FactorView, saved: Any, field: str) -> None:
         tensor = saved.get("inverse_diagonal") if isinstance(saved, dict) else None
-        if not isinstance(tensor,
-                          Tensor) or tuple(tensor.shape) != self.shape(factor) or not torch.isfinite(tensor).all():
+        if (not isinstance(tensor, Tensor) or tuple(tensor.shape) != self.shape(factor)
+                or not torch.isfinite(tensor).all()):
             raise ValueError(f"'{field}' must be {{'inverse_diagonal': a finite tensor of shape {self.shape(factor)}}}")
 
 

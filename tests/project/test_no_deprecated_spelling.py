@@ -1,9 +1,9 @@
 """The repository spells ``KFAC``'s settings the current way: no ``DeprecationWarning``, no old spelling.
 
-The examples and benchmarks build ``KFAC`` in the current spelling: every K-FAC run of every config file in configs/ (with the flat keys that map to configs, and the
-``--set`` overrides RESULTS.md uses), the recipes' and the benchmarks' optimizers, built with
-``DeprecationWarning`` as an error. The rest of the repository: no ``KFAC(...)`` call in code or in
-the documents' Python blocks passes a flat keyword (outside ``pytest.warns(DeprecationWarning)``), no
+The examples and benchmarks build ``KFAC`` in the current spelling: every K-FAC run of every config file in configs/
+(with the flat keys that map to configs, and the ``--set`` overrides RESULTS.md uses), the recipes' and the benchmarks'
+optimizers, built with ``DeprecationWarning`` as an error. The rest of the repository: no ``KFAC(...)`` call in code or
+in the documents' Python blocks passes a flat keyword (outside ``pytest.warns(DeprecationWarning)``), no
 document, docstring or comment spells a setting the old way, and the suite turns ``KFAC``'s own
 ``DeprecationWarning`` into an error (pytest.ini).
 """

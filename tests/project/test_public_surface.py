@@ -56,8 +56,8 @@ def _violations(path: Path) -> list[str]:
                 found.append(f"{where}: sys.path")
             if isinstance(node.ctx, ast.Store) and node.attr in KFAC_ATTRIBUTES and not _is_self(node.value):
                 found.append(f"{where}: replaces {ast.unparse(node)}")
-            if isinstance(node.ctx,
-                          ast.Store) and node.attr in BLOCK_AND_FACTOR_ATTRIBUTES and not _is_self(node.value):
+            if (isinstance(node.ctx, ast.Store) and node.attr in BLOCK_AND_FACTOR_ATTRIBUTES
+                    and not _is_self(node.value)):
                 found.append(f"{where}: writes block/factor attribute {ast.unparse(node)}")
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
                 and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)

@@ -205,7 +205,8 @@ def test_conv_statistics_times_each_kind_and_trains_with_each(tmp_path: Path) ->
     payload = conv_statistics.main(["--model", "resnet18", "--size", "16", "--batch", "2", "--repeats", "1",
                                     "--kinds", "expand,reduce", "--steps", "2", "--seeds", "0", "--out", str(tmp_path)])
     assert set(payload["cost"]["kinds"]) == {"expand", "reduce"}
-    assert set(payload["cost"]["kinds"]["reduce"]["per_layer_s"]) == set(payload["cost"]["kinds"]["expand"]["per_layer_s"])
+    assert (set(payload["cost"]["kinds"]["reduce"]["per_layer_s"])
+            == set(payload["cost"]["kinds"]["expand"]["per_layer_s"]))
     for task in ("cnn", "cnn32"):
         assert [len(losses) for losses in payload["progress"]["tasks"][task]["kinds"]["reduce"]["losses"]] == [2]
     assert json.loads((tmp_path / "both.json").read_text())["cost"]["batch"] == 2

@@ -61,7 +61,9 @@ def test_resume_recipe_continues_bit_identically(tmp_path: Path, capsys: pytest.
     assert (tmp_path / "checkpoint.pt").stat().st_size > 0
 
 
-def test_transformer_recipe_trains_and_kfac_preconditions_its_weight_matrices(capsys: pytest.CaptureFixture[str]) -> None:
+def test_transformer_recipe_trains_and_kfac_preconditions_its_weight_matrices(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
     tiny = ["--steps", "8", "--batch-size", "8", "--context", "16", "--width", "32", "--layers", "1", "--heads", "2"]
     assert transformer.main(tiny) == 0
     out = capsys.readouterr().out
