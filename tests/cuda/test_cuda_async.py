@@ -22,7 +22,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kfac_optim import KFAC, AsyncConfig, RuntimeConfig, linalg
-from tests.cuda_helpers import cuda_check_batch, cuda_check_net, cuda_test_device, cuda_test_marks, deterministic_kernels
+from tests.cuda_helpers import (
+    cuda_check_batch,
+    cuda_check_net,
+    cuda_test_device,
+    cuda_test_marks,
+    deterministic_kernels,
+)
 
 pytestmark = cuda_test_marks()
 

@@ -106,8 +106,8 @@ def mismatched_settings(rank: int) -> dict[str, str]:
     results = {}
     for case, per_rank in MISMATCHES.items():
         factory, kwargs = per_rank[rank]
-        results[case] = outcome(lambda: KFAC(factory(), lr=0.1,  # noqa: B023 (called at once)
-                                             **{"factor_update_steps": 1, "inv_update_steps": 10, **kwargs}))
+        results[case] = outcome(
+            lambda: KFAC(factory(), lr=0.1, **{"factor_update_steps": 1, "inv_update_steps": 10, **kwargs}))  # noqa: B023 (called at once)
     return results
 
 
