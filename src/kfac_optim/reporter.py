@@ -155,8 +155,8 @@ class Reporter:
         largest = sorted(sizes, key=lambda item: -item[0])[:3]
         named = "; ".join(f"'{r.name}' ({r.kind}, {size} elements: {r.status})" for size, r in largest)
         return (f"K-FAC preconditions {covered}/{total} ({covered / total:.1%}) of the trainable weight-matrix "
-                f"elements, under {COVERAGE_WARNING:.0%}: the rest take SGD's update. Largest without a block: "
-                f"{named}. "
+                f"elements, under {COVERAGE_WARNING:.0%}: the rest take SGD's update. "
+                f"Largest without a block: {named}. "
                 "A layer type gets K-FAC with kfac_optim.register_block(LayerType, BlockClass) (a KroneckerBlock "
                 "subclass; docs/api.md, 'Block registry'); KFAC.describe() lists every module")
 

@@ -420,8 +420,9 @@ def test_hsdp_on_a_two_by_two_mesh_equals_one_process(fsdp_four_ranks, fsdp_refe
 
 
 @pytest.mark.parametrize("key", ["params sampled", "params sampled grad scaler"])
-def test_sampled_fisher_on_two_fsdp_ranks_equals_one_process_with_the_shards_as_micro_batches(fsdp_two_ranks,
-                                                                                              key) -> None:
+def test_sampled_fisher_on_two_fsdp_ranks_equals_one_process_with_the_shards_as_micro_batches(
+    fsdp_two_ranks, key
+) -> None:
     """``sample_fisher`` back-propagates to the hooked layer outputs, so it records under FSDP2 too
     (differentiating w.r.t. the sharded parameters reached no layer: no statistics at all)."""
     model = make_fsdp_net()

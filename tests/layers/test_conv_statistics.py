@@ -77,8 +77,8 @@ def step_with_conv_statistics(conv: nn.Module, x: torch.Tensor, target: torch.Te
                              inv_dtype=torch.float64, **curvature)
     optimizer = KFAC(conv, lr=1.0, kl_clip=None, damping=0.1, factor_update_steps=1, inv_update_steps=10,
                      curvature=config)
-    joint = lambda: torch.cat([p.detach().reshape(conv.weight.shape[0], -1) for p in optimizer.blocks[0].parameters()],  # noqa: E731
-                              1)
+    joint = lambda: torch.cat([p.detach().reshape(conv.weight.shape[0], -1)  # noqa: E731
+                               for p in optimizer.blocks[0].parameters()], 1)
     before = joint()
     (0.5 * ((conv(x) - target) ** 2).flatten(1).sum(1).mean()).backward()
     grad = torch.cat([p.grad.reshape(conv.weight.shape[0], -1) for p in optimizer.blocks[0].parameters()], 1)

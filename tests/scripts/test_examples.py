@@ -157,8 +157,8 @@ def main_job_verdict(out_dir: Path, row: str) -> str:
     value = float(goal.split()[-1]) if goal.startswith(metric) else histories[versus][-1][metric]
 
     def time_to_goal(records: list[dict]) -> float | None:
-        return next((r["time_s"] for r in records if (r[metric] <= value if lower_is_better else r[metric] >= value)),
-                    None)
+        return next((r["time_s"] for r in records
+                     if (r[metric] <= value if lower_is_better else r[metric] >= value)), None)
 
     ours, theirs = time_to_goal(histories["kfac"]), time_to_goal(histories[versus])
     if ours is None:
