@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model} at {args.world} ranks, method {args.method}, MiB per rank (largest rank):")
     print(f"  {'run':14} {'kfac':>9} {'factors':>9} {'decomp':>9} {'transient':>9} {'params':>9}")
     for run, row in summary["runs"].items():
-        print(f"  {run:14} " + " ".join(f"{row[k] / MIB:9.1f}" for k in ("kfac", "factors", "decompositions",
-                                                                         "transient", "params")))
+        print(f"  {run:14} " + " ".join(f"{row[k] / MIB:9.1f}"
+                                        for k in ("kfac", "factors", "decompositions", "transient", "params")))
     for run, check in summary["checks"].items():
         print(f"  {run}: kfac + params {check['kfac_plus_params'] / MIB:.1f} MiB vs budget "
               f"{check['budget'] / MIB:.1f} MiB: {'within' if check['within_budget'] else 'OVER'}")

@@ -244,8 +244,8 @@ class UpdateConfig:
         check_hyperparameter("UpdateConfig.adam_eps", self.adam_eps)
         if self.adam_eps <= 0:
             raise ValueError(f"UpdateConfig.adam_eps must be > 0, got {self.adam_eps}")
-        if self.grafting != "adam" and (self.adam_betas, self.adam_eps) != (UpdateConfig.adam_betas,
-                                                                            UpdateConfig.adam_eps):
+        if (self.grafting != "adam"
+                and (self.adam_betas, self.adam_eps) != (UpdateConfig.adam_betas, UpdateConfig.adam_eps)):
             raise ValueError(
                 "UpdateConfig.adam_betas/adam_eps are Adam's, used only with grafting='adam' "
                 f"(grafting={self.grafting!r})"

@@ -66,8 +66,9 @@ def train_with_workers(async_statistics: bool, scaled: bool, steps: int = 9) -> 
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad scaler"])
-def test_async_statistics_on_cuda_train_bit_identically_to_in_line(monkeypatch: pytest.MonkeyPatch,
-                                                                   scaled: bool) -> None:
+def test_async_statistics_on_cuda_train_bit_identically_to_in_line(
+    monkeypatch: pytest.MonkeyPatch, scaled: bool
+) -> None:
     deterministic_kernels(monkeypatch)
     in_line_params, in_line_factors = train_with_workers(False, scaled)
     with warnings.catch_warnings():

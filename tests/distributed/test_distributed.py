@@ -469,8 +469,9 @@ def test_global_factors_equal_one_process_factors(ddp_two_ranks) -> None:
 
 
 @pytest.mark.parametrize(("fraction", "method"), MODERN_RUNS)
-def test_two_ranks_equal_one_process_with_embedding_attention_grouped_and_nd_conv_blocks(ddp_two_ranks,
-                                                                                         fraction, method) -> None:
+def test_two_ranks_equal_one_process_with_embedding_attention_grouped_and_nd_conv_blocks(
+    ddp_two_ranks, fraction, method
+) -> None:
     model = make_ddp_net(modern=True)
     optimizer = KFAC(model, method=method, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     assert len(optimizer.blocks) == 7
@@ -518,8 +519,9 @@ def test_async_decompositions_under_ddp_equal_one_process_with_the_shards_as_mic
 
 
 @pytest.mark.parametrize("delay", [None, 1])
-def test_async_run_resumed_from_each_ranks_checkpoint_continues_bit_identically(ddp_two_ranks,
-                                                                                delay: int | None) -> None:
+def test_async_run_resumed_from_each_ranks_checkpoint_continues_bit_identically(
+    ddp_two_ranks, delay: int | None
+) -> None:
     """Each rank saved the round in flight it computed; a checkpoint of rank 0 loaded on every rank
     adopts at the same step on every rank (no hang), and the ranks stay bit-identical."""
     for results in ddp_two_ranks:

@@ -489,8 +489,9 @@ SINGLE_PROCESS_DCP = "ignore:torch.distributed is disabled:UserWarning"  # DCP's
 
 
 @pytest.mark.filterwarnings(SINGLE_PROCESS_DCP)
-def test_dcp_checkpoint_from_two_fsdp_ranks_loads_in_one_process(fsdp_two_ranks, module_tmp_path,
-                                                                 fsdp_reference) -> None:
+def test_dcp_checkpoint_from_two_fsdp_ranks_loads_in_one_process(
+    fsdp_two_ranks, module_tmp_path, fsdp_reference
+) -> None:
     assert_same(resume_from_checkpoint(make_fsdp_net(), module_tmp_path / "dcp"), fsdp_reference)
 
 
