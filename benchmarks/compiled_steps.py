@@ -127,7 +127,8 @@ class Run:
         self.times["step_s"].append(end - middle)
 
 
-def time_runs(names: list[str], args: argparse.Namespace, data: list[tuple[Tensor, Tensor]]) -> dict[str, dict[str, list[Any]]]:
+def time_runs(names: list[str], args: argparse.Namespace,
+              data: list[tuple[Tensor, Tensor]]) -> dict[str, dict[str, list[Any]]]:
     """Every run's steps after its warmup, ``--rounds`` times, the runs alternating round by round
     (so that load changes on a shared machine hit all runs alike). Each run starts from
     ``torch.compiler.reset()`` with a fresh model: Dynamo does not guard on module hooks, so a model
@@ -173,10 +174,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--image-size", type=int, default=32, help="resnet18 only")
     parser.add_argument("--steps", type=int, default=42)
-    parser.add_argument("--warmup", type=int, default=12, help="steps left out of the means (compiles, first decomposition)")
+    parser.add_argument("--warmup", type=int, default=12,
+                        help="steps left out of the means (compiles, first decomposition)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of all runs, alternating")
     parser.add_argument("--factor-interval", type=int, default=2)
-    parser.add_argument("--inverse-interval", type=int, default=1000, help="past --steps: the only decomposition is in the warmup")
+    parser.add_argument("--inverse-interval", type=int, default=1000,
+                        help="past --steps: the only decomposition is in the warmup")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--damping", type=float, default=0.01)
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=["sgd", "kfac"])
@@ -192,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     times = time_runs(args.runs, args, data)
     results = {name: {**summary(run_times), "per_step": run_times} for name, run_times in times.items()}
     print(f"{args.model}, batch {args.batch_size}, backend {args.backend}{' fullgraph' if args.fullgraph else ''}, "  # noqa: T201
-          f"{args.rounds} rounds of {args.steps} steps ({args.warmup} warmup), factor interval {args.factor_interval}, {args.threads} "
+          f"{args.rounds} rounds of {args.steps} steps ({args.warmup} warmup), factor interval {args.factor_interval}, "
+          f"{args.threads} "
           f"thread(s), torch {torch.__version__}, load {os.getloadavg()[0]:.1f}; graphs: {counts}")
     print("| run | fwd+bwd factor steps ms | fwd+bwd other steps ms | step() ms | whole step ms |")  # noqa: T201
     print("|---|---|---|---|---|")  # noqa: T201

@@ -111,7 +111,8 @@ def measure_cost(args: argparse.Namespace, kinds: list[str]) -> dict[str, object
                          "over_sgd_step": statistics.median(times[kind]) / step,
                          "per_layer_s": per_layer[kind]} for kind in kinds},
     }
-    print(f"{args.model} {args.size}px batch {args.batch}, {args.threads} thread(s), load {load[0]:.2f} -> {load[1]:.2f}: "  # noqa: T201
+    print(f"{args.model} {args.size}px batch {args.batch}, {args.threads} thread(s), "  # noqa: T201
+          f"load {load[0]:.2f} -> {load[1]:.2f}: "
           f"SGD step {step:.2f} s; " + "; ".join(
               f"{kind} statistics {entry['median_s']:.2f} s = {entry['over_sgd_step']:.2f}x"
               for kind, entry in result["kinds"].items()))

@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--size", type=int, help="image side in px (default: 32 for resnet18, 224 for resnet50)")
     parser.add_argument("--batch", type=int, help="batch size (default: 64 for resnet18, 32 otherwise)")
     parser.add_argument("--conv-positions", default="default",
-                        help=f"comma-separated K-FAC runs, each a CurvatureConfig.conv_positions: {', '.join(CONV_POSITIONS)}")
+                        help="comma-separated K-FAC runs, each a CurvatureConfig.conv_positions: "
+                             f"{', '.join(CONV_POSITIONS)}")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--threads", type=int, default=1)
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     variants = args.conv_positions.split(",")
     unknown = [v for v in variants if v not in CONV_POSITIONS]
     if unknown or len(set(variants)) != len(variants):
-        parser.error(f"--conv-positions: unknown or repeated {unknown or variants} (choose from {', '.join(CONV_POSITIONS)})")
+        parser.error(f"--conv-positions: unknown or repeated {unknown or variants} "
+                     f"(choose from {', '.join(CONV_POSITIONS)})")
     torch.set_num_threads(args.threads)
     build, batches, loss_of = workload(args.model, args.steps, args.size, args.batch)
     collect = _Collect()
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         models[name] = build().train()
     optimizers["sgd"] = torch.optim.SGD(models["sgd"].parameters(), lr=args.lr)
     for name, variant in zip(kfac_names, variants, strict=True):
-        optimizers[name] = KFAC(models[name], lr=args.lr, curvature=CurvatureConfig(conv_positions=CONV_POSITIONS[variant]))
+        optimizers[name] = KFAC(models[name], lr=args.lr,
+                                curvature=CurvatureConfig(conv_positions=CONV_POSITIONS[variant]))
     times: dict[str, list[float]] = {name: [] for name in names}
     load_before = os.getloadavg()[0]
     try:
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         entry = {
             "conv_positions": variant, "mean_s": kfac, "median_s": statistics.median(times[name]),
             "ratio": kfac / sgd, "intervals": intervals.describe(),
-            "ratio_after_calibration": _after_calibration(times[name]) / _after_calibration(times["sgd"]), "chosen": list(intervals.chosen or ()),
+            "ratio_after_calibration": _after_calibration(times[name]) / _after_calibration(times["sgd"]),
+            "chosen": list(intervals.chosen or ()),
             "costs": None if costs is None else dataclasses.asdict(costs),
             "statistics_over_step": None if costs is None else costs.factor / costs.step,
             "method": repr(optimizers[name].method), "step_s": times[name],
@@ -161,7 +165,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(f"{name}: mean {kfac * 1e3:.1f} ms (median {entry['median_s'] * 1e3:.1f}; first {times[name][0]:.2f} s); "  # noqa: T201
               f"ratio {kfac / sgd:.2f}x ({entry['ratio_after_calibration']:.2f}x after the 3 calibration steps); "
               f"{intervals.describe()}"
-              + ("" if costs is None else f"; statistics {costs.factor:.3g} = {costs.factor / costs.step:.2f}x the step "
+              + ("" if costs is None else f"; statistics {costs.factor:.3g} = "
+                                          f"{costs.factor / costs.step:.2f}x the step "
                  "(the intervals' units)"))
     for line in collect.lines:
         if line.startswith("K-FAC"):

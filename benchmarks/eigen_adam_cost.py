@@ -46,7 +46,8 @@ def optimizers() -> dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer]
                 model, lr=LR, momentum=0.0, kl_clip=None, method=EigenAdam(beta1=0.9))}
 
 
-def step_times(name: str, make: Callable[[torch.nn.Module], torch.optim.Optimizer], warmup: int, steps: int) -> list[float]:
+def step_times(name: str, make: Callable[[torch.nn.Module], torch.optim.Optimizer], warmup: int,
+               steps: int) -> list[float]:
     entry = ZOO[name]
     torch.manual_seed(0)
     model = entry.build()
@@ -98,9 +99,11 @@ def kernel_times(rounds: int) -> dict[str, float]:
         linalg.symmetric_eigen(a, torch.float32, 0.0, None, thin.max_rank),
         linalg.symmetric_eigen(g, torch.float32, 0.0, None, thin.max_rank)))}
     state: dict[str, torch.Tensor] = {}
-    result["precondition thin"] = timed(lambda: thin.precondition(grad, view(eig_a, n), view(eig_g_thin, out), 0.0, state))
+    result["precondition thin"] = timed(
+        lambda: thin.precondition(grad, view(eig_a, n), view(eig_g_thin, out), 0.0, state))
     blocks = a.reshape(n // block, block, n // block, block).diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous()
-    result["decomposition block-diagonal (9 x 512 + G 512)"] = timed(lambda: (torch.linalg.eigh(blocks), torch.linalg.eigh(g)))
+    result["decomposition block-diagonal (9 x 512 + G 512)"] = timed(
+        lambda: (torch.linalg.eigh(blocks), torch.linalg.eigh(g)))
     q_blocks = torch.linalg.eigh(blocks)[1]
     v = torch.zeros(out, n)
     t = torch.zeros(())

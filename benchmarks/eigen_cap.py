@@ -8,7 +8,8 @@ then, per cap: decomposes every factor with ``Eigen(max_rank=cap)`` (one round, 
 each block's preconditioning of the last gradient (the fastest of 3). Prints the forward+backward
 time of one batch (hooks detached: SGD's work), the round and the preconditioning per cap, the
 cosine between the whole direction (all blocks) at each cap and at the first one (full
-eigenbases by default), the smallest such cosine of one block's direction, and the blocks that cost more than 5 ms at some cap.
+eigenbases by default), the smallest such cosine of one block's direction, and the blocks that cost
+more than 5 ms at some cap.
 """
 
 from __future__ import annotations

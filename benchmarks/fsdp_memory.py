@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--image", type=int, default=32, help="input height and width")
     parser.add_argument(
         "--method", default="eigen", choices=("eigen", "inverse"),
-        help="K-FAC method (inverse: Cholesky, several times cheaper than eigh on a CPU; n² instead of n² + n per factor)",
+        help="K-FAC method (inverse: Cholesky, several times cheaper than eigh on a CPU; "
+             "n² instead of n² + n per factor)",
     )
     parser.add_argument("--out", type=Path, default=Path("fsdp_memory.json"), help="JSON path (PNG beside it)")
     return parser.parse_args(argv)
@@ -157,11 +158,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as directory:
         mp.start_processes(rank_main, args=(args.world, args, directory), nprocs=args.world, start_method="spawn")
         per_rank = [torch.load(Path(directory) / f"rank{r}.pt") for r in range(args.world)]
-    summary = {"model": args.model, "method": args.method, "batch_per_rank": args.batch, **summarize(per_rank, args.world)}
+    summary = {"model": args.model, "method": args.method, "batch_per_rank": args.batch,
+               **summarize(per_rank, args.world)}
     print(f"{args.model} at {args.world} ranks, method {args.method}, MiB per rank (largest rank):")
     print(f"  {'run':14} {'kfac':>9} {'factors':>9} {'decomp':>9} {'transient':>9} {'params':>9}")
     for run, row in summary["runs"].items():
-        print(f"  {run:14} " + " ".join(f"{row[k] / MIB:9.1f}" for k in ("kfac", "factors", "decompositions", "transient", "params")))
+        print(f"  {run:14} " + " ".join(f"{row[k] / MIB:9.1f}"
+                                        for k in ("kfac", "factors", "decompositions", "transient", "params")))
     for run, check in summary["checks"].items():
         print(f"  {run}: kfac + params {check['kfac_plus_params'] / MIB:.1f} MiB vs budget "
               f"{check['budget'] / MIB:.1f} MiB: {'within' if check['within_budget'] else 'OVER'}")

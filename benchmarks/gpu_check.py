@@ -159,7 +159,8 @@ def table(results: dict[str, Any]) -> str:
             rows.append(f"| costs | matmul rate | {result['rate_flop_per_s'] / 1e12:.1f} TFLOP/s (fp32) |")
         elif result.get("status") == "measured":
             for run, timing in result["runs"].items():
-                rows.append(f"| {name} | {run} | median {timing['median_ms']:.1f} ms ({timing['median_ratio']:.2f}x SGD), "
+                rows.append(f"| {name} | {run} | median {timing['median_ms']:.1f} ms "
+                            f"({timing['median_ratio']:.2f}x SGD), "
                             f"mean {timing['mean_ms']:.1f} ms ({timing['mean_ratio']:.2f}x), first step "
                             f"{timing['first_ms']:.0f} ms, {timing['steps']} steps, peak {timing['peak_mib']:.0f} MiB"
                             + (f", intervals {tuple(timing['intervals'])}" if "intervals" in timing else "") + " |")
@@ -238,7 +239,8 @@ class Clock:
         return [(end - start) * 1e3 for start, end in self.marks]
 
 
-def time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int, deadline: float) -> dict[str, Any]:
+def time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int,
+               deadline: float) -> dict[str, Any]:
     """The first step (K-FAC decomposes in it), ``warmup - 1`` more untimed, then up to ``steps`` timed
     ones, fewer when ``deadline`` (``time.perf_counter()``) passes; milliseconds."""
     first = Clock(device)
@@ -255,7 +257,8 @@ def time_steps(step: Callable[[], None], device: torch.device, warmup: int, step
             "mean_ms": statistics.fmean(times), "steps": len(times), "times_ms": [round(t, 3) for t in times]}
 
 
-def measure_runs(build_model: Callable[[], nn.Module], batch: tuple[Tensor, Tensor], loss_of: Callable[[Tensor, Tensor], Tensor],
+def measure_runs(build_model: Callable[[], nn.Module], batch: tuple[Tensor, Tensor],
+                 loss_of: Callable[[Tensor, Tensor], Tensor],
                  optimizers: dict[str, Callable[[nn.Module], torch.optim.Optimizer]], device: torch.device,
                  warmup: int, steps: int, deadline: float) -> dict[str, Any]:
     """Each optimizer's step on a fresh model (bf16 autocast on CUDA; fp32 on the CPU, whose bf16 is
@@ -284,7 +287,8 @@ def measure_runs(build_model: Callable[[], nn.Module], batch: tuple[Tensor, Tens
         if intervals is not None:  # K-FAC's (factor, decomposition) intervals: which steps the timed ones were
             timing["intervals"] = list(intervals)
         runs[name] = timing
-        say(f"  {name}: median {timing['median_ms']:.1f} ms, mean {timing['mean_ms']:.1f} ms over {timing['steps']} steps, "
+        say(f"  {name}: median {timing['median_ms']:.1f} ms, mean {timing['mean_ms']:.1f} ms over "
+            f"{timing['steps']} steps, "
             f"first {timing['first_ms']:.0f} ms")
         del step, model, optimizer
     baseline = next(iter(runs.values()))
@@ -328,7 +332,8 @@ def gpt_phase(args: argparse.Namespace, device: torch.device, deadline: float) -
     from benchmarks.peers.tasks import CharGPT
     from kfac_optim import KFAC
 
-    shape = dict(context=16, width=32, layers=1, heads=2) if args.quick else dict(context=256, width=512, layers=2, heads=8)
+    shape = (dict(context=16, width=32, layers=1, heads=2) if args.quick
+             else dict(context=256, width=512, layers=2, heads=8))
     batch = 4 if args.quick else 32
 
     def build() -> nn.Module:
@@ -348,7 +353,8 @@ def gpt_phase(args: argparse.Namespace, device: torch.device, deadline: float) -
     }
     result = measure_runs(build, (tokens[:, :-1], tokens[:, 1:]), loss_of, optimizers, device, args.warmup,
                           args.steps, deadline)
-    return {**result, "model": "CharGPT", **shape, "batch": batch, "autocast": "bf16" if device.type == "cuda" else "none"}
+    return {**result, "model": "CharGPT", **shape, "batch": batch,
+            "autocast": "bf16" if device.type == "cuda" else "none"}
 
 
 def costs_phase(args: argparse.Namespace, device: torch.device, deadline: float) -> dict[str, Any]:

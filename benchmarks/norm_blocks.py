@@ -78,7 +78,8 @@ def run(variant: str, seed: int, train: torch.Tensor, held_out: torch.Tensor, vo
     else:  # LayerNorm is not registered by default: precondition it for this optimizer only
         optimizer = KFAC(model, curvature=CurvatureConfig(blocks={nn.LayerNorm: LayerNormBlock}), **KFAC_OPTIONS)
     losses, times = [], []
-    for chunk in tqdm(batches(train, args.steps, args.batch, args.length, seed), desc=f"{variant} seed {seed}", leave=False):
+    for chunk in tqdm(batches(train, args.steps, args.batch, args.length, seed),
+                      desc=f"{variant} seed {seed}", leave=False):
         start = time.perf_counter()
         optimizer.zero_grad()
         logits = model(chunk[:, :-1])
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                   label=result["variant"] if result["seed"] == args.seeds[0] else None)
     axes.set(xlabel="step", ylabel="training loss", title="char LM (argparse source): LayerNorm on SGD vs 2x2 blocks")
     axes.legend()
-    write_json_and_plot(args.out, "norm_blocks", {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, figure)
+    write_json_and_plot(args.out, "norm_blocks",
+                        {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, figure)
     return runs
 
 

@@ -105,7 +105,8 @@ def report(task_name: str, result: dict[str, Any]) -> str:
     lines = [f"{task_name}: " + ", ".join(
         f"{name} {result[name]['mean_ms']:.2f} ms mean / {result[name]['median_ms']:.2f} median" for name in OPTIMIZERS)
         + f"; kfac/adamw {kfac['mean_ms'] / adamw['mean_ms']:.2f}x mean, "
-          f"{kfac['median_ms'] / adamw['median_ms']:.2f}x median; kfac/sgd {kfac['mean_ms'] / sgd['mean_ms']:.2f}x mean"]
+          f"{kfac['median_ms'] / adamw['median_ms']:.2f}x median; kfac/sgd "
+          f"{kfac['mean_ms'] / sgd['mean_ms']:.2f}x mean"]
     lines.append("  K-FAC step, ms/step (profiled): " + ", ".join(
         f"{name} {value:.2f}" for name, value in result["kfac_breakdown_ms"].items()))
     lines.append(f"  preconditioning: {result['preconditioning_gflop']:.3f} GFLOP/step")

@@ -1,11 +1,12 @@
 """Load balance and per-rank memory of the distributed work plan on a torchvision model's layers.
 
 For each world size and grad-worker fraction, prints one table row and writes all rows as JSON:
-max/mean load (each factor's decomposition cost as the method counts it, ``Method.decomposition_cost``), the lower bound on any assignment over the
-mean, the plan's max load over that bound (1.0 is optimal), the same for plain LPT without the
-refinement, the number of process groups, and per-rank memory of factors and decompositions.
-No data and no training: the factors (sizes and kinds: dense, batched per group, diagonal) are
-those of the blocks KFAC builds for the model (``kfac_optim.discover_blocks``, on the meta device).
+max/mean load (each factor's decomposition cost as the method counts it,
+``Method.decomposition_cost``), the lower bound on any assignment over the mean, the plan's max load
+over that bound (1.0 is optimal), the same for plain LPT without the refinement, the number of
+process groups, and per-rank memory of factors and decompositions. No data and no training: the
+factors (sizes and kinds: dense, batched per group, diagonal) are those of the blocks KFAC builds
+for the model (``kfac_optim.discover_blocks``, on the meta device).
 
     python -m benchmarks.plan_report --out plan_report.json
 """

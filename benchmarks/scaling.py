@@ -249,7 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plan-model", default="resnet50", help="torchvision model for the planned table")
     parser.add_argument("--plan-worlds", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--skip-measured", action="store_true", help="only the planned table")
-    parser.add_argument("--out", type=Path, default=Path("runs/scaling"), help="folder for scaling.json and scaling.png")
+    parser.add_argument("--out", type=Path, default=Path("runs/scaling"),
+                        help="folder for scaling.json and scaling.png")
     return parser.parse_args(argv)
 
 

@@ -475,15 +475,18 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> tuple[list[list[s
     row("SGD step (fwd+bwd+update)", t["sgd_step"], "1", t["sgd_step"], None, "sgd_step")
     row("fwd+bwd, no hooks", t["fwd_bwd_plain"], "1", t["fwd_bwd_plain"], None, "fwd_bwd_plain")
     row("hooks, non-factor steps (A/B)", hooks, f"{f - 1}/{f}", hooks * (f - 1) / f, 0.0, "fwd_bwd_unarmed")
-    row("hooks, non-factor steps (direct)", hooks_direct, f"{f - 1}/{f}", hooks_direct * (f - 1) / f, 0.0, "hook_per_call")
+    row("hooks, non-factor steps (direct)", hooks_direct, f"{f - 1}/{f}", hooks_direct * (f - 1) / f,
+        0.0, "hook_per_call")
     row("armed fwd+bwd - plain (check)", t["fwd_bwd_armed"] - t["fwd_bwd_plain"], "-", 0.0, None, "fwd_bwd_armed")
-    row("statistics (factor steps)", t["statistics"], f"1/{f}", t["statistics"] / f, t["statistics_floor"], "statistics")
+    row("statistics (factor steps)", t["statistics"], f"1/{f}", t["statistics"] / f,
+        t["statistics_floor"], "statistics")
     row("fold", t["fold"], f"1/{f}", t["fold"] / f, t["fold_floor"], "fold")
     totals = {}
     common = t["fwd_bwd_plain"] + hooks_direct * (f - 1) / f + (t["statistics"] + t["fold"]) / f + t["clip_update"]
     for method in ("eigen", "inverse"):
         d, p = t[f"decomposition_{method}"], t[f"precondition_{method}"]
-        row(f"decompositions ({method})", d, f"1/{i}", d / i, t[f"decomposition_{method}_floor"], f"decomposition_{method}")
+        row(f"decompositions ({method})", d, f"1/{i}", d / i, t[f"decomposition_{method}_floor"],
+            f"decomposition_{method}")
         row(f"preconditioning ({method})", p, "1", p, t[f"precondition_{method}_floor"], f"precondition_{method}")
         totals[method] = common + d / i + p
     row("KL clip + update", t["clip_update"], "1", t["clip_update"], t["clip_update_floor"], "clip_update")

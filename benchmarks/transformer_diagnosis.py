@@ -238,7 +238,8 @@ class LibraryKFACRunner(Runner):
     group's lr to ``base·factor`` before its step, as a torch LR scheduler would. ``decay``: decoupled
     weight decay on parameters with 2+ dims (matrices), none on the rest (AdamW's recipe)."""
 
-    def __init__(self, model: GPT, lr: float, damping: float, update: kfac_optim.UpdateConfig, decay: float = 0.0) -> None:
+    def __init__(self, model: GPT, lr: float, damping: float, update: kfac_optim.UpdateConfig,
+                 decay: float = 0.0) -> None:
         matrices = [p for p in model.parameters() if p.dim() >= 2]
         rest = [p for p in model.parameters() if p.dim() < 2]
         graft_adam = update.grafting == "adam"
@@ -269,7 +270,8 @@ def _library(damping: float = 0.1, per_token: float = 0.0, decay: float = 0.0, *
     return build
 
 
-def adam_direction(state: dict[str, torch.Tensor], g: torch.Tensor, t: int, betas=(0.9, 0.95), eps=1e-8) -> torch.Tensor:
+def adam_direction(state: dict[str, torch.Tensor], g: torch.Tensor, t: int, betas=(0.9, 0.95),
+                   eps=1e-8) -> torch.Tensor:
     """Adam's bias-corrected m̂ / (√v̂ + ε) for gradient ``g`` at step index ``t`` (moments kept in ``state``)."""
     m = state.setdefault("m", torch.zeros_like(g)).mul_(betas[0]).add_(g, alpha=1 - betas[0])
     v = state.setdefault("v", torch.zeros_like(g)).mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
@@ -375,26 +377,33 @@ VARIANTS = [
     Variant("sgd", "baseline", "SGD momentum 0.9", SGD_LRS,
             lambda m, lr, a: TorchRunner(m, [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)])),
     Variant("adamw", "baseline", "AdamW betas (0.9, 0.95), wd 0", ADAM_LRS,
-            lambda m, lr, a: TorchRunner(m, [torch.optim.AdamW(m.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)])),
+            lambda m, lr, a: TorchRunner(m, [torch.optim.AdamW(m.parameters(), lr=lr, betas=(0.9, 0.95),
+                                                               weight_decay=0.0)])),
     Variant("muon", "baseline", "torch.optim.Muon on hidden 2-D weights, AdamW 3e-3 on the rest", MUON_LRS, _muon),
-    Variant("kfac", "cause", "K-FAC defaults: λ=0.1, kl_clip=1e-3 at the scheduled lr, empirical, expand", KFAC_LRS, _kfac()),
+    Variant("kfac", "cause",
+            "K-FAC defaults: λ=0.1, kl_clip=1e-3 at the scheduled lr, empirical, expand", KFAC_LRS, _kfac()),
     Variant("kfac-noclip", "cause", "(1) no KL clip", (0.003, 0.01, 0.03), _kfac("none")),
     Variant("kfac-damp/T", "cause", "(2) λ = 0.1/T (per-token units)", KFAC_LRS, _kfac(per_token=-1)),
-    Variant("kfac-damp/T-noclip", "cause", "(1)+(2) λ = 0.1/T, no clip", (0.0003, 0.001, 0.003), _kfac("none", per_token=-1)),
-    Variant("kfac-sampled", "cause", "(3) sampled Fisher, λ=0.1·T² (same per-token damping as the default)", SAMPLED_LRS,
+    Variant("kfac-damp/T-noclip", "cause", "(1)+(2) λ = 0.1/T, no clip", (0.0003, 0.001, 0.003),
+            _kfac("none", per_token=-1)),
+    Variant("kfac-sampled", "cause",
+            "(3) sampled Fisher, λ=0.1·T² (same per-token damping as the default)", SAMPLED_LRS,
             _kfac(per_token=2, sampled=True)),
     Variant("kfac-sampled-damp/T", "cause", "(2)+(3) sampled Fisher, λ=0.1·T (0.1 per token)", SAMPLED_LRS,
             _kfac(per_token=1, sampled=True)),
     Variant("kfac-reduce", "cause", "(4) weight_sharing='reduce'", KFAC_LRS, _kfac(weight_sharing="reduce")),
-    Variant("kfac-damp/T-reduce", "cause", "(2)+(4) λ = 0.1/T, reduce", KFAC_LRS, _kfac(per_token=-1, weight_sharing="reduce")),
+    Variant("kfac-damp/T-reduce", "cause", "(2)+(4) λ = 0.1/T, reduce", KFAC_LRS,
+            _kfac(per_token=-1, weight_sharing="reduce")),
     Variant("kfac-lrclip", "fix", "(c) clip at the base lr, step follows the schedule", KFAC_LRS, _kfac("clip_base")),
     Variant("kfac-damp/T-lrclip", "fix", "(2)+(c)", KFAC_LRS, _kfac("clip_base", per_token=-1)),
     Variant("graft-adam", "fix", "(b) K-FAC direction, per-tensor norm of Adam's step", ADAM_LRS, _kfac("graft_adam")),
     Variant("graft-adam-damp/T", "fix", "(2)+(b) λ = 0.1/T, Adam-grafted", ADAM_LRS, _kfac("graft_adam", per_token=-1)),
-    Variant("kfac-damp/T²-lrclip", "fix", "(2)+(c) λ = 0.1/T² (1.6e-3 per token)", KFAC_LRS, _kfac("clip_base", per_token=-2)),
+    Variant("kfac-damp/T²-lrclip", "fix", "(2)+(c) λ = 0.1/T² (1.6e-3 per token)", KFAC_LRS,
+            _kfac("clip_base", per_token=-2)),
     Variant("graft-adam-damp/T²", "fix", "(2)+(b) λ = 0.1/T² (1.6e-3 per token), Adam-grafted", ADAM_LRS,
             _kfac("graft_adam", per_token=-2)),
-    Variant("graft-sgd-damp/T", "fix", "(2)+(b) λ = 0.1/T, SGD-momentum-grafted", SGD_LRS, _kfac("graft_sgd", per_token=-1)),
+    Variant("graft-sgd-damp/T", "fix", "(2)+(b) λ = 0.1/T, SGD-momentum-grafted", SGD_LRS,
+            _kfac("graft_sgd", per_token=-1)),
     Variant("lib-kfac-scheduled", "library", "KFAC, UpdateConfig(trust_region='scheduled_lr'): the earlier rule",
             KFAC_LRS, _library(trust_region="scheduled_lr")),
     Variant("lib-kfac", "library", "KFAC defaults: the trust region at the base lr", KFAC_LRS, _library()),
@@ -469,8 +478,10 @@ def train_part(args) -> dict[str, Any]:
     for v, lr, s in tqdm(jobs, desc="train runs"):
         runs.append(train_run(v, lr, s, data, args))
         tqdm.write(f"{v.name:22s} lr={lr:<7g} seed={s} val={runs[-1]['val']:.3f} "
-                   f"train@end={sum(runs[-1]['train'][-10:]) / 10:.3f} cpu={runs[-1]['cpu'][-1]:.1f}s {runs[-1]['stats']}")
-    return {"runs": runs, "variants": {v.name: {"group": v.group, "what": v.what, "lrs": args.lrs or v.lrs} for v in chosen}}
+                   f"train@end={sum(runs[-1]['train'][-10:]) / 10:.3f} cpu={runs[-1]['cpu'][-1]:.1f}s "
+                   f"{runs[-1]['stats']}")
+    return {"runs": runs,
+            "variants": {v.name: {"group": v.group, "what": v.what, "lrs": args.lrs or v.lrs} for v in chosen}}
 
 
 def best_table(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -503,7 +514,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(f"{r['variant']:22s} {r['lr']:7g} {r['val']:7.3f} {r['train_last20']:7.3f} {r['cpu_s']:6.1f} "
               f"{r.get('clip_binds', float('nan')):6.2f} {r.get('nu_median', float('nan')):8.3g} "
-              f"{r.get('step_unclipped_median', float('nan')):10.3g} {r.get('step_applied_median', float('nan')):13.3g}")
+              f"{r.get('step_unclipped_median', float('nan')):10.3g} "
+              f"{r.get('step_applied_median', float('nan')):13.3g}")
 
 
 def plot_train(result: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
@@ -537,7 +549,8 @@ def plot_train(result: dict[str, Any], rows: list[dict[str, Any]], path: Path) -
 # -- probe: K-FAC against the exact natural gradient on a tiny model ----------------------------
 
 
-def per_token_gradients(model: GPT, x, y, layers: list[nn.Linear], sampled: int, generator) -> dict[nn.Linear, torch.Tensor]:
+def per_token_gradients(model: GPT, x, y, layers: list[nn.Linear], sampled: int,
+                        generator) -> dict[nn.Linear, torch.Tensor]:
     """Per-token gradients of each layer's joint ``[W | b]`` (flattened row-major), shape (rows, out·(in+1)).
 
     ``sampled=0``: of ℓ_t at the data's targets (empirical Fisher); ``k > 0``: of ℓ_t at k targets
@@ -576,14 +589,16 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def kfac_direction(model: GPT, x, y, damping: float, sampled: bool, sharing: str) -> tuple[dict, list]:
-    """One K-FAC step's direction V per hidden Linear ([W | b] flattened) from this batch's own factors; and the blocks."""
+    """One K-FAC step's direction V per hidden Linear ([W | b] flattened) from this batch's own factors; and the
+    blocks."""
     model = copy.deepcopy(model)
     opt = kfac_optim.KFAC(model, lr=1.0, momentum=0.0, kl_clip=None, damping=damping, factor_update_steps=1,
                           inv_update_steps=1, curvature=kfac_optim.CurvatureConfig(
                               factor_decay=0.0, fisher="sampled" if sampled else "empirical", weight_sharing=sharing))
     logits = model(x)
     if sampled:
-        opt.sample_fisher(logits.reshape(-1, logits.shape[-1]), "cross_entropy", generator=torch.Generator().manual_seed(7))
+        opt.sample_fisher(logits.reshape(-1, logits.shape[-1]), "cross_entropy",
+                          generator=torch.Generator().manual_seed(7))
     cross_entropy(logits, y).backward()
     layers = hidden_matrices(model)
     before = {m: torch.cat([m.weight, m.bias[:, None]], 1).detach().clone() for m in layers}
@@ -630,7 +645,8 @@ def probe_part(args) -> dict[str, Any]:
         "sampled, λ=0.1·T (0.1/token)": (0.1 * t, True, "expand", 0.1),
         "sampled, λ=1e-3·T (1e-3/token)": (1e-3 * t, True, "expand", 1e-3),
     }
-    result: dict[str, Any] = {"T": t, "width": args.probe_width, "rows": args.probe_batch * t, "layers": {}, "settings": {}}
+    result: dict[str, Any] = {"T": t, "width": args.probe_width, "rows": args.probe_batch * t,
+                              "layers": {}, "settings": {}}
     exact = {}
     for i, m in enumerate(layers):
         g = grad[i]
@@ -639,11 +655,15 @@ def probe_part(args) -> dict[str, Any]:
             steps, eig = exact_natural(u, g, lam_tok + [0.1 * t])
             exact[i][kind] = dict(zip(lam_tok + [0.1 * t], steps))
             result["layers"].setdefault(names[i], {})[kind] = {
-                "params": g.numel(), "rank": int(eig.numel()), "eig_max": float(eig.max()), "eig_mean_over_P": float(eig.sum() / g.numel()),
-                "eig_quantiles": [float(q) for q in torch.quantile(eig, torch.tensor([0.5, 0.9, 0.99], dtype=eig.dtype))],
+                "params": g.numel(), "rank": int(eig.numel()), "eig_max": float(eig.max()),
+                "eig_mean_over_P": float(eig.sum() / g.numel()),
+                "eig_quantiles": [float(q)
+                                  for q in torch.quantile(eig, torch.tensor([0.5, 0.9, 0.99], dtype=eig.dtype))],
                 "cos_exact_vs_grad": {f"{lam:g}": cosine(s, g) for lam, s in exact[i][kind].items()},
                 "cos_true_vs_emp": None}
-        result["layers"][names[i]]["cos_exact_true_vs_emp"] = {f"{lam:g}": cosine(exact[i]["true"][lam], exact[i]["empirical"][lam]) for lam in lam_tok}
+        result["layers"][names[i]]["cos_exact_true_vs_emp"] = {f"{lam:g}": cosine(exact[i]["true"][lam],
+                                                                                  exact[i]["empirical"][lam])
+                                                               for lam in lam_tok}
     for label, (damping, sampled, sharing, per_tok) in tqdm(settings.items(), desc="K-FAC settings"):
         directions, factors = kfac_direction(model, x, y, damping, sampled, sharing)
         entry: dict[str, Any] = {"damping": damping, "per_token_damping": per_tok, "layers": {}}
@@ -655,7 +675,8 @@ def probe_part(args) -> dict[str, Any]:
                 "cos_exact_matched": cosine(v, exact[i][fisher][per_tok]),
                 "cos_exact_true_matched": cosine(v, exact[i]["true"][per_tok]),
                 "cos_exact_true_by_lambda": {f"{lam:g}": cosine(v, exact[i]["true"][lam]) for lam in lam_tok},
-                "step_norm": float(v.norm()), "exact_norm_matched": float(exact[i][fisher][per_tok].norm() * (1 / t if sampled else t)),
+                "step_norm": float(v.norm()),
+                "exact_norm_matched": float(exact[i][fisher][per_tok].norm() * (1 / t if sampled else t)),
             }
         spectra = {}
         for name, a, gf in factors:
@@ -665,7 +686,8 @@ def probe_part(args) -> dict[str, Any]:
                              # condition numbers: λmax/λmin (λmin clamped at 1e-12·λmax) and λmax/median
                              "A_cond": float(ea.max() / ea.min().clamp(min=1e-12 * ea.max())),
                              "G_cond": float(eg.max() / eg.min().clamp(min=1e-12 * eg.max())),
-                             "A_max_over_median": float(ea.max() / ea.median()), "G_max_over_median": float(eg.max() / eg.median()),
+                             "A_max_over_median": float(ea.max() / ea.median()),
+                             "G_max_over_median": float(eg.max() / eg.median()),
                              "A_top1_share": float(ea.max() / ea.sum()), "G_top1_share": float(eg.max() / eg.sum()),
                              "kron_frac_above_damping": float((kron > damping).double().mean()),
                              "kron_max_over_damping": float(kron.max() / damping)}
@@ -681,7 +703,8 @@ def print_probe(result: dict[str, Any]) -> None:
         ti = info["true"]
         print(f"  {name:14s} P={ti['params']:5d} eig max {ti['eig_max']:.3g} mean {ti['eig_mean_over_P']:.3g}  "
               + " ".join(f"{c:.2f}" for c in ti["cos_exact_vs_grad"].values()))
-    print("\nK-FAC step per layer: cos(V, ∇) | cos(V, exact NG at matched damping) | cos(V, exact true NG at λ_tok=1e-3)"
+    print("\nK-FAC step per layer: cos(V, ∇) | cos(V, exact NG at matched damping)"
+          " | cos(V, exact true NG at λ_tok=1e-3)"
           " | frac Kronecker eigs > λ | A cond, G cond | A, G max/median")
     for label, entry in result["settings"].items():
         print(f" {label}  (λ={entry['damping']:g}, per-token {entry['per_token_damping']:g})")
@@ -712,7 +735,8 @@ def main() -> None:
     parser.add_argument("--probe-width", type=int, default=32, help="probe model width (default 32)")
     parser.add_argument("--probe-context", type=int, default=32, help="probe T (default 32)")
     parser.add_argument("--probe-batch", type=int, default=8, help="probe sequences: rows = batch·T (default 8)")
-    parser.add_argument("--probe-draws", type=int, default=4, help="sampled targets per token for the true Fisher (default 4)")
+    parser.add_argument("--probe-draws", type=int, default=4,
+                        help="sampled targets per token for the true Fisher (default 4)")
     parser.add_argument("--probe-warmup", type=int, default=100, help="AdamW steps before probing (default 100)")
     parser.add_argument("--out", type=Path, default=Path("runs/transformer_diagnosis"), help="output folder")
     parser.add_argument("--tag", default="", help="suffix for the output file names")

@@ -99,7 +99,8 @@ def make_step(run: str, model: nn.Module, args: argparse.Namespace) -> tuple[Cal
     return step, preconditioner
 
 
-def time_run(run: str, args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], Any]:
+def time_run(run: str, args: argparse.Namespace,
+             batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], Any]:
     torch.manual_seed(0)
     image_size, _ = workload_shape(args)
     model = build_model(args.model, image_size)
@@ -211,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     for run in runs:
         times, state = time_run(run, args, batches)
-        results[run] = {"times_s": times, **summary(times), "windows": windows(times, args.factor_interval, args.window)}
+        results[run] = {"times_s": times, **summary(times),
+                        "windows": windows(times, args.factor_interval, args.window)}
         if run == "sync" and args.precondition:
             results[run]["precondition"] = precondition_times(state, args.damping, args.repeats)
     print(f"{args.model}, batch {batch}, {image_size}px, {args.steps} steps, intervals "  # noqa: T201

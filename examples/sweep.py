@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.sweep", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML config (default: configs/digits.yaml)")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                        help="YAML config (default: configs/digits.yaml)")
     parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="values to try (repeatable)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="fixed override for every combination (as in train.py)")

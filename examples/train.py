@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runs", nargs="+", metavar="RUN", help="train only these runs of the config, in this order")
     parser.add_argument("--out-dir", type=Path, help="output folder (default: runs/<config name>)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue each run from its checkpoint in the output folder (runs without one start fresh)")
+                        help="continue each run from its checkpoint in the output folder "
+                             "(runs without one start fresh)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (repeatable; see below)")
     group = parser.add_argument_group("shortcuts for train.* keys (every run)")

@@ -122,7 +122,8 @@ class _RankPool:
             self.connections.append(ours)
             self.processes.append(process)
 
-    def run(self, scenario: Scenario, directory: Path, deadline: float, group_timeout_s: float) -> tuple[int | None, bool]:
+    def run(self, scenario: Scenario, directory: Path, deadline: float,
+            group_timeout_s: float) -> tuple[int | None, bool]:
         """Run ``scenario`` on every rank; ``(None, False)`` when all returned 0 before ``deadline``
         (a ``time.monotonic()``), else the first failed rank (or None) and whether it was late."""
         for connection in self.connections:
@@ -205,7 +206,8 @@ def run_ranks(
     group_timeout_s = deadline_s / 2 if group_timeout_s is None else group_timeout_s
     context = mp.get_context("spawn")
     processes = [
-        context.Process(target=_rank_main, args=(rank, world, scenario, str(directory), group_timeout_s, abandon_group, backend))
+        context.Process(target=_rank_main,
+                        args=(rank, world, scenario, str(directory), group_timeout_s, abandon_group, backend))
         for rank in range(world)
     ]
     for process in processes:
@@ -224,7 +226,8 @@ def run_ranks(
         rank = failed[0]
         saved = _traceback_file(directory, scenario, rank)
         why = saved.read_text() if saved.exists() else "(no traceback saved)"
-        pytest.fail(f"rank {rank} of {world} in {scenario.__name__} exited with code {processes[rank].exitcode}:\n{why}")
+        pytest.fail(f"rank {rank} of {world} in {scenario.__name__} exited with code "
+                    f"{processes[rank].exitcode}:\n{why}")
     if alive:
         pytest.fail(f"{world} ranks of {scenario.__name__} did not finish in {deadline_s:.0f} s")
     return [process.exitcode for process in processes]
@@ -235,7 +238,8 @@ def load_results(scenario: Scenario, world: int, directory: Path) -> list[dict[s
     return [torch.load(results_file(directory, scenario, rank), weights_only=False) for rank in range(world)]
 
 
-def spawn(scenario: Scenario, world: int, directory: Path, *, deadline_s: float, backend: str = "gloo") -> list[dict[str, Any]]:
+def spawn(scenario: Scenario, world: int, directory: Path, *, deadline_s: float,
+          backend: str = "gloo") -> list[dict[str, Any]]:
     """Run ``scenario`` on ``world`` ranks of ``backend`` (``run_ranks``, or a pool of gloo ranks
     for a world in ``POOLED_WORLDS``); every rank's results."""
     if backend == "gloo" and world in POOLED_WORLDS:
@@ -245,7 +249,8 @@ def spawn(scenario: Scenario, world: int, directory: Path, *, deadline_s: float,
     return load_results(scenario, world, directory)
 
 
-def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float, atol: float) -> None:
+def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float,
+                        atol: float) -> None:
     """The same keys, and every tensor close to the expected one (``rtol=atol=0``: bit-identical)."""
     assert actual.keys() == expected.keys()
     for key in expected:

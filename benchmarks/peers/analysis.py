@@ -6,8 +6,8 @@ reaches a target and the metric a run has at a given time.
 
 - The goal is the **best peer's final metric**: the best median-over-seeds final test metric among
   the optimizers other than K-FAC (the median, so that at least half of that optimizer's seeds
-  end at or beyond it and its own median time to it is finite). Each run's time to it is reported per seed ("never" when the
-  run does not reach it), then the median over seeds (never counted as infinite) and the mean
+  end at or beyond it and its own median time to it is finite). Each run's time to it is reported per
+  seed ("never" when the run does not reach it), then the median over seeds (never counted as infinite) and the mean
   (only when every seed reaches it), and the median's ratio to AdamW's median.
 - The issue's own goal, **AdamW's final metric** (AdamW's median final), the same way.
 - **Metric at equal time**: each run's metric at the shortest total training time among all the
@@ -145,7 +145,8 @@ def format_table(summary: dict[str, Any]) -> str:
         if row["diverged"]:
             finals += f", {row['diverged']} diverged"
         cells = [name, lr, finals, ", ".join(map(_seconds, row["to_goal_s"])), _seconds(row["to_goal_median_s"]),
-                 _ratio(row["goal_vs_adamw"]), _steps(row["to_goal_median_steps"]), _seconds(row["to_adamw_median_s"]), _ratio(row["adamw_goal_vs_adamw"]),
+                 _ratio(row["goal_vs_adamw"]), _steps(row["to_goal_median_steps"]), _seconds(row["to_adamw_median_s"]),
+                 _ratio(row["adamw_goal_vs_adamw"]),
                  f"{row['at_equal_time']:.4f}", f"{row['step_ms']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     direction = "higher" if hib else "lower"

@@ -29,12 +29,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--optimizers", nargs="+", choices=optimizers.CHOICES, default=list(optimizers.OPTIMIZERS),
                         help=f"optimizers (default: {' '.join(optimizers.OPTIMIZERS)}; soap is skipped with a note "
                         f"without heavyball; K-FAC variants on request: {' '.join(optimizers.KFAC_VARIANTS)})")
-    parser.add_argument("--grid-points", type=int, default=None, help="learning rates per optimizer (default 4; --quick: 1)")
+    parser.add_argument("--grid-points", type=int, default=None,
+                        help="learning rates per optimizer (default 4; --quick: 1)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds of the best lr (default 3; --quick: 1)")
     parser.add_argument("--budget-scale", type=float, default=None,
                         help=f"multiplies every task's training-time budget (default 1; --quick: {QUICK_BUDGET_SCALE})")
-    parser.add_argument("--evals", type=int, default=None, help="evaluations per run after time 0 (default 20; --quick: 3)")
-    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each (default 2; 1: in this process)")
+    parser.add_argument("--evals", type=int, default=None,
+                        help="evaluations per run after time 0 (default 20; --quick: 3)")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="runs in parallel, one thread each (default 2; 1: in this process)")
     parser.add_argument("--quick", action="store_true", help="tiny budget for a smoke test (CI)")
     parser.add_argument("--out", type=Path, default=Path("runs") / "peers", help="output folder (default runs/peers)")
     parser.add_argument("--report", action="store_true",

@@ -87,7 +87,8 @@ def train(spec: RunSpec) -> Run:
             "step_s": spent / max(step, 1), "warnings": messages}
 
 
-def _closure(task: Any, model: torch.nn.Module, optimizer: Any, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
+def _closure(task: Any, model: torch.nn.Module, optimizer: Any, x: torch.Tensor,
+             y: torch.Tensor) -> Callable[[], torch.Tensor]:
     """The step's zero_grad, forward and backward as a closure; backward only with grad enabled
     (``AdaptiveDamping`` calls it once more under ``torch.no_grad()``)."""
     def closure() -> torch.Tensor:

@@ -82,7 +82,8 @@ def main() -> None:
     for lr in args.lr:
         for label, settings in CONFIGS.items():
             results[f"{label} @ lr {lr:g}"] = measure(settings, lr, args.steps)
-            logger.warning("%s @ %g: %s", label, lr, {k: round(v, 4) for k, v in results[f"{label} @ lr {lr:g}"].items()})
+            logger.warning("%s @ %g: %s", label, lr,
+                           {k: round(v, 4) for k, v in results[f"{label} @ lr {lr:g}"].items()})
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)

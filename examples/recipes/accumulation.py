@@ -36,7 +36,8 @@ def train(accum_steps: int, steps: int) -> nn.Module:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.recipes.accumulation",
-                                     description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--accum-steps", type=int, default=4, help="micro-batches per step (dividing 64)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
     args = parser.parse_args(argv)

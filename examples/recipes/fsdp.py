@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m examples.recipes.fsdp", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
-    parser.add_argument("--steps", type=int, default=20, help="steps in all; the checkpoint follows the middle decomposition step")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="steps in all; the checkpoint follows the middle decomposition step")
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, split over the ranks")
     return parser.parse_args(argv)
 
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         straight = [p.detach().full_tensor() for p in model.parameters()]
 
         model = sharded_toy_model(device)  # a fresh run resumes from the checkpoint
-        optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=INV_UPDATE_STEPS)
+        optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1,
+                                    inv_update_steps=INV_UPDATE_STEPS)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd, "kfac": optimizer.kfac_state()}
         dcp.load(state, checkpoint_id=path)

@@ -41,7 +41,8 @@ def torchrun_ranks(device: str, batch_size: int) -> Ranks:
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if batch_size % world_size:
         raise SystemExit(f"--batch-size {batch_size} must be divisible by the {world_size} ranks")
-    return Ranks(rank, local_rank, world_size, torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu"))
+    return Ranks(rank, local_rank, world_size,
+                 torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu"))
 
 
 @contextmanager

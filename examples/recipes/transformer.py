@@ -72,7 +72,8 @@ def loss_of(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.recipes.transformer", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m examples.recipes.transformer",
+                                     description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")

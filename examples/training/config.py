@@ -37,7 +37,8 @@ def _check_choice(section: str, name: str, value: Any, choices: tuple[str, ...])
 
 
 DATASETS = ("digits", "cifar10", "imagenet", "synthetic")
-MODELS = ("digits_cnn", "digits_gapcnn", "digits_autoencoder", "digits_vit", "resnet20", "resnet32", "resnet18", "resnet50")
+MODELS = ("digits_cnn", "digits_gapcnn", "digits_autoencoder", "digits_vit", "resnet20", "resnet32", "resnet18",
+          "resnet50")
 OPTIMIZERS = ("sgd", "adamw", "kfac")
 LR_SCHEDULES = ("constant", "step", "cosine")
 AMP_MODES = ("none", "fp16", "bf16", "apex-O1", "apex-O2")

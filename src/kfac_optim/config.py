@@ -235,9 +235,11 @@ class UpdateConfig:
         check_hyperparameter("UpdateConfig.adam_eps", self.adam_eps)
         if self.adam_eps <= 0:
             raise ValueError(f"UpdateConfig.adam_eps must be > 0, got {self.adam_eps}")
-        if self.grafting != "adam" and (self.adam_betas, self.adam_eps) != (UpdateConfig.adam_betas, UpdateConfig.adam_eps):
+        if (self.grafting != "adam"
+                and (self.adam_betas, self.adam_eps) != (UpdateConfig.adam_betas, UpdateConfig.adam_eps)):
             raise ValueError(
-                f"UpdateConfig.adam_betas/adam_eps are Adam's, used only with grafting='adam' (grafting={self.grafting!r})"
+                "UpdateConfig.adam_betas/adam_eps are Adam's, used only with grafting='adam' "
+                f"(grafting={self.grafting!r})"
             )
 
 
@@ -248,8 +250,8 @@ class KFACOptions:
     ``damping``: λ, in Fisher units of a per-sample loss (docs/numerics.md), a float > 0, a
     callable ``step -> float`` or an ``AdaptiveDamping`` (Levenberg–Marquardt,
     ``kfac_optim.update.damping``). ``kl_clip``: the bound on the step's KL estimate ν is computed from
-    (``UpdateConfig.trust_region``; None: no scaling). ``factor_update_steps`` / ``inv_update_steps``: fold statistics / refresh
-    decompositions every this many steps (int >= 1 or callable ``step -> int``), or ``"auto"`` /
+    (``UpdateConfig.trust_region``; None: no scaling). ``factor_update_steps`` / ``inv_update_steps``: fold statistics /
+    refresh decompositions every this many steps (int >= 1 or callable ``step -> int``), or ``"auto"`` /
     an ``AutoIntervals`` (the default): chosen from the cost counted from shapes, or a
     ``MeasuredIntervals``: from the cost timed on the first steps (``kfac_optim.schedule.intervals``). ``method``:
     "eigen", "inverse", "eigen_adam" or a ``kfac_optim.Method``. ``curvature``, ``asynchronous``, ``update``: see

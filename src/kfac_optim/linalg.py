@@ -184,7 +184,8 @@ def symmetric_eigen(
     if k:
         block = factor if k == n else factor[active][:, active]
         columns = None if rank_bound is None else rank_bound + LOW_RANK_OVERSAMPLE
-        truncating = capped and drop_below is not None and k > max_rank and (rank_bound is None or rank_bound > max_rank)
+        truncating = (capped and drop_below is not None and k > max_rank
+                      and (rank_bound is None or rank_bound > max_rank))
         if truncating:
             result = _top_eigh(block, max_rank)
         elif drop_below is not None and columns is not None and columns <= THIN_MAX_FRACTION * k:
@@ -442,10 +443,10 @@ def nearest_kronecker_sum(x1: Tensor, y1: Tensor, x2: Tensor, y2: Tensor) -> tup
     the rank-2 matrix ``X Yᵀ`` (``X = [x1 x2]``, ``Y = [vec y1, vec y2]``); its top left singular
     vector is ``X c`` for ``c`` the Perron eigenvector of the 2x2 ``(YᵀY)(XᵀX)`` (non-negative
     entries), so ``x = c1·x1 + c2·x2`` and ``y = ((XᵀX c)_1·y1 + (XᵀX c)_2·y2) / cᵀXᵀXc``:
-    non-negative and PSD (returned split so that ``x`` is a weighted mean of ``x1`` and ``x2``). Exact when one term is zero or the terms are proportional. O(V + D²).
-    The sum is unchanged by ``x_i → α_i x_i, y_i → y_i / α_i``, and ``c`` and the weights of ``y`` by
-    scaling ``X`` or ``Y`` whole: so each term is balanced (``x_i``, ``y_i`` of equal largest entry)
-    and ``X``, ``Y`` are divided by their largest entries before the 2x2 problem (which would
+    non-negative and PSD (returned split so that ``x`` is a weighted mean of ``x1`` and ``x2``). Exact when one term is
+    zero or the terms are proportional. O(V + D²). The sum is unchanged by ``x_i → α_i x_i, y_i → y_i / α_i``, and ``c``
+    and the weights of ``y`` by scaling ``X`` or ``Y`` whole: so each term is balanced (``x_i``, ``y_i`` of equal
+    largest entry) and ``X``, ``Y`` are divided by their largest entries before the 2x2 problem (which would
     otherwise under- or overflow in float32 for terms of very different scales).
     """
     tiny = torch.finfo(x1.dtype).tiny

@@ -90,8 +90,8 @@ class KFAC(KFACViews, Optimizer, Joinable):
             the reduction ratio of the quadratic model; it needs ``step(closure)`` (docs/api.md
             "Adaptive damping").
         kl_clip: bound on the KL-divergence estimate of the applied step ``lr·ν·V``: below it the
-            step promises SGD's first-order decrease at the lr, so the lr sets it as SGD's (``UpdateConfig.trust_region``); None: K-FAC's
-            directions unscaled.
+            step promises SGD's first-order decrease at the lr, so the lr sets it as SGD's
+            (``UpdateConfig.trust_region``); None: K-FAC's directions unscaled.
         factor_update_steps: fold statistics every this many steps (int ≥ 1 or callable), or
             "auto" (default) / a ``kfac_optim.schedule.intervals.AutoIntervals``: chosen from the cost
             counted from the layers' and the first batch's shapes, reproducible; a
@@ -141,7 +141,8 @@ class KFAC(KFACViews, Optimizer, Joinable):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        for name, value in (("lr", lr), ("momentum", momentum), ("dampening", dampening), ("weight_decay", weight_decay)):
+        for name, value in (("lr", lr), ("momentum", momentum), ("dampening", dampening),
+                            ("weight_decay", weight_decay)):
             check_hyperparameter(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov requires momentum > 0 and dampening = 0")
@@ -163,7 +164,8 @@ class KFAC(KFACViews, Optimizer, Joinable):
         trainable = {p for group in self.param_groups for p in group["params"]}  # the model's and any outside it
         self._outside_adam = outside_kfac_for(
             method_named(self._options.method), self._options.update.grafting,
-            self._options.update.decoupled_weight_decay, self.param_groups, self.model, trainable)  # checked before any hook
+            self._options.update.decoupled_weight_decay, self.param_groups, self.model,
+            trainable)  # checked before any hook
         self._precision = MixedPrecision(self, runtime.grad_scaler,
                                          statistics_loss_scaled=curvature.fisher == "empirical")
         self.estimator = KroneckerEstimator(self.model, trainable, self._options, runtime, self._precision)
@@ -261,7 +263,8 @@ class KFAC(KFACViews, Optimizer, Joinable):
         self._precision.bind_master_params(estimator.blocks)
         self._join.check_step(self._join_config)
 
-        estimator.update_curvature(statistics_scale, self._moves)  # fold on factor steps, decompose on decomposition steps
+        # fold on factor steps, decompose on decomposition steps
+        estimator.update_curvature(statistics_scale, self._moves)
         directions = estimator.precondition()           # V = (G ⊗ A + λI)⁻¹ ∇W, by parameter
         directions = self._step_length.apply(directions, self.param_groups, self.state)  # ν·V, M·‖s‖/‖M‖ or V
         adam: dict[Tensor, Tensor] = {}

@@ -155,7 +155,8 @@ class Reporter:
         largest = sorted(sizes, key=lambda item: -item[0])[:3]
         named = "; ".join(f"'{r.name}' ({r.kind}, {size} elements: {r.status})" for size, r in largest)
         return (f"K-FAC preconditions {covered}/{total} ({covered / total:.1%}) of the trainable weight-matrix "
-                f"elements, under {COVERAGE_WARNING:.0%}: the rest take SGD's update. Largest without a block: {named}. "
+                f"elements, under {COVERAGE_WARNING:.0%}: the rest take SGD's update. "
+                f"Largest without a block: {named}. "
                 "A layer type gets K-FAC with kfac_optim.register_block(LayerType, BlockClass) (a KroneckerBlock "
                 "subclass; docs/api.md, 'Block registry'); KFAC.describe() lists every module")
 
@@ -368,8 +369,8 @@ def memory_usage(blocks: Sequence[KroneckerBlock], method: Method, row_sharded: 
     layer frozen since construction allocates its factors when it first records, ``Factor.allocated``);
     ``"pending"``: the buffers statistics are captured into (allocated likewise); ``"decompositions"``: the
     eigendecompositions or inverses this rank holds (all layers with ``f = 1``, about
-    ``f`` of them otherwise, as ``method`` sizes them); ``"sharded_preconditioning"``: under FSDP2 (``row_sharded``), the most this
-    rank holds at once while preconditioning sharded layers (gathered gradient rows and one whole
+    ``f`` of them otherwise, as ``method`` sizes them); ``"sharded_preconditioning"``: under FSDP2 (``row_sharded``),
+    the most this rank holds at once while preconditioning sharded layers (gathered gradient rows and one whole
     gradient and direction, in ``inv_dtype``; 0 without sharded layers). Momentum buffers are SGD's
     and not counted.
     """

@@ -22,7 +22,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kfac_optim import KFAC, AsyncConfig, RuntimeConfig, linalg
-from tests.cuda_helpers import cuda_check_batch, cuda_check_net, cuda_test_device, cuda_test_marks, deterministic_kernels
+from tests.cuda_helpers import (
+    cuda_check_batch,
+    cuda_check_net,
+    cuda_test_device,
+    cuda_test_marks,
+    deterministic_kernels,
+)
 
 pytestmark = cuda_test_marks()
 
@@ -60,7 +66,9 @@ def train_with_workers(async_statistics: bool, scaled: bool, steps: int = 9) -> 
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad scaler"])
-def test_async_statistics_on_cuda_train_bit_identically_to_in_line(monkeypatch: pytest.MonkeyPatch, scaled: bool) -> None:
+def test_async_statistics_on_cuda_train_bit_identically_to_in_line(
+    monkeypatch: pytest.MonkeyPatch, scaled: bool
+) -> None:
     deterministic_kernels(monkeypatch)
     in_line_params, in_line_factors = train_with_workers(False, scaled)
     with warnings.catch_warnings():

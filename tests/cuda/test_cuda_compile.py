@@ -11,7 +11,14 @@ import torch.nn.functional as F
 
 from helpers import running_factors
 from kfac_optim import KFAC
-from tests.cuda_helpers import cpu_copies, cuda_check_batch, cuda_check_net, cuda_test_device, cuda_test_marks, deterministic_kernels
+from tests.cuda_helpers import (
+    cpu_copies,
+    cuda_check_batch,
+    cuda_check_net,
+    cuda_test_device,
+    cuda_test_marks,
+    deterministic_kernels,
+)
 
 pytestmark = cuda_test_marks()
 

@@ -94,7 +94,8 @@ def nccl_ddp_scenario(rank: int, world: int, directory: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def nccl_ddp_rank(module_tmp_path: Path) -> dict[str, Any]:
     device = cuda_test_device()
-    return spawn(nccl_ddp_scenario, 1, module_tmp_path, deadline_s=NCCL_DEADLINE_S, backend=distributed_backend(device))[0]
+    return spawn(nccl_ddp_scenario, 1, module_tmp_path, deadline_s=NCCL_DEADLINE_S,
+                 backend=distributed_backend(device))[0]
 
 
 def test_ddp_over_nccl_with_one_rank_equals_one_process_bit_for_bit(nccl_ddp_rank: dict[str, Any]) -> None:
@@ -130,7 +131,8 @@ def fsdp_train_on_device(model: nn.Module, optimizer: KFAC, device: torch.device
     for step in range(NCCL_STEPS):
         x, y = fsdp_global_batch(step)
         optimizer.zero_grad()
-        F.cross_entropy(model(x[rank * size:(rank + 1) * size].to(device)), y[rank * size:(rank + 1) * size].to(device)).backward()
+        F.cross_entropy(model(x[rank * size:(rank + 1) * size].to(device)),
+                        y[rank * size:(rank + 1) * size].to(device)).backward()
         optimizer.step()
 
 

@@ -57,7 +57,9 @@ def test_eigh_of_a_4608_wide_factor_on_cuda() -> None:
     assert_decomposes(eigen, factor)
 
 
-def test_a_failed_float32_eigh_of_a_4608_wide_factor_is_retried_in_float64_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_float32_eigh_of_a_4608_wide_factor_is_retried_in_float64_on_cuda(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``torch.linalg.eigh`` made to fail in float32 (as cuSOLVER's ``syevd`` can, not converging):
     ``linalg`` retries in float64, and returns the decomposition in float32."""
     real_eigh = torch.linalg.eigh

@@ -15,7 +15,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kfac_optim import KFAC, CurvatureConfig
-from tests.cuda_helpers import cpu_copies, cuda_check_batch, cuda_check_net, cuda_test_device, cuda_test_marks, deterministic_kernels
+from tests.cuda_helpers import (
+    cpu_copies,
+    cuda_check_batch,
+    cuda_check_net,
+    cuda_test_device,
+    cuda_test_marks,
+    deterministic_kernels,
+)
 
 pytestmark = cuda_test_marks()
 
@@ -55,7 +62,9 @@ def test_the_float64_step_on_cuda_equals_the_cpu_step(monkeypatch: pytest.Monkey
     torch.testing.assert_close(actual, cpu_float64_reference(), rtol=1e-9, atol=1e-12)
 
 
-def test_the_float32_step_on_cuda_is_within_float32_rounding_of_the_float64_cpu_step(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_float32_step_on_cuda_is_within_float32_rounding_of_the_float64_cpu_step(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The default precision (float32 model and factors), TF32 off. Tolerance ``rtol=1e-4, atol=1e-5``:
     float32's eps (1.2e-7) amplified by the damped solve (≤ 1e3) over five steps."""
     deterministic_kernels(monkeypatch)

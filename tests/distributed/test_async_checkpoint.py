@@ -93,7 +93,8 @@ def test_resume_while_a_round_is_in_flight_continues_bit_identically(
 ) -> None:
     # save_at 4 and 5: step 3's round is in flight (adopted at 6, or at 5 with delay 2);
     # (None, 6): step 6 adopted it and started the next one. (2, 5): saved right before adopting.
-    settings = dict(asynchronous=AsyncConfig(delay=async_delay), runtime=RuntimeConfig(async_statistics=async_statistics))
+    settings = dict(asynchronous=AsyncConfig(delay=async_delay),
+                    runtime=RuntimeConfig(async_statistics=async_statistics))
     reference, reference_optimizer = fresh(**settings)
     checkpoint_run(reference, reference_optimizer, range(STEPS))
 
@@ -113,7 +114,7 @@ def test_resume_while_a_round_is_in_flight_continues_bit_identically(
     assert entry["adopt_at"] == (None if async_delay is None else 5 if save_at < 6 else 8)
     assert set(entry["factors"]) == {"conv", "head"}
     for block in reference_optimizer.blocks:
-        for name, factor in entry["factors"][block.name].items():
+        for factor in entry["factors"][block.name].values():
             assert set(factor["decomposition"]) == {"Q", "d"} and factor["version"] in (4, 7)
 
 
@@ -153,9 +154,11 @@ def test_checkpoints_without_a_round_load_into_an_async_optimizer() -> None:
         resumed_model, resumed_optimizer = resumed(state)
         checkpoint_run(resumed_model, resumed_optimizer, range(4, 6))
         assert_same_parameters(resumed_model, model)
-        held = {(b.name, n): (f.version, f.decomposed_key) for b in resumed_optimizer.blocks for n, f in b.factors.items()}
+        held = {(b.name, n): (f.version, f.decomposed_key) for b in resumed_optimizer.blocks
+                for n, f in b.factors.items()}
         checkpoint_run(resumed_model, resumed_optimizer, range(6, 8))  # step 6 adopts nothing, starts a round
-        assert all(f.decomposed_key == held[b.name, n][1] for b in resumed_optimizer.blocks for n, f in b.factors.items())
+        assert all(f.decomposed_key == held[b.name, n][1] for b in resumed_optimizer.blocks
+                   for n, f in b.factors.items())
         round_ = resumed_optimizer.state_dict()["kfac"]["round"]
         assert round_ is not None and round_["factors"].keys() == {b.name for b in resumed_optimizer.blocks}
         for block, factors in round_["factors"].items():

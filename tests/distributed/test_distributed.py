@@ -36,11 +36,13 @@ STEPS = 6
 SAVE_AT = 3  # right after a decomposition step (inv_update_steps=2: steps 0, 2, 4)
 DEADLINE_S = 90.0
 OPTIONS: dict[str, Any] = dict(
-    lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.1, kl_clip=1e-2, curvature=CurvatureConfig(factor_decay=0.9), inv_update_steps=2
+    lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.1, kl_clip=1e-2,
+    curvature=CurvatureConfig(factor_decay=0.9), inv_update_steps=2
 )
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 assert_same = partial(assert_same_tensors, **TOLERANCE)  # rtol=0, atol=0 for bit-identity
-STAGGER: dict[str, Any] = dict(curvature=CurvatureConfig(factor_decay=0.9, stagger=True), factor_update_steps=3)  # phases 0-2 over 4 blocks
+# phases 0-2 over 4 blocks
+STAGGER: dict[str, Any] = dict(curvature=CurvatureConfig(factor_decay=0.9, stagger=True), factor_update_steps=3)
 DEFAULT_INTERVALS: dict[str, Any] = dict(factor_update_steps="auto", inv_update_steps="auto")
 DEFAULT_STEPS = 12  # past the first automatic decomposition interval (at least 10)
 
@@ -167,14 +169,16 @@ def symmetric_matrices(seed: int) -> list[torch.Tensor]:
 
 
 MODERN_RUNS = [(1.0, "eigen"), ("mem-opt", "inverse"), ("mem-opt", "root")]  # root: its Eigen bases travel
-CAPPED = Eigen(max_rank=4)  # fc1's A (33), conv's A (10), fc2's A and G (8 each), head's A (7): truncated at step 0 (12 rows)
+# fc1's A (33), conv's A (10), fc2's A and G (8 each), head's A (7): truncated at step 0 (12 rows)
+CAPPED = Eigen(max_rank=4)
 
 
 def ddp_run(
     rank: int, world: int, fraction: float | str, steps: range = range(STEPS), **kwargs: Any
 ) -> tuple[DDP, KFAC]:
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **{"runtime": RuntimeConfig(grad_worker_fraction=fraction), "factor_update_steps": 1, "inv_update_steps": 10, **{**OPTIONS, **kwargs}})
+    optimizer = KFAC(model, **{"runtime": RuntimeConfig(grad_worker_fraction=fraction), "factor_update_steps": 1,
+                               "inv_update_steps": 10, **{**OPTIONS, **kwargs}})
     ddp_train(model, optimizer, steps, rank, world)
     return model, optimizer
 
@@ -201,14 +205,15 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
     results["params no_sync"] = parameters(model)
 
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})  # comm-opt: every rank receives the decompositions it does not own
+    # comm-opt: every rank receives the decompositions it does not own
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     storage: list[dict[str, int]] = []
 
     def record_received_storage() -> None:
         storage.append({
             f"{block.name}.{name}": (factor.decomposition.Q.data_ptr(), tuple(factor.decomposition.Q.shape))
-            for block in optimizer.blocks for name, factor in block.factors.items()
-            if factor.decomposition is not None and not optimizer.estimator.sharding.decomposes(block.name, name)
+            for block in optimizer.blocks for name, factor in block.factors.items()  # noqa: F821 (bound above: the `del` at the function's end comes after its last call)
+            if factor.decomposition is not None and not optimizer.estimator.sharding.decomposes(block.name, name)  # noqa: F821 (as above)
         })
 
     ddp_train(model, optimizer, range(STEPS), rank, world, after_step=record_received_storage)
@@ -221,7 +226,8 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
     model, optimizer = ddp_run(rank, world, 1.0, asynchronous=AsyncConfig())
     results["params async"] = parameters(model)
     results["factors async"] = global_factors(optimizer)
-    model, optimizer = ddp_run(rank, world, 1.0, asynchronous=AsyncConfig(), runtime=RuntimeConfig(grad_worker_fraction=1.0, async_statistics=True))
+    model, optimizer = ddp_run(rank, world, 1.0, asynchronous=AsyncConfig(),
+                               runtime=RuntimeConfig(grad_worker_fraction=1.0, async_statistics=True))
     results["params async statistics"] = parameters(model)
     results["factors async statistics"] = global_factors(optimizer)
     results.update(async_resumed(rank, world))
@@ -241,7 +247,8 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
 
     model = DDP(make_ddp_net(extra_layers=True), find_unused_parameters=True)
     model.module.use_branch = rank == 0
-    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction="mem-opt"), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction="mem-opt"),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), rank, world)
     results["params unused"] = parameters(model)
     results["factors unused"] = global_factors(optimizer)
@@ -257,7 +264,8 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
 
     for fraction, method in MODERN_RUNS:
         model = DDP(make_ddp_net(modern=True))
-        optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction), method=method, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+        optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction), method=method,
+                         **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
         ddp_train(model, optimizer, range(STEPS), rank, world)
         results[f"modern params {fraction} {method}"] = parameters(model)
         results[f"modern factors {fraction} {method}"] = global_factors(optimizer)
@@ -303,7 +311,8 @@ def async_resumed(rank: int, world: int) -> dict[str, Any]:
             inner = make_ddp_net()
             inner.load_state_dict(saved["model"])
             model = DDP(inner)
-            optimizer = KFAC(model, asynchronous=AsyncConfig(delay=delay), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+            optimizer = KFAC(model, asynchronous=AsyncConfig(delay=delay),
+                             **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
             optimizer.load_state_dict(saved["optimizer"])
             ddp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
             results[f"params async {delay} resumed from {source}"] = parameters(model)
@@ -315,7 +324,8 @@ def async_delay_with_a_rank_that_decomposes_nothing(rank: int, world: int) -> di
     (and share) at the delayed adoption step."""
     torch.manual_seed(0)
     model = DDP(nn.Linear(16, 3))
-    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction="mem-opt"), asynchronous=AsyncConfig(delay=1), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction="mem-opt"), asynchronous=AsyncConfig(delay=1),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     for step in range(4):  # decomposition steps 0 (in line) and 2 (a round, adopted at 3)
         x, y = ddp_shard(step, rank, world)
         optimizer.zero_grad()
@@ -329,7 +339,8 @@ def resume(rank: int, world: int, checkpoint: Path, fraction: float | str) -> di
     inner = make_ddp_net()
     inner.load_state_dict(saved["model"])
     model = DDP(inner) if world > 1 else inner
-    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     optimizer.load_state_dict(saved["optimizer"])
     ddp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
     return parameters(model)
@@ -458,7 +469,9 @@ def test_global_factors_equal_one_process_factors(ddp_two_ranks) -> None:
 
 
 @pytest.mark.parametrize(("fraction", "method"), MODERN_RUNS)
-def test_two_ranks_equal_one_process_with_embedding_attention_grouped_and_nd_conv_blocks(ddp_two_ranks, fraction, method) -> None:
+def test_two_ranks_equal_one_process_with_embedding_attention_grouped_and_nd_conv_blocks(
+    ddp_two_ranks, fraction, method
+) -> None:
     model = make_ddp_net(modern=True)
     optimizer = KFAC(model, method=method, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     assert len(optimizer.blocks) == 7
@@ -467,7 +480,8 @@ def test_two_ranks_equal_one_process_with_embedding_attention_grouped_and_nd_con
         assert_same(results[f"modern params {fraction} {method}"], parameters(model))
         assert_same(results[f"modern factors {fraction} {method}"], saved_factors(optimizer.state_dict()))
     first, second = ddp_two_ranks
-    assert_same(first[f"modern params {fraction} {method}"], second[f"modern params {fraction} {method}"], rtol=0, atol=0)
+    assert_same(first[f"modern params {fraction} {method}"],
+                second[f"modern params {fraction} {method}"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fraction", [1.0, "mem-opt"], ids=["comm-opt", "mem-opt"])
@@ -498,13 +512,16 @@ def test_async_decompositions_under_ddp_equal_one_process_with_the_shards_as_mic
     for results in ddp_two_ranks:
         assert_same(results["params async"], parameters(model))
     synchronous = make_ddp_net()
-    ddp_train(synchronous, KFAC(synchronous, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), range(STEPS), micro_batches=2)
+    ddp_train(synchronous, KFAC(synchronous, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}),
+              range(STEPS), micro_batches=2)
     # Stale by one refresh from step 4 on (rounds: step 0 in line, submitted at 2, adopted at 4).
     assert not torch.allclose(parameters(model)["fc1.weight"], parameters(synchronous)["fc1.weight"], rtol=1e-4)
 
 
 @pytest.mark.parametrize("delay", [None, 1])
-def test_async_run_resumed_from_each_ranks_checkpoint_continues_bit_identically(ddp_two_ranks, delay: int | None) -> None:
+def test_async_run_resumed_from_each_ranks_checkpoint_continues_bit_identically(
+    ddp_two_ranks, delay: int | None
+) -> None:
     """Each rank saved the round in flight it computed; a checkpoint of rank 0 loaded on every rank
     adopts at the same step on every rank (no hang), and the ranks stay bit-identical."""
     for results in ddp_two_ranks:
@@ -546,7 +563,8 @@ def test_staggered_factor_updates_under_ddp_equal_one_process(ddp_two_ranks) -> 
 def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_batches(ddp_two_ranks) -> None:
     """Each rank draws targets for its shard; one process drawing the same per shard agrees."""
     model = make_ddp_net()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS, "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS,
+                               "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")})
     ddp_train(model, optimizer, range(STEPS), micro_batches=2)
     factors = saved_factors(optimizer.state_dict())
     for results in ddp_two_ranks:
@@ -559,7 +577,8 @@ def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_ba
 @pytest.mark.parametrize(
     ("world", "key"),
     [("ddp_two_ranks", "params 1.0"), ("ddp_two_ranks", "params mem-opt"), ("ddp_two_ranks", "params sampled"),
-     ("ddp_two_ranks", "params async"), ("ddp_two_ranks", "params async statistics"), ("ddp_two_ranks", "params stagger"),
+     ("ddp_two_ranks", "params async"), ("ddp_two_ranks", "params async statistics"),
+     ("ddp_two_ranks", "params stagger"),
      ("ddp_two_ranks", "params capped 1.0"), ("ddp_two_ranks", "params capped mem-opt"),
      ("three_ranks", "params 1.0"), ("three_ranks", f"params {1 / 3}"), ("three_ranks", "params resumed"),
      ("ddp_four_ranks", "params eigen"), ("ddp_four_ranks", "params inverse")],

@@ -35,7 +35,8 @@ WORLD = 2
 DEADLINE_S = 120.0
 GROUP_TIMEOUT_S = 30.0  # the default group: generous, a loaded box is slow
 FAULT_TIMEOUT_S = 5.0  # the groups that are broken on purpose
-OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, damping=0.1, kl_clip=1e-2, curvature=CurvatureConfig(factor_decay=0.9), inv_update_steps=2)
+OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, damping=0.1, kl_clip=1e-2,
+                               curvature=CurvatureConfig(factor_decay=0.9), inv_update_steps=2)
 JOIN_BATCHES = (6, 4)  # per rank: rank 1 runs out of inputs two steps early
 DEAD_RANK_EXIT_CODE = 17
 
@@ -67,7 +68,8 @@ MISMATCHES: dict[str, tuple[tuple[Callable[[], nn.Module], dict[str, Any]], ...]
     "inv_update_steps": ((make_ddp_net, dict(inv_update_steps=10)), (make_ddp_net, dict(inv_update_steps=5))),
     "method": ((make_ddp_net, dict(method="eigen")), (make_ddp_net, dict(method="inverse"))),
     "factor_dtype": ((make_ddp_net, {}), (make_ddp_net, dict(curvature=CurvatureConfig(factor_dtype=torch.float64)))),
-    "grad_worker_fraction": ((make_ddp_net, dict(runtime=RuntimeConfig(grad_worker_fraction=1.0))), (make_ddp_net, dict(runtime=RuntimeConfig(grad_worker_fraction="mem-opt")))),
+    "grad_worker_fraction": ((make_ddp_net, dict(runtime=RuntimeConfig(grad_worker_fraction=1.0))),
+                             (make_ddp_net, dict(runtime=RuntimeConfig(grad_worker_fraction="mem-opt")))),
     "damping schedule": (
         (make_ddp_net, dict(damping=MilestoneSchedule(0.1, milestones=(100,), gamma=0.5))),
         (make_ddp_net, dict(damping=MilestoneSchedule(0.1, milestones=(200,), gamma=0.5))),
@@ -80,9 +82,11 @@ MISMATCHES: dict[str, tuple[tuple[Callable[[], nn.Module], dict[str, Any]], ...]
     ),
     "layer shapes": ((lambda: Wide(8), {}), (lambda: Wide(9), {})),
     "same settings spelled differently": (
-        (make_ddp_net, dict(runtime=RuntimeConfig(grad_worker_fraction="comm-opt"), damping=MilestoneSchedule(0.1, milestones=(100,)))),
+        (make_ddp_net, dict(runtime=RuntimeConfig(grad_worker_fraction="comm-opt"),
+                            damping=MilestoneSchedule(0.1, milestones=(100,)))),
         # async_statistics changes no result (the same factors, computed later): ranks may differ in it
-        (make_ddp_net, dict(runtime=RuntimeConfig(grad_worker_fraction=1.0, async_statistics=True), damping=MilestoneSchedule(0.1, milestones=(100,)))),
+        (make_ddp_net, dict(runtime=RuntimeConfig(grad_worker_fraction=1.0, async_statistics=True),
+                            damping=MilestoneSchedule(0.1, milestones=(100,)))),
     ),
 }
 
@@ -102,7 +106,8 @@ def mismatched_settings(rank: int) -> dict[str, str]:
     results = {}
     for case, per_rank in MISMATCHES.items():
         factory, kwargs = per_rank[rank]
-        results[case] = outcome(lambda: KFAC(factory(), lr=0.1, **{"factor_update_steps": 1, "inv_update_steps": 10, **kwargs}))  # noqa: B023 (called at once)
+        results[case] = outcome(
+            lambda: KFAC(factory(), lr=0.1, **{"factor_update_steps": 1, "inv_update_steps": 10, **kwargs}))  # noqa: B023 (called at once)
     return results
 
 
@@ -134,7 +139,8 @@ def uneven_inputs(rank: int) -> dict[str, Any]:
     results["after"] = state(model, optimizer)
 
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction="mem-opt"), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction="mem-opt"),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     results["refused mem-opt"] = outcome(lambda: Join([model, optimizer]))
     model = DDP(make_ddp_net())
     optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
@@ -219,7 +225,8 @@ def dead_peer(rank: int, directory: Path, results: dict[str, Any]) -> dict[str, 
     from K-FAC's collective within the timeout."""
     group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S))
     model = DDP(make_ddp_net(), process_group=group)
-    optimizer = KFAC(model, runtime=RuntimeConfig(process_group=group), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(process_group=group),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(4), rank, WORLD)
     if rank == 1:  # dies as step 4, a decomposition step, begins
         torch.save(results, results_file(directory, every_fault, rank))
@@ -358,7 +365,8 @@ def test_state_dict_on_rank_zero_only_never_communicates_and_resumes_on_two_rank
     for results in (first, second):
         assert_identical(results[f"resumed from the decomposition step {fraction}"], results[f"params {fraction}"],
                          "resumed from the decomposition step")
-    assert_identical(first[f"resumed from the factor step {fraction}"], second[f"resumed from the factor step {fraction}"],
+    assert_identical(first[f"resumed from the factor step {fraction}"],
+                     second[f"resumed from the factor step {fraction}"],
                      "ranks resumed from the factor step")
     assert all(torch.isfinite(p).all() for p in first[f"resumed from the factor step {fraction}"].values())
 

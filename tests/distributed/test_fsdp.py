@@ -1,4 +1,5 @@
-"""K-FAC on models sharded by FSDP2 (``fully_shard``) and HSDP, on real gloo ranks (docs/design.md §5, "FSDP2 and HSDP").
+"""K-FAC on models sharded by FSDP2 (``fully_shard``) and HSDP, on real gloo ranks
+(docs/design.md §5, "FSDP2 and HSDP").
 
 One spawn of 2 and one of 4 CPU ranks (tests/distributed_helpers.py: file:// rendezvous, one
 thread each, a deadline that fails the test instead of hanging) run every scenario and save what
@@ -32,7 +33,8 @@ STEPS = 5
 SAVE_AT = 3  # right after a decomposition step (inv_update_steps=2: steps 0, 2, 4)
 DEADLINE_S = 150.0
 OPTIONS: dict[str, Any] = dict(
-    lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.1, kl_clip=1e-2, curvature=CurvatureConfig(factor_decay=0.9), inv_update_steps=2
+    lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.1, kl_clip=1e-2,
+    curvature=CurvatureConfig(factor_decay=0.9), inv_update_steps=2
 )
 SGD_OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True)
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -115,7 +117,8 @@ def fsdp_shard(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Te
 
 
 def fsdp_train(
-    model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank: int = 0, world: int = 1, data: Callable = fsdp_shard
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank: int = 0, world: int = 1,
+    data: Callable = fsdp_shard
 ) -> None:
     for step in steps:
         x, y = data(step, rank, world)
@@ -134,7 +137,8 @@ def train_sampled(model: nn.Module, optimizer: KFAC, steps: range, rank: int = 0
             shard_rank = rank * micro_batches + part
             x, y = fsdp_shard(step, shard_rank, world * micro_batches)
             out = model(x)
-            optimizer.sample_fisher(out, "cross_entropy", generator=torch.Generator().manual_seed(100 * step + shard_rank))
+            optimizer.sample_fisher(out, "cross_entropy",
+                                    generator=torch.Generator().manual_seed(100 * step + shard_rank))
             loss = F.cross_entropy(out, y) / micro_batches
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
@@ -229,7 +233,8 @@ def kfac_run(
     rank: int, world: int, fraction: float, mesh: Any = None, root_only: bool = False, **fsdp_kwargs: Any
 ) -> dict[str, torch.Tensor]:
     model = sharded_model(mesh, root_only, **fsdp_kwargs)
-    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     fsdp_train(model, optimizer, range(STEPS), rank, world)
     SENT[fraction] = optimizer.estimator.sharding.comm.bytes_sent["fsdp_rows"]
     return full_parameters(model)
@@ -244,7 +249,8 @@ def sgd_runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
     results = {}
     for name, build in (
         ("torch sgd", lambda m: torch.optim.SGD(m.parameters(), **SGD_OPTIONS)),
-        ("kfac off", lambda m: KFAC(m, curvature=CurvatureConfig(skip_layers=[nn.Linear, nn.Conv2d]), **{"factor_update_steps": 1, "inv_update_steps": 10, **SGD_OPTIONS})),
+        ("kfac off", lambda m: KFAC(m, curvature=CurvatureConfig(skip_layers=[nn.Linear, nn.Conv2d]),
+                                    **{"factor_update_steps": 1, "inv_update_steps": 10, **SGD_OPTIONS})),
     ):
         model = sharded_model()
         fsdp_train(model, build(model), range(STEPS), rank, world)
@@ -261,7 +267,8 @@ def save_checkpoint(model: nn.Module, optimizer: KFAC, path: Path) -> None:
     dcp.save({"model": model_state, "optim": optimizer_state, "kfac": optimizer.kfac_state()}, checkpoint_id=path)
 
 
-def resume_from_checkpoint(model: nn.Module, path: Path, rank: int = 0, world: int = 1, **kwargs: Any) -> dict[str, torch.Tensor]:
+def resume_from_checkpoint(model: nn.Module, path: Path, rank: int = 0, world: int = 1,
+                           **kwargs: Any) -> dict[str, torch.Tensor]:
     """Load the DCP checkpoint into ``model`` and a fresh KFAC, train to ``STEPS``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -289,11 +296,17 @@ def fsdp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str,
     results["params bf16"] = kfac_run(rank, world, 0.5, mp_policy=policy)
     results.update(sgd_runs(rank, world))
     model = sharded_model()
-    train_sampled(model, KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS, "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")}), range(STEPS), rank, world)
+    train_sampled(model,
+                  KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5),
+                       **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS,
+                          "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")}), range(STEPS), rank, world)
     results["params sampled"] = full_parameters(model)
     model = sharded_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    train_sampled(model, KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS, "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")}), range(STEPS), rank, world,
+    train_sampled(model,
+                  KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5),
+                       **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS,
+                          "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")}), range(STEPS), rank, world,
                   scaler=scaler)
     results["params sampled grad scaler"] = full_parameters(model)
     model = sharded_model()
@@ -310,7 +323,8 @@ def fsdp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str,
 
     model = make_token_model()
     fully_shard(model)
-    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     results["new blocks"] = sorted(type(block).__name__ for block in optimizer.blocks)
     fsdp_train(model, optimizer, range(STEPS), rank, world, data=token_shard)
     results["params new blocks"] = full_parameters(model)
@@ -321,17 +335,20 @@ def fsdp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str,
     options = {key: value for key, value in OPTIONS.items() if key != "curvature"}
     curvature = CurvatureConfig(factor_decay=OPTIONS["curvature"].factor_decay, blocks=blocks)
     try:
-        KFAC(fully_shard(nn.Sequential(Transposed())), curvature=curvature, **{"factor_update_steps": 1, "inv_update_steps": 10, **options})
+        KFAC(fully_shard(nn.Sequential(Transposed())), curvature=curvature,
+             **{"factor_update_steps": 1, "inv_update_steps": 10, **options})
     except ValueError as error:
         results["rows of different lengths error"] = str(error)
 
     model = sharded_model()
-    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     fsdp_train(model, optimizer, range(SAVE_AT), rank, world)
     save_checkpoint(model, optimizer, directory / "dcp")
     plain = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}  # DTensor shards, per rank
     model = sharded_model()
-    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     model.load_state_dict(plain["model"])
     optimizer.load_state_dict(plain["optimizer"])
     fsdp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
@@ -371,7 +388,8 @@ def fsdp_two_ranks(module_tmp_path: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def fsdp_four_ranks(module_tmp_path: Path, fsdp_two_ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return spawn(fsdp_scenario_four_ranks, 4, module_tmp_path, deadline_s=DEADLINE_S)  # resumes from the 2-rank DCP checkpoint
+    # resumes from the 2-rank DCP checkpoint
+    return spawn(fsdp_scenario_four_ranks, 4, module_tmp_path, deadline_s=DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
@@ -403,11 +421,14 @@ def test_hsdp_on_a_two_by_two_mesh_equals_one_process(fsdp_four_ranks, fsdp_refe
 
 
 @pytest.mark.parametrize("key", ["params sampled", "params sampled grad scaler"])
-def test_sampled_fisher_on_two_fsdp_ranks_equals_one_process_with_the_shards_as_micro_batches(fsdp_two_ranks, key) -> None:
+def test_sampled_fisher_on_two_fsdp_ranks_equals_one_process_with_the_shards_as_micro_batches(
+    fsdp_two_ranks, key
+) -> None:
     """``sample_fisher`` back-propagates to the hooked layer outputs, so it records under FSDP2 too
     (differentiating w.r.t. the sharded parameters reached no layer: no statistics at all)."""
     model = make_fsdp_net()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS, "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS,
+                               "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")})
     train_sampled(model, optimizer, range(STEPS), micro_batches=2)
     assert all(f.running.abs().sum() > 0 for b in optimizer.blocks for f in b.factors.values())
     for results in fsdp_two_ranks:
@@ -469,7 +490,9 @@ SINGLE_PROCESS_DCP = "ignore:torch.distributed is disabled:UserWarning"  # DCP's
 
 
 @pytest.mark.filterwarnings(SINGLE_PROCESS_DCP)
-def test_dcp_checkpoint_from_two_fsdp_ranks_loads_in_one_process(fsdp_two_ranks, module_tmp_path, fsdp_reference) -> None:
+def test_dcp_checkpoint_from_two_fsdp_ranks_loads_in_one_process(
+    fsdp_two_ranks, module_tmp_path, fsdp_reference
+) -> None:
     assert_same(resume_from_checkpoint(make_fsdp_net(), module_tmp_path / "dcp"), fsdp_reference)
 
 

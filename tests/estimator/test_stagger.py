@@ -42,7 +42,8 @@ def test_assign_phases_is_greedy_largest_first_with_ties_by_name() -> None:
 @pytest.mark.parametrize("interval", [2, 3])
 def test_each_layer_captures_and_folds_only_on_its_phase_once_per_interval(interval: int) -> None:
     model = stagger_mlp()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=interval, inv_update_steps=4, curvature=CurvatureConfig(stagger=True))
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=interval, inv_update_steps=4,
+                     curvature=CurvatureConfig(stagger=True))
     phases = expected_phases(interval)
     versions = [0, 0, 0]
     for step in range(4 * interval + 1):
@@ -64,7 +65,8 @@ def test_each_layer_captures_and_folds_only_on_its_phase_once_per_interval(inter
 def test_a_callable_interval_gets_phases_against_the_interval_in_force() -> None:
     model = stagger_mlp()
     schedule = lambda step: 2 if step < 6 else 3  # noqa: E731
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=schedule, curvature=CurvatureConfig(stagger=True), inv_update_steps=10)
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=schedule, curvature=CurvatureConfig(stagger=True),
+                     inv_update_steps=10)
     for step in range(12):
         x, y = stagger_batch(step)
         optimizer.zero_grad()
@@ -82,7 +84,9 @@ def test_staggered_factors_are_the_running_averages_of_each_layers_own_batches()
     decay, interval = 0.9, 3
     model = stagger_mlp()
     optimizer = KFAC(
-        model, lr=0.1, momentum=0.9, factor_update_steps=interval, inv_update_steps=2, curvature=CurvatureConfig(factor_decay=decay, stagger=True, factor_dtype=torch.float64, inv_dtype=torch.float64),
+        model, lr=0.1, momentum=0.9, factor_update_steps=interval, inv_update_steps=2,
+        curvature=CurvatureConfig(factor_decay=decay, stagger=True, factor_dtype=torch.float64,
+                                  inv_dtype=torch.float64),
     )
     layers = [model[0], model[2], model[4]]
     phases = expected_phases(interval)
@@ -103,7 +107,8 @@ def test_staggered_factors_are_the_running_averages_of_each_layers_own_batches()
             rows = torch.cat([a, torch.ones(BATCH, 1, dtype=a.dtype)], 1)
             A, G = rows.T @ rows / BATCH, BATCH * g.T @ g
             old = reference[index]
-            reference[index] = (A, G) if old is None else (decay * old[0] + (1 - decay) * A, decay * old[1] + (1 - decay) * G)
+            reference[index] = (A, G) if old is None else (decay * old[0] + (1 - decay) * A,
+                                                           decay * old[1] + (1 - decay) * G)
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
@@ -149,7 +154,8 @@ def test_attention_projections_share_one_phase_and_are_captured_together() -> No
 
 def test_sampled_fisher_records_only_the_layers_of_the_phase() -> None:
     model = stagger_mlp()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=3, curvature=CurvatureConfig(fisher="sampled", stagger=True), inv_update_steps=10)
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=3, curvature=CurvatureConfig(fisher="sampled", stagger=True),
+                     inv_update_steps=10)
     phases = expected_phases(3)
     for step in range(7):
         x, y = stagger_batch(step)

@@ -67,7 +67,8 @@ def amp_run(
     extra = {"runtime": RuntimeConfig(grad_scaler=scaler)} if pass_scaler else {}
     if fisher != "empirical":
         extra["curvature"] = CurvatureConfig(fisher=fisher)
-    optimizer = make_optimizer(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}, **extra) if make_optimizer is KFAC else make_optimizer(model)
+    optimizer = (make_optimizer(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}, **extra)
+                 if make_optimizer is KFAC else make_optimizer(model))
     input_dtype = next(model.parameters()).dtype
     for step in range(steps):
         x, y = amp_batch(step)
@@ -205,7 +206,9 @@ def test_with_kfac_off_the_update_is_sgd_with_grad_scaler_bit_for_bit() -> None:
     def kfac_without_blocks(model: nn.Module) -> KFAC:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return KFAC(model, lr=0.05, momentum=0.9, weight_decay=1e-3, curvature=CurvatureConfig(skip_layers=[nn.Linear, nn.Conv2d]), factor_update_steps=1, inv_update_steps=10)
+            return KFAC(model, lr=0.05, momentum=0.9, weight_decay=1e-3,
+                        curvature=CurvatureConfig(skip_layers=[nn.Linear, nn.Conv2d]), factor_update_steps=1,
+                        inv_update_steps=10)
 
     def sgd(model: nn.Module) -> torch.optim.SGD:
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
@@ -263,7 +266,8 @@ def test_the_deprecated_torch_cuda_amp_grad_scaler_is_accepted() -> None:
         scaler = torch.cuda.amp.GradScaler()
     model, optimizer, _ = amp_run(2, dtype=None, init_scale=None, make_optimizer=KFAC)
     reference = copy.deepcopy(model)
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}, runtime=RuntimeConfig(grad_scaler=scaler))
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS},
+                     runtime=RuntimeConfig(grad_scaler=scaler))
     for step in range(2):  # a disabled scaler: scale(), step() and the statistics are plain
         x, y = amp_batch(step)
         optimizer.zero_grad()

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.apex
 
 def make_apex_mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 3))
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 12),
+                         nn.Tanh(), nn.Linear(12, 3))
 
 
 def teacher_batch(step: int) -> tuple[Tensor, Tensor]:
@@ -40,7 +41,8 @@ def teacher_batch(step: int) -> tuple[Tensor, Tensor]:
 
 def apex_setup(amp: ModuleType, opt_level: str) -> tuple[nn.Module, KFAC]:
     model = make_apex_mlp()
-    return amp.initialize(model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), opt_level=opt_level, verbosity=0)
+    return amp.initialize(model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}),
+                          opt_level=opt_level, verbosity=0)
 
 
 def end_apex(amp: ModuleType) -> None:
@@ -84,7 +86,8 @@ def test_training_follows_fp32_kfac(fake_apex: ModuleType, opt_level: str) -> No
     torch.testing.assert_close(owned_params(optimizer), owned_params(control), rtol=2e-2, atol=2e-3)
     first_model, _ = fp32_control([])
     with torch.no_grad():
-        control_losses = [F.cross_entropy(m(teacher_batch(k)[0]), teacher_batch(k)[1]).item() for m, k in ((first_model, 0), (control_model, 6))]
+        control_losses = [F.cross_entropy(m(teacher_batch(k)[0]), teacher_batch(k)[1]).item()
+                          for m, k in ((first_model, 0), (control_model, 6))]
     x, y = teacher_batch(6)
     losses.append(F.cross_entropy(model(x), y).item())
     torch.testing.assert_close([losses[0], losses[6]], control_losses, rtol=2e-2, atol=0)
@@ -220,13 +223,17 @@ def test_sampled_fisher_statistics_are_left_unscaled_under_apex(fake_apex: Modul
             optimizer.step()
 
     model = make_apex_mlp()
-    model, optimizer = fake_apex.initialize(model, KFAC(model, curvature=CurvatureConfig(fisher="sampled"), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), opt_level=opt_level,
+    model, optimizer = fake_apex.initialize(model,
+                                            KFAC(model, curvature=CurvatureConfig(fisher="sampled"),
+                                                 **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}),
+                                            opt_level=opt_level,
                                             verbosity=0)
     fake_apex._amp_state.loss_scalers[0]._loss_scale = 2.0**12
     train(model, optimizer, under_apex=True)
     end_apex(fake_apex)
     control_model = make_apex_mlp()
-    control = KFAC(control_model, curvature=CurvatureConfig(fisher="sampled"), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    control = KFAC(control_model, curvature=CurvatureConfig(fisher="sampled"),
+                   **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     train(control_model, control, under_apex=False)
     torch.testing.assert_close(running_factors(optimizer), running_factors(control), rtol=3e-2, atol=1e-3)
     torch.testing.assert_close(owned_params(optimizer), owned_params(control), rtol=2e-2, atol=2e-3)

@@ -105,9 +105,11 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[int], list[Batch]], Ca
     "plain": (SharedLinear, image_batches, plain_step, {}),
     "async decompositions, delay 1": (SharedLinear, image_batches, plain_step, dict(asynchronous=AsyncConfig(delay=1))),
     "staggered factor steps": (SharedLinear, image_batches, plain_step, dict(curvature=CurvatureConfig(stagger=True))),
-    "weight sharing reduce": (SharedLinear, image_batches, plain_step, dict(curvature=CurvatureConfig(weight_sharing="reduce"))),
+    "weight sharing reduce": (SharedLinear, image_batches, plain_step,
+                              dict(curvature=CurvatureConfig(weight_sharing="reduce"))),
     "accumulated micro-batches": (SharedLinear, image_batches, accumulated_step, {}),
-    "sampled fisher": (SharedLinear, image_batches, sampled_fisher_step, dict(curvature=CurvatureConfig(fisher="sampled"))),
+    "sampled fisher": (SharedLinear, image_batches, sampled_fisher_step,
+                       dict(curvature=CurvatureConfig(fisher="sampled"))),
     "grad scaler": (SharedLinear, image_batches, grad_scaler_step, {}),
     "transformer blocks": (TinyTransformer, token_batches, plain_step, {}),
 }
@@ -155,7 +157,8 @@ def blocked_worker(optimizer: KFAC) -> threading.Event:
 def test_an_input_refilled_in_place_before_the_worker_reads_it_is_dropped_with_a_warning() -> None:
     torch.manual_seed(0)
     model = SharedLinear()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=1, runtime=RuntimeConfig(async_statistics=True))
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=1,
+                     runtime=RuntimeConfig(async_statistics=True))
     (x, y), (x2, _) = image_batches(2)
     plain_step(model, optimizer, x, y)
     conv_a = optimizer.blocks[0].A.running.clone()
@@ -178,7 +181,8 @@ def test_an_input_refilled_in_place_before_the_worker_reads_it_is_dropped_with_a
 def test_a_failure_in_the_worker_is_raised_on_the_optimizers_thread() -> None:
     torch.manual_seed(0)
     model = SharedLinear()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=2, runtime=RuntimeConfig(async_statistics=True))
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=2,
+                     runtime=RuntimeConfig(async_statistics=True))
 
     def broken(inputs: Tensor, grad_output: Tensor) -> None:
         raise ValueError("a custom block's statistics failed")
@@ -194,7 +198,8 @@ def test_a_failure_in_the_worker_is_raised_on_the_optimizers_thread() -> None:
 def test_state_dict_waits_for_the_worker() -> None:
     torch.manual_seed(0)
     model = SharedLinear()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10, runtime=RuntimeConfig(async_statistics=True))
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10,
+                     runtime=RuntimeConfig(async_statistics=True))
     (x, y), (x2, y2) = image_batches(2)
     plain_step(model, optimizer, x, y)  # step 0 decomposes, so it waits for the worker
     version, running = optimizer.blocks[0].A.version, optimizer.blocks[0].A.running.clone()
@@ -211,7 +216,8 @@ def test_under_apex_the_statistics_are_computed_in_line_with_one_warning(fake_ap
     def run(async_statistics: bool) -> list[Tensor]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-        optimizer = KFAC(model, lr=0.05, inv_update_steps=2, runtime=RuntimeConfig(async_statistics=async_statistics), factor_update_steps=1)
+        optimizer = KFAC(model, lr=0.05, inv_update_steps=2, runtime=RuntimeConfig(async_statistics=async_statistics),
+                         factor_update_steps=1)
         model, optimizer = fake_apex.initialize(model, optimizer, opt_level="O2", verbosity=0)
         generator = torch.Generator().manual_seed(3)
         for _ in range(4):

@@ -35,7 +35,8 @@ def test_describe_counts_the_weight_matrices_kfac_preconditions_and_no_other_par
     """Conv weight (2, 1, 3, 3) = 18 and Linear weight (3, 32) = 96 preconditioned; the skipped
     Linear's (2, 3) = 6 is not; biases and the LayerNorm's 1-dim parameters are no matrices."""
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(32, 3), nn.LayerNorm(3), nn.Linear(3, 2))
-    optimizer = KFAC(model, lr=0.1, curvature=CurvatureConfig(skip_layers=["4"]), factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(model, lr=0.1, curvature=CurvatureConfig(skip_layers=["4"]), factor_update_steps=1,
+                     inv_update_steps=10)
     first_line = optimizer.describe().splitlines()[0]
     assert "precondition 114/120 weight-matrix elements (95.0%)" in first_line, first_line
 
@@ -113,7 +114,8 @@ def test_a_new_damping_refreshes_the_inverse_although_the_factors_did_not_change
     generator = torch.Generator().manual_seed(5)
     x, y = torch.randn(16, 4, generator=generator, dtype=torch.float64), torch.randint(0, 3, (16,), generator=generator)
     optimizer = KFAC(layer, lr=1.0, kl_clip=None, method="inverse", factor_update_steps=1, inv_update_steps=1,
-                     damping=lambda step: 0.1 if step == 0 else 10.0, curvature=CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64))
+                     damping=lambda step: 0.1 if step == 0 else 10.0,
+                     curvature=CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64))
     optimizer.zero_grad()
     F.cross_entropy(layer(x), y).backward()
     optimizer.step()
@@ -139,7 +141,8 @@ def test_new_factors_refresh_the_eigendecomposition_at_an_unchanged_damping() ->
     torch.manual_seed(0)
     layer = nn.Linear(4, 3).double()
     optimizer = KFAC(layer, lr=1.0, kl_clip=None, method="eigen", damping=0.1, factor_update_steps=1,
-                     inv_update_steps=1, curvature=CurvatureConfig(factor_decay=0.5, factor_dtype=torch.float64, inv_dtype=torch.float64))
+                     inv_update_steps=1,
+                     curvature=CurvatureConfig(factor_decay=0.5, factor_dtype=torch.float64, inv_dtype=torch.float64))
     (block,) = optimizer.blocks
     for seed in range(3):
         generator = torch.Generator().manual_seed(seed)
@@ -165,7 +168,8 @@ def _mismatch_warnings(record: list[warnings.WarningMessage]) -> list[str]:
 def test_reduce_warns_once_about_one_backward_over_calls_with_different_batch_sizes() -> None:
     torch.manual_seed(0)
     layer = nn.Linear(3, 3)
-    optimizer = KFAC(layer, lr=0.01, curvature=CurvatureConfig(weight_sharing="reduce"), factor_update_steps=1, inv_update_steps=1)
+    optimizer = KFAC(layer, lr=0.01, curvature=CurvatureConfig(weight_sharing="reduce"),
+                     factor_update_steps=1, inv_update_steps=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -180,7 +184,8 @@ def test_reduce_does_not_warn_about_micro_batches_of_different_sizes() -> None:
     expected; the per-sample sums of one backward are complete before the next one starts."""
     torch.manual_seed(0)
     layer = nn.Linear(3, 3)
-    optimizer = KFAC(layer, lr=0.01, curvature=CurvatureConfig(weight_sharing="reduce"), factor_update_steps=1, inv_update_steps=1)
+    optimizer = KFAC(layer, lr=0.01, curvature=CurvatureConfig(weight_sharing="reduce"),
+                     factor_update_steps=1, inv_update_steps=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(2):

@@ -1,6 +1,7 @@
 """KFAC inside the training loops people write: hook lifecycle, copies, faults, checkpoints.
 
-Each test reproduces a situation of ordinary training code and states the behaviour K-FAC has in it (docs/guide.md, "Failure modes").
+Each test reproduces a situation of ordinary training code and states the behaviour K-FAC has in
+it (docs/guide.md, "Failure modes").
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def test_gradient_penalty_records_plain_tensors_once_per_step() -> None:
     torch.manual_seed(0)
     net = faults_mlp()
     reference_net = copy.deepcopy(net)  # no optimizer: gradients computed directly below
-    optimizer = KFAC(net, lr=0.1, curvature=CurvatureConfig(factor_decay=0.0), inv_update_steps=1000, factor_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, curvature=CurvatureConfig(factor_decay=0.0), inv_update_steps=1000,
+                     factor_update_steps=1)
     x, y = faults_batch()
     x.requires_grad_(True)
     loss = F.cross_entropy(net(x), y)
@@ -125,7 +127,8 @@ def test_recreating_the_optimizer_keeps_one_hook_per_layer() -> None:
 def test_a_deep_copied_model_does_not_feed_the_originals_factors() -> None:
     torch.manual_seed(0)
     net = faults_mlp()
-    optimizer = KFAC(net, lr=0.1, curvature=CurvatureConfig(factor_decay=0.0), factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(net, lr=0.1, curvature=CurvatureConfig(factor_decay=0.0), factor_update_steps=1,
+                     inv_update_steps=10)
     ema = copy.deepcopy(net)  # an EMA / teacher copy made after the optimizer
     x, y = faults_batch()
     F.cross_entropy(net(x), y).backward()
@@ -157,7 +160,8 @@ def test_a_copy_of_the_model_can_be_trained_by_its_own_optimizer() -> None:
     for model, optimizer in zip((twin, control), optimizers, strict=True):
         faults_train_step(model, optimizer)
     twin_optimizer, control_optimizer = optimizers
-    assert [block.name for block in twin_optimizer.blocks] == [block.name for block in control_optimizer.blocks] == ["0", "2"]
+    assert ([block.name for block in twin_optimizer.blocks] == [block.name for block in control_optimizer.blocks]
+            == ["0", "2"])
     for block, reference in zip(twin_optimizer.blocks, control_optimizer.blocks, strict=True):
         assert bool(block.A.initialized) and bool(block.G.initialized)
         for name, factor in block.factors.items():
@@ -225,7 +229,8 @@ def test_a_non_finite_layer_is_left_out_of_the_trust_region_and_reported() -> No
 
 
 def test_a_damping_schedule_returning_inf_is_named_when_used() -> None:
-    optimizer = KFAC(faults_mlp(), lr=0.1, damping=lambda step: float("inf"), factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(faults_mlp(), lr=0.1, damping=lambda step: float("inf"), factor_update_steps=1,
+                     inv_update_steps=10)
     with pytest.raises(ValueError, match="damping"):
         optimizer.step()
 

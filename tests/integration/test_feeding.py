@@ -32,7 +32,8 @@ from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.layers import ModuleReport
 from kfac_optim.layers.factor import unpack_running
 
-OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": None, "curvature": CurvatureConfig(factor_decay=0.9), "inv_update_steps": 1}
+OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": None,
+                           "curvature": CurvatureConfig(factor_decay=0.9), "inv_update_steps": 1}
 STEPS = 3
 
 
@@ -64,11 +65,13 @@ def factors(optimizer: KFAC) -> dict[str, Tensor]:
     }
 
 
-def assert_factors_equal(actual: dict[str, Tensor], expected: dict[str, Tensor], rtol: float = 0, atol: float = 0) -> None:
+def assert_factors_equal(actual: dict[str, Tensor], expected: dict[str, Tensor], rtol: float = 0,
+                         atol: float = 0) -> None:
     """The same factors, bit for bit by default."""
     assert actual.keys() == expected.keys()
     for key in sorted(expected, key=lambda key: (not key.endswith(".G"), key)):  # G first: where a wrong capture shows
-        torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol,
+                                   msg=lambda m, key=key: f"{key}: {m}")
 
 
 def assert_runs_equal(expected: tuple[dict[str, Tensor], nn.Module], actual: tuple[dict[str, Tensor], nn.Module],
@@ -87,7 +90,9 @@ def report(optimizer: KFAC, module_name: str) -> ModuleReport:
 # --- side passes --------------------------------------------------------------------------------
 
 
-def run_classifier(extra_pass: Callable[[nn.Module, Tensor, Tensor, Tensor], None] | None) -> tuple[dict[str, Tensor], nn.Module]:
+def run_classifier(
+    extra_pass: Callable[[nn.Module, Tensor, Tensor, Tensor], None] | None
+) -> tuple[dict[str, Tensor], nn.Module]:
     """``STEPS`` plain K-FAC steps; ``extra_pass(model, x, y, loss)`` runs after the forward,
     before ``loss.backward()``."""
     model = mlp()
@@ -163,7 +168,8 @@ def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors
 
     def run(generator_pass_in_eval_mode: bool) -> tuple[dict[str, Tensor], nn.Module]:
         net_g, net_d = gan()
-        opt_g, opt_d = KFAC(net_g, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), KFAC(net_d, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+        opt_g, opt_d = (KFAC(net_g, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}),
+                        KFAC(net_d, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}))
         for step in range(STEPS):
             real, noise = gan_batch(step)
             opt_g.zero_grad()
@@ -188,7 +194,8 @@ def test_module_level_zero_grad_gives_the_same_factors_as_the_optimizers() -> No
 
     def run(zero: Callable[[nn.Module, KFAC], None]) -> tuple[dict[str, Tensor], nn.Module]:
         net_g, net_d = gan()
-        opt_g, opt_d = KFAC(net_g, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), KFAC(net_d, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+        opt_g, opt_d = (KFAC(net_g, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}),
+                        KFAC(net_d, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}))
         for step in range(STEPS):
             real, noise = gan_batch(step)
             zero(net_d, opt_d)
@@ -317,7 +324,8 @@ def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None
         temperature = nn.Parameter(torch.tensor(1.5))
         sgd_options = {"lr": OPTIONS["lr"], "momentum": OPTIONS["momentum"]}
         if together:
-            optimizer = KFAC(model, params=[*model.parameters(), temperature], **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+            optimizer = KFAC(model, params=[*model.parameters(), temperature],
+                             **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
             others: list[torch.optim.Optimizer] = []
         else:
             optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
@@ -337,7 +345,8 @@ def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None
     actual, optimizer = run(together=True)
     assert torch.equal(actual, expected)
     assert len(optimizer.module_reports) == len(alone.module_reports) + 1, optimizer.describe()
-    extra = [row for row in optimizer.module_reports if row.block is None and any(shape == () for _, shape in row.params)]
+    extra = [row for row in optimizer.module_reports if row.block is None
+             and any(shape == () for _, shape in row.params)]
     assert len(extra) == 1, optimizer.describe()  # the temperature, on the SGD path
 
 
@@ -359,7 +368,8 @@ def test_complex_linear_takes_the_sgd_path_with_a_true_reason() -> None:
         [{"params": model[0].parameters(), "lr": 0.0}, {"params": model[2].parameters()}],
         lr=OPTIONS["lr"], momentum=OPTIONS["momentum"]))
     kfac_model, optimizer = run(lambda model: KFAC(
-        model, params=[{"params": model[0].parameters(), "lr": 0.0}, {"params": model[2].parameters()}], **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}))
+        model, params=[{"params": model[0].parameters(), "lr": 0.0}, {"params": model[2].parameters()}],
+        **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}))
     assert_factors_equal(dict(kfac_model[2].named_parameters()), dict(sgd_model[2].named_parameters()))
     row = report(optimizer, "2")
     assert row.status != "kfac" and "complex" in row.detail.lower(), optimizer.describe()
@@ -390,7 +400,8 @@ def test_parametrized_linear_is_preconditioned_or_takes_the_sgd_path_with_a_true
     if any(row.status == "kfac" for row in rows):
         pytest.fail("preconditioned parametrized Linear: add the dense reference for it here")
     word = "prun" if kind == "prune" else "parametriz"
-    assert rows and all(row.status != "unregistered" and word in row.detail.lower() for row in rows), optimizer.describe()
+    assert rows and all(row.status != "unregistered" and word in row.detail.lower()
+                        for row in rows), optimizer.describe()
     reference = parametrized(kind)
     sgd = torch.optim.SGD(groups(reference), lr=OPTIONS["lr"], momentum=OPTIONS["momentum"])
     for step in range(STEPS):
@@ -498,7 +509,8 @@ def test_one_dimensional_indices_of_one_per_sample_are_a_batch_and_stay_kfac() -
 
     lm = TinyLM()
     optimizer = KFAC(lm, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
-    with pytest.warns(RuntimeWarning, match="'position' takes the SGD path: its indices have no batch dimension") as caught:
+    with pytest.warns(RuntimeWarning,
+                      match="'position' takes the SGD path: its indices have no batch dimension") as caught:
         for seed in range(2):
             optimizer.zero_grad()
             lm_loss(lm, *lm_batch(seed, 8)).backward()
@@ -783,7 +795,8 @@ def test_compiled_multihead_attention_keeps_its_tensor_hooks_and_warns_once() ->
 
 DDP_STEPS = 10
 DDP_BATCH = 8
-DDP_OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": 1e-2, "curvature": CurvatureConfig(factor_decay=0.9), "inv_update_steps": 2}
+DDP_OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": 1e-2,
+                               "curvature": CurvatureConfig(factor_decay=0.9), "inv_update_steps": 2}
 
 
 def train_lm(model: nn.Module, optimizer: KFAC, rank: int = 0, world: int = 1) -> dict[str, Tensor]:
@@ -804,7 +817,8 @@ def scenario_tied_lm(rank: int, world: int, directory: Path) -> dict[str, Any]:
     model = DDP(TinyLM(tied=True))
     ddp = train_lm(model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **DDP_OPTIONS}), rank, world)
     sharded = fully_shard(TinyLM(tied=True))
-    fsdp = train_lm(sharded, KFAC(sharded, **{"factor_update_steps": 1, "inv_update_steps": 10, **DDP_OPTIONS}), rank, world)
+    fsdp = train_lm(sharded,
+                    KFAC(sharded, **{"factor_update_steps": 1, "inv_update_steps": 10, **DDP_OPTIONS}), rank, world)
     return {"ddp": ddp, "fsdp": {name: p.full_tensor() for name, p in fsdp.items()}}
 
 

@@ -132,7 +132,8 @@ class MuReadoutBlock(LinearBlock):
 
 def test_a_subclass_overriding_forward_inherits_no_block_and_is_named_once_with_how_to_register() -> None:
     model = nn.Sequential(PlainSubclass(4, 8), nn.Tanh(), MuReadout(8, 3, width_mult=4.0))
-    with pytest.warns(UserWarning, match=r"MuReadout subclasses Linear but overrides forward.*register_block") as caught:
+    with pytest.warns(UserWarning,
+                      match=r"MuReadout subclasses Linear but overrides forward.*register_block") as caught:
         optimizer = KFAC(model, lr=0.1, **FIXED)
     assert sum("MuReadout" in str(w.message) for w in caught) == 1
     assert [b.name for b in optimizer.blocks] == ["0"]  # the plain subclass keeps Linear's block
@@ -282,7 +283,8 @@ def frozen_base_mlp(seed: int = 0) -> nn.Sequential:
 def test_a_frozen_layer_holds_no_factor_memory_and_taps_nothing() -> None:
     model = frozen_base_mlp()
     optimizer = KFAC(model, lr=0.1, **FIXED)
-    control = frozen_base_mlp()  # the same model, K-FAC given only its trainable parameters (no block for the frozen one)
+    # the same model, K-FAC given only its trainable parameters (no block for the frozen one)
+    control = frozen_base_mlp()
     trainable_only = KFAC(control, lr=0.1, params=[p for p in control.parameters() if p.requires_grad], **FIXED)
     assert optimizer.memory_usage() == trainable_only.memory_usage()
     hooked = []
@@ -366,7 +368,8 @@ def test_a_model_mostly_with_blocks_does_not_warn_about_coverage() -> None:
     messages = [str(w.message) for w in record]
     assert not any("under 50%" in message for message in messages), messages
     # the Bilinear still gets the warning of a weight matrix over 1% of the elements on SGD's path
-    assert [m.partition(" takes")[0] for m in messages] == ["'3.weight' (Bilinear, 256 elements, 15.8% of the trainable ones)"]
+    assert [m.partition(" takes")[0] for m in messages] == [
+        "'3.weight' (Bilinear, 256 elements, 15.8% of the trainable ones)"]
 
 
 # -- 7. describe() true after every change ---------------------------------------------------------
@@ -391,7 +394,8 @@ def test_describe_counts_a_position_embedding_left_to_sgd_as_not_preconditioned(
         F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
         optimizer.step()
     covered, total = 11 * 8 + 11 * 8, 11 * 8 + 5 * 8 + 11 * 8
-    assert f"2 blocks precondition {covered}/{total} weight-matrix elements ({covered / total:.1%})" in optimizer.describe()
+    assert (f"2 blocks precondition {covered}/{total} weight-matrix elements ({covered / total:.1%})"
+            in optimizer.describe())
     assert report_row(optimizer, "position").block is None
 
 
@@ -415,7 +419,8 @@ def test_describe_says_what_bitfit_biases_get_and_they_get_it() -> None:
     for layer in (model[0], model[2]):
         layer.weight.requires_grad_(False)
     optimizer = KFAC(model, lr=0.1, **FIXED)
-    assert "weight is frozen now" in report_row(optimizer, "0").detail and "bias takes the SGD path" in report_row(optimizer, "0").detail
+    assert ("weight is frozen now" in report_row(optimizer, "0").detail
+            and "bias takes the SGD path" in report_row(optimizer, "0").detail)
     before = model[0].bias.detach().clone()
     x, y = block_loop_batch(0)
     F.cross_entropy(model(x), y).backward()

@@ -269,7 +269,8 @@ def test_a_linear_layer_on_a_table_broadcast_over_the_batch_takes_the_sgd_path_w
     torch.manual_seed(5)
     model = PositionBiasMLP()
     optimizer = loop_kfac(model)
-    with pytest.warns(RuntimeWarning, match="'bias_mlp' takes the SGD path: its input has no batch dimension") as caught:
+    with pytest.warns(RuntimeWarning,
+                      match="'bias_mlp' takes the SGD path: its input has no batch dimension") as caught:
         for batch in (8, 128):
             x, target = torch.randn(batch, 4, 3, dtype=torch.float64), torch.randn(batch, 4, 4, dtype=torch.float64)
             optimizer.zero_grad()

@@ -89,7 +89,8 @@ def hf_padded_step(kind: str, batch: dict[str, torch.Tensor], checkpointing: boo
     return {**running_factors(optimizer), **{n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def assert_same_factors_and_step(short: dict[str, torch.Tensor], long: dict[str, torch.Tensor], rtol: float = 1e-9) -> None:
+def assert_same_factors_and_step(short: dict[str, torch.Tensor], long: dict[str, torch.Tensor],
+                                 rtol: float = 1e-9) -> None:
     """Every factor equal to ``rtol`` of its own largest entry, every parameter to ``rtol`` (a key
     bias, whose gradient is zero but for rounding, holds values of 1e-21)."""
     assert short.keys() == long.keys()

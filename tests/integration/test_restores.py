@@ -100,7 +100,8 @@ SAME_OPTIMIZER_CASES: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.mark.parametrize("options", [STAGGER, SAME_OPTIMIZER_CASES["stagger 2/2"], dict(STAGGER, asynchronous=AsyncConfig()),
+@pytest.mark.parametrize("options",
+                         [STAGGER, SAME_OPTIMIZER_CASES["stagger 2/2"], dict(STAGGER, asynchronous=AsyncConfig()),
                                      dict(STAGGER, method="eigen_adam", lr=0.01)],
                          ids=["3/3", "2/2", "3/3 async", "3/3 eigen_adam"])
 def test_a_staggered_run_resumes_bit_identically_into_a_fresh_optimizer(options: dict[str, Any]) -> None:

@@ -42,7 +42,8 @@ def per_sample_reference(layers: dict[str, nn.Linear], run: callable, samples: i
     grads: dict[str, list[torch.Tensor]] = {name: [] for name in layers}
     for n in range(samples):
         seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in layers}
-        handles = [layer.register_forward_hook(lambda m, i, o, name=name: seen[name].append((i[0].detach(), o)))
+        handles = [layer.register_forward_hook(
+                       lambda m, i, o, name=name, seen=seen: seen[name].append((i[0].detach(), o)))
                    for name, layer in layers.items()]
         share = run(n)
         for handle in handles:
@@ -78,7 +79,8 @@ class FlatTokens(nn.Module):
     def __init__(self, flatten: bool) -> None:
         super().__init__()
         torch.manual_seed(3)
-        self.inp, self.ff, self.head = nn.Linear(4, 6).double(), nn.Linear(6, 6).double(), nn.Linear(6, CLASSES).double()
+        self.inp, self.ff, self.head = (nn.Linear(4, 6).double(), nn.Linear(6, 6).double(),
+                                        nn.Linear(6, CLASSES).double())
         self.flatten = flatten
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -250,7 +252,8 @@ class StateCell(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(9)
-        self.inp, self.rec, self.out = nn.Linear(4, 5).double(), nn.Linear(5, 5).double(), nn.Linear(5, CLASSES).double()
+        self.inp, self.rec, self.out = (nn.Linear(4, 5).double(), nn.Linear(5, 5).double(),
+                                        nn.Linear(5, CLASSES).double())
 
     def step(self, x: torch.Tensor, state: CellState) -> tuple[torch.Tensor, CellState]:
         hidden = torch.tanh(self.inp(x) + self.rec(state.hidden))

@@ -23,7 +23,8 @@ def small_cnn() -> nn.Module:
     )
 
 
-def sgd_train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, scheduler_factory: Callable | None = None) -> None:
+def sgd_train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int,
+              scheduler_factory: Callable | None = None) -> None:
     scheduler = scheduler_factory(optimizer) if scheduler_factory else None
     generator = torch.Generator().manual_seed(123)
     for _ in range(steps):
@@ -63,7 +64,8 @@ def assert_bit_identical(a: nn.Module, b: nn.Module) -> None:
 def test_all_layers_skipped_equals_sgd(settings: dict) -> None:
     model = small_cnn()
     reference = copy.deepcopy(model)
-    sgd_train(model, KFAC(model, curvature=CurvatureConfig(skip_layers=[".*"]), **{"factor_update_steps": 1, "inv_update_steps": 10, **settings}), steps=6)
+    sgd_train(model, KFAC(model, curvature=CurvatureConfig(skip_layers=[".*"]),
+                          **{"factor_update_steps": 1, "inv_update_steps": 10, **settings}), steps=6)
     sgd_train(reference, torch.optim.SGD(reference.parameters(), **settings), steps=6)
     assert_bit_identical(model, reference)
 
@@ -74,7 +76,9 @@ def test_two_param_groups_and_step_lr_equal_sgd() -> None:
     reference = copy.deepcopy(model)
     settings = {"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4}
     schedule = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # noqa: E731
-    sgd_train(model, KFAC(model, params=two_groups(model), curvature=CurvatureConfig(skip_layers=[nn.Linear, nn.Conv2d]), **{"factor_update_steps": 1, "inv_update_steps": 10, **settings}), 7, schedule)
+    sgd_train(model,
+              KFAC(model, params=two_groups(model), curvature=CurvatureConfig(skip_layers=[nn.Linear, nn.Conv2d]),
+                   **{"factor_update_steps": 1, "inv_update_steps": 10, **settings}), 7, schedule)
     sgd_train(reference, torch.optim.SGD(two_groups(reference), **settings), 7, schedule)
     assert_bit_identical(model, reference)
 

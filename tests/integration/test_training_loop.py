@@ -188,7 +188,8 @@ def loop_run(model: nn.Module, optimizer: KFAC, steps: range) -> None:
 
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_state_dict_round_trip_resumes_bit_identically(method: str) -> None:
-    settings = dict(lr=0.05, momentum=0.9, weight_decay=1e-4, damping=0.05, factor_update_steps=2, inv_update_steps=3, method=method)
+    settings = dict(lr=0.05, momentum=0.9, weight_decay=1e-4, damping=0.05, factor_update_steps=2,
+                    inv_update_steps=3, method=method)
     model = CapturePathsNet()
     optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **settings})
     loop_run(model, optimizer, range(5))

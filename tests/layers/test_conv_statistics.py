@@ -68,14 +68,17 @@ def per_sample_conv_output_grads(conv: nn.Module, x: torch.Tensor, target: torch
 
 
 def step_with_conv_statistics(conv: nn.Module, x: torch.Tensor, target: torch.Tensor,
-                              statistics: ConvStatistics | None, **curvature) -> tuple[KFAC, torch.Tensor, torch.Tensor]:
+                              statistics: ConvStatistics | None,
+                              **curvature) -> tuple[KFAC, torch.Tensor, torch.Tensor]:
     """One K-FAC step (lr 1, no clip, λ = 0.1) on a copy of ``conv``: the optimizer, the joint
     gradient and the applied direction."""
     conv = copy.deepcopy(conv)
-    config = CurvatureConfig(conv_positions=statistics, factor_dtype=torch.float64, inv_dtype=torch.float64, **curvature)
+    config = CurvatureConfig(conv_positions=statistics, factor_dtype=torch.float64,
+                             inv_dtype=torch.float64, **curvature)
     optimizer = KFAC(conv, lr=1.0, kl_clip=None, damping=0.1, factor_update_steps=1, inv_update_steps=10,
                      curvature=config)
-    joint = lambda: torch.cat([p.detach().reshape(conv.weight.shape[0], -1) for p in optimizer.blocks[0].parameters()], 1)  # noqa: E731
+    joint = lambda: torch.cat([p.detach().reshape(conv.weight.shape[0], -1)  # noqa: E731
+                               for p in optimizer.blocks[0].parameters()], 1)
     before = joint()
     (0.5 * ((conv(x) - target) ** 2).flatten(1).sum(1).mean()).backward()
     grad = torch.cat([p.grad.reshape(conv.weight.shape[0], -1) for p in optimizer.blocks[0].parameters()], 1)
@@ -98,7 +101,8 @@ def check_factors_and_step(conv: nn.Module, x: torch.Tensor, target: torch.Tenso
     torch.testing.assert_close(direction, kron_solve(G_ref, A_ref, grad, 0.1), rtol=1e-9, atol=1e-12)
 
 
-def conv_case(kind: type[nn.Module], args: dict, spatial: tuple[int, ...]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def conv_case(kind: type[nn.Module], args: dict,
+              spatial: tuple[int, ...]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     conv = kind(2, 3, **args)
     x = torch.randn(3, 2, *spatial)
     return conv, x, torch.randn_like(conv(x))

@@ -53,7 +53,8 @@ def conv_patches_by_slicing(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     for n in range(x.shape[0]):
         for i in range(out_h):
             for j in range(out_w):
-                window = padded[n, :, i * sh : i * sh + dh * (kh - 1) + 1 : dh, j * sw : j * sw + dw * (kw - 1) + 1 : dw]
+                window = padded[n, :, i * sh : i * sh + dh * (kh - 1) + 1 : dh,
+                                j * sw : j * sw + dw * (kw - 1) + 1 : dw]
                 rows.append(window.reshape(-1))
     return torch.stack(rows)
 
@@ -62,7 +63,8 @@ def with_bias_column(rows: torch.Tensor, bias: bool) -> torch.Tensor:
     return torch.cat([rows, torch.ones(len(rows), 1)], 1) if bias else rows
 
 
-def reference_factors(a_rows: torch.Tensor, g_hat_rows: torch.Tensor, n_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_factors(a_rows: torch.Tensor, g_hat_rows: torch.Tensor,
+                      n_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     """docs/numerics.md: A = (1/(N·R)) Σ a aᵀ, G = (1/N) Σ ĝ ĝᵀ over all N·R rows."""
     return a_rows.T @ a_rows / len(a_rows), g_hat_rows.T @ g_hat_rows / n_samples
 
@@ -77,9 +79,11 @@ def joint_weight(layer: nn.Module) -> torch.Tensor:
     return torch.cat([weight, layer.bias.detach()[:, None]], 1) if layer.bias is not None else weight.clone()
 
 
-def one_kfac_step(layer: nn.Module, x: torch.Tensor, target: torch.Tensor, **kwargs) -> tuple[KFAC, torch.Tensor, torch.Tensor]:
+def one_kfac_step(layer: nn.Module, x: torch.Tensor, target: torch.Tensor,
+                  **kwargs) -> tuple[KFAC, torch.Tensor, torch.Tensor]:
     """Take one step with lr=1 and no momentum: returns the optimizer, ∇W and the applied direction."""
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES, **kwargs})
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None,
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES, **kwargs})
     before = joint_weight(layer)
     mean_loss(layer, x, target).backward()
     grad = joint_grad(layer).clone()
@@ -186,7 +190,8 @@ def test_sum_reduction_gives_the_same_factors_as_mean() -> None:
         torch.manual_seed(1)
         layer = nn.Linear(3, 2)
         optimizer = KFAC(layer, lr=0.0, factor_update_steps=1, inv_update_steps=10,
-                         curvature=CurvatureConfig(loss_reduction=reduction, factor_dtype=torch.float64, inv_dtype=torch.float64))
+                         curvature=CurvatureConfig(loss_reduction=reduction, factor_dtype=torch.float64,
+                                                   inv_dtype=torch.float64))
         loss = mean_loss(layer, x, target) * (8 if reduction == "sum" else 1)
         loss.backward()
         optimizer.step()

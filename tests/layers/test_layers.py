@@ -55,7 +55,8 @@ def conv_patches_nd(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for n in range(x.shape[0]):
         for position in itertools.product(*(range(o) for o in out)):
             window = padded[n][
-                (slice(None), *(slice(p * s[i], p * s[i] + d[i] * (k[i] - 1) + 1, d[i]) for i, p in enumerate(position)))
+                (slice(None),
+                 *(slice(p * s[i], p * s[i] + d[i] * (k[i] - 1) + 1, d[i]) for i, p in enumerate(position)))
             ]
             rows.append(window.reshape(-1))
     return torch.stack(rows)
@@ -106,7 +107,8 @@ def test_conv1d_steps_exactly_like_conv2d_with_a_1_by_k_kernel(method: str, padd
     target = torch.randn(4, 4, 10)
     updates = []
     for layer, inputs, targets in ((conv1, x, target), (conv2, x.unsqueeze(2), target.unsqueeze(2))):
-        optimizer = KFAC(layer, lr=0.3, momentum=0.9, damping=0.01, method=method, inv_update_steps=2, **{"factor_update_steps": 1, **DTYPES})
+        optimizer = KFAC(layer, lr=0.3, momentum=0.9, damping=0.01, method=method, inv_update_steps=2,
+                         **{"factor_update_steps": 1, **DTYPES})
         before = layer.weight.detach().clone()
         for _ in range(3):
             optimizer.zero_grad()
@@ -154,7 +156,8 @@ def test_grouped_conv_is_one_kronecker_pair_per_group(conv_type, channels, group
         else:
             eye_a, eye_g = torch.eye(A.shape[-1]), torch.eye(G.shape[-1])
             expected = (
-                torch.linalg.inv(G[j] + damping**0.5 / pi * eye_g) @ g_j @ torch.linalg.inv(A[j] + pi * damping**0.5 * eye_a)
+                torch.linalg.inv(G[j] + damping**0.5 / pi * eye_g) @ g_j
+                @ torch.linalg.inv(A[j] + pi * damping**0.5 * eye_a)
             )
         torch.testing.assert_close(direction[out_rows[j]], expected, rtol=1e-9, atol=1e-12)
 
@@ -187,7 +190,8 @@ def test_embedding_steps_exactly_like_linear_on_one_hot_rows(method: str) -> Non
         target = torch.randn(5, 4, dim, generator=generator)
         for layer, inputs in ((embedding, tokens), (linear, F.one_hot(tokens, vocabulary).double())):
             if step == 0:
-                layer.kfac = KFAC(layer, lr=0.2, momentum=0.9, damping=0.03, method=method, inv_update_steps=2, **{"factor_update_steps": 1, **DTYPES})
+                layer.kfac = KFAC(layer, lr=0.2, momentum=0.9, damping=0.03, method=method, inv_update_steps=2,
+                                  **{"factor_update_steps": 1, **DTYPES})
             layer.kfac.zero_grad()
             mean_loss(layer, inputs, target).backward()
             layer.kfac.step()
@@ -204,7 +208,8 @@ def test_embedding_matches_dense_reference() -> None:
     g_hat = per_sample_output_grads(embedding, tokens, target).reshape(-1, 3)
     A_ref, G_ref = reference_factors(F.one_hot(tokens.reshape(-1), 6).double(), g_hat, 4)
     embedding.zero_grad()
-    optimizer = KFAC(embedding, lr=1.0, kl_clip=None, damping=0.1, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+    optimizer = KFAC(embedding, lr=1.0, kl_clip=None, damping=0.1,
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
     before = embedding.weight.detach().clone()
     mean_loss(embedding, tokens, target).backward()
     grad = embedding.weight.grad.T.clone()
@@ -375,7 +380,8 @@ def test_discover_blocks_is_public_and_agrees_with_the_optimizer() -> None:
 def test_describe_lists_every_module_with_trainable_parameters() -> None:
     net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
     net[2].weight.requires_grad_(False)
-    optimizer = KFAC(net, lr=0.1, params=[p for p in net.parameters() if p.requires_grad], factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(net, lr=0.1, params=[p for p in net.parameters() if p.requires_grad], factor_update_steps=1,
+                     inv_update_steps=10)
     reports = {r.name: r for r in optimizer.module_reports}
     assert set(reports) == {"0", "1", "2"}
     assert reports["0"].block == "0" and "A 5x5 dense" in reports["0"].detail
@@ -483,7 +489,8 @@ def test_multihead_attention_matches_dense_reference(batch_first: bool, cross: b
         return t.transpose(0, 1) if batch_first else t
 
     mha.zero_grad()
-    optimizer = KFAC(mha, lr=1.0, kl_clip=None, damping=0.1, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+    optimizer = KFAC(mha, lr=1.0, kl_clip=None, damping=0.1,
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
     before = {name: p.detach().clone() for name, p in mha.named_parameters()}
     out, _ = mha(first(query), first(key), first(value), need_weights=False)
     torch.testing.assert_close(first(out), final, rtol=1e-12, atol=1e-12)  # the tap changes no value
@@ -618,7 +625,10 @@ def test_sequence_first_linear_blocks_count_the_length_as_samples_and_the_optimi
     for layer, inputs, batch_dim in ((first, x, 0), (seq, x.transpose(0, 1), 1)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            optimizer = KFAC(layer, lr=0.1, curvature=CurvatureConfig(loss_reduction=loss_reduction, factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
+            optimizer = KFAC(layer, lr=0.1,
+                             curvature=CurvatureConfig(loss_reduction=loss_reduction, factor_dtype=torch.float64,
+                                                       inv_dtype=torch.float64),
+                             **{"factor_update_steps": 1, "inv_update_steps": 10})
         notes = [str(w.message) for w in caught if "sequence-first attention" in str(w.message)]
         assert len(notes) == batch_dim, notes  # a warning for the sequence-first layer only
         reduce(layer(inputs).pow(2)).backward()
@@ -649,7 +659,8 @@ def test_a_module_called_twice_per_forward_adds_both_calls_rows_and_its_samples_
     a_rows = with_bias_column(torch.cat([x, torch.tanh(hidden).detach()]), True)
     A_ref, G_ref = reference_factors(a_rows, g_hat, 5)
     layer.zero_grad()
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1,
+                     **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
     (0.5 * ((layer(torch.tanh(layer(x))) - target) ** 2).sum(1).mean()).backward()
     optimizer.step()
     torch.testing.assert_close(optimizer.blocks[0].A.running, A_ref, rtol=1e-12, atol=1e-12)
@@ -687,14 +698,16 @@ def test_norm_blocks_are_the_exact_per_unit_fisher(make_layer, shape) -> None:
     out = layer(x)
     for n in range(N):  # per-sample gradients of mean-loss terms, times N: ŝ
         loss = 0.5 * ((out[n] - target[n]) ** 2).sum()
-        per_sample.append(torch.stack([g.reshape(-1) for g in torch.autograd.grad(loss, params, retain_graph=True)], -1))
+        per_sample.append(torch.stack([g.reshape(-1) for g in torch.autograd.grad(loss, params, retain_graph=True)],
+                                      -1))
     s_hat = torch.stack(per_sample)  # (N, units, 1 or 2)
     fisher = torch.einsum("nui,nuj->uij", s_hat, s_hat) / N
     norm_blocks = {nn.LayerNorm: LayerNormBlock, nn.RMSNorm: RMSNormBlock, nn.GroupNorm: ChannelNormBlock,
                    nn.BatchNorm1d: ChannelNormBlock, nn.BatchNorm2d: ChannelNormBlock}
     layer.zero_grad()
     curvature = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64, blocks=norm_blocks)
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, curvature=curvature, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, curvature=curvature, factor_update_steps=1,
+                     inv_update_steps=10)
     snapshot = [p.detach().clone() for p in params]
     (0.5 * ((layer(x) - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
     grad = torch.stack([p.grad.reshape(-1) for p in params], -1)
@@ -717,7 +730,10 @@ def test_reduce_makes_one_row_per_sample_for_linear_leading_dims(bias: bool) -> 
     g_hat = per_sample_output_grads(layer, x, target).sum(1)  # (N, out)
     A_ref, G_ref = reference_factors(with_bias_column(x.mean(1), bias), g_hat, 5)
     layer.zero_grad()
-    optimizer, grad, direction = one_kfac_step(layer, x, target, damping=0.1, curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64, inv_dtype=torch.float64))
+    optimizer, grad, direction = one_kfac_step(layer, x, target, damping=0.1,
+                                               curvature=CurvatureConfig(weight_sharing="reduce",
+                                                                         factor_dtype=torch.float64,
+                                                                         inv_dtype=torch.float64))
     torch.testing.assert_close(optimizer.blocks[0].A.running, A_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(optimizer.blocks[0].G.running, G_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(direction, kron_solve(G_ref, A_ref, grad, 0.1), rtol=1e-9, atol=1e-12)
@@ -731,12 +747,15 @@ def test_reduce_makes_one_row_per_sample_for_conv_positions(groups: int) -> None
     patches = conv_patches_nd(layer, x).reshape(3, 7, -1).mean(1)  # (N, C·K)
     g_hat = per_sample_output_grads(layer, x, target).sum(-1)  # (N, C_out)
     layer.zero_grad()
-    optimizer, _, _ = one_kfac_step(layer, x, target, damping=0.1, curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64, inv_dtype=torch.float64))
+    optimizer, _, _ = one_kfac_step(layer, x, target, damping=0.1,
+                                    curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64,
+                                                              inv_dtype=torch.float64))
     block = optimizer.blocks[0]
     per_in, per_out = patches.shape[1] // groups, 4 // groups
     for j in range(groups):
         A_ref, G_ref = reference_factors(
-            with_bias_column(patches[:, j * per_in : (j + 1) * per_in], True), g_hat[:, j * per_out : (j + 1) * per_out], 3
+            with_bias_column(patches[:, j * per_in : (j + 1) * per_in], True),
+            g_hat[:, j * per_out : (j + 1) * per_out], 3
         )
         A = block.A.running if groups == 1 else block.A.running[j]
         G = block.G.running if groups == 1 else block.G.running[j]
@@ -756,7 +775,10 @@ def test_reduce_for_attention_is_one_row_per_sample_per_projection() -> None:
     g_hat = [g.reshape(n, N, -1).sum(0) for g, n in zip(g_rows, lengths, strict=True)]
     a_rows = [query.mean(0), key.mean(0), key.mean(0), attended.detach().mean(0)]
     mha.zero_grad()
-    optimizer = KFAC(mha, lr=1.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
+    optimizer = KFAC(mha, lr=1.0, kl_clip=None, damping=0.1,
+                     curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64,
+                                               inv_dtype=torch.float64),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10})
     out, _ = mha(query, key, key, need_weights=False)
     (0.5 * ((out - target) ** 2).sum(-1).sum(0).mean()).backward()
     optimizer.step()
@@ -801,7 +823,8 @@ def rnn_reference(layer: nn.Linear, inputs: list[torch.Tensor], target: torch.Te
     a = torch.stack([x.detach() for x in call_inputs])  # (calls, N, *positions, in)
     bias = layer.bias is not None
     if sharing == "expand":
-        return reference_factors(with_bias_column(a.reshape(-1, a.shape[-1]), bias), g_hat.reshape(-1, g_hat.shape[-1]), N)
+        return reference_factors(with_bias_column(a.reshape(-1, a.shape[-1]), bias),
+                                 g_hat.reshape(-1, g_hat.shape[-1]), N)
     a_n = a.movedim(0, 1).reshape(N, -1, a.shape[-1]).mean(1)
     g_n = g_hat.movedim(0, 1).reshape(N, -1, g_hat.shape[-1]).sum(1)
     return reference_factors(with_bias_column(a_n, bias), g_n, N)
@@ -815,7 +838,10 @@ def test_a_module_called_several_times_per_forward_matches_the_dense_reference(s
     target = torch.randn(shape)
     A_ref, G_ref = rnn_reference(layer, inputs, target, sharing)
     layer.zero_grad()
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(weight_sharing=sharing, factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1,
+                     curvature=CurvatureConfig(weight_sharing=sharing, factor_dtype=torch.float64,
+                                               inv_dtype=torch.float64),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10})
     before = torch.cat([layer.weight.detach(), layer.bias.detach()[:, None]], 1)
     rnn_loss(rnn_forward(layer, inputs)[1][-1], target).backward()
     grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1)
@@ -841,7 +867,10 @@ def test_reduce_across_calls_makes_one_row_per_sample_per_backward_under_gradien
             grads = torch.autograd.grad(0.5 * ((outputs[-1][n] - target[n]) ** 2).sum(), outputs, retain_graph=True)
             g_rows.append(sum(g[n] for g in grads))
     A_ref, G_ref = reference_factors(torch.cat(a_rows), torch.stack(g_rows), 8)
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1,
+                     curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64,
+                                               inv_dtype=torch.float64),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10})
     for inputs, target in zip(batches, targets, strict=True):  # each micro-batch loss: mean over the step's 8 samples
         (rnn_loss(rnn_forward(layer, inputs)[1][-1], target) / 2).backward()
     optimizer.step()
@@ -855,7 +884,10 @@ def test_reduce_across_calls_drops_the_held_sums_of_a_discarded_backward() -> No
     layer = nn.Linear(3, 3)
     inputs, target = [torch.randn(4, 3) for _ in range(2)], torch.randn(4, 3)
     A_ref, G_ref = rnn_reference(layer, inputs, target, "reduce")
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1,
+                     curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64,
+                                               inv_dtype=torch.float64),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10})
     rnn_loss(rnn_forward(layer, [torch.randn(4, 3) for _ in range(2)])[1][-1], torch.randn(4, 3)).backward()
     optimizer.zero_grad()
     rnn_loss(rnn_forward(layer, inputs)[1][-1], target).backward()
@@ -908,7 +940,10 @@ def test_tied_embedding_and_head_use_the_nearest_kronecker_product_of_both_uses(
     nearest = S[0] * torch.outer(U[:, 0], Vh[0])
 
     model.zero_grad()
-    optimizer = KFAC(model, lr=1.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(weight_sharing=sharing, factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
+    optimizer = KFAC(model, lr=1.0, kl_clip=None, damping=0.1,
+                     curvature=CurvatureConfig(weight_sharing=sharing, factor_dtype=torch.float64,
+                                               inv_dtype=torch.float64),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10})
     before = model.embedding.weight.detach().clone()
     (0.5 * ((model(tokens)[2] - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
     grad = model.embedding.weight.grad.clone()
@@ -929,7 +964,8 @@ def test_tied_block_equals_the_untied_embedding_when_the_head_records_nothing() 
     tokens, target = torch.randint(0, V, (4, 5)), torch.randn(4, 5, D)
     factors = []
     for model, embedding in ((tied, tied.embedding), (plain, plain)):
-        optimizer = KFAC(model, lr=1.0, kl_clip=None, damping=0.1, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+        optimizer = KFAC(model, lr=1.0, kl_clip=None, damping=0.1,
+                         **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
         (0.5 * ((embedding(tokens) - target) ** 2).reshape(4, -1).sum(1).mean()).backward()
         optimizer.step()
         factors.append((optimizer.blocks[0].A.running, optimizer.blocks[0].G.running))
@@ -966,13 +1002,16 @@ def test_tied_factors_are_the_nearest_kronecker_product_of_each_uses_running_ave
     U, S, Vh = torch.linalg.svd(rearranged, full_matrices=False)
     nearest = S[0] * torch.outer(U[:, 0], Vh[0])
 
-    optimizer = KFAC(model, lr=0.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(factor_decay=decay, factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
+    optimizer = KFAC(model, lr=0.0, kl_clip=None, damping=0.1,
+                     curvature=CurvatureConfig(factor_decay=decay, factor_dtype=torch.float64, inv_dtype=torch.float64),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10})
     for tokens, target in batches:
         optimizer.zero_grad()
         (0.5 * ((model(tokens)[2] - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
         optimizer.step()
     (block,) = optimizer.blocks
-    torch.testing.assert_close(torch.outer(block.A.running, block.G.running.reshape(-1)), nearest, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(torch.outer(block.A.running, block.G.running.reshape(-1)), nearest,
+                               rtol=1e-9, atol=1e-12)
 
 
 def test_a_tied_block_resumes_from_a_checkpoint_with_both_uses_running_averages() -> None:
@@ -988,7 +1027,9 @@ def test_a_tied_block_resumes_from_a_checkpoint_with_both_uses_running_averages(
             optimizer.step()
 
     def build(model: TiedModel) -> KFAC:
-        return KFAC(model, lr=0.1, momentum=0.9, damping=0.1, curvature=CurvatureConfig(factor_decay=0.5, factor_dtype=torch.float64, inv_dtype=torch.float64), inv_update_steps=1, factor_update_steps=1)
+        return KFAC(model, lr=0.1, momentum=0.9, damping=0.1,
+                    curvature=CurvatureConfig(factor_decay=0.5, factor_dtype=torch.float64, inv_dtype=torch.float64),
+                    inv_update_steps=1, factor_update_steps=1)
 
     torch.manual_seed(0)
     straight = TiedModel(V, D)
@@ -1021,7 +1062,10 @@ def test_reduce_across_calls_with_the_sampled_fisher_records_only_the_sampled_ba
     A_ref, G_ref = rnn_reference(layer, inputs, sampled, "reduce")
     G_ref = G_ref * (2 / 3) ** 2  # the sampled loss is F.mse_loss per sample: ĝ = (2/D)(out − t)
     layer.zero_grad()
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, curvature=CurvatureConfig(weight_sharing="reduce", fisher="sampled", factor_dtype=torch.float64, inv_dtype=torch.float64), **{"factor_update_steps": 1, "inv_update_steps": 10})
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1,
+                     curvature=CurvatureConfig(weight_sharing="reduce", fisher="sampled", factor_dtype=torch.float64,
+                                               inv_dtype=torch.float64),
+                     **{"factor_update_steps": 1, "inv_update_steps": 10})
     out = rnn_forward(layer, inputs)[1][-1]
     optimizer.sample_fisher(out, "mse", generator=torch.Generator().manual_seed(3))
     rnn_loss(out, target).backward()

@@ -54,7 +54,8 @@ def symmetry_conv_net(channels: int) -> nn.Module:
 
 # (name, model builder, input builder(rows)): widths 1..300, row counts odd.
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[int], torch.Tensor]]] = {
-    **{f"linear{w}": (lambda w=w: symmetry_linear_net(w), lambda rows, w=w: torch.randn(rows, w)) for w in (1, 2, 5, 9, 37, 130)},
+    **{f"linear{w}": (lambda w=w: symmetry_linear_net(w), lambda rows, w=w: torch.randn(rows, w))
+       for w in (1, 2, 5, 9, 37, 130)},
     "linear300": (lambda: symmetry_linear_net(300), lambda rows: torch.randn(2 * rows + 1, 300)),
     "conv3": (lambda: symmetry_conv_net(3), lambda rows: torch.randn(rows, 3, 5, 5)),
     "conv130": (lambda: symmetry_conv_net(130), lambda rows: torch.randn(rows, 130, 4, 4)),

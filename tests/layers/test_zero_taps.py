@@ -204,12 +204,14 @@ def shrinking_net() -> nn.Sequential:
     )
 
 
-def zero_taps_train(skip: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[bool]]:
+def zero_taps_train(skip: bool,
+                    monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[bool]]:
     """Five K-FAC steps of :func:`shrinking_net`: its parameters, A factors, and which convs skipped taps."""
     monkeypatch.setattr(ConvBlock, "skip_zero_taps", skip)
     torch.manual_seed(0)
     net = shrinking_net()
-    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=2, curvature=CurvatureConfig(factor_dtype=torch.float64))
+    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=2,
+                     curvature=CurvatureConfig(factor_dtype=torch.float64))
     for _ in range(5):
         x, y = torch.randn(8, 3, 4, 4), torch.randint(0, 3, (8,))
         optimizer.zero_grad()

@@ -113,13 +113,15 @@ def test_directions_equal_adam_in_the_factors_eigenbases_computed_densely(beta1:
             corrected = v[block.name] / (1 - BETA2 ** (step + 1))
             numerator = rotated
             if beta1 is not None:
-                m[block.name] = beta1 * m.get(block.name, torch.zeros_like(grads[block.name])) + (1 - beta1) * grads[block.name]
+                m[block.name] = (beta1 * m.get(block.name, torch.zeros_like(grads[block.name]))
+                                 + (1 - beta1) * grads[block.name])
                 numerator = u_g.T @ (m[block.name] / (1 - beta1 ** (step + 1))) @ u_a
             expected = u_g @ (numerator / (corrected.sqrt() + EPS)) @ u_a.T
             deltas = [(before[p] - p.detach().double()) / LR for p in block.parameters()]
             applied = block.joint_gradient(deltas[0], deltas[1] if len(deltas) > 1 else None)  # its layout
             where = f"{block.name} step {step}"
-            torch.testing.assert_close(applied, expected, rtol=1e-3, atol=1e-3, msg=lambda m, where=where: f"{where}: {m}")
+            torch.testing.assert_close(applied, expected, rtol=1e-3, atol=1e-3,
+                                       msg=lambda m, where=where: f"{where}: {m}")
             torch.testing.assert_close(block.method_state["v"].double(), v[block.name], rtol=1e-4, atol=1e-10)
             assert block.method_state["t"].item() == step + 1
     assert bases_changed > 0  # the second moments were carried across refreshed bases, not reset
@@ -275,7 +277,8 @@ def test_capped_directions_equal_the_thin_formula_computed_densely(beta1: float 
             deltas = [(before[p] - p.detach().double()) / LR for p in block.parameters()]
             applied = block.joint_gradient(deltas[0], deltas[1] if len(deltas) > 1 else None)
             where = f"{block.name} step {step}"
-            torch.testing.assert_close(applied, expected, rtol=1e-3, atol=1e-3, msg=lambda m, where=where: f"{where}: {m}")
+            torch.testing.assert_close(applied, expected, rtol=1e-3, atol=1e-3,
+                                       msg=lambda m, where=where: f"{where}: {m}")
             torch.testing.assert_close(block.method_state["w"].double(), w[block.name], rtol=1e-4, atol=1e-10)
             assert block.method_state["v"].shape == rotated.shape
             checked.add(block.name)
@@ -395,7 +398,8 @@ def test_eigen_adam_with_soaps_first_moment_lowers_the_loss_at_least_as_much_as_
 def test_describe_names_the_factors_held_thin() -> None:
     optimizer = thin_optimizer(make_net())
     line = next(line for line in optimizer.describe().splitlines() if "thin eigenbasis" in line)
-    assert "max_rank=4 above width 4" in line and "hidden.A (16)" in line and "hidden.G (6)" in line and "head.A (7)" in line
+    assert ("max_rank=4 above width 4" in line and "hidden.A (16)" in line and "hidden.G (6)" in line
+            and "head.A (7)" in line)
     assert "embed" not in line and "head.G" not in line
 
 

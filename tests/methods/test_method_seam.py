@@ -35,7 +35,8 @@ class DiagonalDecomposer(Decomposer):
     def shape(factor: FactorView) -> tuple[int, ...]:
         return (factor.dim,) if factor.diagonal else (*factor.batch_shape, factor.dim)
 
-    def decompose(self, factor: FactorView, shift: float, dtype: torch.dtype, drop_below: float | None = None) -> Tensor:
+    def decompose(self, factor: FactorView, shift: float, dtype: torch.dtype,
+                  drop_below: float | None = None) -> Tensor:
         diagonal = factor.running if factor.diagonal else factor.running.diagonal(dim1=-2, dim2=-1)
         return (diagonal.clamp(min=0) + shift).reciprocal().to(dtype)
 
@@ -65,7 +66,8 @@ class DiagonalDecomposer(Decomposer):
 
     def check_saved(self, factor: FactorView, saved: Any, field: str) -> None:
         tensor = saved.get("inverse_diagonal") if isinstance(saved, dict) else None
-        if not isinstance(tensor, Tensor) or tuple(tensor.shape) != self.shape(factor) or not torch.isfinite(tensor).all():
+        if (not isinstance(tensor, Tensor) or tuple(tensor.shape) != self.shape(factor)
+                or not torch.isfinite(tensor).all()):
             raise ValueError(f"'{field}' must be {{'inverse_diagonal': a finite tensor of shape {self.shape(factor)}}}")
 
 
@@ -80,7 +82,8 @@ class DiagonalKronecker(Method):
     def shifts(self, a: FactorView, g: FactorView, damping: float) -> tuple[float, float]:
         return damping**0.5, damping**0.5
 
-    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
+    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float,
+                     state: dict[str, Tensor]) -> Tensor:
         return grad * g.decomposition.unsqueeze(-1) * a.decomposition.unsqueeze(-2)
 
     def approximations(self, pairs: Sequence[tuple[str, FactorView, FactorView]]) -> str | None:
@@ -194,7 +197,8 @@ def test_two_ranks_ship_its_decompositions_and_equal_one_process(tmp_path: Path)
         for results in ranks:
             for actual, expected in zip(results[f"params {fraction}"], reference, strict=True):
                 torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-7)
-        assert all(torch.equal(a, b) for a, b in zip(ranks[0][f"params {fraction}"], ranks[1][f"params {fraction}"], strict=True))
+        assert all(torch.equal(a, b)
+                   for a, b in zip(ranks[0][f"params {fraction}"], ranks[1][f"params {fraction}"], strict=True))
     # grad_worker_fraction=1: each factor is decomposed by one rank and travels to the other.
     owned = [set(results["owned 1.0"]) for results in ranks]
     assert owned[0] and owned[1] and not owned[0] & owned[1]
@@ -211,7 +215,8 @@ def test_a_method_without_a_decomposer_is_refused_naming_it() -> None:
         def shifts(self, a: FactorView, g: FactorView, damping: float) -> tuple[float, float]:
             return 0.0, 0.0
 
-        def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
+        def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float,
+                         state: dict[str, Tensor]) -> Tensor:
             return grad
 
     with pytest.raises(TypeError, match="method NoLayout has no decomposer"):

@@ -34,10 +34,13 @@ def test_the_constructor_has_at_most_18_named_parameters() -> None:
     [
         (lambda: CurvatureConfig(fisher="sampled", loss_reduction="mean"), "loss_reduction", "fisher"),
         (lambda: KFACOptions(curvature=CurvatureConfig(stagger=True)), "stagger", "factor_update_steps"),
-        (lambda: KFAC(_config_model(), curvature=CurvatureConfig(stagger=True), factor_update_steps=1, inv_update_steps=10), "stagger",
+        (lambda: KFAC(_config_model(), curvature=CurvatureConfig(stagger=True), factor_update_steps=1,
+                      inv_update_steps=10), "stagger",
          "factor_update_steps"),
-        (lambda: KFAC(_config_model(), update=UpdateConfig(grafting="sgd"), factor_update_steps=1, inv_update_steps=10), "grafting", "kl_clip"),
-        (lambda: KFAC(_config_model(), momentum=0.9, nesterov=True, kl_clip=None, update=UpdateConfig(grafting="adam"), factor_update_steps=1, inv_update_steps=10),
+        (lambda: KFAC(_config_model(), update=UpdateConfig(grafting="sgd"), factor_update_steps=1, inv_update_steps=10),
+         "grafting", "kl_clip"),
+        (lambda: KFAC(_config_model(), momentum=0.9, nesterov=True, kl_clip=None, update=UpdateConfig(grafting="adam"),
+                      factor_update_steps=1, inv_update_steps=10),
          "grafting", "momentum"),
         (lambda: UpdateConfig(adam_betas=(0.9, 0.95)), "adam_betas", "grafting"),
     ],
@@ -93,7 +96,8 @@ def test_a_flat_keyword_is_a_type_error(keyword: str) -> None:
 
 def test_options_is_read_only_and_holds_the_configs() -> None:
     curvature = CurvatureConfig(fisher="sampled")
-    optimizer = KFAC(_config_model(), damping=0.2, curvature=curvature, asynchronous=AsyncConfig(), factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(_config_model(), damping=0.2, curvature=curvature, asynchronous=AsyncConfig(),
+                     factor_update_steps=1, inv_update_steps=10)
     assert optimizer.options.damping == 0.2
     assert optimizer.options.curvature is curvature and optimizer.options.asynchronous == AsyncConfig()
     with pytest.raises(AttributeError):

@@ -61,7 +61,8 @@ def test_a_factor_of_few_rows_is_decomposed_through_its_range() -> None:
     eig_g = linalg.symmetric_eigen(G, torch.float64, linalg.rank_threshold(damping, float(A.trace())), rank_bound=6)
     assert eig_a is not None and eig_g is not None and eig_a.Q.shape == (160, 10)
     assert relative_error(eig_a.Q @ torch.diag(eig_a.d) @ eig_a.Q.T, A) < 1e-10
-    assert relative_error(linalg.eigen_precondition(grad, eig_a, eig_g, damping), kron_solve(G, A, grad, damping)) < 1e-6
+    assert relative_error(linalg.eigen_precondition(grad, eig_a, eig_g, damping),
+                          kron_solve(G, A, grad, damping)) < 1e-6
 
 
 def test_factors_count_the_rows_that_bound_their_rank() -> None:
@@ -85,13 +86,15 @@ def test_dropped_eigenvalues_change_the_solve_by_at_most_the_documented_toleranc
     G = low_rank_gram(8, 8)
     basis, _ = torch.linalg.qr(torch.randn(30, 30, dtype=torch.float64))
     threshold = linalg.rank_threshold(damping, float(G.trace()))
-    spectrum = torch.cat([torch.full((24,), 0.9 * threshold, dtype=torch.float64), torch.rand(6, dtype=torch.float64) + 1])
+    spectrum = torch.cat([torch.full((24,), 0.9 * threshold, dtype=torch.float64),
+                          torch.rand(6, dtype=torch.float64) + 1])
     A = basis @ torch.diag(spectrum) @ basis.T
     eig_a = linalg.symmetric_eigen(A, torch.float64, threshold)
     eig_g = linalg.symmetric_eigen(G, torch.float64)
     assert eig_a is not None and eig_g is not None and eig_a.Q.shape == (30, 6)
     grad = torch.randn(8, 30, dtype=torch.float64)
-    assert relative_error(linalg.eigen_precondition(grad, eig_a, eig_g, damping), kron_solve(G, A, grad, damping)) < linalg.RANK_RTOL
+    assert relative_error(linalg.eigen_precondition(grad, eig_a, eig_g, damping),
+                          kron_solve(G, A, grad, damping)) < linalg.RANK_RTOL
 
 
 def full_rank_factor(dim: int, zero_rows: int = 0) -> torch.Tensor:
@@ -130,7 +133,9 @@ def test_a_factor_truncated_at_the_rank_cap_keeps_its_top_eigenpairs_and_the_mea
 
 
 @pytest.mark.parametrize("caps", [(8, None), (None, 5), (8, 5)])
-def test_the_capped_eigen_solve_is_the_dense_solve_of_the_approximated_factors(caps: tuple[int | None, int | None]) -> None:
+def test_the_capped_eigen_solve_is_the_dense_solve_of_the_approximated_factors(
+    caps: tuple[int | None, int | None]
+) -> None:
     A, G = full_rank_factor(40, zero_rows=4), full_rank_factor(12)
     grad = torch.randn(12, 40, dtype=torch.float64)
     grad[:, :4] = 0  # the zero rows' gradient columns (as a zero-padded conv's)
@@ -170,7 +175,8 @@ def test_a_cap_at_or_above_the_rank_gives_the_exact_thin_solve() -> None:
         # at the cap exactly: σ = 0 comes along (the layout of a truncated factor), the same solve
         capped = linalg.symmetric_eigen(A, torch.float64, threshold, rank_bound=bound, max_rank=6)
         assert capped is not None and capped.Q.shape == (40, 6)
-        assert torch.equal(capped.complement, torch.zeros(1, dtype=torch.float64)) if bound else float(capped.complement) < 1e-12
+        assert (torch.equal(capped.complement, torch.zeros(1, dtype=torch.float64)) if bound
+                else float(capped.complement) < 1e-12)
         capped_direction = linalg.eigen_precondition(grad, capped, eig_g, damping)
         assert relative_error(capped_direction, dense) < 1e-6
         assert relative_error(capped_direction, uncapped_direction) < 1e-10
@@ -226,7 +232,8 @@ def test_resnet18_layer4_first_step_decomposes_every_factor_in_float32(caplog: p
         for name, module in model.named_modules()
         if isinstance(module, (nn.Conv2d, nn.Linear)) and not name.startswith("layer4.")
     ]
-    optimizer = KFAC(model, lr=0.1, momentum=0.9, curvature=CurvatureConfig(skip_layers=others), factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(model, lr=0.1, momentum=0.9, curvature=CurvatureConfig(skip_layers=others), factor_update_steps=1,
+                     inv_update_steps=10)
     assert [b.name for b in optimizer.blocks] == [
         "layer4.0.conv1", "layer4.0.conv2", "layer4.0.downsample.0", "layer4.1.conv1", "layer4.1.conv2",
     ]
@@ -315,7 +322,9 @@ def test_async_delay_adopts_the_round_that_many_steps_later() -> None:
         KFAC(net, asynchronous=AsyncConfig(delay=0), factor_update_steps=1, inv_update_steps=10)
 
 
-def test_the_eigenbasis_cap_in_the_optimizer_is_described_logged_and_checkpointed(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_eigenbasis_cap_in_the_optimizer_is_described_logged_and_checkpointed(
+    caplog: pytest.LogCaptureFixture
+) -> None:
     from kfac_optim.methods import Eigen
 
     torch.manual_seed(0)

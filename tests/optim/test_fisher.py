@@ -35,7 +35,8 @@ class TwoLayer(nn.Module):
 def make(dtype: torch.dtype = torch.float64, **options) -> tuple[TwoLayer, KFAC]:
     torch.manual_seed(0)
     model = TwoLayer().to(dtype)
-    defaults = dict(lr=0.1, curvature=CurvatureConfig(fisher="sampled", factor_decay=0.0, factor_dtype=dtype, inv_dtype=dtype), inv_update_steps=1)
+    defaults = dict(lr=0.1, curvature=CurvatureConfig(fisher="sampled", factor_decay=0.0, factor_dtype=dtype,
+                                                      inv_dtype=dtype), inv_update_steps=1)
     return model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **{**defaults, **options}})
 
 
@@ -157,7 +158,8 @@ def test_loss_scaling_does_not_change_sampled_factors() -> None:
                 scaler.scale(loss).backward()
                 scaler.step(optimizer)
                 scaler.update()
-        results.append(([b.G.running.clone() for b in optimizer.blocks], [p.detach().clone() for p in model.parameters()]))
+        results.append(([b.G.running.clone() for b in optimizer.blocks],
+                        [p.detach().clone() for p in model.parameters()]))
     (factors, params), (scaled_factors, scaled_params) = results
     for actual, expected in zip(scaled_factors + scaled_params, factors + params, strict=True):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-7)
@@ -277,7 +279,9 @@ def test_sampled_sequence_fisher_has_the_empirical_fisher_units() -> None:
 
     torch.manual_seed(0)
     model = TwoLayer().double()
-    empirical = KFAC(model, lr=0.1, curvature=CurvatureConfig(factor_decay=0.0, factor_dtype=torch.float64, inv_dtype=torch.float64), factor_update_steps=1, inv_update_steps=10)
+    empirical = KFAC(model, lr=0.1,
+                     curvature=CurvatureConfig(factor_decay=0.0, factor_dtype=torch.float64, inv_dtype=torch.float64),
+                     factor_update_steps=1, inv_update_steps=10)
     F.cross_entropy(model(x).reshape(-1, D_OUT), targets.reshape(-1)).backward()
     empirical.step()
     for s, e in zip(sampled.blocks, empirical.blocks, strict=True):

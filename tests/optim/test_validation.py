@@ -108,7 +108,8 @@ VALIDATION_TABLE = [
 @pytest.mark.parametrize(("kwargs", "error", "match"), VALIDATION_TABLE)
 def test_bad_argument_raises_an_error_naming_it(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
-        built = {name: value.make(**value.fields) if isinstance(value, Later) else value for name, value in kwargs.items()}
+        built = {name: value.make(**value.fields) if isinstance(value, Later) else value
+                 for name, value in kwargs.items()}
         KFAC(**{"factor_update_steps": 1, "inv_update_steps": 10, **{"model": small_mlp(), **BASE, **built}})
 
 
@@ -178,7 +179,9 @@ def test_failed_decomposition_keeps_the_last_good_one(monkeypatch: pytest.Monkey
         raise torch.linalg.LinAlgError("forced failure")
 
     monkeypatch.setattr(torch.linalg, "eigh", failing_eigh)
-    with pytest.warns(RuntimeWarning, match="decomposition of [AG] failed, float64 retry included.*last good decomposition is kept") as record:
+    with pytest.warns(RuntimeWarning,
+                      match="decomposition of [AG] failed, float64 retry included.*last good "
+                            "decomposition is kept") as record:
         train_step(net, optimizer, seed=1)
     # Raised inside step() behind torch.optim's wrappers, attributed to the caller of step().
     assert {w.filename for w in record} == {__file__}

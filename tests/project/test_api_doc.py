@@ -125,7 +125,8 @@ def test_a_documented_signature_is_the_code_s(name: str, params: str, line: int)
 def config_tables(text: str) -> dict[str, list[tuple[list[str], list[str]]]]:
     """``{config name: [(field names of a row, its default cells' code spans)]}`` of each config table."""
     tables = {}
-    for match in re.finditer(r"^\*\*`(\w+Config)`\*\*.*?\n\| field \| default \| meaning \|\n\|[-|]+\|\n((?:\|[^\n]*\n)+)",
+    for match in re.finditer(r"^\*\*`(\w+Config)`\*\*.*?\n\| field \| default \| meaning "
+                             r"\|\n\|[-|]+\|\n((?:\|[^\n]*\n)+)",
                              text, re.S | re.M):
         rows = []
         for row in match[2].splitlines():
@@ -144,7 +145,8 @@ def test_each_config_table_lists_the_dataclass_fields_in_order_with_their_defaul
         for names, defaults in rows:
             for field, default in zip(names, defaults * len(names) if len(defaults) == 1 else defaults, strict=True):
                 value = eval(default, {"torch": torch})  # noqa: S307 (our own docs)
-                assert value == fields[field].default, f"{name}.{field}: documented {default}, the code says {fields[field].default!r}"
+                assert value == fields[field].default, (f"{name}.{field}: documented {default}, "
+                                                        f"the code says {fields[field].default!r}")
 
 
 def test_the_kfac_argument_table_names_every_parameter() -> None:

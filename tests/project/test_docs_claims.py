@@ -30,7 +30,8 @@ NAMED = {"README": "README.md", "RESULTS.md": "benchmarks/RESULTS.md", "api.md":
          "design.md": "docs/design.md", "tuning.md": "docs/tuning.md", "guide.md": "docs/guide.md",
          "transformer_diagnosis.md": "docs/transformer_diagnosis.md", "numerics.md": "docs/numerics.md",
          "architecture.md": "docs/architecture.md"}
-CITATION = re.compile(r"(README|(?:[\w/]*/)?(?:RESULTS|api|design|tuning|guide|transformer_diagnosis|numerics|architecture)\.md)"
+CITATION = re.compile(r"(README|(?:[\w/]*/)?"
+                      r"(?:RESULTS|api|design|tuning|guide|transformer_diagnosis|numerics|architecture)\.md)"
                       r"(?:,?\s+§(?P<section>\d+(?:\.\d+)?))?,?\s+[\"“](?P<name>[^\"”\n]{3,80})[\"”]")
 SECTION = re.compile(r"design\.md\s+§(\d+(?:\.\d+)?)")
 
@@ -61,7 +62,8 @@ def test_the_package_imports_neither_examples_nor_benchmarks() -> None:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in ("examples", "benchmarks")]
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                          if n.split(".")[0] in ("examples", "benchmarks")]
     assert offenders == []
 
 
@@ -91,7 +93,8 @@ def _named_parts(path: Path, section: str | None) -> list[str]:
             if text.startswith(f"{section}. ") or text.startswith(f"{section} "):
                 start = index
                 top = re.match(r"\d+", section)[0]
-                end = next((j for j, t in marks[i + 1:] if re.match(r"\d+\. ", t) and not t.startswith(f"{top}.")), len(lines))
+                end = next((j for j, t in marks[i + 1:] if re.match(r"\d+\. ", t) and not t.startswith(f"{top}.")),
+                           len(lines))
                 break
     names = [text for index, text in headings(path) if start <= index < end]
     names += re.findall(r"(?<![\w*])\*\*([^*\n]+?)\.?\*\*(?![\w*])", "\n".join(lines[start:end]))

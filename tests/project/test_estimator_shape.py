@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from test_import_graph import SOURCE, import_graph
 
-MODE_OBJECTS = ("estimator/pipeline", "estimator/folds", "estimator/decomposition_steps", "reporter", "update/directions")
+MODE_OBJECTS = ("estimator/pipeline", "estimator/folds", "estimator/decomposition_steps", "reporter",
+                "update/directions")
 
 
 def test_the_estimator_is_short_and_its_mode_objects_are_modules_of_their_own() -> None:
@@ -21,7 +22,8 @@ def test_the_estimator_is_short_and_its_mode_objects_are_modules_of_their_own() 
 
 def test_the_estimator_reaches_no_mode_machinery_directly() -> None:
     imports = import_graph()["kfac_optim.estimator.estimator"]
-    machinery = {"kfac_optim.background.statistics", "kfac_optim.background.decompositions", "kfac_optim.estimator.stagger",
+    machinery = {"kfac_optim.background.statistics", "kfac_optim.background.decompositions",
+                 "kfac_optim.estimator.stagger",
                  "kfac_optim.distributed.fsdp", "kfac_optim.capture.hooks"}
     assert not imports & machinery, sorted(imports & machinery)
     assert {"kfac_optim." + name.replace("/", ".") for name in MODE_OBJECTS} <= imports

@@ -140,10 +140,12 @@ def test_no_code_passes_kfac_a_flat_keyword() -> None:
     offenders = []
     for path in sorted({*ROOT.glob("src/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("examples/**/*.py"),
                         *ROOT.glob("benchmarks/**/*.py")}):
-        offenders += [f"{path.relative_to(ROOT)}:{line}" for line in flat_keyword_calls(path.read_text(encoding="utf-8"))]
+        offenders += [f"{path.relative_to(ROOT)}:{line}"
+                      for line in flat_keyword_calls(path.read_text(encoding="utf-8"))]
     for path in [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))]:
         for code in re.findall(r"```python\n(.*?)```", path.read_text(encoding="utf-8"), re.S):
-            offenders += [f"{path.relative_to(ROOT)}: {code.splitlines()[line - 1]}" for line in flat_keyword_calls(code)]
+            offenders += [f"{path.relative_to(ROOT)}: {code.splitlines()[line - 1]}"
+                          for line in flat_keyword_calls(code)]
     assert offenders == []
 
 
@@ -152,7 +154,8 @@ def test_no_document_or_docstring_spells_a_setting_the_old_way() -> None:
     Left out: what defines or tests the flat names (kfac_optim/config.py, this file, test_config.py
     and test_message_spelling.py) and the records of past runs and changes
     (benchmarks/RESULTS.md, CHANGELOG.md), which keep the spelling of their time."""
-    exempt = {ROOT / "src" / "kfac_optim" / "config.py", Path(__file__).resolve(), ROOT / "tests" / "optim" / "test_config.py",
+    exempt = {ROOT / "src" / "kfac_optim" / "config.py", Path(__file__).resolve(),
+              ROOT / "tests" / "optim" / "test_config.py",
               ROOT / "tests" / "project" / "test_message_spelling.py"}
     paths = [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md")), *sorted(ROOT.glob("src/**/*.py")),
              *sorted(ROOT.glob("tests/**/*.py")), *sorted(ROOT.glob("examples/**/*.py")),
@@ -163,5 +166,6 @@ def test_no_document_or_docstring_spells_a_setting_the_old_way() -> None:
             continue
         text = prose(path)
         offenders += [f"{path.relative_to(ROOT)}: {match[0]!r}" for match in OLD_NAMES.finditer(text)]
-        offenders += [f"{path.relative_to(ROOT)}: KFAC(..., {keyword}=...)" for _, keyword in flat_keywords_of_kfac_calls(text)]
+        offenders += [f"{path.relative_to(ROOT)}: KFAC(..., {keyword}=...)"
+                      for _, keyword in flat_keywords_of_kfac_calls(text)]
     assert offenders == [], "\n".join(offenders)

@@ -56,7 +56,8 @@ def _violations(path: Path) -> list[str]:
                 found.append(f"{where}: sys.path")
             if isinstance(node.ctx, ast.Store) and node.attr in KFAC_ATTRIBUTES and not _is_self(node.value):
                 found.append(f"{where}: replaces {ast.unparse(node)}")
-            if isinstance(node.ctx, ast.Store) and node.attr in BLOCK_AND_FACTOR_ATTRIBUTES and not _is_self(node.value):
+            if (isinstance(node.ctx, ast.Store) and node.attr in BLOCK_AND_FACTOR_ATTRIBUTES
+                    and not _is_self(node.value)):
                 found.append(f"{where}: writes block/factor attribute {ast.unparse(node)}")
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
                 and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
@@ -80,7 +81,8 @@ def test_the_scan_finds_what_it_forbids(tmp_path: Path) -> None:
 def test_the_scan_finds_writes_to_block_and_factor_attributes(tmp_path: Path) -> None:
     """What benchmarks/step_time.py once did to re-fold and re-decompose: writes to a block's and
     its factors' counters and cache keys (and the same through ``setattr`` or ``+=``)."""
-    assert {"pending_rows", "pending_samples", "decomposed_key", "decomposition", "running"} <= BLOCK_AND_FACTOR_ATTRIBUTES
+    assert {"pending_rows", "pending_samples", "decomposed_key", "decomposition",
+            "running"} <= BLOCK_AND_FACTOR_ATTRIBUTES
     script = tmp_path / "probe.py"
     script.write_text(
         "block.pending_samples, block.A.pending_rows = 3, 4\n"

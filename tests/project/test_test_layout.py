@@ -31,7 +31,8 @@ def helper_definitions(paths: list[Path]) -> dict[str, list[str]]:
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             is_definition = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
             if is_definition and not node.name.startswith("test_"):
-                where[node.name].append(f"{path.name}:{node.lineno}")  # test file names are unique (pytest's rootdir-less import)
+                # test file names are unique (pytest's rootdir-less import)
+                where[node.name].append(f"{path.name}:{node.lineno}")
     return where
 
 

@@ -118,7 +118,8 @@ def test_a_resumed_run_keeps_the_chosen_intervals_and_continues_bit_identically(
 
 def test_a_checkpoint_with_bad_intervals_is_refused_naming_the_field() -> None:
     model = intervals_mlp()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=AutoIntervals(costs=COSTS), inv_update_steps=AutoIntervals(costs=COSTS))
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=AutoIntervals(costs=COSTS),
+                     inv_update_steps=AutoIntervals(costs=COSTS))
     train(optimizer, model, 4)
     state = optimizer.state_dict()
     state["kfac"]["intervals"]["inverse"] = 0

@@ -118,7 +118,8 @@ def test_amp_steps_compares_fp16_with_fp32_and_writes_json_and_a_plot(tmp_path: 
 def test_whole_steps_times_each_run_and_compares_rank_aware_preconditioning(tmp_path: Path) -> None:
     payload = whole_steps.main(["--model", "mlp", "--image-size", "4", "--batch-size", "8", "--steps", "3",
                                 "--factor-interval", "2", "--inverse-interval", "2",
-                                "--runs", "sync", "async", "async-stagger", "async-statistics", "--precondition", "--repeats", "1",
+                                "--runs", "sync", "async", "async-stagger", "async-statistics",
+                                "--precondition", "--repeats", "1",
                                 "--out", str(tmp_path)])
     runs = payload["runs"]
     assert set(runs) == {"sync", "async", "async-stagger", "async-statistics"}
@@ -204,7 +205,8 @@ def test_conv_statistics_times_each_kind_and_trains_with_each(tmp_path: Path) ->
     payload = conv_statistics.main(["--model", "resnet18", "--size", "16", "--batch", "2", "--repeats", "1",
                                     "--kinds", "expand,reduce", "--steps", "2", "--seeds", "0", "--out", str(tmp_path)])
     assert set(payload["cost"]["kinds"]) == {"expand", "reduce"}
-    assert set(payload["cost"]["kinds"]["reduce"]["per_layer_s"]) == set(payload["cost"]["kinds"]["expand"]["per_layer_s"])
+    assert (set(payload["cost"]["kinds"]["reduce"]["per_layer_s"])
+            == set(payload["cost"]["kinds"]["expand"]["per_layer_s"]))
     for task in ("cnn", "cnn32"):
         assert [len(losses) for losses in payload["progress"]["tasks"][task]["kinds"]["reduce"]["losses"]] == [2]
     assert json.loads((tmp_path / "both.json").read_text())["cost"]["batch"] == 2

@@ -61,7 +61,9 @@ def test_resume_recipe_continues_bit_identically(tmp_path: Path, capsys: pytest.
     assert (tmp_path / "checkpoint.pt").stat().st_size > 0
 
 
-def test_transformer_recipe_trains_and_kfac_preconditions_its_weight_matrices(capsys: pytest.CaptureFixture[str]) -> None:
+def test_transformer_recipe_trains_and_kfac_preconditions_its_weight_matrices(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
     tiny = ["--steps", "8", "--batch-size", "8", "--context", "16", "--width", "32", "--layers", "1", "--heads", "2"]
     assert transformer.main(tiny) == 0
     out = capsys.readouterr().out
@@ -79,7 +81,8 @@ def torchrun(module: str, *args: str, directory: Path, timeout_s: float) -> subp
     return result
 
 
-needs_torchrun = pytest.mark.skipif(importlib.util.find_spec("torch.distributed.run") is None, reason="torchrun unavailable")
+needs_torchrun = pytest.mark.skipif(importlib.util.find_spec("torch.distributed.run") is None,
+                                    reason="torchrun unavailable")
 
 
 @needs_torchrun
@@ -154,7 +157,8 @@ def main_job_verdict(out_dir: Path, row: str) -> str:
     value = float(goal.split()[-1]) if goal.startswith(metric) else histories[versus][-1][metric]
 
     def time_to_goal(records: list[dict]) -> float | None:
-        return next((r["time_s"] for r in records if (r[metric] <= value if lower_is_better else r[metric] >= value)), None)
+        return next((r["time_s"] for r in records
+                     if (r[metric] <= value if lower_is_better else r[metric] >= value)), None)
 
     ours, theirs = time_to_goal(histories["kfac"]), time_to_goal(histories[versus])
     if ours is None:

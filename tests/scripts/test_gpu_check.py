@@ -16,7 +16,9 @@ from benchmarks import gpu_check
 from kfac_optim import KFAC
 
 
-def test_gpu_check_dry_run_says_what_it_would_run_and_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_gpu_check_dry_run_says_what_it_would_run_and_exits_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "dry run" in printed and "pytest -m cuda" in printed

@@ -138,7 +138,8 @@ def test_resume_continues_exactly_where_the_checkpoint_stopped(tmp_path: Path) -
     assert run_main("--runs", "sgd", "--epochs", 2, "--out-dir", tmp_path / "straight") == 0
     assert run_main("--runs", "sgd", "--epochs", 1, "--out-dir", tmp_path / "resumed") == 0
     assert run_main("--runs", "sgd", "--epochs", 2, "--resume", "--out-dir", tmp_path / "resumed") == 0
-    assert without_timings(records(tmp_path / "resumed", "sgd")) == without_timings(records(tmp_path / "straight", "sgd"))
+    assert (without_timings(records(tmp_path / "resumed", "sgd"))
+            == without_timings(records(tmp_path / "straight", "sgd")))
 
 
 def test_resume_refuses_a_checkpoint_of_a_different_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -158,7 +159,8 @@ def test_gradient_accumulation_matches_one_large_batch(tmp_path: Path) -> None:
 
 
 def _resnet50_smoke(tmp_path: Path, run: str, *extra: str) -> dict:
-    import_torchvision()  # torchvision's ResNet-50: skipped where torchvision is unusable (tests/project/test_install.py)
+    # torchvision's ResNet-50: skipped where torchvision is unusable (tests/project/test_install.py)
+    import_torchvision()
     status = run_main(
         "--config", ROOT / "configs" / "imagenet_resnet50.yaml", "--runs", run, "--amp", "bf16", "--epochs", 1,
         "--batch-size", 2, "--out-dir", tmp_path, "--set", "data.name=synthetic", "--set", "data.image_size=32",

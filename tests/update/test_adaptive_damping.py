@@ -245,7 +245,8 @@ def test_statistics_on_a_worker_thread_give_the_same_damping_and_parameters() ->
                                               runtime=runtime)
         for _ in range(4):
             optimizer.step(reduction_ratio_closure(model, optimizer, x, y))
-        runs.append((optimizer.damping_at(4), optimizer.reduction_ratio, [p.detach().clone() for p in model.parameters()]))
+        runs.append((optimizer.damping_at(4), optimizer.reduction_ratio,
+                     [p.detach().clone() for p in model.parameters()]))
     assert runs[0][:2] == runs[1][:2]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2], strict=True))
 

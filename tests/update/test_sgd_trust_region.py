@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_optim import KFAC, CurvatureConfig, UpdateConfig
+from kfac_optim import KFAC, CurvatureConfig
 
 EXACT = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64)
 EVERY_STEP = {"factor_update_steps": 1, "inv_update_steps": 1}
@@ -31,7 +31,8 @@ def _sgdtr_batch(generator: torch.Generator, size: int = 32) -> tuple[torch.Tens
 
 def _sgdtr_train(net: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int,
                   loss_scale: float = 1.0) -> float:
-    """``steps`` steps on fresh batches (drawn from ``seed``) of ``loss_scale``·MSE; the mean loss on held-out batches."""
+    """``steps`` steps on fresh batches (drawn from ``seed``) of ``loss_scale``·MSE; the mean loss on held-out
+    batches."""
     generator = torch.Generator().manual_seed(1000 + seed)
     for _ in range(steps):
         x, y = _sgdtr_batch(generator)

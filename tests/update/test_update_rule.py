@@ -176,12 +176,14 @@ def test_at_a_constant_lr_the_base_lr_trust_region_is_the_old_rule_bit_for_bit()
 def test_the_base_lr_is_saved_with_the_param_groups_and_restored() -> None:
     """The base lr is the group's lr when built; a resumed optimizer keeps the saved one."""
     net = _net()
-    optimizer = KFAC(net, lr=0.4, kl_clip=1e-4, curvature=DOUBLE, factor_update_steps=1, inv_update_steps=10, update=BASE_LR)
+    optimizer = KFAC(net, lr=0.4, kl_clip=1e-4, curvature=DOUBLE, factor_update_steps=1,
+                     inv_update_steps=10, update=BASE_LR)
     _backward(net)
     optimizer.step()
     optimizer.param_groups[0]["lr"] = 0.1
     state = optimizer.state_dict()
-    resumed = KFAC(_net(), lr=0.1, kl_clip=1e-4, curvature=DOUBLE, factor_update_steps=1, inv_update_steps=10, update=BASE_LR)
+    resumed = KFAC(_net(), lr=0.1, kl_clip=1e-4, curvature=DOUBLE, factor_update_steps=1,
+                   inv_update_steps=10, update=BASE_LR)
     resumed.load_state_dict(state)
     assert resumed.param_groups[0]["kfac_base_lr"] == 0.4
     assert resumed.trust_region_lr(resumed.param_groups[0]) == 0.4
@@ -189,7 +191,8 @@ def test_the_base_lr_is_saved_with_the_param_groups_and_restored() -> None:
 
 def test_the_base_lr_is_each_groups_lr_when_built_whatever_a_scheduler_does() -> None:
     net = _net()
-    optimizer = KFAC(net, lr=0.4, params=[{"params": net[0].parameters(), "lr": 0.2}, {"params": net[2].parameters()}], factor_update_steps=1, inv_update_steps=10, update=BASE_LR)
+    optimizer = KFAC(net, lr=0.4, params=[{"params": net[0].parameters(), "lr": 0.2}, {"params": net[2].parameters()}],
+                     factor_update_steps=1, inv_update_steps=10, update=BASE_LR)
     torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
     assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.02, 0.04])
     assert [optimizer.trust_region_lr(group) for group in optimizer.param_groups] == [0.2, 0.4]
@@ -265,7 +268,8 @@ def test_sgd_grafting_has_kfacs_direction_and_the_gradients_norm_per_tensor() ->
     directions = [b - p.detach() for b, p in zip(twin_before, twin.parameters(), strict=True)]
 
     net = _net()
-    optimizer = KFAC(net, lr=lr, kl_clip=None, curvature=DOUBLE, update=UpdateConfig(grafting="sgd"), factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(net, lr=lr, kl_clip=None, curvature=DOUBLE, update=UpdateConfig(grafting="sgd"),
+                     factor_update_steps=1, inv_update_steps=10)
     before = _params(net)
     _backward(net)
     grads = [p.grad.clone() for p in net.parameters()]
@@ -291,7 +295,8 @@ def test_adam_grafting_has_adams_step_norm_per_tensor_and_is_adamw_where_kfac_is
     lr, wd, betas, eps = 0.01, 0.1, (0.9, 0.95), 1e-8
     update = UpdateConfig(grafting="adam", decoupled_weight_decay=True, adam_betas=betas, adam_eps=eps)
     net = _net()
-    optimizer = KFAC(net, lr=lr, weight_decay=wd, kl_clip=None, curvature=SKIP_2, update=update, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(net, lr=lr, weight_decay=wd, kl_clip=None, curvature=SKIP_2, update=update, factor_update_steps=1,
+                     inv_update_steps=10)
     twin = _net()  # layer "2" under torch.optim.AdamW, fed the same gradients
     adamw = torch.optim.AdamW(twin[2].parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
     v_twin = _net()
@@ -326,4 +331,5 @@ def test_adam_grafting_has_adams_step_norm_per_tensor_and_is_adamw_where_kfac_is
 def test_adam_grafting_refuses_a_sparse_embedding_by_name() -> None:
     net = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
     with pytest.raises(ValueError, match="grafting='adam'.*module '0'"):  # before the layers are discovered
-        KFAC(net, lr=0.01, kl_clip=None, update=UpdateConfig(grafting="adam"), factor_update_steps=1, inv_update_steps=10)
+        KFAC(net, lr=0.01, kl_clip=None, update=UpdateConfig(grafting="adam"), factor_update_steps=1,
+             inv_update_steps=10)

@@ -152,7 +152,8 @@ class StatisticsCapture:
         self.overwritten: set[str] = set()  # blocks whose pair changed before the worker read it
         self._tapped: list[Tensor] = []  # every_backward=False: hooked outputs since the last pass
         self._held: dict[Tapped, None] = {}  # pairs of backward passes that kept their graph, in order
-        self._fed: dict[KroneckerBlock, int] = {}  # blocks handed pairs since the last fold or discard: their last graph task
+        # blocks handed pairs since the last fold or discard: their last graph task
+        self._fed: dict[KroneckerBlock, int] = {}
         self._nodes: dict[KroneckerBlock, tuple[Tensor, Any]] = {}  # the recorded parameter and its AccumulateGrad
         self._warned_replaced: set[str] = set()  # blocks whose module's weight was replaced (_warn_replaced)
         self._sites: list[TapSite] = []  # where compiled forwards tap outputs (compiled_capture)
@@ -262,7 +263,8 @@ class StatisticsCapture:
         self._sites.append(tap_site)
         return tap_site
 
-    def tap(self, block: KroneckerBlock, layer_input: Any, output: Tensor, site: TapSite | None = None) -> Tensor | None:
+    def tap(self, block: KroneckerBlock, layer_input: Any, output: Tensor,
+            site: TapSite | None = None) -> Tensor | None:
         """Hook ``output`` so that its gradient is recorded with ``layer_input`` for ``block``
         (:meth:`record`); the hook holds this capture weakly. A block whose weight has
         ``requires_grad=False`` is not hooked (no backward writes its ``.grad``). Without

@@ -20,9 +20,9 @@ from kfac_optim.layers.positions import RealPositions
 class Tapped:
     """One forward call's tapped output of a block: its input, the parameter whose ``.grad`` its
     backward writes (and that parameter's ``AccumulateGrad`` node), the model call it came from
-    (its samples: ``capture_calls.ModelCall``) and the real positions of its forward (``KFAC.mask``; None: all), and, while its graph is kept
-    for another backward, the sum of its output-gradients so far, the graph task that brought the
-    first and the one that brought the latest."""
+    (its samples: ``capture_calls.ModelCall``) and the real positions of its forward (``KFAC.mask``; None: all), and,
+    while its graph is kept for another backward, the sum of its output-gradients so far, the graph task that brought
+    the first and the one that brought the latest."""
 
     __slots__ = ("block", "call", "latest", "layer_input", "node", "param", "positions", "summed", "task")
 

@@ -350,7 +350,8 @@ class RowShardedPreconditioner:
     def sum_over_shards(self, partial: Tensor) -> Tensor:
         """The sum over this rank's shard group of per-shard ``partial`` sums (any shape), in place."""
         if self.layout.shard_size > 1:
-            with collective("KFAC.step(): the all-reduce of the KL-clip terms over the FSDP2 shard group", self.shard_group):
+            with collective("KFAC.step(): the all-reduce of the KL-clip terms over the FSDP2 shard group",
+                            self.shard_group):
                 dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.shard_group)
             self.bytes_sent["fsdp_kl_clip"] += partial.nbytes
         return partial
@@ -383,7 +384,8 @@ class RowShardedPreconditioner:
         gathered = mine.new_empty(len(members), len(mine)) if root else None
         gather_list = None if gathered is None else [gathered[self.layout.shard_index(r)] for r in members]
         with collective(self.WHAT.format("gather"), group):
-            work = dist.gather(mine, gather_list, group=group, group_dst=members.index(route.preconditioner), async_op=True)
+            work = dist.gather(mine, gather_list, group=group,
+                               group_dst=members.index(route.preconditioner), async_op=True)
         if not root:
             self.bytes_sent["fsdp_rows"] += mine.nbytes
         return work, gathered

@@ -109,8 +109,8 @@ class JoinSupport:
         return dist.group.WORLD if group is None else group
 
     def check_step(self, config: Any) -> None:
-        """At ``step()``, with the optimizer's ``Joinable`` join configuration (``enable``, ``is_first_joinable``): refuse a ``Join`` the hook cannot
-        work in, on every rank at once.
+        """At ``step()``, with the optimizer's ``Joinable`` join configuration (``enable``, ``is_first_joinable``):
+        refuse a ``Join`` the hook cannot work in, on every rank at once.
 
         Raises:
             ValueError: ``KFAC`` is the first joinable (``Join``'s per-iteration all-reduce would

@@ -129,7 +129,8 @@ class Sharding:
         if self.comm.world_size != dist.get_world_size() or sorted(r for g in layout.shard_groups for r in g) != list(
             range(self.comm.world_size)
         ):
-            raise ValueError("process_group: with FSDP2-sharded layers K-FAC must run on the whole job, the mesh's ranks")
+            raise ValueError("process_group: with FSDP2-sharded layers K-FAC must run on the whole job, "
+                             "the mesh's ranks")
         mesh = next(iter(sharded.values())).weight.device_mesh
         shard_group = layout.group_of(dist.get_rank())
 

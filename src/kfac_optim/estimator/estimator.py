@@ -127,8 +127,8 @@ class KroneckerEstimator:
                                           remeasure=self.decomposition_steps.remeasures)
         self.folds = fold_schedule(self.blocks, self.intervals, stagger=curvature.stagger,
                                    sum_over_ranks=self.sharding.sum_over_ranks)
-        self.damping: DampingRule = damping_rule(options.damping,
-                                                 distributed=self.sharding.active or self.sharding.row_sharded is not None)
+        distributed = self.sharding.active or self.sharding.row_sharded is not None
+        self.damping: DampingRule = damping_rule(options.damping, distributed=distributed)
         self.state_children: dict[str, Stateful] = {
             "blocks": BlockStates(self.blocks, self.method), "damping": self.damping, "stagger": self.folds}
         """The owners of checkpoint state under their keys (``kfac_optim.state``), loaded in this order."""

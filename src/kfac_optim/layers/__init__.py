@@ -3,8 +3,8 @@
 Built-in registrations: ``nn.Linear``; ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Conv3d`` (any groups);
 ``nn.Embedding``; ``nn.MultiheadAttention`` (input projections and ``out_proj``); Hugging Face's
 ``transformers.pytorch_utils.Conv1D`` (a Linear with its weight transposed, registered by name:
-transformers is not imported). Add your own with :func:`register_block`. Normalization layers have blocks (``layers.norm``) that are not
-registered by default.
+transformers is not imported). Add your own with :func:`register_block`. Normalization layers have blocks
+(``layers.norm``) that are not registered by default.
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ class KroneckerBlock(ABC):
             for factor in self.factors.values():
                 factor.allocate()
         self.frozen_bias: nn.Parameter | None = None
-        """The module's bias when it was left out because it was frozen while the weight trained (see :meth:`create`)."""
+        """The module's bias when it was left out because it was frozen while the weight trained (see
+        :meth:`create`)."""
         self.pending_samples = 0
         self._counted: set[tuple[int, int]] = set()  # the (graph task, model call)s counted since the last fold
         self.calls = [0, 0]  # calls recorded since the last fold, and how many of them held one sample
@@ -378,7 +379,7 @@ class KroneckerBlock(ABC):
         :meth:`factors_reduced`."""
         return [self.A, self.G]
 
-    def factors_reduced(self) -> None:
+    def factors_reduced(self) -> None:  # noqa: B027 (an optional hook: does nothing unless a block derives A, G)
         """Called after the reduction replaced :meth:`reduced_factors` by the ranks' average."""
 
     def shifts(self, method: Method, damping: float) -> dict[FactorName, float]:

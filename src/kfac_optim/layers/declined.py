@@ -22,7 +22,8 @@ def declined_reason(module: nn.Module) -> str | None:
         return ("complex parameters: K-FAC's factors are real and would drop the imaginary part of the "
                 "gradient; they take the SGD path (real and imaginary parts train exactly as under SGD)")
     if parametrize.is_parametrized(module):
-        kinds = ", ".join(f"{name} by {_parametrization_kinds(plist)}" for name, plist in module.parametrizations.items())
+        kinds = ", ".join(f"{name} by {_parametrization_kinds(plist)}"
+                          for name, plist in module.parametrizations.items())
         return (f"parametrized weight ({kinds}; torch.nn.utils.parametrize): its gradient reaches the "
                 "parametrization's originals, not the weight the factors describe; they take the SGD path")
     pruned = [hook._tensor_name for hook in module._forward_pre_hooks.values() if isinstance(hook, BasePruningMethod)]

@@ -237,7 +237,8 @@ class EmbeddingBlock(KroneckerBlock):
         x, y = linalg.nearest_kronecker_sum(
             head.embedding_A.running, head.embedding_G.running, head.head_G.running, head.head_A.running
         )
-        for factor, value, uses in ((self.A, x, (head.embedding_A, head.head_G)), (self.G, y, (head.embedding_G, head.head_A))):
+        for factor, value, uses in ((self.A, x, (head.embedding_A, head.head_G)),
+                                    (self.G, y, (head.embedding_G, head.head_A))):
             bounds = [use.rank_bound for use in uses]
             factor.set_running(value, uses[0].initialized | uses[1].initialized,
                                None if None in bounds else sum(bounds))  # type: ignore[arg-type]

@@ -1,9 +1,10 @@
 """Kronecker factors: one symmetric factor's pending statistics, running average and decomposition.
 
-Owns: the factor's storage (allocated on first use), accumulating Gram matrices (or a diagonal's counts) since the last fold, folding them into
-the running average (non-finite batches discarded, no host sync), the decomposition held and when
-it is stale, its checkpoint state (``kfac_optim.state``'s protocol, the method handed in);
-:func:`output_gram_scale`, the one place the output-gradient scaling of the conventions below is written.
+Owns: the factor's storage (allocated on first use), accumulating Gram matrices (or a diagonal's
+counts) since the last fold, folding them into the running average (non-finite batches discarded,
+no host sync), the decomposition held and when it is stale, its checkpoint state
+(``kfac_optim.state``'s protocol, the method handed in); :func:`output_gram_scale`, the one place
+the output-gradient scaling of the conventions below is written.
 Must not know: modules, blocks, hooks, ranks; which method decomposes (a ``methods.Method`` is
 handed in and does the math); the geometry of a ``layers.support.Support`` (e.g. ``layers.conv``'s boxes).
 
@@ -430,7 +431,8 @@ class Factor:
 
 
 def _decomposer(method: Method | None, what: str) -> Decomposer:
-    """``method``'s decomposer; ``ValueError`` naming ``what`` when a decomposition is at stake and no method is given."""
+    """``method``'s decomposer; ``ValueError`` naming ``what`` when a decomposition is at stake and no method is
+    given."""
     if method is None:
         raise ValueError(f"Factor.{what}(method=None): a decomposition is held or saved, pass method= (the Method "
                          "whose decomposer made it)")

@@ -160,7 +160,8 @@ class LinearBlock(KroneckerBlock):
         """Add the held per-sample sums as one row per sample to the pending sums (no-op without)."""
         if self._input_sums is None:
             return
-        uses = self._uses if isinstance(self._uses, int) else self._uses.clamp(min=1)  # a sample with no real position: 0
+        # a sample with no real position: 0
+        uses = self._uses if isinstance(self._uses, int) else self._uses.clamp(min=1)
         self.A.add_gram(self._input_sums.div_(uses), append_ones=self.bias is not None)
         self.G.add_gram(self._grad_sums)
         self._drop_shared_uses()

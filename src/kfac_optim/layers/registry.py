@@ -116,7 +116,8 @@ def block_kind(module: nn.Module, blocks: BlockOverrides | None = None) -> type[
     return None if found is None or found[1] is not None else found[0]
 
 
-def forward_override(module: nn.Module, blocks: BlockOverrides | None = None) -> tuple[type[nn.Module], type[nn.Module]] | None:
+def forward_override(module: nn.Module,
+                     blocks: BlockOverrides | None = None) -> tuple[type[nn.Module], type[nn.Module]] | None:
     """``(subclass, registered base)`` when ``module``'s type would inherit the block of a
     registered base but a class in between (``subclass``) defines its own ``forward``; None otherwise.
 
@@ -268,9 +269,9 @@ class Discovery:
             elif originals_reason(module) is not None:
                 status, detail = "parametrization", originals_reason(module)
             elif module not in self._seen and _lookup(type(module), self._overrides) is not None:
-                status, detail = "added", (f"added to the model after KFAC was built (layers are found when it is "
-                                           f"built): no block, it takes the SGD path; build a new KFAC to "
-                                           f"precondition it")
+                status, detail = "added", ("added to the model after KFAC was built (layers are found when it is "
+                                           "built): no block, it takes the SGD path; build a new KFAC to "
+                                           "precondition it")
             else:
                 status, detail = "unregistered", f"no K-FAC block registered for {type(module).__name__}"
             leftover = [p_name for p_name, p in own if p not in owner_of]

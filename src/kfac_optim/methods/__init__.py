@@ -116,7 +116,8 @@ class Method(ABC):
         return _rotations(a, g, a.dim, g.dim, products=2) + _elementwise(a, g, passes=4)
 
     @abstractmethod
-    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
+    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float,
+                     state: dict[str, Tensor]) -> Tensor:
         """The preconditioned joint gradient from the factors' decompositions (in their dtype).
         ``state``: the block's method state, updated in place by a :attr:`stateful` method (else unused)."""
 
@@ -216,7 +217,8 @@ class Eigen(Method):
                                           or self.max_rank < 1):
             raise ValueError(f"Eigen max_rank must be an int >= 1 or None, got {self.max_rank!r}")
         if self.basis is Basis.INVERSE:
-            raise TypeError(f"{type(self).__name__} is an Eigen: its basis must be Basis.FULL or Basis.CAPPED, not INVERSE")
+            raise TypeError(f"{type(self).__name__} is an Eigen: its basis must be Basis.FULL or Basis.CAPPED, "
+                            "not INVERSE")
         if self.basis is Basis.FULL and self.max_rank is not None:
             raise ValueError(
                 f"{type(self).__name__} takes full eigenbases (basis=Basis.FULL), so the eigenbasis cap does not "
@@ -268,7 +270,8 @@ class Eigen(Method):
         traces = torch.stack([torch.trace(a.running), torch.trace(g.running)]).tolist()
         return linalg.rank_threshold(damping, traces[1]), linalg.rank_threshold(damping, traces[0])
 
-    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
+    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float,
+                     state: dict[str, Tensor]) -> Tensor:
         ea, eg = a.decomposition, g.decomposition
         if not (a.diagonal or g.diagonal or a.groups > 1):
             return linalg.eigen_precondition(grad, ea, eg, damping)
@@ -308,7 +311,8 @@ class DampedInverse(Method):
         """``G⁻¹ ∇ A⁻¹``: one product per dense side."""
         return _rotations(a, g, a.dim, g.dim, products=1)
 
-    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
+    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float,
+                     state: dict[str, Tensor]) -> Tensor:
         ia, ig = a.decomposition, g.decomposition
         if not (a.diagonal or g.diagonal or a.groups > 1):
             return linalg.inverse_precondition(grad, ia, ig)
@@ -370,9 +374,9 @@ class EigenAdam(Eigen):
 
     ``max_rank``, ``thin_width`` (keywords; ``max_rank`` None: full bases everywhere): the thin basis
     of wide factors. A dense factor wider than ``thin_width`` (≥ ``max_rank``), of a pair of dense
-    ungrouped factors, is held as at most ``max_rank`` leading eigenvectors ``Q`` (:class:`Eigen`'s cap: a randomized eigensolver, O(n²·max_rank);
-    its isotropic ``σ`` is not used). Its side's ``U`` above is then ``Q (n, r)``, and the part of
-    the gradient outside the kept eigenvectors, ``O = ∇ − U_G R U_Aᵀ``, takes Adam's elementwise
+    ungrouped factors, is held as at most ``max_rank`` leading eigenvectors ``Q`` (:class:`Eigen`'s cap: a randomized
+    eigensolver, O(n²·max_rank); its isotropic ``σ`` is not used). Its side's ``U`` above is then ``Q (n, r)``, and the
+    part of the gradient outside the kept eigenvectors, ``O = ∇ − U_G R U_Aᵀ``, takes Adam's elementwise
     update in the parameters' own coordinates with its own second moment::
 
         w ← β₂ w + (1 − β₂) O²,   V = U_G [R / (sqrt(v̂) + ε)] U_Aᵀ + O / (sqrt(w / (1 − β₂ᵗ)) + ε)
@@ -411,7 +415,8 @@ class EigenAdam(Eigen):
             raise ValueError(f"EigenAdam beta1 must be None or a number in [0, 1), got {self.beta1!r}")
         if isinstance(self.thin_width, bool) or not isinstance(self.thin_width, int) or (
                 self.max_rank is not None and self.thin_width < self.max_rank):
-            raise ValueError(f"EigenAdam thin_width must be an int >= max_rank ({self.max_rank}), got {self.thin_width!r}")
+            raise ValueError(f"EigenAdam thin_width must be an int >= max_rank ({self.max_rank}), "
+                             f"got {self.thin_width!r}")
         if self.max_rank is not None:
             object.__setattr__(self, "decomposer", EigenDecomposer(self.max_rank, self.thin_width))
 
@@ -438,7 +443,8 @@ class EigenAdam(Eigen):
         first = self.beta1 is not None
         if a_columns == a.dim and g_columns == g.dim:
             return _rotations(a, g, a.dim, g.dim, products=2 + first) + _elementwise(a, g, passes=10 + 3 * first)
-        return _rotations(a, g, a_columns, g_columns, products=3 + 2 * first) + _elementwise(a, g, passes=20 + 3 * first)
+        return (_rotations(a, g, a_columns, g_columns, products=3 + 2 * first)
+                + _elementwise(a, g, passes=20 + 3 * first))
 
     def approximations(self, pairs: Sequence[tuple[str, FactorView, FactorView]]) -> str | None:
         capped = [f"{layer}.{side} ({factor.dim})" for layer, a, g in pairs
@@ -448,7 +454,8 @@ class EigenAdam(Eigen):
         return (f"thin eigenbasis max_rank={self.max_rank} above width {self.thin_width}: at most {self.max_rank} "
                 f"leading eigenvectors, the gradient outside them takes elementwise Adam: {', '.join(capped)}")
 
-    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
+    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float,
+                     state: dict[str, Tensor]) -> Tensor:
         if _thin_side(a) or _thin_side(g):
             return self._thin_precondition(grad, a, g, state)
         # Three tensors shaped as ∇ per call (R, one scratch, the result) and the rest in place:
@@ -554,5 +561,6 @@ def method_named(name: str | Method) -> Method:
         method = METHODS[name]()
     if not isinstance(getattr(method, "decomposer", None), Decomposer):
         raise TypeError(f"method {type(method).__name__} has no decomposer: set Method.decomposer to a "
-                        "kfac_optim.methods.decompositions.Decomposer (how its factors are decomposed, shipped and saved)")
+                        "kfac_optim.methods.decompositions.Decomposer (how its factors are decomposed, "
+                        "shipped and saved)")
     return method

@@ -131,7 +131,8 @@ class Decomposer(ABC):
         return f"{type(self).__name__}()"
 
 
-def reuse(held: list[Tensor] | None, wanted: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[Tensor]:
+def reuse(held: list[Tensor] | None, wanted: list[tuple[tuple[int, ...], torch.dtype]],
+          device: torch.device) -> list[Tensor]:
     """``held`` when it matches ``wanted`` shapes/dtypes on ``device`` (contiguous), else new empty tensors."""
     if held is not None and len(held) == len(wanted) and all(
         tuple(t.shape) == shape and t.dtype == dtype and t.device == device and t.is_contiguous()

@@ -55,7 +55,8 @@ class RootKronecker(Eigen):
                 or not 0.0 < self.exponent < math.inf:
             raise ValueError(f"RootKronecker exponent must be a finite number > 0, got {self.exponent!r}")
 
-    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float, state: dict[str, Tensor]) -> Tensor:
+    def precondition(self, grad: Tensor, a: FactorView, g: FactorView, damping: float,
+                     state: dict[str, Tensor]) -> Tensor:
         scratch = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
         rotated = rotate(grad, a, g, scratch)
         power = -1.0 / self.exponent

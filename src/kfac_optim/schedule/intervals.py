@@ -95,7 +95,8 @@ class AutoIntervals:
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
-        if isinstance(self.overhead, bool) or not (isinstance(self.overhead, (int, float)) and 0 < self.overhead < math.inf):
+        if isinstance(self.overhead, bool) or not (isinstance(self.overhead, (int, float))
+                                                   and 0 < self.overhead < math.inf):
             raise ValueError(f"{kind}.overhead must be a finite number > 0, got {self.overhead!r}")
         if self.costs is not None and not isinstance(self.costs, StepCosts):
             raise TypeError(f"{kind}.costs must be a StepCosts or None, got {type(self.costs).__name__}")

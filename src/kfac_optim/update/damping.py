@@ -87,7 +87,8 @@ class AdaptiveDamping:
             raise ValueError(f"AdaptiveDamping.omega must be a number in (0, 1) or None, got {self.omega!r}")
         if not self.minimum <= self.initial <= self.maximum:
             raise ValueError(
-                f"AdaptiveDamping needs minimum <= initial <= maximum, got {self.minimum}, {self.initial}, {self.maximum}"
+                f"AdaptiveDamping needs minimum <= initial <= maximum, got {self.minimum}, {self.initial}, "
+                f"{self.maximum}"
             )
         object.__setattr__(self, "factor", float(self.omega) if self.omega is not None else (19 / 20) ** self.every)
 
@@ -186,7 +187,8 @@ class LevenbergMarquardt(DampingRule):
                 "and returns the loss (docs/api.md 'Adaptive damping')"
             )
         if maximize:
-            raise ValueError("damping=AdaptiveDamping(...) minimizes the closure's loss: maximize=True is not supported")
+            raise ValueError("damping=AdaptiveDamping(...) minimizes the closure's loss: "
+                             "maximize=True is not supported")
         if step % self.config.every:
             return None
         if not isinstance(loss, Tensor | numbers.Real):
@@ -208,8 +210,8 @@ class LevenbergMarquardt(DampingRule):
                 if "does not require grad" not in str(error):
                     raise
                 raise RuntimeError(
-                    "AdaptiveDamping calls the closure once more under torch.no_grad() after the update, to measure the "
-                    "loss there: guard its backward with `if torch.is_grad_enabled(): loss.backward()`"
+                    "AdaptiveDamping calls the closure once more under torch.no_grad() after the update, "
+                    "to measure the loss there: guard its backward with `if torch.is_grad_enabled(): loss.backward()`"
                 ) from error
         rho = float((torch.as_tensor(after).detach() - measurement.loss) / model_change)  # one host sync per T₁ steps
         self.adapt(rho)
@@ -229,7 +231,8 @@ class LevenbergMarquardt(DampingRule):
 
     def load_state_dict(self, state: dict[str, float | None] | None) -> None:
         if state is None:
-            logger.warning("K-FAC checkpoint holds no adaptive damping state: damping restarts at %g", self.config.initial)
+            logger.warning("K-FAC checkpoint holds no adaptive damping state: damping restarts at %g",
+                           self.config.initial)
             self.damping, self.rho = self.config.initial, None
             return
         self.damping, self.rho = float(state["damping"]), state["rho"]

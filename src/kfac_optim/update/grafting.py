@@ -182,8 +182,8 @@ class AdamOutsideKFAC:
 def outside_kfac_for(method: Method, grafting: str | None, decoupled_weight_decay: bool, groups: list[dict[str, Any]],
                      model: nn.Module, trainable: set[Tensor]) -> AdamOutsideKFAC | None:
     """Adam's step for the parameters without a K-FAC direction when ``method`` asks for it
-    (``Method.outside_kfac``) and ``grafting`` (``UpdateConfig.grafting``) is not Adam's already; None: SGD's update. Checks,
-    before any hook is registered, what Adam needs: ``grafting="adam"`` no SGD momentum in ``groups``,
+    (``Method.outside_kfac``) and ``grafting`` (``UpdateConfig.grafting``) is not Adam's already; None: SGD's update.
+    Checks, before any hook is registered, what Adam needs: ``grafting="adam"`` no SGD momentum in ``groups``,
     and either dense gradients for the parameters in ``trainable`` (``ValueError`` naming the module);
     a method that keeps its own first moment (``Method.first_moment``) no SGD momentum either."""
     beta1 = method.first_moment()
@@ -218,4 +218,5 @@ def _check_dense_gradients(model: nn.Module, trainable: set[Tensor], what: str) 
 
 def _norm_ratio(reference: Tensor, direction: Tensor) -> Tensor:
     """``‖reference‖ / ‖direction‖`` as a 0-dim tensor on the device (``‖direction‖`` floored)."""
-    return torch.linalg.vector_norm(reference).to(direction.dtype) / torch.linalg.vector_norm(direction).clamp(min=_TINY)
+    return (torch.linalg.vector_norm(reference).to(direction.dtype)
+            / torch.linalg.vector_norm(direction).clamp(min=_TINY))

@@ -1,9 +1,9 @@
 """The step's length: what turns K-FAC's preconditioned directions into the directions SGD's update
 applies (docs/design.md §4.1). One owner, chosen once at construction by :func:`step_length_for`
 from the public settings: K-FAC's direction at SGD's first-order decrease, under a KL bound
-(:class:`SGDDecrease`, the default ``UpdateConfig(trust_region="sgd")``), a KL clip (:class:`KLClip`, the other trust regions), an SGD
-or Adam graft per tensor (``UpdateConfig(grafting=...)``, :class:`kfac_optim.update.grafting.SGDGraft` /
-``AdamGraft``) or none (:class:`NoClip`, ``kl_clip=None``).
+(:class:`SGDDecrease`, the default ``UpdateConfig(trust_region="sgd")``), a KL clip (:class:`KLClip`, the other trust
+regions), an SGD or Adam graft per tensor (``UpdateConfig(grafting=...)``, :class:`kfac_optim.update.grafting.SGDGraft`
+/ ``AdamGraft``) or none (:class:`NoClip`, ``kl_clip=None``).
 
 Owns: the :class:`StepLength` interface and the choice; ν, its sums over FSDP2 shards and its
 count of non-finite directions (:func:`summed_terms`); the trust-region lr ``lr₀`` of each param group
