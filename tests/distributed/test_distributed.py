@@ -208,7 +208,7 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
         storage.append({
             f"{block.name}.{name}": (factor.decomposition.Q.data_ptr(), tuple(factor.decomposition.Q.shape))
             for block in optimizer.blocks for name, factor in block.factors.items()
-            if factor.decomposition is not None and not optimizer.estimator.sharding.decomposes(block.name, name)
+            if factor.decomposition is not None and not optimizer.estimator.strategy.decomposes(block.name, name)
         })
 
     ddp_train(model, optimizer, range(STEPS), rank, world, after_step=record_received_storage)

@@ -22,7 +22,7 @@ from torch.profiler import record_function
 
 from kfac_optim.background.decompositions import BackgroundDecompositions, Job, Result
 from kfac_optim.config import AsyncConfig
-from kfac_optim.distributed.sharding import Sharding
+from kfac_optim.distributed.strategy import DistributionStrategy
 from kfac_optim.layers import KroneckerBlock
 from kfac_optim.layers.factor import Factor
 from kfac_optim.methods import Method
@@ -37,7 +37,7 @@ Round = list[tuple[Job, Result]]
 class InLineDecompositionSteps:
     """Every decomposition computed in the decomposition step, by ``method`` in ``inv_dtype``.
 
-    ``blocks``: all of them; ``sharding``: which factors this rank decomposes, and the collectives
+    ``blocks``: all of them; ``strategy``: which factors this rank decomposes, and the collectives
     that make factors global and share decompositions; ``reporter``: told of discards, non-finite
     directions (``nonfinite``: the step length's count per parameter, on the device), failures and
     truncations.
@@ -49,12 +49,12 @@ class InLineDecompositionSteps:
     adopt_at: int | None = None
     """The step at which the round in flight is adopted (None: none, or at the next decomposition step)."""
 
-    def __init__(self, blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype, sharding: Sharding,
+    def __init__(self, blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype, strategy: DistributionStrategy,
                  reporter: Reporter, nonfinite: Tensor) -> None:
         self._blocks = blocks
         self._method = method
         self._inv_dtype = inv_dtype
-        self._sharding = sharding
+        self._strategy = strategy
         self._reporter = reporter
         self._nonfinite = nonfinite
 
@@ -76,11 +76,11 @@ class InLineDecompositionSteps:
 
     def _synchronize(self) -> None:
         with record_function("kfac.reduce_factors"):
-            self._sharding.synchronize_factors()
+            self._strategy.synchronize_factors()
 
     def _share(self) -> None:
         with record_function("kfac.share_decompositions"):
-            self._sharding.share_decompositions(self._method, self._inv_dtype)
+            self._strategy.share_decompositions(self._method, self._inv_dtype)
 
     @record_function("kfac.decompose")
     def _decompose(self, damping: float, only_missing: bool) -> list[Job]:
@@ -99,7 +99,7 @@ class InLineDecompositionSteps:
         for index, (block, name, factor) in enumerate(factors):
             initialized, discarded = flags[2 * index : 2 * index + 2]
             self._reporter.discarded(block, name, factor, discarded)
-            if not initialized or not self._sharding.decomposes(block.name, name):
+            if not initialized or not self._strategy.decomposes(block.name, name):
                 continue
             if only_missing and factor.decomposition is not None:
                 continue
@@ -153,9 +153,9 @@ class BackgroundDecompositionSteps(InLineDecompositionSteps):
 
     remeasures = False
 
-    def __init__(self, blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype, sharding: Sharding,
+    def __init__(self, blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype, strategy: DistributionStrategy,
                  reporter: Reporter, nonfinite: Tensor, config: AsyncConfig) -> None:
-        super().__init__(blocks, method, inv_dtype, sharding, reporter, nonfinite)
+        super().__init__(blocks, method, inv_dtype, strategy, reporter, nonfinite)
         self.background = BackgroundDecompositions()
         self._delay = config.delay
         self.adopt_at = None
@@ -204,7 +204,7 @@ class BackgroundDecompositionSteps(InLineDecompositionSteps):
         """Hold the saved round (the results of the factors this rank decomposes) and adopt it at its
         saved step, as in the run that saved it."""
         if round_saved:
-            decomposes = self._sharding.decomposes
+            decomposes = self._strategy.decomposes
             self.background.hold([(job, r) for job, r in results if decomposes(job.owner[0].name, job.owner[1])])
             self.adopt_at = adopt_at  # on every rank alike, as it decides a collective
 
@@ -213,9 +213,9 @@ DecompositionSteps = InLineDecompositionSteps
 """The decomposition steps' interface (:class:`BackgroundDecompositionSteps` is one)."""
 
 
-def decomposition_steps(blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype, sharding: Sharding,
+def decomposition_steps(blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype, strategy: DistributionStrategy,
                         reporter: Reporter, nonfinite: Tensor, asynchronous: AsyncConfig | None) -> DecompositionSteps:
     """Rounds on the background worker with ``asynchronous`` (``KFACOptions.asynchronous``), in line otherwise."""
     if asynchronous is None:
-        return InLineDecompositionSteps(blocks, method, inv_dtype, sharding, reporter, nonfinite)
-    return BackgroundDecompositionSteps(blocks, method, inv_dtype, sharding, reporter, nonfinite, asynchronous)
+        return InLineDecompositionSteps(blocks, method, inv_dtype, strategy, reporter, nonfinite)
+    return BackgroundDecompositionSteps(blocks, method, inv_dtype, strategy, reporter, nonfinite, asynchronous)
