@@ -243,6 +243,9 @@ class DataParallel:
     def preconditioning_bytes(self, dtype: torch.dtype) -> int:
         return 0
 
+    def resharded(self, param: Tensor) -> bool:
+        return False
+
     def share_directions(self, directions: Mapping[str, Tensor], dtype: torch.dtype,
                          among: Set[str]) -> dict[str, Tensor]:
         """Every block's preconditioned ``(out, in [+1])`` gradient, from its gradient workers.

@@ -147,6 +147,10 @@ class RowSharded(DataParallel):
     def local(self, tensor: Tensor) -> Tensor:
         return fsdp.local(tensor)
 
+    def resharded(self, param: Tensor) -> bool:
+        """FSDP2 puts the sharded ``DTensor`` back after the forward, the unsharded copy for the backward."""
+        return fsdp.is_sharded(param)
+
     def summed_over_shards(self, terms: Tensor, params: Sequence[Tensor]) -> Tensor:
         """Rows of sharded ``params`` summed over the shard group (one all-reduce), the others as they are."""
         summed = self.rows.sum_over_shards(terms.clone())

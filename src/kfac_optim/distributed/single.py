@@ -96,6 +96,9 @@ class SingleProcess:
     def preconditioning_bytes(self, dtype: torch.dtype) -> int:
         return 0
 
+    def resharded(self, param: Tensor) -> bool:
+        return False
+
     def loaded(self) -> None:
         """Asks for a decomposition pass at the next step when the checkpoint lacks a
         decomposition of an initialized factor (saved by a rank that did not hold it)."""

@@ -115,6 +115,11 @@ class DistributionStrategy(Protocol):
         """The most bytes this rank holds at once to precondition others' gradients (in ``dtype``)."""
         ...
 
+    def resharded(self, param: Tensor) -> bool:
+        """Whether the parameter object a module holds after its forward is not the one its backward
+        writes the gradient of (the capture then finds the gradient's node in the backward)."""
+        ...
+
     def loaded(self) -> None:
         """After the blocks loaded a checkpoint (the same one on every rank)."""
         ...

@@ -108,7 +108,7 @@ class KroneckerEstimator:
         self.statistics = statistics_pipeline(self.blocks, model, precision,
                                               every_backward=curvature.fisher == "empirical",
                                               on_worker=runtime.async_statistics, decay=curvature.factor_decay,
-                                              reduction=curvature.reduction)
+                                              reduction=curvature.reduction, resharded=self.strategy.resharded)
         self.capture = self.statistics.capture
         self.weight_uses = WeightUseCheck(model, self.blocks)  # once, at the first forward (weight_uses.py)
         self.capture.hold(self.weight_uses.handles)
