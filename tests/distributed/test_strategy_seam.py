@@ -43,7 +43,7 @@ class SeamNet(nn.Module):
         return self.head(torch.tanh(self.fc(torch.tanh(self.conv(x)).flatten(1))))
 
 
-def seam_batch(step: int, rank: int, world: int) -> tuple[Tensor, Tensor]:
+def strategy_seam_batch(step: int, rank: int, world: int) -> tuple[Tensor, Tensor]:
     """Rank ``rank``'s part of the global batch (8 samples) of ``step``."""
     generator = torch.Generator().manual_seed(500 + step)
     x, y = torch.randn(8, 1, 4, 4, generator=generator), torch.randint(0, 3, (8,), generator=generator)
@@ -51,15 +51,15 @@ def seam_batch(step: int, rank: int, world: int) -> tuple[Tensor, Tensor]:
     return x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]
 
 
-def seam_train(model: nn.Module, optimizer: KFAC, rank: int = 0, world: int = 1) -> None:
+def strategy_seam_train(model: nn.Module, optimizer: KFAC, rank: int = 0, world: int = 1) -> None:
     for step in range(SEAM_STEPS):
-        x, y = seam_batch(step, rank, world)
+        x, y = strategy_seam_batch(step, rank, world)
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
 
 
-def seam_parameters(model: nn.Module) -> dict[str, Tensor]:
+def strategy_seam_parameters(model: nn.Module) -> dict[str, Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -107,7 +107,7 @@ def test_a_registered_strategy_is_chosen_once_and_asked_every_step(call_log_regi
     optimizer = KFAC(model, **SEAM_OPTIONS)
     strategy = optimizer.estimator.strategy
     assert isinstance(strategy, CallLogStrategy)
-    seam_train(model, optimizer)
+    strategy_seam_train(model, optimizer)
     assert optimizer.estimator.strategy is strategy
     expected = []
     for step in range(SEAM_STEPS):  # every step folds (factor_update_steps=1); every other one decomposes
@@ -121,17 +121,17 @@ def test_a_registered_strategy_is_chosen_once_and_asked_every_step(call_log_regi
 def test_a_registered_strategy_trains_as_the_built_in_one_bit_for_bit(call_log_registered: None) -> None:
     torch.manual_seed(0)
     model = SeamNet()
-    seam_train(model, KFAC(model, **SEAM_OPTIONS))
+    strategy_seam_train(model, KFAC(model, **SEAM_OPTIONS))
     unregister_strategy("call_log")
     try:
         torch.manual_seed(0)
         control = SeamNet()
         control_optimizer = KFAC(control, **SEAM_OPTIONS)
         assert type(control_optimizer.estimator.strategy) is SingleProcess
-        seam_train(control, control_optimizer)
+        strategy_seam_train(control, control_optimizer)
     finally:
         register_strategy("call_log", lambda setting: setting.world_size == 1, CallLogStrategy)
-    assert_same_tensors(seam_parameters(model), seam_parameters(control), rtol=0, atol=0)
+    assert_same_tensors(strategy_seam_parameters(model), strategy_seam_parameters(control), rtol=0, atol=0)
 
 
 def test_a_strategy_name_is_registered_once(call_log_registered: None) -> None:
@@ -225,8 +225,8 @@ def seam_ddp_run(rank: int, world: int) -> tuple[dict[str, Tensor], KFAC]:
     model = SeamNet()
     ddp = DDP(model)
     optimizer = KFAC(ddp, runtime=RuntimeConfig(grad_worker_fraction=1), **SEAM_OPTIONS)
-    seam_train(ddp, optimizer, rank, world)
-    return seam_parameters(model), optimizer
+    strategy_seam_train(ddp, optimizer, rank, world)
+    return strategy_seam_parameters(model), optimizer
 
 
 def seam_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, Any]:
