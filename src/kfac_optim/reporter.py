@@ -17,7 +17,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import torch
 from torch import Tensor, nn
 
 from kfac_optim import layers, linalg
