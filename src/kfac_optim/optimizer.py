@@ -169,11 +169,11 @@ class KFAC(KFACViews, Optimizer, Joinable):
         self._precision = MixedPrecision(self, runtime.grad_scaler,
                                          statistics_loss_scaled=curvature.fisher == "empirical")
         self.estimator = KroneckerEstimator(self.model, trainable, self._options, runtime, self._precision)
-        self._join = JoinSupport(self.estimator.sharding, self.estimator.shadow_step, self, model)
+        self._join = JoinSupport(self.estimator.strategy, self.estimator.shadow_step, self, model)
         self._checkpointing = checkpoint.Checkpointing(self, self.estimator)
         self._step_length: StepLength = step_length_for(
             self._options.update, self._options.kl_clip, self._trust_region, self.estimator.parameters,
-            self.estimator.sharding, self.estimator.nonfinite_directions)
+            self.estimator.strategy, self.estimator.nonfinite_directions)
         logger.info("%s", self.describe())
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -57,7 +57,7 @@ class KFACViews:
     @property
     def owned_factors(self) -> tuple[str, ...]:
         """The factors this rank decomposes, ``"<layer>.A"`` / ``"<layer>.G"`` (all on one process)."""
-        return self.estimator.sharding.owned_factors()
+        return self.estimator.strategy.owned_factors()
 
     @property
     def module_reports(self) -> list[ModuleReport]:
@@ -74,7 +74,7 @@ class KFACViews:
         factor all-reduce), ``"decompositions"`` (agreement and broadcasts) and ``"directions"``
         (preconditioned gradients, ``f < 1``). Flat buffers as sent (packed triangles); zeros on
         one process."""
-        return self.estimator.sharding.bytes_communicated()
+        return self.estimator.strategy.bytes_communicated()
 
     def damping_at(self, step: int) -> float:
         """λ at ``step`` (under ``AdaptiveDamping``: λ now, whatever the step)."""

@@ -17,7 +17,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import torch
 from torch import Tensor, nn
 
 from kfac_optim import layers, linalg
@@ -26,7 +25,6 @@ from kfac_optim.layers import KroneckerBlock, ModuleReport
 from kfac_optim.layers.attention import sequence_first_note
 
 if TYPE_CHECKING:
-    from kfac_optim.distributed.fsdp import RowShardedPreconditioner
     from kfac_optim.layers.factor import Factor
     from kfac_optim.layers.registry import Discovery
     from kfac_optim.methods import Method
@@ -361,27 +359,26 @@ class Reporter:
         return "\n".join(lines)
 
 
-def memory_usage(blocks: Sequence[KroneckerBlock], method: Method, row_sharded: RowShardedPreconditioner | None,
-                 inv_dtype: torch.dtype) -> dict[str, int]:
+def memory_usage(blocks: Sequence[KroneckerBlock], method: Method, preconditioning_bytes: int) -> dict[str, int]:
     """Bytes of K-FAC state on this rank, by category, and their ``"total"``.
 
     ``"factors"``: running A and G of every layer as allocated (every rank keeps all of them; a
     layer frozen since construction allocates its factors when it first records, ``Factor.allocated``);
     ``"pending"``: the buffers statistics are captured into (allocated likewise); ``"decompositions"``: the
     eigendecompositions or inverses this rank holds (all layers with ``f = 1``, about
-    ``f`` of them otherwise, as ``method`` sizes them); ``"sharded_preconditioning"``: under FSDP2 (``row_sharded``),
-    the most this rank holds at once while preconditioning sharded layers (gathered gradient rows and one whole
-    gradient and direction, in ``inv_dtype``; 0 without sharded layers). Momentum buffers are SGD's
+    ``f`` of them otherwise, as ``method`` sizes them); ``"sharded_preconditioning"``:
+    ``preconditioning_bytes``, the most this rank holds at once while preconditioning others'
+    gradients (under FSDP2: gathered gradient rows and one whole gradient and direction;
+    ``DistributionStrategy.preconditioning_bytes``). Momentum buffers are SGD's
     and not counted.
     """
     factors = [factor for block in blocks for factor in block.factors.values()]
     held = [factor.held_bytes() for factor in factors]  # 0 for a frozen layer's factors never used
-    itemsize = torch.empty((), dtype=inv_dtype).element_size()
     usage = {
         "factors": sum(running for running, _ in held),
         "pending": sum(pending for _, pending in held),
         "decompositions": sum(method.decomposer.nbytes(f.decomposition) for f in factors),
-        "sharded_preconditioning": 0 if row_sharded is None else row_sharded.peak_bytes(itemsize),
+        "sharded_preconditioning": preconditioning_bytes,
     }
     usage["total"] = sum(usage.values())
     return usage

@@ -213,7 +213,7 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
         storage.append({
             f"{block.name}.{name}": (factor.decomposition.Q.data_ptr(), tuple(factor.decomposition.Q.shape))
             for block in optimizer.blocks for name, factor in block.factors.items()  # noqa: F821 (bound above: the `del` at the function's end comes after its last call)
-            if factor.decomposition is not None and not optimizer.estimator.sharding.decomposes(block.name, name)  # noqa: F821 (as above)
+            if factor.decomposition is not None and not optimizer.estimator.strategy.decomposes(block.name, name)  # noqa: F821 (as above)
         })
 
     ddp_train(model, optimizer, range(STEPS), rank, world, after_step=record_received_storage)

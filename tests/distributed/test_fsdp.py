@@ -236,7 +236,7 @@ def kfac_run(
     optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction),
                      **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
     fsdp_train(model, optimizer, range(STEPS), rank, world)
-    SENT[fraction] = optimizer.estimator.sharding.comm.bytes_sent["fsdp_rows"]
+    SENT[fraction] = optimizer.estimator.strategy.comm.bytes_sent["fsdp_rows"]
     return full_parameters(model)
 
 

@@ -41,7 +41,6 @@ from kfac_optim.capture.lifetime import remove_hooks, take_over
 from kfac_optim.capture.pairs import Tapped, same_tensor, tensors_of
 from kfac_optim.capture.compiled import TapSite
 from kfac_optim.diagnostics import warn_user
-from kfac_optim.distributed import fsdp
 from kfac_optim.layers.base import KroneckerBlock
 from kfac_optim.layers.hooks import (
     CopiedAsInert,
@@ -124,7 +123,9 @@ class StatisticsCapture:
     pairs are handed on there unless ``in_line()`` says they must not be now. ``model``: the module
     whose calls delimit samples (see the module docstring; None: every pair of a backward pass
     counts as one call). ``transformed_skipped`` is set when a forward inside a ``torch.func``
-    transform was not hooked (the caller resets it).
+    transform was not hooked (the caller resets it). ``resharded(param)``: whether the parameter
+    object a module holds after its forward is not the one its backward writes (FSDP2 reshards
+    after the forward and unshards again for the backward: ``DistributionStrategy.resharded``).
     """
 
     def __init__(
@@ -135,8 +136,10 @@ class StatisticsCapture:
         worker: StatisticsWorker | None = None,
         in_line: Callable[[], bool] = lambda: False,
         model: nn.Module | None = None,
+        resharded: Callable[[Tensor], bool] = lambda param: False,
     ) -> None:
         blocks = list(blocks)
+        self._resharded = resharded
         self.armed = False
         self.model_calls = 0  # independent forward calls of ``model`` so far (model_call_started)
         self.call: ModelCall = NO_CALL  # the latest call of ``model`` (or KFAC.samples block): its pairs' samples
@@ -348,8 +351,8 @@ class StatisticsCapture:
                     positions: RealPositions | None = None) -> Tapped:
         """One forward call's :class:`Tapped` for ``block``, whose module uses ``param`` now, from
         model call ``call`` (:attr:`call` then) with real ``positions`` (None: all)."""
-        # FSDP2 has put the sharded parameter back after the forward; its unsharded copy is back in the backward
-        node = None if fsdp.is_sharded(param) else self._node_of(block, param)
+        # e.g. FSDP2 has put the sharded parameter back after the forward; its unsharded copy is back in the backward
+        node = None if self._resharded(param) else self._node_of(block, param)
         return Tapped(block, layer_input, param, node, call, positions)
 
     def record_traced(self, block: KroneckerBlock, layer_input: Any, grad_output: Tensor) -> None:
@@ -385,7 +388,7 @@ class StatisticsCapture:
         other than the one the block was built with is warned about once (:meth:`_warn_replaced`)."""
         cached = self._nodes.get(block)
         if cached is None or cached[0] is not param or cached[1] is stale:
-            if param is not block.module_weight and not fsdp.is_sharded(block.module_weight):
+            if param is not block.module_weight and not self._resharded(block.module_weight):
                 self._warn_replaced(block)
             cached = self._nodes[block] = (param, gradient_node(param))
         return cached[1]

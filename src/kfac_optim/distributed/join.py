@@ -4,7 +4,7 @@ Owns: the join hook (what a rank that ran out of inputs does while the others st
 once all have joined) and the checks that ``Join`` is used in the way the hook relies on.
 Must not know: how factors are folded or decomposed (the estimator's ``shadow_step``, handed in,
 runs the same code as ``step()``), the plan's details, the optimizer's private state (it is given
-the ``Sharding``, the shadow step and the optimizer's public ``param_groups`` / ``state``).
+the distribution strategy, the shadow step and the optimizer's public ``param_groups`` / ``state``).
 
 Usage: ``with Join([ddp_model, optimizer]): for batch in this_ranks_batches: ...`` with one
 forward, backward and ``step()`` per batch, the DDP model first. Once per iteration the others
@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 from torch.optim import Optimizer
 
-from kfac_optim.distributed.sharding import Sharding
+from kfac_optim.distributed.strategy import DistributionStrategy
 
 
 class KFACJoinHook(JoinHook):
@@ -48,17 +48,17 @@ class KFACJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """All ranks joined: make the factors global and adopt the last joiner's momentum buffers."""
-        sharding = self._support.sharding
-        if not sharding.active:
+        strategy = self._support.strategy
+        if not strategy.active:
             return
-        sharding.synchronize_factors("Join's KFAC post hook")
-        _adopt_momentum_of_last_joiner(self._support.optimizer, sharding, is_last_joiner)
+        strategy.synchronize_factors("Join's KFAC post hook")
+        _adopt_momentum_of_last_joiner(self._support.optimizer, strategy, is_last_joiner)
 
 
 class JoinSupport:
     """What ``KFAC`` needs to be a ``Joinable``: its hook, device and process group, and the checks.
 
-    ``sharding``: the estimator's distributed layer. ``shadow_step``: a joined rank's part in one
+    ``strategy``: the estimator's distribution strategy. ``shadow_step``: a joined rank's part in one
     step of the others (``KroneckerEstimator.shadow_step``). ``optimizer``: for its public
     ``param_groups`` and ``state`` (the momentum buffers), held weakly: the optimizer owns this object,
     and a strong reference back would put the optimizer, the model and a DDP wrapper's reducer
@@ -69,9 +69,9 @@ class JoinSupport:
     configuration tells whether it runs under ``Join``).
     """
 
-    def __init__(self, sharding: Sharding, shadow_step: Callable[[], None], optimizer: Optimizer,
+    def __init__(self, strategy: DistributionStrategy, shadow_step: Callable[[], None], optimizer: Optimizer,
                  model: nn.Module) -> None:
-        self.sharding = sharding
+        self.strategy = strategy
         self.shadow_step = shadow_step
         self._optimizer = weakref.ref(optimizer)
         self._ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
@@ -89,10 +89,10 @@ class JoinSupport:
         Raises:
             ValueError: ``grad_worker_fraction < 1`` on more than one rank.
         """
-        if self.sharding.active and self.sharding.plan.broadcasts_gradients:
+        if self.strategy.broadcasts_directions:
             raise ValueError(
                 "KFAC under Join needs RuntimeConfig(grad_worker_fraction=1) (comm-opt): with "
-                f"{self.sharding.plan.grad_workers} gradient worker(s) per layer a rank that ran out of inputs "
+                f"{self.strategy.plan.grad_workers} gradient worker(s) per layer a rank that ran out of inputs "
                 "would have to precondition gradients it does not have"
             )
         return KFACJoinHook(self)
@@ -105,7 +105,7 @@ class JoinSupport:
     @property
     def process_group(self) -> Any:
         """The group K-FAC runs on (the default group's object when none was given, as DDP's)."""
-        group = self.sharding.comm.group
+        group = self.strategy.comm.group
         return dist.group.WORLD if group is None else group
 
     def check_step(self, config: Any) -> None:
@@ -120,17 +120,17 @@ class JoinSupport:
         if config.enable and config.is_first_joinable:
             raise ValueError("Join: pass the DDP model before the KFAC optimizer, Join([model, optimizer])")
         ddp_config = getattr(self._ddp, "_join_config", None)
-        if ddp_config is not None and ddp_config.enable and not config.enable and self.sharding.active:
+        if ddp_config is not None and ddp_config.enable and not config.enable and self.strategy.active:
             raise ValueError(
                 "the DDP model runs under Join but its KFAC optimizer does not: pass both, "
                 "Join([model, optimizer])"
             )
 
 
-def _adopt_momentum_of_last_joiner(optimizer: Optimizer, sharding: Sharding, is_last_joiner: bool) -> None:
+def _adopt_momentum_of_last_joiner(optimizer: Optimizer, strategy: DistributionStrategy, is_last_joiner: bool) -> None:
     """Every rank takes the momentum buffers of the highest-ranked last joiner (DDP's choice of the
     rank whose parameters it broadcasts); a buffer that rank lacks is dropped."""
-    comm = sharding.comm
+    comm = strategy.comm
     everyone = tuple(range(comm.world_size))
     what = "Join's KFAC post hook: the broadcast of momentum buffers"
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -24,7 +24,7 @@ from torch.profiler import record_function
 
 from kfac_optim.background.decompositions import BackgroundDecompositions, Job, Result
 from kfac_optim.config import AsyncConfig
-from kfac_optim.distributed.sharding import Sharding
+from kfac_optim.distributed.strategy import DistributionStrategy
 from kfac_optim.layers import KroneckerBlock
 from kfac_optim.layers.factor import Factor
 from kfac_optim.methods import Method
@@ -40,7 +40,7 @@ Round = list[tuple[Job, Result]]
 class InLineDecompositionSteps:
     """Every decomposition computed in the decomposition step, by ``method`` in ``inv_dtype``.
 
-    ``blocks``: all of them; ``sharding``: which factors this rank decomposes, and the collectives
+    ``blocks``: all of them; ``strategy``: which factors this rank decomposes, and the collectives
     that make factors global and share decompositions; ``reporter``: told of discards, non-finite
     directions (``nonfinite``: the step length's count per parameter, on the device), failures and
     truncations.
@@ -52,12 +52,12 @@ class InLineDecompositionSteps:
     adopt_at: int | None = None
     """The step at which the round in flight is adopted (None: none, or at the next decomposition step)."""
 
-    def __init__(self, blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype, sharding: Sharding,
-                 reporter: Reporter, nonfinite: Tensor) -> None:
+    def __init__(self, blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype,
+                 strategy: DistributionStrategy, reporter: Reporter, nonfinite: Tensor) -> None:
         self._blocks = blocks
         self._method = method
         self._inv_dtype = inv_dtype
-        self._sharding = sharding
+        self._strategy = strategy
         self._reporter = reporter
         self._nonfinite = nonfinite
 
@@ -79,11 +79,11 @@ class InLineDecompositionSteps:
 
     def _synchronize(self) -> None:
         with record_function("kfac.reduce_factors"):
-            self._sharding.synchronize_factors()
+            self._strategy.synchronize_factors()
 
     def _share(self) -> None:
         with record_function("kfac.share_decompositions"):
-            self._sharding.share_decompositions(self._method, self._inv_dtype)
+            self._strategy.share_decompositions(self._method, self._inv_dtype)
 
     @record_function("kfac.decompose")
     def _decompose(self, damping: float, only_missing: bool) -> list[Job]:
@@ -102,7 +102,7 @@ class InLineDecompositionSteps:
         for index, (block, name, factor) in enumerate(factors):
             initialized, discarded = flags[2 * index : 2 * index + 2]
             self._reporter.discarded(block, name, factor, discarded)
-            if not initialized or not self._sharding.decomposes(block.name, name):
+            if not initialized or not self._strategy.decomposes(block.name, name):
                 continue
             if only_missing and factor.decomposition is not None:
                 continue
@@ -215,9 +215,9 @@ class BackgroundDecompositionSteps(InLineDecompositionSteps):
 
     remeasures = False
 
-    def __init__(self, blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype, sharding: Sharding,
-                 reporter: Reporter, nonfinite: Tensor, config: AsyncConfig) -> None:
-        super().__init__(blocks, method, inv_dtype, sharding, reporter, nonfinite)
+    def __init__(self, blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype,
+                 strategy: DistributionStrategy, reporter: Reporter, nonfinite: Tensor, config: AsyncConfig) -> None:
+        super().__init__(blocks, method, inv_dtype, strategy, reporter, nonfinite)
         self.background = BackgroundDecompositions()
         self._delay = config.delay
         self.adopt_at = None
@@ -265,7 +265,7 @@ class BackgroundDecompositionSteps(InLineDecompositionSteps):
     def _hold(self, results: Round, adopt_at: int | None) -> None:
         """Hold the saved round (the results of the factors this rank decomposes) and adopt it at its
         saved step, as in the run that saved it."""
-        decomposes = self._sharding.decomposes
+        decomposes = self._strategy.decomposes
         self.background.hold([(job, r) for job, r in results if decomposes(job.owner[0].name, job.owner[1])])
         self.adopt_at = adopt_at  # on every rank alike, as it decides a collective
 
@@ -274,12 +274,13 @@ DecompositionSteps = InLineDecompositionSteps
 """The decomposition steps' interface (:class:`BackgroundDecompositionSteps` is one)."""
 
 
-def decomposition_steps(blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype, sharding: Sharding,
-                        reporter: Reporter, nonfinite: Tensor, asynchronous: AsyncConfig | None) -> DecompositionSteps:
+def decomposition_steps(blocks: Sequence[KroneckerBlock], method: Method, inv_dtype: torch.dtype,
+                        strategy: DistributionStrategy, reporter: Reporter, nonfinite: Tensor,
+                        asynchronous: AsyncConfig | None) -> DecompositionSteps:
     """Rounds on the background worker with ``asynchronous`` (``KFACOptions.asynchronous``), in line otherwise."""
     if asynchronous is None:
-        return InLineDecompositionSteps(blocks, method, inv_dtype, sharding, reporter, nonfinite)
-    return BackgroundDecompositionSteps(blocks, method, inv_dtype, sharding, reporter, nonfinite, asynchronous)
+        return InLineDecompositionSteps(blocks, method, inv_dtype, strategy, reporter, nonfinite)
+    return BackgroundDecompositionSteps(blocks, method, inv_dtype, strategy, reporter, nonfinite, asynchronous)
 
 
 def _check_result(factor: Factor, state: Any, method: Method) -> None:

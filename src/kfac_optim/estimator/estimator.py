@@ -6,7 +6,7 @@ line or on the statistics worker: ``pipeline.py``), the fold schedule (all block
 steps, or staggered: ``folds.py``), the decomposition steps (in line or in background rounds:
 ``decomposition_steps.py``) and the reporter (one-time warnings, ``describe()``, ``memory_usage()``:
 ``reporter.py``); the directions come from ``update/directions.py``.
-Talks to the distributed layer through the ``Sharding`` it builds from ``RuntimeConfig`` and to
+Talks to the distributed layer through the strategy it chooses from ``RuntimeConfig`` and to
 loss scaling through the ``MixedPrecision`` it is given.
 Its checkpoint state is a tree of owners (``kfac_optim.state``): its step, the intervals and the
 round in flight (which resume at that step), and its children (blocks, damping, stagger).
@@ -37,7 +37,8 @@ from kfac_optim.config import KFACOptions, RuntimeConfig
 from kfac_optim.schedule.costs import model_costs
 from kfac_optim.update.damping import DampingRule, damping_rule
 from kfac_optim.estimator.decomposition_steps import DecompositionSteps, decomposition_steps
-from kfac_optim.distributed.sharding import Sharding
+from kfac_optim.distributed.strategies import strategy_for
+from kfac_optim.distributed.strategy import DistributionStrategy
 from kfac_optim.estimator.folds import fold_schedule
 from kfac_optim.schedule.intervals import IntervalSchedule, StepCosts
 from kfac_optim.layers import KroneckerBlock, ModuleReport, discover_blocks
@@ -105,13 +106,14 @@ class KroneckerEstimator:
         self.blocks = self.discovery.blocks
         self.reporter = Reporter(model, self.discovery, self.method, trainable)
         # First (before any hook exists): with several ranks it checks they all built K-FAC alike.
-        self.sharding = Sharding(self.blocks, runtime.grad_worker_fraction, runtime.process_group,
-                                 runtime.bucket_bytes, settings=options.rank_settings(), method=self.method)
+        self.strategy: DistributionStrategy = strategy_for(
+            self.blocks, runtime.grad_worker_fraction, runtime.process_group, runtime.bucket_bytes,
+            settings=options.rank_settings(), method=self.method)
         self._check_method_state_is_local(runtime)
         self.statistics = statistics_pipeline(self.blocks, model, precision,
                                               every_backward=curvature.fisher == "empirical",
                                               on_worker=runtime.async_statistics, decay=curvature.factor_decay,
-                                              reduction=curvature.reduction)
+                                              reduction=curvature.reduction, resharded=self.strategy.resharded)
         self.capture = self.statistics.capture
         self.weight_uses = WeightUseCheck(model, self.blocks)  # once, at the first forward (weight_uses.py)
         self.capture.hold(self.weight_uses.handles)
@@ -120,14 +122,14 @@ class KroneckerEstimator:
         # step's length, step_length.py, left out of ν), on the device; reported at decomposition steps.
         self.nonfinite_directions = torch.zeros(len(self.parameters()), dtype=torch.int64, device=device)
         self.decomposition_steps: DecompositionSteps = decomposition_steps(
-            self.blocks, self.method, curvature.inv_dtype, self.sharding, self.reporter, self.nonfinite_directions,
+            self.blocks, self.method, curvature.inv_dtype, self.strategy, self.reporter, self.nonfinite_directions,
             options.asynchronous)
         self.steps = 0
         self.intervals = IntervalSchedule(options.factor_update_steps, options.inv_update_steps, device,
                                           remeasure=self.decomposition_steps.remeasures)
         self.folds = fold_schedule(self.blocks, self.intervals, stagger=curvature.stagger,
-                                   sum_over_ranks=self.sharding.sum_over_ranks)
-        distributed = self.sharding.active or self.sharding.row_sharded is not None
+                                   sum_over_ranks=self.strategy.sum_over_ranks)
+        distributed = self.strategy.active or not self.strategy.whole_tensors
         self.damping: DampingRule = damping_rule(options.damping, distributed=distributed)
         self.state_children: dict[str, Stateful] = {
             "blocks": BlockStates(self.blocks, self.method), "damping": self.damping, "stagger": self.folds}
@@ -139,7 +141,7 @@ class KroneckerEstimator:
         preconditioned: on every rank only when every rank preconditions every layer."""
         if not self.method.stateful:
             return
-        if (self.sharding.active and self.sharding.plan.broadcasts_gradients) or self.sharding.row_sharded is not None:
+        if self.strategy.broadcasts_directions or not self.strategy.whole_tensors:
             raise ValueError(
                 f"method={self.method!r} keeps per-layer state on the ranks that precondition a layer, so it needs "
                 f"every rank to precondition every layer: RuntimeConfig(grad_worker_fraction=1) and no FSDP2-sharded "
@@ -160,7 +162,8 @@ class KroneckerEstimator:
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state on this rank, by category, and their ``"total"`` (``reporter.memory_usage``)."""
-        return memory_usage(self.blocks, self.method, self.sharding.row_sharded, self.options.curvature.inv_dtype)
+        return memory_usage(self.blocks, self.method,
+                            self.strategy.preconditioning_bytes(self.options.curvature.inv_dtype))
 
     # -- schedules ---------------------------------------------------------------------------
 
@@ -193,7 +196,7 @@ class KroneckerEstimator:
         self.capture.flush()  # pairs held for a backward that kept its graph (capture.py)
         self.capture.drop_without_gradient()
         self.intervals.begin_step(step, self._average_costs, self._counted_costs)  # "auto": decide when undecided
-        if self.sharding.decompositions_missing:  # a loaded checkpoint lacks some: from its factors
+        if self.strategy.decompositions_missing:  # a loaded checkpoint lacks some: from its factors
             self.statistics.settle()
             self.decomposition_steps.complete(damping)
         folding = self.folds.blocks_at(step)
@@ -220,7 +223,7 @@ class KroneckerEstimator:
             batch_free.leave_batch_free_blocks_to_sgd(folding)  # reports() says why (sgd_reason)
         self.folds.before_fold(self.statistics.settle)  # stagger: the phases, once
         self.statistics.fold(folding, statistics_scale)
-        self.sharding.factors_folded()
+        self.strategy.factors_folded()
 
     def precondition(self) -> dict[Tensor, Tensor]:
         """Per-parameter update directions of the blocks that have a decomposition, at this step's damping
@@ -229,7 +232,7 @@ class KroneckerEstimator:
         Under FSDP2 a direction is a ``DTensor`` laid out as its parameter (this rank's rows).
         """
         with self.intervals.timing_precondition(self.steps):
-            return directions.precondition(self.blocks, self.method, self.damping_at(self.steps), self.sharding,
+            return directions.precondition(self.blocks, self.method, self.damping_at(self.steps), self.strategy,
                                            self.options.curvature.inv_dtype)
 
     def advance(self) -> None:
@@ -253,7 +256,7 @@ class KroneckerEstimator:
 
     def _average_costs(self, costs: list[float]) -> list[float]:
         """The calibration's costs summed over ranks (one all-reduce, at the same step on every rank)."""
-        return self.sharding.sum_over_ranks(costs, "the automatic intervals' cost all-reduce")
+        return self.strategy.sum_over_ranks(costs, "the automatic intervals' cost all-reduce")
 
     # -- statistics --------------------------------------------------------------------------
 
@@ -269,7 +272,7 @@ class KroneckerEstimator:
     def synchronize_factors(self, caller: str) -> None:
         """Make the running factors global now (a collective when a factor step happened since)."""
         self.statistics.settle()
-        self.sharding.synchronize_factors(caller, confirm=True)
+        self.strategy.synchronize_factors(caller, confirm=True)
 
     @record_function("kfac.sample_fisher")
     def sample_fisher(self, outputs: Tensor, likelihood: fisher_lib.Likelihood,
@@ -342,5 +345,5 @@ class KroneckerEstimator:
         self.intervals.load_state_dict(state.get("intervals"), self.steps)
         load_children(self.state_children, state)
         self.decomposition_steps.load_state_dict(state.get("round"))
-        self.sharding.loaded()
+        self.strategy.loaded()
         self.arm()

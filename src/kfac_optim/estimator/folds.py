@@ -24,7 +24,7 @@ from kfac_optim.estimator.stagger import FactorStagger
 logger = logging.getLogger(__name__)
 
 SumOverRanks = Callable[[list[float], str], list[float]]
-"""``Sharding.sum_over_ranks``: values summed over the ranks (a collective), and what they are."""
+"""``DistributionStrategy.sum_over_ranks``: values summed over the ranks (a collective), and what they are."""
 
 
 class IntervalFolds:

@@ -157,10 +157,12 @@ StatisticsPipeline = InLineStatistics
 
 
 def statistics_pipeline(blocks: Sequence[KroneckerBlock], model: nn.Module, precision: MixedPrecision, *,
-                        every_backward: bool, on_worker: bool, decay: float, reduction: str) -> StatisticsPipeline:
+                        every_backward: bool, on_worker: bool, decay: float, reduction: str,
+                        resharded: Callable[[Tensor], bool]) -> StatisticsPipeline:
     """The pipeline for ``blocks`` of ``model``, with its capture: hooks that accumulate through
     ``precision``, recording ``every_backward`` (the empirical Fisher) or only ``sample_fisher``'s
-    pass; on the statistics worker when ``on_worker`` (``RuntimeConfig.async_statistics``)."""
+    pass; on the statistics worker when ``on_worker`` (``RuntimeConfig.async_statistics``); ``resharded``:
+    as ``StatisticsCapture``'s."""
     worker = StatisticsWorker() if on_worker else None
     capture = StatisticsCapture(
         blocks,
@@ -169,6 +171,7 @@ def statistics_pipeline(blocks: Sequence[KroneckerBlock], model: nn.Module, prec
         worker=worker,
         in_line=precision.under_apex,  # Apex's loss scale is read during backward
         model=model,  # its calls delimit samples (chunked forwards: capture.py)
+        resharded=resharded,
     )
     if worker is None:
         return InLineStatistics(blocks, capture, decay, reduction)

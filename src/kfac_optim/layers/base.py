@@ -374,7 +374,7 @@ class KroneckerBlock(ABC):
 
     def reduced_factors(self) -> list[Factor]:
         """The factors whose running averages the ranks average in the lazy factor reduction
-        (``distributed/sharding.py``): ``A``, ``G``; a block whose ``A``, ``G`` are derived from other
+        (``distributed/data_parallel.py``): ``A``, ``G``; a block whose ``A``, ``G`` are derived from other
         factors (a tied weight, ``layers.embedding``) names those and recomputes ``A``, ``G`` in
         :meth:`factors_reduced`."""
         return [self.A, self.G]

@@ -45,9 +45,6 @@ class SGDGraft:
     """``UpdateConfig(grafting="sgd")``: ``d = V·‖∇p‖/‖V‖`` per K-FAC parameter tensor; every other
     parameter keeps its gradient (SGD's path). A :class:`kfac_optim.update.step_length.StepLength`."""
 
-    def __init__(self, row_sharded: bool) -> None:
-        _refuse_row_sharding(row_sharded)
-
     def apply(self, directions: dict[Tensor, Tensor], groups: list[dict[str, Any]],
               state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, Tensor]:
         """The grafted direction of every parameter of ``groups`` with a gradient and a K-FAC
@@ -65,8 +62,7 @@ class AdamGraft:
     every other parameter with a gradient (the module docstring); Adam's moments and the average
     ``M`` in ``state[p]``. A :class:`kfac_optim.update.step_length.StepLength`."""
 
-    def __init__(self, betas: tuple[float, float], eps: float, row_sharded: bool) -> None:
-        _refuse_row_sharding(row_sharded)
+    def __init__(self, betas: tuple[float, float], eps: float) -> None:
         self.betas = betas
         self.eps = eps
 
@@ -94,12 +90,6 @@ class AdamGraft:
 def _with_gradients(groups: list[dict[str, Any]]) -> Iterator[Tensor]:
     """The parameters of ``groups`` that have a gradient, in group order."""
     return (p for group in groups for p in group["params"] if p.grad is not None)
-
-
-def _refuse_row_sharding(row_sharded: bool) -> None:
-    """``NotImplementedError`` under FSDP2 row sharding (a tensor's norm would need its shards' sums)."""
-    if row_sharded:
-        raise NotImplementedError("UpdateConfig.grafting is not supported with FSDP2-sharded parameters")
 
 
 def adam_step(grad: Tensor, state: dict[str, Any], betas: tuple[float, float], eps: float) -> Tensor:

@@ -5,11 +5,11 @@ from the public settings: K-FAC's direction at SGD's first-order decrease, under
 regions), an SGD or Adam graft per tensor (``UpdateConfig(grafting=...)``, :class:`kfac_optim.update.grafting.SGDGraft`
 / ``AdamGraft``) or none (:class:`NoClip`, ``kl_clip=None``).
 
-Owns: the :class:`StepLength` interface and the choice; ν, its sums over FSDP2 shards and its
+Owns: the :class:`StepLength` interface and the choice; ν, its sums (over shards: the strategy's) and its
 count of non-finite directions (:func:`summed_terms`); the trust-region lr ``lr₀`` of each param group
 (:class:`TrustRegion`, ``UpdateConfig.trust_region``) with its base lr and the zero-base-lr warning.
 Must not know: the curvature or the blocks (it is handed the parameters in block order, the
-sharding and the counter the estimator reports), SGD's update, schedules.
+distribution strategy and the counter the estimator reports), where tensors live, SGD's update, schedules.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from kfac_optim.diagnostics import warn_user
-from kfac_optim.distributed import fsdp
 from kfac_optim.update.grafting import AdamGraft, SGDGraft
 
 if TYPE_CHECKING:
-    from kfac_optim.distributed.sharding import Sharding
+    from kfac_optim.distributed.strategy import DistributionStrategy
 
 __all__ = ["KLClip", "NoClip", "SGDDecrease", "StepLength", "TrustRegion", "step_length_for", "summed_terms"]
 
@@ -111,16 +110,16 @@ class KLClip:
     non-finite direction (its preconditioner mixes all its entries) and is left out, so one bad
     entry cannot make every layer's update non-finite through ν. Such steps are counted on the
     device in ``nonfinite`` (one entry per parameter of ``parameters()``, which the estimator
-    reports at its next decomposition step; no host sync here). FSDP2-sharded parameters
-    contribute their rows' terms, summed over the shards (``sharding.sum_over_shards``).
+    reports at its next decomposition step; no host sync here). Sharded parameters contribute
+    their local rows' terms, summed over the shards (``DistributionStrategy.summed_over_shards``).
     """
 
     def __init__(self, kl_clip: float, trust_region: TrustRegion, parameters: Callable[[], list[Tensor]],
-                 sharding: Sharding, nonfinite: Tensor) -> None:
+                 strategy: DistributionStrategy, nonfinite: Tensor) -> None:
         self.kl_clip = kl_clip
         self.trust_region = trust_region
         self._parameters = parameters
-        self._sharding = sharding
+        self._strategy = strategy
         self.nonfinite = nonfinite
 
     terms = 1
@@ -136,8 +135,8 @@ class KLClip:
         def term(direction: Tensor, grad: Tensor, param: Tensor) -> Tensor:
             return self.term(direction, grad, lr_of[param])
 
-        sums = summed_terms(directions, self._parameters(), self._sharding, self.nonfinite, term, self.terms)
-        torch._foreach_mul_([fsdp.local(d) for d in directions.values()], self.scale(sums))
+        sums = summed_terms(directions, self._parameters(), self._strategy, self.nonfinite, term, self.terms)
+        torch._foreach_mul_([self._strategy.local(d) for d in directions.values()], self.scale(sums))
         return directions
 
     def term(self, direction: Tensor, grad: Tensor, lr: float | Tensor) -> Tensor:
@@ -150,12 +149,13 @@ class KLClip:
         return (self.kl_clip / sums[0].abs()).sqrt().clamp(max=1.0)
 
 
-def summed_terms(directions: dict[Tensor, Tensor], params: list[Tensor], sharding: Sharding, nonfinite: Tensor,
+def summed_terms(directions: dict[Tensor, Tensor], params: list[Tensor], strategy: DistributionStrategy,
+                 nonfinite: Tensor,
                  term: Callable[[Tensor, Tensor, Tensor], Tensor], count: int) -> Tensor:
     """``Σ_p term(V_p, ∇p, p)`` over the K-FAC parameters ``params`` (block order) whose terms are finite:
     ``term`` maps a parameter's flattened local direction rows, gradient rows (in the direction's dtype)
     and the parameter to ``count`` terms ``(count,)``; a parameter without a direction or gradient
-    contributes 0. FSDP2-sharded parameters' terms are summed over the shards first. A parameter
+    contributes 0. Sharded parameters' terms are summed over the shards first (``strategy``). A parameter
     with a non-finite term is left out and counted in ``nonfinite`` (one entry per parameter, on the
     device: a non-finite gradient makes its layer's whole direction non-finite). Returns ``(count,)``."""
     zero = nonfinite.new_zeros(count, dtype=next(iter(directions.values())).dtype)
@@ -163,14 +163,10 @@ def summed_terms(directions: dict[Tensor, Tensor], params: list[Tensor], shardin
     def terms_of(param: Tensor) -> Tensor:
         if param not in directions or param.grad is None:
             return zero
-        rows, grad = fsdp.local(directions[param]), fsdp.local(param.grad)
+        rows, grad = strategy.local(directions[param]), strategy.local(param.grad)
         return term(rows.reshape(-1), grad.to(rows.dtype).reshape(-1), param)
 
-    per_parameter = torch.stack([terms_of(param) for param in params])  # (P, count)
-    if sharding.row_sharded is not None:  # one all-reduce of the terms over the shard group
-        sharded = [fsdp.is_sharded(p) for p in params]
-        summed = sharding.sum_over_shards(per_parameter.clone())
-        per_parameter = torch.stack([summed[i] if s else per_parameter[i] for i, s in enumerate(sharded)])
+    per_parameter = strategy.summed_over_shards(torch.stack([terms_of(param) for param in params]), params)
     finite = torch.isfinite(per_parameter).all(dim=1)
     nonfinite += ~finite
     return per_parameter.where(finite[:, None], 0.0).sum(dim=0)
@@ -196,7 +192,7 @@ class SGDDecrease(KLClip):
     decrease the curvature term of ``ν·V`` is at most SGD's (Cauchy–Schwarz; equal as λ → ∞, where
     ``ν·V → ∇``), and along the largest eigenvalue ``ν·V`` is no longer than ``∇`` (ν, a weighted
     harmonic mean of ``h + λ``, is at most its largest): stable where SGD's lr is
-    (docs/design.md §4.1). Non-finite terms, FSDP2 shards and the constructor as :class:`KLClip`,
+    (docs/design.md §4.1). Non-finite terms, shards and the constructor as :class:`KLClip`,
     whose ν is capped at 1 where this one's is capped at SGD's decrease.
     """
 
@@ -223,18 +219,23 @@ class UpdateSettings(Protocol):
 
 
 def step_length_for(update: UpdateSettings, kl_clip: float | None, trust_region: TrustRegion,
-                    parameters: Callable[[], list[Tensor]], sharding: Sharding, nonfinite: Tensor) -> StepLength:
+                    parameters: Callable[[], list[Tensor]], strategy: DistributionStrategy,
+                    nonfinite: Tensor) -> StepLength:
     """The step length ``update`` and ``kl_clip`` ask for: ``update.grafting``'s graft (``KFACOptions``
     refuses it beside ``kl_clip``), else none at ``kl_clip=None``, else SGD's decrease under the KL bound
-    (``trust_region="sgd"``) or the KL clip. Grafts are refused under FSDP2 row sharding
-    (``NotImplementedError``)."""
-    row_sharded = sharding.row_sharded is not None
+    (``trust_region="sgd"``) or the KL clip. Grafts are refused (``NotImplementedError``) where a rank
+    holds only part of a parameter (``strategy.whole_tensors``: its norm would need the others' sums)."""
+    if update.grafting is not None and not strategy.whole_tensors:
+        raise NotImplementedError(
+            "UpdateConfig.grafting is not supported where a rank holds only part of a parameter (FSDP2-sharded "
+            "parameters)"
+        )
     if update.grafting == "sgd":
-        return SGDGraft(row_sharded)
+        return SGDGraft()
     if update.grafting == "adam":
-        return AdamGraft(update.adam_betas, update.adam_eps, row_sharded)
+        return AdamGraft(update.adam_betas, update.adam_eps)
     if kl_clip is None:
         return NoClip()
     if update.trust_region == "sgd":
-        return SGDDecrease(kl_clip, trust_region, parameters, sharding, nonfinite)
-    return KLClip(kl_clip, trust_region, parameters, sharding, nonfinite)
+        return SGDDecrease(kl_clip, trust_region, parameters, strategy, nonfinite)
+    return KLClip(kl_clip, trust_region, parameters, strategy, nonfinite)

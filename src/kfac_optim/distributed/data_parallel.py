@@ -1,43 +1,39 @@
-"""Runs the distributed work plan for the optimizer's blocks, on one rank.
+"""The data-parallel strategy (KAISA): factors all-reduced, decompositions sharded by the plan.
 
-Owns: when running factors are made global, which decompositions this rank computes and holds,
-and sharing decompositions and preconditioned gradients as the plan's strategy says (docs/design.md §5).
-Must not know: how factors, decompositions or directions are computed (the blocks and ``linalg``
-do that), schedules, param groups. It moves the blocks' tensors between ranks.
+Owns: when running factors are made global (lazily, right before a decomposition), which
+decompositions this rank computes and holds, and sharing decompositions and preconditioned
+gradients over the gradient workers of ``grad_worker_fraction`` (docs/design.md §5).
+Must not know: how factors, decompositions or directions are computed (the blocks and the
+caller's callback do that), schedules, param groups, sharded parameters (``row_sharded.py``).
 
-With one rank (no process group) every method is a no-op or trivially true, so the optimizer
-calls the same seams in every setting.
+**Lazy factor reduction.** Averaging the ranks' running factors right before a decomposition
+equals averaging the batch statistics at every factor step, when every rank folds on the same
+steps. A rank whose layer saw no input folds nothing and keeps its factor; a rank whose factor
+was never initialized takes part with zeros and is not counted in the mean.
 
-Lazy factor reduction: the ranks' running factors are averaged right before a decomposition step
-(or a checkpoint), which equals averaging every factor step's statistics while every rank folds
-on the same steps. A rank whose factor was never initialized takes part with zeros and is not
-counted (the mean is over the ranks that have one); afterwards every rank holds the global factor
-and agrees on ``initialized``.
-
-Decompositions: only the plan's owner computes one; the ranks agree, in one small all-reduce, on
-which decompositions their owners hold and with which damping shift; owners broadcast them over
-the block's gradient workers (``f > 1/world``). With ``f < 1`` the gradient worker of each row
-broadcasts the preconditioned gradient over its row, so every rank ends the step with the same
-directions and KL-clip sum. Every rank's DDP-averaged gradients are identical, so receivers know
-what to expect without asking. FSDP2 row-sharded blocks take :meth:`Sharding.precondition_sharded`
-(``distributed.fsdp``) instead of :meth:`Sharding.share_directions`.
+**Decompositions.** Only the plan's owner computes one. On every decomposition step the ranks
+agree, in one small all-reduce, on which decompositions exist and with which damping shift;
+owners broadcast them over the block's gradient workers. Gradient workers precondition; with
+``f < 1`` the gradient worker of each row broadcasts the direction over its row, so every rank
+ends the step with the same directions. Every rank's DDP-averaged gradients are identical, so
+whether a block has a gradient is the same on every rank: receivers know what to expect.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kfac_optim.distributed import fsdp
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES, Communicator, Pending, group_rank_and_size
 from kfac_optim.distributed.consistency import Description, check_same_on_every_rank, describe
-from kfac_optim.distributed.plan import FACTORS, Plan, WorkItem, make_plan
+from kfac_optim.distributed.plan import FACTORS, Plan, make_plan
+from kfac_optim.distributed.strategy import Precondition, block_work_items, whole_gradient_directions
 from kfac_optim.methods import Method
 
 if TYPE_CHECKING:
@@ -46,17 +42,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def block_work_items(blocks: Sequence[KroneckerBlock]) -> list[WorkItem]:
-    """The plan's work items of ``blocks``: one per factor, with its dimension and kind."""
-    return [
-        WorkItem(block.name, name, factor.dim, factor.diagonal, factor.groups)
-        for block in blocks
-        for name, factor in block.factors.items()
-    ]
-
-
-class Sharding:
-    """This rank's part of the distributed plan for ``blocks``.
+class DataParallel:
+    """K-FAC on the ranks of a data-parallel job: this rank's part of the plan (``DistributionStrategy``).
 
     Args:
         blocks: the optimizer's Kronecker blocks (unique names; the same on every rank).
@@ -100,64 +87,20 @@ class Sharding:
         self.decompositions_missing = False
         self._folded = False
         self._ready: set[str] = set()
-        self.row_sharded = self._row_sharded_preconditioner(bucket_bytes)
         if blocks:
             logger.info("K-FAC plan: %s", self.plan.summary(self.rank))
-
-    def _row_sharded_preconditioner(self, bucket_bytes: int) -> fsdp.RowShardedPreconditioner | None:
-        """The FSDP2 path for blocks with ``DTensor`` parameters (None when there are none).
-
-        Raises:
-            ValueError: sharded blocks on different meshes, a block whose parameters are not all
-                sharded or differ in rows (dim 0), or a process group that is not the whole job
-                (plan ranks must be the mesh's global ranks).
-        """
-        sharded = {name: b for name, b in self.blocks.items() if fsdp.is_sharded(b.weight)}
-        if not sharded:
-            return None
-        for name, block in sharded.items():
-            params = block.parameters()
-            if not all(fsdp.is_sharded(p) for p in params) or len({p.shape[0] for p in params}) != 1:
-                raise ValueError(
-                    f"model: K-FAC layer '{name}' ({type(block).__name__}) under FSDP2 needs all its parameters "
-                    f"sharded by rows of one length, got shapes {[tuple(p.shape) for p in params]}"
-                )
-        layouts = {fsdp.mesh_layout(p) for b in sharded.values() for p in b.parameters()}
-        if len(layouts) != 1:
-            raise ValueError(f"model: K-FAC layers sharded by FSDP2 must share one device mesh, got {layouts}")
-        (layout,) = layouts
-        if self.comm.world_size != dist.get_world_size() or sorted(r for g in layout.shard_groups for r in g) != list(
-            range(self.comm.world_size)
-        ):
-            raise ValueError("process_group: with FSDP2-sharded layers K-FAC must run on the whole job, "
-                             "the mesh's ranks")
-        mesh = next(iter(sharded.values())).weight.device_mesh
-        shard_group = layout.group_of(dist.get_rank())
-
-        def group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
-            if sorted(ranks) == sorted(shard_group):
-                return mesh.get_group(layout.shard_dim)
-            return self.comm.subgroup(tuple(sorted(ranks)))
-
-        return fsdp.RowShardedPreconditioner(
-            {name: fsdp.row_shape(b.parameters()) for name, b in sharded.items()},
-            {name: self.plan.block(name).grad_workers for name in sharded},
-            self.plan.receiver_groups,
-            layout,
-            group_for,
-            bucket_bytes,
-            self.comm.bytes_sent,
-        )
-
-    def is_row_sharded(self, block: str) -> bool:
-        """Whether ``block``'s parameters are FSDP2-sharded (its directions come from
-        :meth:`precondition_sharded`)."""
-        return self.row_sharded is not None and block in self.row_sharded.shapes
 
     @property
     def active(self) -> bool:
         """Whether K-FAC runs on more than one rank."""
         return self.comm.active
+
+    whole_tensors = True
+
+    @property
+    def broadcasts_directions(self) -> bool:
+        """Whether gradient workers broadcast directions over their rows (``f < 1``, several ranks)."""
+        return self.active and self.plan.broadcasts_gradients
 
     def decomposes(self, block: str, factor: str) -> bool:
         """Whether this rank computes the decomposition of ``factor`` of ``block``."""
@@ -284,20 +227,40 @@ class Sharding:
 
     # -- directions --------------------------------------------------------------------------
 
-    def share_directions(self, directions: Mapping[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    def directions(self, blocks: Sequence[KroneckerBlock], precondition: Precondition,
+                   dtype: torch.dtype) -> dict[Tensor, Tensor]:
+        """The directions of ``blocks`` (whole gradients on every rank): gradient workers compute
+        them, :meth:`share_directions` hands them over the rows."""
+        names = {block.name for block in blocks}
+        return whole_gradient_directions(blocks, precondition, lambda joint: self.share_directions(joint, dtype, names))
+
+    def local(self, tensor: Tensor) -> Tensor:
+        return tensor
+
+    def summed_over_shards(self, terms: Tensor, params: Sequence[Tensor]) -> Tensor:
+        return terms
+
+    def preconditioning_bytes(self, dtype: torch.dtype) -> int:
+        return 0
+
+    def resharded(self, param: Tensor) -> bool:
+        return False
+
+    def share_directions(self, directions: Mapping[str, Tensor], dtype: torch.dtype,
+                         among: Set[str]) -> dict[str, Tensor]:
         """Every block's preconditioned ``(out, in [+1])`` gradient, from its gradient workers.
 
         ``directions``: the ones this rank computed (as a gradient worker), by block name.
         Returns them plus, with ``f < 1``, those received from the gradient worker of this
-        rank's row; ``dtype`` is theirs. Blocks without a gradient or without decompositions
-        at their owners have none (they take the SGD path on every rank).
+        rank's row, of the blocks named in ``among``; ``dtype`` is theirs. Blocks without a
+        gradient or without decompositions at their owners have none (the SGD path on every rank).
         """
         if not (self.active and self.plan.broadcasts_gradients and self.blocks):
             return dict(directions)
         row = self.plan.receiver_group(self.rank)
         by_source: dict[int, list[str]] = defaultdict(list)
         for name, block in self.blocks.items():
-            if name in self._ready and block.weight.grad is not None and not self.is_row_sharded(name):
+            if name in among and name in self._ready and block.weight.grad is not None:
                 by_source[self.plan.grad_source(name, self.rank)].append(name)
         device = self._device()
         pending = []
@@ -313,32 +276,6 @@ class Sharding:
         for names, work in pending:
             shared.update(zip(names, work.wait(), strict=True))
         return shared
-
-    def precondition_sharded(
-        self, grads: Mapping[str, Tensor], precondition: fsdp.Precondition, dtype: torch.dtype
-    ) -> dict[str, Tensor]:
-        """This rank's rows of the preconditioned gradients of FSDP2-sharded blocks.
-
-        ``grads``: this rank's rows of every sharded block's gradient row matrix
-        (``fsdp.gradient_rows``) that has one (the same blocks on every rank); ``precondition``
-        maps a block's whole row matrix to its direction's, on a rank that holds the block's
-        decompositions. Blocks without decompositions at their owners get none (they take the
-        SGD path). A collective.
-        """
-        assert self.row_sharded is not None
-        ready = {name: rows for name, rows in grads.items() if self._is_ready(name)}
-        return self.row_sharded.preconditioned_rows(ready, precondition, dtype)
-
-    def sum_over_shards(self, partial: Tensor) -> Tensor:
-        """Sums over the local rows of FSDP2-sharded parameters (any shape), summed over the shards."""
-        assert self.row_sharded is not None
-        return self.row_sharded.sum_over_shards(partial)
-
-    def _is_ready(self, name: str) -> bool:
-        """Whether block ``name``'s decompositions exist at its owners (on one process: here)."""
-        if self.active:
-            return name in self._ready
-        return all(f.decomposition is not None for f in self.blocks[name].factors.values())
 
     # -- checkpoints -------------------------------------------------------------------------
 
