@@ -228,7 +228,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     def clear() -> None:
         for block in blocks:
-            block.clear_pending()
+            block.discard_pending()
 
     def without_hooks(fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:

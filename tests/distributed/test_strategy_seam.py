@@ -176,7 +176,7 @@ class EveryRankDecomposes:
     def synchronize_factors(self, caller: str = "KFAC.step()", confirm: bool = False) -> None:
         if not self._folded:
             return
-        factors = [factor for block in self.blocks for factor in block.reduced_factors()]
+        factors = [factor for block in self.blocks for factor in block.factors_to_reduce()]
         counts = torch.stack([torch.stack([f.initialized.to(f.running.dtype), torch.tensor(
             float(f.rows_since_sync), dtype=f.running.dtype)]) for f in factors])
         for factor in factors:
@@ -186,7 +186,7 @@ class EveryRankDecomposes:
         for factor, (ranks, rows) in zip(factors, counts, strict=True):
             factor.set_global(factor.running, ranks, int(rows))
         for block in self.blocks:
-            block.factors_reduced()
+            block.after_factor_reduction()
         self._folded = False
 
     def sum_over_ranks(self, values: list[float], what: str) -> list[float]:

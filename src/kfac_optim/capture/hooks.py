@@ -487,9 +487,9 @@ class StatisticsCapture:
         if self._worker is None or self._in_line():
             if self._worker is not None:
                 self._worker.wait()
-            block.clear_pending()
+            block.discard_pending()
         else:
-            self._worker.submit(block.clear_pending)
+            self._worker.submit(block.discard_pending)
 
     def _hand_on(self, tapped: Tapped, grad_output: Tensor, task: int | None) -> None:
         """Hand ``tapped``'s pair to ``accumulate`` (or the worker), as recorded in graph task

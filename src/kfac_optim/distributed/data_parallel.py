@@ -143,7 +143,7 @@ class DataParallel:
             self.comm.confirm_every_rank_calls(
                 caller, "a factor step happened since the last decomposition step: the ranks average their factors"
             )
-        factors = [factor for block in self.blocks.values() for factor in block.reduced_factors()]
+        factors = [factor for block in self.blocks.values() for factor in block.factors_to_reduce()]
         what = f"{caller}: the all-reduce of the running factors"
         running = [f.running for f in factors]
         symmetric = [f.running.dim() == 2 for f in factors]  # one (n, n) matrix: its triangle travels
@@ -155,7 +155,7 @@ class DataParallel:
         for factor, total, count, row_sum in zip(factors, sums.wait(), ranks, row_sums.tolist(), strict=True):
             factor.set_global(total, count, int(row_sum))
         for block in self.blocks.values():
-            block.factors_reduced()  # e.g. a tied weight's A, G from its uses' global factors
+            block.after_factor_reduction()  # e.g. a tied weight's A, G from its uses' global factors
         self._folded = False
 
     def sum_over_ranks(self, values: list[float], what: str) -> list[float]:

@@ -203,7 +203,7 @@ class KroneckerEstimator:
         if folding:
             self._fold(folding, statistics_scale, moves)
         else:
-            self.statistics.discard()  # a no-op when nothing was captured
+            self.statistics.discard_pending()  # a no-op when nothing was captured
         if self.is_inverse_step(step):
             self.reporter.bias_changes()
             with self.intervals.timing_decomposition(step):
@@ -262,7 +262,7 @@ class KroneckerEstimator:
 
     def discard_pending_statistics(self) -> None:
         """Forget statistics captured since the last step (e.g. of a step that will not happen)."""
-        self.statistics.discard()
+        self.statistics.discard_pending()
 
     def settle_statistics(self) -> None:
         """With ``async_statistics``: wait until the worker has run everything submitted, so that

@@ -37,13 +37,13 @@ def fold_statistics(
     ``folding`` (see ``KroneckerBlock.fold``), then forget whatever the other ``blocks`` hold."""
     for block in folding:
         block.fold(decay, reduction, statistics_scale)
-    clear_pending(blocks)  # a no-op for blocks that folded or captured nothing
+    discard_pending(blocks)  # a no-op for blocks that folded or captured nothing
 
 
-def clear_pending(blocks: Sequence[KroneckerBlock]) -> None:
+def discard_pending(blocks: Sequence[KroneckerBlock]) -> None:
     """Forget the pending statistics of ``blocks``."""
     for block in blocks:
-        block.clear_pending()
+        block.discard_pending()
 
 
 class InLineStatistics:
@@ -75,9 +75,9 @@ class InLineStatistics:
     def settle(self) -> None:
         """Make the factors and pending statistics readable here (nothing is in flight in line)."""
 
-    def discard(self) -> None:
+    def discard_pending(self) -> None:
         """Forget the statistics captured since the last step (e.g. of a step that will not happen)."""
-        clear_pending(self.blocks)
+        discard_pending(self.blocks)
         self.capture.forget()
 
     @record_function("kfac.fold")
@@ -114,9 +114,9 @@ class WorkerStatistics(InLineStatistics):
         self.worker.wait()
         self._last_fold = None
 
-    def discard(self) -> None:
+    def discard_pending(self) -> None:
         if self.capture.recorded:  # after the worker's work on them (in order)
-            self.worker.submit(clear_pending, self.blocks)
+            self.worker.submit(discard_pending, self.blocks)
         self.capture.forget()
 
     @record_function("kfac.fold")

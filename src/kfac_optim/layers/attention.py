@@ -142,8 +142,8 @@ class InProjectionBlock(_FedByTheAttentionTap):
         self._group_rows[index] += rows.shape[0] if real is None else real
         self.count_samples(self.sample_count(x))  # once per backward for the three projections
 
-    def clear_pending(self) -> None:
-        super().clear_pending()
+    def discard_pending(self) -> None:
+        super().discard_pending()
         self._group_rows = [0] * self.groups
 
     def fold(self, decay: float, loss_reduction: str, grad_scale: float | Tensor = 1.0) -> None:

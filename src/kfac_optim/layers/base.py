@@ -226,7 +226,7 @@ class KroneckerBlock(ABC):
         """Record nothing from now on (the block's parameters take the SGD path: its factors are
         never initialized, so it never has a decomposition), for ``reason`` (in :meth:`describe`)."""
         self.sgd_reason = reason
-        self.clear_pending()
+        self.discard_pending()
 
     def mask_of(self, layer_input: Any, positions: RealPositions) -> RealPositions | None:
         """The real positions of a call recorded under ``KFAC.mask`` (``layers.positions``), fitted
@@ -349,9 +349,9 @@ class KroneckerBlock(ABC):
         self.calls[0] += 1
         self.calls[1] += samples == 1 and call_rows != 1
 
-    def clear_pending(self) -> None:
+    def discard_pending(self) -> None:
         for factor in self.factors.values():
-            factor.clear_pending()
+            factor.discard_pending()
         self.forget_samples()
 
     def forget_samples(self) -> None:
@@ -372,15 +372,15 @@ class KroneckerBlock(ABC):
         self.G.fold(output_gram_scale(self.pending_samples, loss_reduction, grad_scale), decay)
         self.forget_samples()
 
-    def reduced_factors(self) -> list[Factor]:
+    def factors_to_reduce(self) -> list[Factor]:
         """The factors whose running averages the ranks average in the lazy factor reduction
         (``distributed/data_parallel.py``): ``A``, ``G``; a block whose ``A``, ``G`` are derived from other
         factors (a tied weight, ``layers.embedding``) names those and recomputes ``A``, ``G`` in
-        :meth:`factors_reduced`."""
+        :meth:`after_factor_reduction`."""
         return [self.A, self.G]
 
-    def factors_reduced(self) -> None:  # noqa: B027 (an optional hook: does nothing unless a block derives A, G)
-        """Called after the reduction replaced :meth:`reduced_factors` by the ranks' average."""
+    def after_factor_reduction(self) -> None:  # noqa: B027 (an optional hook: does nothing unless a block derives A, G)
+        """Called after the reduction replaced :meth:`factors_to_reduce` by the ranks' average."""
 
     def shifts(self, method: Method, damping: float) -> dict[FactorName, float]:
         """Per-factor damping shifts of ``method`` (e.g. none for eigen, ``π√λ`` / ``√λ/π`` for inverse)."""
@@ -463,4 +463,4 @@ class KroneckerBlock(ABC):
         self.failures = int(state["failures"])
         device = self.weight.device
         self.method_state = {key: value.to(device, copy=True) for key, value in state.get("method_state", {}).items()}
-        self.clear_pending()
+        self.discard_pending()

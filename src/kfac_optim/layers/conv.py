@@ -201,8 +201,8 @@ class ConvBlock(KroneckerBlock):
         call), whatever :attr:`statistics` made rows of."""
         return self._forward_rows
 
-    def clear_pending(self) -> None:
-        super().clear_pending()
+    def discard_pending(self) -> None:
+        super().discard_pending()
         self._forward_rows = 0
 
     def fold(self, decay: float, loss_reduction: str, grad_scale: float | Tensor = 1.0) -> None:

@@ -18,7 +18,7 @@ embedding; docs/numerics.md, "Tied weights"): the block also captures the head; 
 use factors keeps its own running average (:class:`TiedHead`), and the block's ``A (V,)`` and
 ``G (D, D)`` are the Kronecker product nearest in Frobenius norm to the sum of the two uses
 (``linalg.nearest_kronecker_sum``), recomputed after every fold and after the ranks average the
-use factors (:meth:`EmbeddingBlock.reduced_factors`). Indices without a batch dimension
+use factors (:meth:`EmbeddingBlock.factors_to_reduce`). Indices without a batch dimension
 (``position(torch.arange(T))``): :attr:`EmbeddingBlock.unbatched` counts their calls and rows for
 :mod:`kfac_optim.capture.batch_free`, which turns such blocks to the SGD path.
 """
@@ -90,9 +90,9 @@ class TiedHead:
             if factor.pending_rows:
                 factor.fold(1.0 / factor.pending_rows if scale is None else scale, decay)
 
-    def clear(self) -> None:
+    def discard_pending(self) -> None:
         for factor in self.factors().values():
-            factor.clear_pending()
+            factor.discard_pending()
 
 
 class EmbeddingBlock(KroneckerBlock):
@@ -206,11 +206,11 @@ class EmbeddingBlock(KroneckerBlock):
     def sample_count(self, inputs: Tensor) -> int:
         return inputs.shape[0] if inputs.dim() >= 1 else 1
 
-    def clear_pending(self) -> None:
-        super().clear_pending()
+    def discard_pending(self) -> None:
+        super().discard_pending()
         self.unbatched = [0, 0]
         if self.head is not None:
-            self.head.clear()
+            self.head.discard_pending()
 
     def fold(self, decay: float, loss_reduction: str, grad_scale: float | Tensor = 1.0) -> None:
         """As :meth:`KroneckerBlock.fold`; with a tied head, each use's statistics fold into its own
@@ -223,13 +223,13 @@ class EmbeddingBlock(KroneckerBlock):
         head.fold(output_gram_scale(self.pending_samples, loss_reduction, grad_scale), decay)
         self.forget_samples()
         self.unbatched = [0, 0]
-        self.factors_reduced()
+        self.after_factor_reduction()
 
-    def reduced_factors(self) -> list[Factor]:
+    def factors_to_reduce(self) -> list[Factor]:
         """With a tied head, the four use factors (``A``, ``G`` derive from them); else ``A``, ``G``."""
-        return super().reduced_factors() if self.head is None else list(self.head.factors().values())
+        return super().factors_to_reduce() if self.head is None else list(self.head.factors().values())
 
-    def factors_reduced(self) -> None:
+    def after_factor_reduction(self) -> None:
         """With a tied head: ``A``, ``G`` ← the Kronecker product nearest to the uses' running sum."""
         head = self.head
         if head is None:

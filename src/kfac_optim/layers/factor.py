@@ -208,7 +208,7 @@ class Factor:
             target[..., n, n] += rows
         self.pending_rows += rows
 
-    def clear_pending(self) -> None:
+    def discard_pending(self) -> None:
         """Forget the pending statistics. ``pending`` is all zeros whenever ``pending_rows == 0``,
         so a factor that accumulated nothing (every non-factor step) costs no n² pass."""
         if self.pending_rows:
@@ -236,7 +236,7 @@ class Factor:
         self.support = support
         self.version += 1
         self.rows_since_sync += self.pending_rows
-        self.clear_pending()
+        self.discard_pending()
 
     def _fold_into(self, running: Tensor, batch: Tensor, scale: float | Tensor, decay: float) -> None:
         """The fold's arithmetic on ``running`` and ``batch`` (``running``, ``pending`` or blocks of
@@ -427,7 +427,7 @@ class Factor:
         self.decomposition = decomposition
         key = state["decomposed_key"]
         self.decomposed_key = None if key is None or decomposition is None else tuple(key)
-        self.clear_pending()
+        self.discard_pending()
 
 
 def _decomposer(method: Method | None, what: str) -> Decomposer:

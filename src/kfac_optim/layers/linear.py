@@ -172,8 +172,8 @@ class LinearBlock(KroneckerBlock):
         self._uses = 0
         self._shared_key: tuple[int, int] | None = None
 
-    def clear_pending(self) -> None:
-        super().clear_pending()
+    def discard_pending(self) -> None:
+        super().discard_pending()
         self._drop_shared_uses()
 
     def fold(self, decay: float, loss_reduction: str, grad_scale: float | Tensor = 1.0) -> None:
