@@ -262,7 +262,7 @@ class KFACOptions:
     kl_clip: float | None = 1e-2
     factor_update_steps: IntSchedule = "auto"
     inv_update_steps: IntSchedule = "auto"
-    method: Literal["eigen", "inverse", "eigen_adam"] | Method = "eigen"
+    method: Literal["eigen", "inverse", "eigen_adam", "root"] | Method = "eigen"
     curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
     asynchronous: AsyncConfig | None = None
     update: UpdateConfig = field(default_factory=UpdateConfig)

@@ -50,7 +50,7 @@ from kfac_optim.config import (
 )
 from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.estimator.estimator import LARGE_FACTOR_DIM, KroneckerEstimator, block_dims, unwrap_model
-from kfac_optim.update.grafting import outside_kfac_for
+from kfac_optim.update.adam import outside_kfac_for
 from kfac_optim.layers import discover_blocks
 from kfac_optim.layers.positions import RealPositions
 from kfac_optim.methods import Method, method_named
@@ -133,7 +133,7 @@ class KFAC(KFACViews, Optimizer, Joinable):
         kl_clip: float | None = KFACOptions.kl_clip,
         factor_update_steps: IntSchedule = KFACOptions.factor_update_steps,
         inv_update_steps: IntSchedule = KFACOptions.inv_update_steps,
-        method: Literal["eigen", "inverse", "eigen_adam"] | Method = KFACOptions.method,
+        method: Literal["eigen", "inverse", "eigen_adam", "root"] | Method = KFACOptions.method,
         curvature: CurvatureConfig | None = None,
         asynchronous: AsyncConfig | None = None,
         runtime: RuntimeConfig | None = None,

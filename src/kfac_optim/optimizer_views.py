@@ -18,7 +18,7 @@ from kfac_optim.methods import Method
 
 if TYPE_CHECKING:
     from kfac_optim.estimator.estimator import KroneckerEstimator
-    from kfac_optim.update.grafting import AdamOutsideKFAC
+    from kfac_optim.update.adam import AdamOutsideKFAC
 
 
 class KFACViews:

@@ -129,13 +129,13 @@ class Method(ABC):
         """What the parameters without a K-FAC direction take: None (the default) SGD's update, as
         the group says; ``(beta2, eps)``: ``torch.optim.Adam``'s update with these (the group's
         momentum as β₁), for a method whose directions have Adam's scale (it then needs dense
-        gradients: ``grafting.outside_kfac_for`` checks)."""
+        gradients: ``update.adam.outside_kfac_for`` checks)."""
         return None
 
     def first_moment(self) -> float | None:
         """Adam's ``β₁`` when :meth:`precondition` keeps the first moment itself (before its
         normalization, as SOAP does): the param groups then need ``momentum=0``, and the parameters
-        outside K-FAC take it as their β₁ (``grafting.outside_kfac_for`` checks). None (the default):
+        outside K-FAC take it as their β₁ (``update.adam.outside_kfac_for`` checks). None (the default):
         the group's SGD momentum acts on the directions."""
         return None
 

@@ -3,7 +3,7 @@
 Owns :func:`sgd_update`: per param group, ``torch.optim.SGD``'s update (through torch's own
 ``sgd`` functional, so the SGD path is SGD bit for bit) on each parameter's direction, the
 decoupled weight decay of ``UpdateConfig``, and ``p ← p − lr·d`` for the parameters that took
-Adam's step (``grafting.AdamOutsideKFAC``).
+Adam's step (``update.adam.AdamOutsideKFAC``).
 Must not know: where the directions come from (curvature, step length, grafts).
 """
 
