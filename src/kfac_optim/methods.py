@@ -41,6 +41,7 @@ from torch import Tensor
 
 from kfac_optim import costs, linalg
 from kfac_optim.decompositions import Decomposer, Decomposition, EigenDecomposer, FactorView, InverseDecomposer
+from kfac_optim.power_refresh import PowerRefreshDecomposer
 
 
 class Basis(Enum):
@@ -343,6 +344,10 @@ def unrotate(rotated: Tensor, a: FactorView, g: FactorView, scratch: Tensor) -> 
     return g.decomposition.Q @ torch.matmul(rotated, a.decomposition.Q.mT, out=scratch)
 
 
+REFRESHES: dict[str, type[EigenDecomposer]] = {"eigh": EigenDecomposer, "power": PowerRefreshDecomposer}
+""":class:`EigenAdam`'s ``refresh`` choices: how a held basis is refreshed at a decomposition step."""
+
+
 @dataclass(frozen=True, repr=True)
 class EigenAdam(Eigen):
     """Adam's second moment in K-FAC's eigenbasis: the eigenvalue-corrected K-FAC of George et al.
@@ -389,6 +394,16 @@ class EigenAdam(Eigen):
     of ``R`` and ``O`` over the roots. State per block: ``v`` (shaped as ``R``, in the decomposition
     dtype), ``t``, ``w`` (shaped as the joint gradient) when a side is capped, and ``m`` (shaped as
     the joint gradient) with ``beta1``.
+
+    ``refresh`` (keyword, :data:`REFRESHES`): how a held basis is refreshed at a decomposition step.
+    ``"eigh"`` (the default): decomposed afresh (``eigh``, or the cap's randomized eigensolver), its
+    columns in ascending order of the eigenvalues. ``"power"``: SOAP's refresh, one step of orthogonal
+    iteration warm-started from the basis held, ``Q ← QR(F·Q)`` with the columns orthonormalized in
+    the order of their estimated eigenvalues and each written back to its slot, so ``v`` stays
+    aligned with it unpermuted (``kfac_optim.power_refresh``; the first decomposition, and a
+    restore that holds no basis, is ``"eigh"``'s). It costs one product and one QR (O(n²·max_rank)
+    on a capped side, against the eigensolver's three QRs; docs/tuning.md "EigenAdam's basis
+    refresh"), so the bases can follow the factors every few steps.
     """
 
     beta2: float = 0.95
@@ -396,6 +411,7 @@ class EigenAdam(Eigen):
     max_rank: int | None = field(default=EIGEN_ADAM_MAX_RANK, kw_only=True)
     thin_width: int = field(default=EIGEN_ADAM_THIN_WIDTH, kw_only=True)
     beta1: float | None = field(default=None, kw_only=True)
+    refresh: str = field(default="eigh", kw_only=True)
 
     name: ClassVar[str] = "eigen_adam"
     basis: ClassVar[Basis] = Basis.CAPPED
@@ -414,8 +430,10 @@ class EigenAdam(Eigen):
         if isinstance(self.thin_width, bool) or not isinstance(self.thin_width, int) or (
                 self.max_rank is not None and self.thin_width < self.max_rank):
             raise ValueError(f"EigenAdam thin_width must be an int >= max_rank ({self.max_rank}), got {self.thin_width!r}")
-        if self.max_rank is not None:
-            object.__setattr__(self, "decomposer", EigenDecomposer(self.max_rank, self.thin_width))
+        if self.refresh not in REFRESHES:
+            raise ValueError(f"EigenAdam refresh must be one of {sorted(REFRESHES)}, got {self.refresh!r}")
+        cap = (self.max_rank, self.thin_width) if self.max_rank is not None else (None, None)
+        object.__setattr__(self, "decomposer", REFRESHES[self.refresh](*cap))
 
     def outside_kfac(self) -> tuple[float, float] | None:
         """Adam's update with this method's ``(beta2, eps)`` (its directions have Adam's scale)."""
