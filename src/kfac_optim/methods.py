@@ -448,6 +448,20 @@ class EigenAdam(Eigen):
         kept), None (the full basis) for every other: the damping does not enter."""
         return (0.0 if self._capped_in_pair(a, a, g) else None), (0.0 if self._capped_in_pair(g, a, g) else None)
 
+    def decomposition_cost(self, a: FactorView, g: FactorView) -> tuple[float, float]:
+        """``refresh="power"``: a dense factor's refresh at ``costs.POWER_REFRESH·n²·c`` per block (``c``:
+        ``max_rank`` on a capped side, else ``n``; the first decomposition's ``eigh`` is not counted);
+        ``"eigh"``: :class:`Eigen`'s."""
+        if self.refresh == "eigh":
+            return super().decomposition_cost(a, g)
+
+        def cost(factor: FactorView) -> float:
+            if self._capped_in_pair(factor, a, g):
+                return costs.POWER_REFRESH * float(factor.dim) ** 2 * self.max_rank
+            return _factor_cost(factor, costs.POWER_REFRESH)
+
+        return cost(a), cost(g)
+
     def precondition_cost(self, a: FactorView, g: FactorView) -> float:
         """Full rotations and Adam's elementwise update of the rotated gradient (about ten passes);
         with a capped side, three rotations at ``max_rank`` columns there (the projection) and
