@@ -74,23 +74,19 @@ def measure(n: int, capped: bool, repeats: int) -> dict[str, float]:
     eigh, power = EigenDecomposer(*cap), PowerRefreshDecomposer(*cap)
     drop_below = 0.0 if capped else None
     before, after = gram(n, 0), 0.95 * gram(n, 0) + 0.05 * gram(n, 1)  # one fold of a new batch
-    factor = FactorStandIn(before)
-    factor.decomposition = eigh.decompose(factor, 0.0, torch.float32, drop_below)
-    held = factor.decomposition
-    factor.running = after
+    held = eigh.decompose(FactorStandIn(before), 0.0, torch.float32, drop_below)
     times: dict[str, list[float]] = {"eigh": [], "power": []}
     for _ in range(repeats):
         for name, decomposer in (("eigh", eigh), ("power", power)):
-            factor.decomposition = held
+            factor = FactorStandIn(after, held)
             start = time.process_time()
             decomposer.decompose(factor, 0.0, torch.float32, drop_below)
             times[name].append(time.process_time() - start)
     ratios = [p / e for p, e in zip(times["power"], times["eigh"], strict=True)]
-    factor.decomposition = held
-    distances = []
+    refreshed, distances = held, []
     for _ in range(5):
-        factor.decomposition = power.decompose(factor, 0.0, torch.float32, drop_below)
-        distances.append(off_diagonal(after, factor.decomposition.Q))
+        refreshed = power.decompose(FactorStandIn(after, refreshed), 0.0, torch.float32, drop_below)
+        distances.append(off_diagonal(after, refreshed.Q))
     exact = eigh.decompose(FactorStandIn(after), 0.0, torch.float32, drop_below)
     return {"n": n, "columns": held.Q.shape[1], "eigh_ms": 1e3 * statistics.median(times["eigh"]),
             "power_ms": 1e3 * statistics.median(times["power"]), "ratio": statistics.median(ratios),
