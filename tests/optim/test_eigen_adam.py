@@ -275,10 +275,10 @@ def test_a_non_finite_factor_fails_its_power_refresh_and_keeps_the_last_basis() 
 THIN_RANK = 4  # below the hidden layer's A (15 wide, 16 with its bias column) and G (6), and the head's A (7)
 
 
-def thin_optimizer(model: nn.Module, max_rank: int | None = THIN_RANK, **kwargs: Any) -> KFAC:
+def thin_optimizer(model: nn.Module, max_rank: int | None = THIN_RANK, refresh: str = "eigh", **kwargs: Any) -> KFAC:
     thin_width = THIN_RANK if max_rank == THIN_RANK else EigenAdam().thin_width
-    return make_optimizer(model, method=EigenAdam(beta2=BETA2, eps=EPS, max_rank=max_rank, thin_width=thin_width),
-                          **kwargs)
+    method = EigenAdam(beta2=BETA2, eps=EPS, max_rank=max_rank, thin_width=thin_width, refresh=refresh)
+    return make_optimizer(model, method=method, **kwargs)
 
 
 def thin_basis(factor: Any, decomposed: bool) -> torch.Tensor:
@@ -360,10 +360,13 @@ def test_capped_directions_equal_the_thin_formula_computed_densely(beta1: float 
     assert checked == {"hidden", "head"}
 
 
-def test_capped_state_resumes_bit_identically_from_a_checkpoint() -> None:
+@pytest.mark.parametrize("refresh, inv_update_steps", [("eigh", 4), ("power", 2)])
+def test_capped_state_resumes_bit_identically_from_a_checkpoint(refresh: str, inv_update_steps: int) -> None:
+    """``"eigh"``: decomposed at steps 0 and 4, the resumed steps 5-7 use those bases; ``"power"``: the
+    thin bases refreshed at steps 2, 4 and, in the resumed run, 6 from the checkpoint's."""
     model = make_net()
-    optimizer = thin_optimizer(model, inv_update_steps=4)
-    for step in range(5):  # decomposed at steps 0 and 4; the resumed steps 5-7 use those bases
+    optimizer = thin_optimizer(model, refresh=refresh, inv_update_steps=inv_update_steps)
+    for step in range(5):
         eigen_adam_step(model, optimizer, step)
     saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
     assert {"v", "t", "w"} <= set(saved_optimizer["kfac"]["blocks"]["hidden"]["method_state"])
@@ -372,7 +375,7 @@ def test_capped_state_resumes_bit_identically_from_a_checkpoint() -> None:
 
     resumed = make_net(seed=1)
     resumed.load_state_dict(saved_model)
-    resumed_optimizer = thin_optimizer(resumed, inv_update_steps=4)
+    resumed_optimizer = thin_optimizer(resumed, refresh=refresh, inv_update_steps=inv_update_steps)
     resumed_optimizer.load_state_dict(saved_optimizer)
     for step in range(5, 8):
         eigen_adam_step(resumed, resumed_optimizer, step)
