@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from helpers import gram_schmidt_refresh
-from kfac_optim import linalg
+from kfac_optim import EigenAdam, costs, linalg
 from kfac_optim.decompositions import EigenDecomposer
 from kfac_optim.power_refresh import PowerRefreshDecomposer
 
@@ -149,3 +149,12 @@ def test_a_non_finite_factor_fails_the_refresh_and_leaves_the_held_basis_alone()
     factor[1, 2] = factor[2, 1] = float("nan")
     assert PowerRefreshDecomposer().decompose(RefreshedFactor(factor, held), 0.0, torch.float64) is None
     assert torch.equal(held.Q, held_q)
+
+
+def test_the_automatic_intervals_count_a_power_refresh_as_one_product_and_one_qr() -> None:
+    """``costs.POWER_REFRESH·n²·c`` per factor: ``c = max_rank`` on a capped side (``A``, 8 wide over a
+    ``thin_width`` of 4), ``c = n`` on a full one (``G``, 2 wide); ``"eigh"`` keeps ``Eigen``'s counts."""
+    a, g = RefreshedFactor(torch.zeros(8, 8)), RefreshedFactor(torch.zeros(2, 2))
+    power = EigenAdam(refresh="power", max_rank=3, thin_width=4)
+    assert power.decomposition_cost(a, g) == (costs.POWER_REFRESH * 8**2 * 3, costs.POWER_REFRESH * 2**3)
+    assert EigenAdam(max_rank=3, thin_width=4).decomposition_cost(a, g)[1] == costs.EIGH * 2**3
