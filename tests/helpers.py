@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kfac_optim import KFAC
+from kfac_optim.methods.power_refresh import lift
 
 
 def kron_solve(G: torch.Tensor, A: torch.Tensor, grad: torch.Tensor, damping: float) -> torch.Tensor:
@@ -80,3 +81,26 @@ def checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
     return buffer.getvalue()
+
+
+def gram_schmidt_refresh(factor: torch.Tensor, held: torch.Tensor,
+                         lift_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense reference of ``EigenAdam(refresh="power")``'s refresh of one factor ``(n, n)`` from the
+    orthonormal ``held (n, c)``, in ``factor``'s dtype: the estimated eigenvalues ``e = diag(heldᵀ F held)``,
+    then modified Gram–Schmidt on the columns of ``(F + μI)·held`` (``μ = lift(n, lift_dtype)·max |e|``,
+    ``lift_dtype`` the dtype the optimizer's factor is held in, default ``factor``'s) in descending
+    order of ``e``, each orthonormalized column written back to its slot. Returns it and ``e`` clamped at 0."""
+    held = held.to(factor.dtype)
+    estimated = torch.einsum("ij,ik,kj->j", held, factor, held)
+    mu = lift(factor.shape[-1], lift_dtype or factor.dtype) * estimated.abs().max()
+    columns = (factor + mu * torch.eye(len(factor), dtype=factor.dtype)) @ held
+    refreshed = torch.empty_like(held)
+    done: list[torch.Tensor] = []
+    for slot in sorted(range(held.shape[1]), key=lambda j: -float(estimated[j])):
+        column = columns[:, slot].clone()
+        for earlier in done:
+            column -= (earlier @ column) * earlier
+        column /= column.norm()
+        done.append(column)
+        refreshed[:, slot] = column
+    return refreshed, estimated.clamp(min=0)

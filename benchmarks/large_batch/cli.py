@@ -22,7 +22,8 @@ from benchmarks.peers import optimizers
 from benchmarks.peers.protocol import Runner
 
 NAMES = {"sgd": "SGD", "adamw": "AdamW", "muon": "Muon", "soap": "SOAP", "kfac_dropin": "K-FAC drop-in",
-         "kfac": "EigenAdam"}
+         "kfac": "EigenAdam", "kfac_soap_m": "EigenAdam(beta1=0.9)",
+         "kfac_soap_m_qr2": "EigenAdam(beta1=0.9, refresh=\"power\"), 1/2"}
 """The optimizers compared (peers' builders): ``kfac_dropin`` is ``KFAC(model, lr, momentum=0.9)`` with
 every other default (the automatic intervals included); ``kfac`` the README's AdamW swap,
 ``method="eigen_adam"``, ``kl_clip=None``, with the defaults' intervals."""

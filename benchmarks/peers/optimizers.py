@@ -46,6 +46,8 @@ over the root, momentum 0); ``kfac_stats1``, the factors folded every step (SOAP
 frequency, decay 0.95 per step as SOAP's); ``kfac_refresh10``, the bases refreshed every 10 steps
 (the SOAP paper's frequency); ``kfac_soap_freq``, statistics every step and bases every 2 steps
 (heavyball SOAP's default frequency); ``kfac_soap_m_freq``, the first moment and those frequencies.
+``kfac_soap_m_qr1``, ``kfac_soap_m_qr2``, ``kfac_soap_m_qr5``: the first moment, statistics every step
+and SOAP's warm-started refresh (``EigenAdam(beta1=0.9, refresh="power")``) every 1, 2, 5 steps.
 """
 
 from __future__ import annotations
@@ -91,7 +93,11 @@ KFAC_VARIANTS = {"kfac_eigen": _EIGEN_SETTINGS,
                  "kfac_soap_m": {**KFAC_SETTINGS, "momentum": 0.0, "method": kfac_optim.EigenAdam(beta1=0.9)},
                  "kfac_soap_freq": {**KFAC_SETTINGS, "factor_update_steps": 1, "inv_update_steps": 2},
                  "kfac_soap_m_freq": {**KFAC_SETTINGS, "momentum": 0.0, "method": kfac_optim.EigenAdam(beta1=0.9),
-                                      "factor_update_steps": 1, "inv_update_steps": 2}}
+                                      "factor_update_steps": 1, "inv_update_steps": 2},
+                 **{f"kfac_soap_m_qr{every}": {**KFAC_SETTINGS, "momentum": 0.0,
+                                              "method": kfac_optim.EigenAdam(beta1=0.9, refresh="power"),
+                                              "factor_update_steps": 1, "inv_update_steps": every}
+                    for every in (1, 2, 5)}}
 """K-FAC configurations measured against each other on request (module docstring)."""
 CHOICES = (*OPTIMIZERS, *KFAC_VARIANTS)
 """Every name ``--optimizers`` accepts."""
@@ -101,7 +107,7 @@ CENTRES = {"sgd": 0.3, "adamw": 3e-3, "muon": 1e-2, "kfac": 3e-3, "soap": 3e-3, 
            "kfac_dropin_lm": 0.3, "kfac_dropin_sampled": 0.3, "kfac_beta2_099": 3e-3, "kfac_ema": 3e-3,
            "kfac_stats1": 3e-3, "kfac_refresh10": 3e-3,
            "kfac_soap_m": 3e-3, "kfac_soap_freq": 3e-3,
-           "kfac_soap_m_freq": 3e-3}
+           "kfac_soap_m_freq": 3e-3, "kfac_soap_m_qr1": 3e-3, "kfac_soap_m_qr2": 3e-3, "kfac_soap_m_qr5": 3e-3}
 
 
 def lr_grid(name: str, points: int) -> list[float]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tests.distributed_helpers import spawn
-from helpers import seeded_batch
+from helpers import gram_schmidt_refresh, seeded_batch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -127,9 +127,10 @@ def test_directions_equal_adam_in_the_factors_eigenbases_computed_densely(beta1:
     assert bases_changed > 0  # the second moments were carried across refreshed bases, not reset
 
 
-@pytest.mark.parametrize("beta1", [None, 0.8])
-def test_checkpoint_resume_continues_bit_identically(beta1: float | None) -> None:
-    method = {"method": EigenAdam(beta2=BETA2, eps=EPS, beta1=beta1)}
+@pytest.mark.parametrize("beta1, refresh", [(None, "eigh"), (0.8, "eigh"), (None, "power"), (0.8, "power")])
+def test_checkpoint_resume_continues_bit_identically(beta1: float | None, refresh: str) -> None:
+    """``refresh="power"``: the resumed run's refreshes at steps 6 and 8 start from the checkpoint's basis."""
+    method = {"method": EigenAdam(beta2=BETA2, eps=EPS, beta1=beta1, refresh=refresh)}
     model = make_net()
     optimizer = make_optimizer(model, **method)
     for step in range(5):  # step 4 folded and decomposed: the resumed run rebuilds the same bases
@@ -182,6 +183,7 @@ def test_a_non_finite_gradient_leaves_that_layers_second_moments_untouched(bad: 
     ({"thin_width": 64}, "thin_width"),
     ({"beta1": 1.0}, "beta1"),
     ({"beta1": True}, "beta1"),
+    ({"refresh": "qr"}, "refresh"),
 ])
 def test_bad_eigen_adam_settings_name_the_setting(kwargs: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -191,7 +193,85 @@ def test_bad_eigen_adam_settings_name_the_setting(kwargs: dict[str, float], matc
 def test_describe_and_repr_name_the_method_and_its_settings() -> None:
     optimizer = KFAC(make_net(), lr=LR, method="eigen_adam", factor_update_steps=1, inv_update_steps=10)
     assert optimizer.describe().startswith("KFAC (eigen_adam)")
-    assert repr(optimizer.method) == "EigenAdam(max_rank=128, beta2=0.95, eps=1e-08, thin_width=256, beta1=None)"
+    assert repr(optimizer.method) == ("EigenAdam(max_rank=128, beta2=0.95, eps=1e-08, thin_width=256, beta1=None, "
+                                      "refresh='eigh')")
+
+
+# -- the warm-started refresh (refresh="power") ------------------------------------------------------
+
+
+def test_power_refresh_holds_one_gram_schmidt_step_from_the_last_basis_at_each_decomposition() -> None:
+    """The first decomposition is ``eigh``'s; every later one is the dense reference's refresh of the
+    basis held before it, on the running factor then (``helpers.gram_schmidt_refresh``)."""
+    model = make_net()
+    optimizer = make_optimizer(model, method=EigenAdam(beta2=BETA2, eps=EPS, beta1=0.9, refresh="power"),
+                               momentum=0.0)
+    dense = [(block.name, side, factor) for block in optimizer.blocks for side, factor in block.factors.items()
+             if not factor.diagonal]
+    refreshed = 0
+    for step in range(STEPS):
+        held = {(name, side): None if f.decomposition is None else f.decomposition.Q.double().clone()
+                for name, side, f in dense}
+        eigen_adam_step(model, optimizer, step)
+        for name, side, factor in dense:
+            if step % 2 or held[(name, side)] is None:
+                continue
+            expected, estimated = gram_schmidt_refresh(factor.running.double(), held[(name, side)],
+                                                       factor.running.dtype)
+            torch.testing.assert_close(factor.decomposition.Q.double(), expected, rtol=0, atol=1e-5,
+                                       msg=lambda m, where=(name, side, step): f"{where}: {m}")
+            torch.testing.assert_close(factor.decomposition.d.double(), estimated, rtol=1e-4, atol=1e-7)
+            refreshed += 1
+    assert refreshed == 2 * len(dense)  # steps 2 and 4, every dense factor
+
+
+def test_two_runs_with_the_power_refresh_are_bit_identical() -> None:
+    runs = []
+    for _ in range(2):
+        model = make_net()
+        optimizer = make_optimizer(model, method=EigenAdam(beta2=BETA2, eps=EPS, beta1=0.9, refresh="power"),
+                                   momentum=0.0, inv_update_steps=1)
+        for step in range(STEPS):
+            eigen_adam_step(model, optimizer, step)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*runs, strict=True))
+
+
+def test_a_discarded_batch_of_statistics_under_the_power_refresh_keeps_every_state_finite() -> None:
+    model = make_net()
+    optimizer = make_optimizer(model, method=EigenAdam(beta2=BETA2, eps=EPS, beta1=0.9, refresh="power"),
+                               momentum=0.0, inv_update_steps=1)
+    for step in range(3):
+        eigen_adam_step(model, optimizer, step)
+    hidden = next(block for block in optimizer.blocks if block.name == "hidden")
+    x, y = token_batch(3)
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    hidden.A.pending[0, 0] = float("nan")  # a corrupted batch of A statistics, at a decomposition step
+    with pytest.warns(RuntimeWarning, match=r"'hidden'.*non-finite.*A statistics discarded"):
+        optimizer.step()
+        eigen_adam_step(model, optimizer, 4)
+    for block in optimizer.blocks:
+        for factor in block.factors.values():
+            held = factor.decomposition
+            assert all(torch.isfinite(t).all() for t in ([held] if factor.diagonal else [held.Q, held.d]))
+        assert all(torch.isfinite(t).all() for t in block.method_state.values()), block.name
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_non_finite_factor_fails_its_power_refresh_and_keeps_the_last_basis() -> None:
+    model = make_net()
+    method = EigenAdam(beta2=BETA2, eps=EPS, refresh="power")
+    optimizer = make_optimizer(model, method=method)
+    for step in range(3):
+        eigen_adam_step(model, optimizer, step)
+    factor = next(block for block in optimizer.blocks if block.name == "hidden").A
+    held = factor.decomposition
+    held_q = held.Q.clone()
+    factor.running[1, 2] = factor.running[2, 1] = float("nan")
+    factor.version += 1  # a new factor to decompose
+    assert not factor.decompose(method, 0.0, torch.float32)
+    assert factor.decomposition is held and torch.equal(held.Q, held_q)
 
 
 # -- the thin basis of wide factors ---------------------------------------------------------------
@@ -199,10 +279,10 @@ def test_describe_and_repr_name_the_method_and_its_settings() -> None:
 THIN_RANK = 4  # below the hidden layer's A (15 wide, 16 with its bias column) and G (6), and the head's A (7)
 
 
-def thin_optimizer(model: nn.Module, max_rank: int | None = THIN_RANK, **kwargs: Any) -> KFAC:
+def thin_optimizer(model: nn.Module, max_rank: int | None = THIN_RANK, refresh: str = "eigh", **kwargs: Any) -> KFAC:
     thin_width = THIN_RANK if max_rank == THIN_RANK else EigenAdam().thin_width
-    return make_optimizer(model, method=EigenAdam(beta2=BETA2, eps=EPS, max_rank=max_rank, thin_width=thin_width),
-                          **kwargs)
+    method = EigenAdam(beta2=BETA2, eps=EPS, max_rank=max_rank, thin_width=thin_width, refresh=refresh)
+    return make_optimizer(model, method=method, **kwargs)
 
 
 def thin_basis(factor: Any, decomposed: bool) -> torch.Tensor:
@@ -285,10 +365,13 @@ def test_capped_directions_equal_the_thin_formula_computed_densely(beta1: float 
     assert checked == {"hidden", "head"}
 
 
-def test_capped_state_resumes_bit_identically_from_a_checkpoint() -> None:
+@pytest.mark.parametrize("refresh, inv_update_steps", [("eigh", 4), ("power", 2)])
+def test_capped_state_resumes_bit_identically_from_a_checkpoint(refresh: str, inv_update_steps: int) -> None:
+    """``"eigh"``: decomposed at steps 0 and 4, the resumed steps 5-7 use those bases; ``"power"``: the
+    thin bases refreshed at steps 2, 4 and, in the resumed run, 6 from the checkpoint's."""
     model = make_net()
-    optimizer = thin_optimizer(model, inv_update_steps=4)
-    for step in range(5):  # decomposed at steps 0 and 4; the resumed steps 5-7 use those bases
+    optimizer = thin_optimizer(model, refresh=refresh, inv_update_steps=inv_update_steps)
+    for step in range(5):
         eigen_adam_step(model, optimizer, step)
     saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
     assert {"v", "t", "w"} <= set(saved_optimizer["kfac"]["blocks"]["hidden"]["method_state"])
@@ -297,7 +380,7 @@ def test_capped_state_resumes_bit_identically_from_a_checkpoint() -> None:
 
     resumed = make_net(seed=1)
     resumed.load_state_dict(saved_model)
-    resumed_optimizer = thin_optimizer(resumed, inv_update_steps=4)
+    resumed_optimizer = thin_optimizer(resumed, refresh=refresh, inv_update_steps=inv_update_steps)
     resumed_optimizer.load_state_dict(saved_optimizer)
     for step in range(5, 8):
         eigen_adam_step(resumed, resumed_optimizer, step)

@@ -37,8 +37,9 @@ import torch
 from torch import Tensor
 
 from kfac_optim import linalg
-from kfac_optim.schedule import costs
 from kfac_optim.methods.decompositions import Decomposer, Decomposition, EigenDecomposer, FactorView, InverseDecomposer
+from kfac_optim.methods.power_refresh import PowerRefreshDecomposer
+from kfac_optim.schedule import costs
 
 
 class Basis(Enum):
@@ -345,6 +346,10 @@ def unrotate(rotated: Tensor, a: FactorView, g: FactorView, scratch: Tensor) -> 
     return g.decomposition.Q @ torch.matmul(rotated, a.decomposition.Q.mT, out=scratch)
 
 
+REFRESHES: dict[str, type[EigenDecomposer]] = {"eigh": EigenDecomposer, "power": PowerRefreshDecomposer}
+""":class:`EigenAdam`'s ``refresh`` choices: how a held basis is refreshed at a decomposition step."""
+
+
 @dataclass(frozen=True, repr=True)
 class EigenAdam(Eigen):
     """Adam's second moment in K-FAC's eigenbasis: the eigenvalue-corrected K-FAC of George et al.
@@ -391,6 +396,16 @@ class EigenAdam(Eigen):
     of ``R`` and ``O`` over the roots. State per block: ``v`` (shaped as ``R``, in the decomposition
     dtype), ``t``, ``w`` (shaped as the joint gradient) when a side is capped, and ``m`` (shaped as
     the joint gradient) with ``beta1``.
+
+    ``refresh`` (keyword, :data:`REFRESHES`): how a held basis is refreshed at a decomposition step.
+    ``"eigh"`` (the default): decomposed afresh (``eigh``, or the cap's randomized eigensolver), its
+    columns in ascending order of the eigenvalues. ``"power"``: SOAP's refresh, one step of orthogonal
+    iteration warm-started from the basis held, ``Q ← QR(F·Q)`` with the columns orthonormalized in
+    the order of their estimated eigenvalues and each written back to its slot, so ``v`` stays
+    aligned with it unpermuted (``kfac_optim.methods.power_refresh``; the first decomposition, and a
+    restore that holds no basis, is ``"eigh"``'s). It costs one product and one QR (O(n²·max_rank)
+    on a capped side, against the eigensolver's three QRs; docs/tuning.md "EigenAdam's basis
+    refresh"), so the bases can follow the factors every few steps.
     """
 
     beta2: float = 0.95
@@ -398,6 +413,7 @@ class EigenAdam(Eigen):
     max_rank: int | None = field(default=EIGEN_ADAM_MAX_RANK, kw_only=True)
     thin_width: int = field(default=EIGEN_ADAM_THIN_WIDTH, kw_only=True)
     beta1: float | None = field(default=None, kw_only=True)
+    refresh: str = field(default="eigh", kw_only=True)
 
     name: ClassVar[str] = "eigen_adam"
     basis: ClassVar[Basis] = Basis.CAPPED
@@ -417,8 +433,10 @@ class EigenAdam(Eigen):
                 self.max_rank is not None and self.thin_width < self.max_rank):
             raise ValueError(f"EigenAdam thin_width must be an int >= max_rank ({self.max_rank}), "
                              f"got {self.thin_width!r}")
-        if self.max_rank is not None:
-            object.__setattr__(self, "decomposer", EigenDecomposer(self.max_rank, self.thin_width))
+        if self.refresh not in REFRESHES:
+            raise ValueError(f"EigenAdam refresh must be one of {sorted(REFRESHES)}, got {self.refresh!r}")
+        cap = (self.max_rank, self.thin_width) if self.max_rank is not None else (None, None)
+        object.__setattr__(self, "decomposer", REFRESHES[self.refresh](*cap))
 
     def outside_kfac(self) -> tuple[float, float] | None:
         """Adam's update with this method's ``(beta2, eps)`` (its directions have Adam's scale)."""
@@ -432,6 +450,20 @@ class EigenAdam(Eigen):
         """0 for a capped factor (thin: its rounding-floor eigenvalues dropped, at most ``max_rank``
         kept), None (the full basis) for every other: the damping does not enter."""
         return (0.0 if self._capped_in_pair(a, a, g) else None), (0.0 if self._capped_in_pair(g, a, g) else None)
+
+    def decomposition_cost(self, a: FactorView, g: FactorView) -> tuple[float, float]:
+        """``refresh="power"``: a dense factor's refresh at ``costs.POWER_REFRESH·n²·c`` per block (``c``:
+        ``max_rank`` on a capped side, else ``n``; the first decomposition's ``eigh`` is not counted);
+        ``"eigh"``: :class:`Eigen`'s."""
+        if self.refresh == "eigh":
+            return super().decomposition_cost(a, g)
+
+        def cost(factor: FactorView) -> float:
+            if self._capped_in_pair(factor, a, g):
+                return costs.POWER_REFRESH * float(factor.dim) ** 2 * self.max_rank
+            return _factor_cost(factor, costs.POWER_REFRESH)
+
+        return cost(a), cost(g)
 
     def precondition_cost(self, a: FactorView, g: FactorView) -> float:
         """Full rotations and Adam's elementwise update of the rotated gradient (about ten passes);

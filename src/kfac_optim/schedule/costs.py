@@ -63,6 +63,10 @@ RANGE = 25.0
 """The randomized range eigensolver (``linalg._top_eigh``, the eigenbasis cap) of an ``(n, n)``
 factor at ``c`` columns: ``RANGE·n²·c``."""
 
+POWER_REFRESH = 10.0
+"""One warm-started refresh of a basis of ``c`` columns of an ``(n, n)`` factor (``kfac_optim.methods.power_refresh``:
+a product and a QR): ``POWER_REFRESH·n²·c`` (measured: ``python -m benchmarks.power_refresh_cost``)."""
+
 ELEMENT = 50.0
 """One memory-bound pass over one element (read-modify-write of float32): copies, folds, scaling."""
 
