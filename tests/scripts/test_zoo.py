@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,76 @@ def test_the_budget_loss_is_that_of_the_last_step_done_within_it() -> None:
     run = zoo.Run("sgd", 0.1, 0, times=[1.0, 2.0, 3.0], test=[5.0, 4.0, 3.0], test_start=6.0, validation=3.0,
                   coverage=None)
     assert [zoo.loss_at(run, budget) for budget in (0.5, 1.0, 2.5, 9.0)] == [6.0, 5.0, 4.0, 3.0]
+
+
+def zoo_fake_run(name: str, lr: float, seed: int, steps: int, best_lr: float) -> zoo.Run:
+    """A run whose validation and test losses grow with the distance of ``lr`` from ``best_lr``."""
+    loss = 1.0 + abs(math.log10(lr / best_lr))
+    return zoo.Run(name, lr, seed, times=[0.1 * (k + 1) for k in range(steps)], test=[loss] * steps, test_start=3.0,
+                   validation=loss, coverage=None)
+
+
+def test_the_grid_grows_beyond_an_edge_while_the_choice_sits_there_and_stops_after_two_points(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    best = {"sgd": 10.0, "adamw": 3e-3}  # 2 points above SGD's grid (centre 0.1); AdamW's centre
+    monkeypatch.setattr(zoo, "train", lambda entry, name, lr, seed, steps, batch: zoo_fake_run(
+        name, lr, seed, steps, best[name]))
+    payload = zoo.main(["--models", "gpt2", "--optimizers", "sgd", "adamw", "--steps", "2", "--seeds", "1",
+                        "--out", str(tmp_path)])
+    sgd, adamw = payload["results"]["gpt2"]["sgd"], payload["results"]["gpt2"]["adamw"]
+    assert sgd["grid"] == [zoo.grid_lr("sgd", k) for k in range(-1, 4)] and sgd["lr"] == zoo.grid_lr("sgd", 3)
+    assert sgd["at_edge"]  # 10 is one point beyond the grid's bound (two extensions)
+    assert adamw["grid"] == [zoo.grid_lr("adamw", k) for k in (-1, 0, 1)] and adamw["lr"] == 3e-3
+    assert not adamw["at_edge"]
+
+
+def zoo_counting_train(monkeypatch: pytest.MonkeyPatch, fail_on: str | None = None) -> list[str]:
+    """Replace the zoo's ``train`` by a fake run; the names it was called with (``fail_on``: raise for it)."""
+    calls: list[str] = []
+
+    def fake(entry: object, name: str, lr: float, seed: int, steps: int, batch: int) -> zoo.Run:
+        if name == fail_on:
+            raise KeyboardInterrupt
+        calls.append(name)
+        return zoo_fake_run(name, lr, seed, steps, zoo.CENTRES[name])
+
+    monkeypatch.setattr(zoo, "train", fake)
+    return calls
+
+
+def test_each_finished_search_is_in_the_json_before_the_next_starts(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    zoo_counting_train(monkeypatch, fail_on="kfac")
+    with pytest.raises(KeyboardInterrupt):
+        zoo.main(["--models", "gpt2", "--optimizers", "sgd", "kfac", "--steps", "2", "--seeds", "1",
+                  "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "zoo.json").read_text())
+    assert set(saved["results"]["gpt2"]) == {"sgd"} and {r["optimizer"] for r in saved["runs"]} == {"sgd"}
+
+
+def test_a_rerun_into_the_same_folder_skips_the_searches_it_holds_and_refuses_other_settings(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls = zoo_counting_train(monkeypatch)
+    args = ["--models", "gpt2", "--steps", "2", "--seeds", "1", "--out", str(tmp_path), "--optimizers"]
+    first = zoo.main([*args, "sgd"])
+    again = zoo.main([*args, "sgd", "adamw"])
+    assert calls == ["sgd"] * 3 + ["adamw"] * 3
+    assert again["results"]["gpt2"]["sgd"] == {**first["results"]["gpt2"]["sgd"],
+                                               "equal_time": again["results"]["gpt2"]["sgd"]["equal_time"]}
+    assert len(again["runs"]) == 6
+    with pytest.raises(SystemExit):
+        zoo.main(["--models", "gpt2", "--steps", "3", "--seeds", "1", "--out", str(tmp_path), "--optimizers", "sgd"])
+
+
+def test_the_goals_count_the_models_where_kfac_is_at_or_below_its_peer() -> None:
+    def s(final: float, equal_time: float, step_s: float = 1.0, start: float = 2.0) -> dict[str, float]:
+        return {"final": final, "equal_time": equal_time, "step_s": step_s, "start": start}
+
+    results = {"a": {"sgd": s(1.0, 1.0), "kfac": s(0.5, 1.5), "adamw": s(1.0, 1.0), "eigen_adam": s(1.0, 1.0, 3.0)},
+               "b": {"sgd": s(1.0, 1.0), "kfac": s(2.5, 2.5), "adamw": s(1.0, 1.0), "eigen_adam": s(0.9, 1.0, 2.0)}}
+    lines = zoo.goals(results)
+    assert lines[0].startswith("- drop-in ≤ SGD after equal steps: 1/2 (50%)") and lines[0].endswith("above on: b")
+    assert lines[1].startswith("- drop-in ≤ SGD after equal CPU time: 0/2 (0%)")
+    assert lines[2].startswith("- EigenAdam ≤ AdamW after equal steps: 2/2 (100%)")
+    assert "max 3.00×" in lines[3] and lines[3].endswith("over: a 3.00×")
+    assert lines[4].endswith("b kfac 2 → 2.5 (goal: never)")
