@@ -1,7 +1,9 @@
 """K-FAC against its peers on the zoo's real architectures (``python -m benchmarks.zoo``).
 
 Usage: ``python -m benchmarks.zoo [--models gpt2 tv_resnet18 ...] [--optimizers sgd kfac ...]
-[--steps 20] [--seeds 3] [--batch 16] [--out runs/zoo]``.
+[--steps 20] [--seeds 3] [--batch 16] [--out runs/zoo]``; a run in pieces (say, one per family, or
+the cheap optimizers first): each piece into its own ``--out`` (or the same, one after another), then
+``python -m benchmarks.zoo --out ALL --merge PIECE1 PIECE2 ...`` joins their files into one table.
 
 Per model of :data:`benchmarks.zoo.models.ZOO` (those whose library imports) and per optimizer:
 
@@ -43,6 +45,7 @@ import json
 import logging
 import math
 import re
+import statistics
 import time
 import warnings
 from collections.abc import Iterator
@@ -252,6 +255,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/zoo"))
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="FOLDER",
+                        help="train nothing: join these folders' zoo.json (a run made in pieces) into --out's table")
     args = parser.parse_args(argv)
     with quiet_runs(args.threads):
         return _compare(args, parser)
@@ -278,9 +283,13 @@ RESUME_KEYS = ("steps", "seeds", "batch")
 """The settings a rerun into the same ``--out`` must share with the runs it resumes."""
 
 
-def _load(path: Path, args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The summaries and runs already in ``path`` (none if it does not exist); refuses other settings."""
+def _load(path: Path, args: argparse.Namespace, parser: argparse.ArgumentParser,
+          required: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The summaries and runs already in ``path`` (none if it does not exist and not ``required``); refuses
+    other settings."""
     if not path.exists():
+        if required:
+            parser.error(f"{path} does not exist")
         return {}, []
     saved = json.loads(path.read_text())
     differ = [k for k in RESUME_KEYS if saved["settings"].get(k) != str(getattr(args, k))]
@@ -335,7 +344,7 @@ def goals(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     ratios = {m: results[m]["eigen_adam"]["step_s"] / results[m]["adamw"]["step_s"] for m in models}
     over = [f"{m} {r:.2f}×" for m, r in ratios.items() if r > 2.5]
     if ratios:
-        lines.append(f"- EigenAdam's step / AdamW's: median {sorted(ratios.values())[len(ratios) // 2]:.2f}×, "
+        lines.append(f"- EigenAdam's step / AdamW's: median {statistics.median(ratios.values()):.2f}×, "
                      f"max {max(ratios.values()):.2f}× (goal ≤ 2.5× on every model); over: {', '.join(over) or 'none'}")
     trained = [m for m in pairs("adamw", "adamw") if results[m]["adamw"]["final"] < results[m]["adamw"]["start"]]
     failed = [f"{m} {name} {results[m][name]['start']:.3g} → {results[m][name]['final']:.3g}"
@@ -344,6 +353,30 @@ def goals(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     lines.append(f"- K-FAC (drop-in or EigenAdam) ends at or above its starting loss where AdamW trains "
                  f"({len(trained)} models): {', '.join(failed) or 'never'} (goal: never)")
     return lines
+
+
+def by_family(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """A Markdown table per model family: on how many of its models the drop-in ends at or below SGD and
+    EigenAdam at or below AdamW (after equal steps; at equal CPU time), and the median step ratios."""
+    def count(models: list[str], a: str, b: str, key: str) -> str:
+        both = [m for m in models if a in results[m] and b in results[m]]
+        return f"{sum(results[m][a][key] <= results[m][b][key] for m in both)}/{len(both)}"
+
+    def ratio(models: list[str], a: str, b: str) -> str:
+        values = [results[m][a]["step_s"] / results[m][b]["step_s"] for m in models if a in results[m] and b in results[m]]
+        return f"{statistics.median(values):.2g}×" if values else "n/a"
+
+    families: dict[str, list[str]] = {}
+    for model in results:
+        families.setdefault(ZOO[model].family, []).append(model)
+    lines = ["| family | models | drop-in ≤ SGD (steps; time) | EigenAdam ≤ AdamW (steps; time) | "
+             "drop-in step / SGD's | EigenAdam step / AdamW's |", "|---|---|---|---|---|---|"]
+    for family, models in families.items():
+        lines.append(f"| {family} | {', '.join(models)} | {count(models, 'kfac', 'sgd', 'final')}; "
+                     f"{count(models, 'kfac', 'sgd', 'equal_time')} | {count(models, 'eigen_adam', 'adamw', 'final')}; "
+                     f"{count(models, 'eigen_adam', 'adamw', 'equal_time')} | {ratio(models, 'kfac', 'sgd')} | "
+                     f"{ratio(models, 'eigen_adam', 'adamw')} |")
+    return "\n".join(lines) + "\n"
 
 
 def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -362,6 +395,8 @@ def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[
         tqdm.write(note)
     path = args.out / "zoo.json"
     results, every_run = _load(path, args, parser)
+    if args.merge:
+        return _merge(args, parser, results, every_run)
     todo = [(m, o) for m in models for o in optimizers if o not in results.get(m, {})]
     settings = {k: str(v) for k, v in vars(args).items()}
     payload: dict[str, Any] = {"settings": settings, "notes": notes, "results": results, "runs": every_run}
@@ -385,14 +420,34 @@ def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[
     return payload
 
 
+def _merge(args: argparse.Namespace, parser: argparse.ArgumentParser, results: dict[str, Any],
+           every_run: list[dict[str, Any]]) -> dict[str, Any]:
+    """``--merge``: the searches of the named folders joined to those in ``--out`` (a search in two: an error)."""
+    for folder in args.merge:
+        more, runs = _load(folder / "zoo.json", args, parser, required=True)
+        twice = [f"{m}/{o}" for m, by_optimizer in more.items() for o in by_optimizer if o in results.get(m, {})]
+        if twice:
+            parser.error(f"{folder} repeats searches already joined: {twice}")
+        for model, by_optimizer in more.items():
+            results.setdefault(model, {}).update(by_optimizer)
+        every_run += runs
+    settle(results, every_run, args.steps)
+    payload = {"settings": {k: str(v) for k, v in vars(args).items()}, "notes": [], "results": results,
+               "runs": every_run}
+    _report(args.out, payload)
+    print(payload["table"])  # noqa: T201 (a command-line report)
+    return payload
+
+
 def _report(out: Path, payload: dict[str, Any]) -> None:
     """The table, the goals and the plot of everything in ``payload`` so far (the JSON gets them too)."""
-    results = payload["results"]
+    results = {m: payload["results"][m] for m in ZOO if m in payload["results"]}  # the zoo's order
     optimizers = [o for o in (*OPTIMIZERS, *VARIANTS) if any(o in r for r in results.values())]
     payload["table"], payload["goals"] = _table(results, optimizers), goals(results)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "zoo.md").write_text(
         "Cells: test loss after equal steps / at equal CPU time (the mean step's CPU time against SGD's; the "
         "chosen lr, * at the grid's edge; K-FAC's coverage)\n\n" + payload["table"] + "\nGoals:\n\n"
-        + "\n".join(payload["goals"]) + "\n")
+        + "\n".join(payload["goals"]) + "\n\nBy family (median step ratios):\n\n" + by_family(results))
     _write_json(out / "zoo.json", payload)
     _figure(results, optimizers).savefig(out / "zoo.png", dpi=120)

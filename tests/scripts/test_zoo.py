@@ -7,8 +7,11 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
-from benchmarks.zoo import available
+from benchmarks.zoo import ZOO, available
+from benchmarks.zoo import models as zoo_models
+from benchmarks.zoo.models import CHANNELS, IMAGE, IMAGE_CLASSES
 from benchmarks.zoo import run as zoo
 
 
@@ -95,15 +98,42 @@ def test_a_rerun_into_the_same_folder_skips_the_searches_it_holds_and_refuses_ot
         zoo.main(["--models", "gpt2", "--steps", "3", "--seeds", "1", "--out", str(tmp_path), "--optimizers", "sgd"])
 
 
-def test_the_goals_count_the_models_where_kfac_is_at_or_below_its_peer() -> None:
+def test_the_goals_and_the_family_rows_count_the_models_where_kfac_is_at_or_below_its_peer() -> None:
     def s(final: float, equal_time: float, step_s: float = 1.0, start: float = 2.0) -> dict[str, float]:
         return {"final": final, "equal_time": equal_time, "step_s": step_s, "start": start}
 
-    results = {"a": {"sgd": s(1.0, 1.0), "kfac": s(0.5, 1.5), "adamw": s(1.0, 1.0), "eigen_adam": s(1.0, 1.0, 3.0)},
-               "b": {"sgd": s(1.0, 1.0), "kfac": s(2.5, 2.5), "adamw": s(1.0, 1.0), "eigen_adam": s(0.9, 1.0, 2.0)}}
+    results = {"gpt2": {"sgd": s(1.0, 1.0), "kfac": s(0.5, 1.5), "adamw": s(1.0, 1.0), "eigen_adam": s(1.0, 1.0, 3.0)},
+               "llama": {"sgd": s(1.0, 1.0), "kfac": s(2.5, 2.5), "adamw": s(1.0, 1.0), "eigen_adam": s(0.9, 1.0, 2.0)}}
     lines = zoo.goals(results)
-    assert lines[0].startswith("- drop-in ≤ SGD after equal steps: 1/2 (50%)") and lines[0].endswith("above on: b")
+    assert lines[0].startswith("- drop-in ≤ SGD after equal steps: 1/2 (50%)") and lines[0].endswith("above on: llama")
     assert lines[1].startswith("- drop-in ≤ SGD after equal CPU time: 0/2 (0%)")
     assert lines[2].startswith("- EigenAdam ≤ AdamW after equal steps: 2/2 (100%)")
-    assert "max 3.00×" in lines[3] and lines[3].endswith("over: a 3.00×")
-    assert lines[4].endswith("b kfac 2 → 2.5 (goal: never)")
+    assert "max 3.00×" in lines[3] and lines[3].endswith("over: gpt2 3.00×")
+    assert lines[4].endswith("llama kfac 2 → 2.5 (goal: never)")
+    # per family: EigenAdam's equal-time 1.0 ties AdamW's on both models (ties count); its step ratios 3 and 2
+    assert "| decoder | gpt2, llama | 1/2; 0/2 | 2/2; 2/2 | 1× | 2.5× |" in zoo.by_family(results)
+
+
+def test_pieces_run_into_two_folders_join_into_one_table_and_a_search_in_both_is_refused(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    zoo_counting_train(monkeypatch)
+    common = ["--models", "gpt2", "--steps", "2", "--seeds", "1"]
+    sgd = zoo.main([*common, "--optimizers", "sgd", "--out", str(tmp_path / "a")])
+    adamw = zoo.main([*common, "--optimizers", "adamw", "--out", str(tmp_path / "b")])
+    joined = zoo.main([*common, "--out", str(tmp_path / "all"), "--merge", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert joined["results"]["gpt2"]["sgd"]["final"] == sgd["results"]["gpt2"]["sgd"]["final"]
+    assert joined["results"]["gpt2"]["adamw"]["final"] == adamw["results"]["gpt2"]["adamw"]["final"]
+    assert joined["runs"] == sgd["runs"] + adamw["runs"]
+    assert "| gpt2 | decoder |" in (tmp_path / "all" / "zoo.md").read_text()
+    with pytest.raises(SystemExit):
+        zoo.main([*common, "--out", str(tmp_path / "twice"), "--merge", str(tmp_path / "a"), str(tmp_path / "a")])
+
+
+def test_the_image_teacher_labels_by_colour_alone_and_uses_every_class() -> None:
+    batch = ZOO["tv_vit"].batch(256, torch.Generator().manual_seed(0))
+    x, labels = batch.args[0], batch.target
+    assert x.shape == (256, CHANNELS, IMAGE, IMAGE) and set(labels.tolist()) == set(range(IMAGE_CLASSES))
+    # the documented rule: the argmax of the teacher's fixed linear map of the channel means
+    assert torch.equal(labels, (x.mean((2, 3)) @ zoo_models._projection(CHANNELS, IMAGE_CLASSES)).argmax(-1))
+    moved = x.roll((3, 5), (2, 3))  # the same picture elsewhere: the same means
+    assert torch.allclose(moved.mean((2, 3)), x.mean((2, 3)), atol=1e-6)
