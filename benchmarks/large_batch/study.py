@@ -139,13 +139,12 @@ def selection_key(run: Run) -> tuple[float, float]:
     return to_target(run, "val"), -final_val
 
 
-MAX_EXTENSIONS = 2
-"""How many rates a grid may grow by while its chosen lr sits at an edge (as ``benchmarks.zoo``'s)."""
+MAX_EXTENSIONS = optimizers.MAX_EXTENSIONS
 
 
 def rate(name: str, k: int) -> float:
     """Point ``k`` of optimizer ``name``'s grid, ``centre·10^(k/2)`` (``optimizers.lr_grid``'s points)."""
-    return float(f"{optimizers.CENTRES[name] * 10 ** (k / 2):.3g}")
+    return optimizers.grid_rate(optimizers.CENTRES[name], k)
 
 
 def search(run_all: Callable[[list[RunSpec]], list[Run]], task: str, names: list[str], batches: list[int],
@@ -160,18 +159,11 @@ def search(run_all: Callable[[list[RunSpec]], list[Run]], task: str, names: list
         for key, run in zip(todo, run_all([RunSpec(task, n, b, rate(n, k), 0, max_steps) for n, b, k in todo]),
                             strict=True):
             runs[key] = run
-        if extension == MAX_EXTENSIONS or points == 1:
+        if extension == MAX_EXTENSIONS:
             break
-        grown = False
-        for (n, b), ks in grids.items():
-            best = min(ks, key=lambda k: selection_key(runs[(n, b, k)]))
-            if best == ks[0]:
-                ks.insert(0, ks[0] - 1)
-                grown = True
-            elif best == ks[-1]:
-                ks.append(ks[-1] + 1)
-                grown = True
-        if not grown:
+        grown = [optimizers.extend_at_edge(ks, min(ks, key=lambda k: selection_key(runs[(n, b, k)])))
+                 for (n, b), ks in grids.items()]
+        if not any(grown):
             break
     chosen = {(n, b): min((runs[(n, b, k)] for k in ks), key=selection_key) for (n, b), ks in grids.items()}
     return list(runs.values()), chosen

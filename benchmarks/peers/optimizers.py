@@ -110,9 +110,32 @@ CENTRES = {"sgd": 0.3, "adamw": 3e-3, "muon": 1e-2, "kfac": 3e-3, "soap": 3e-3, 
            "kfac_soap_m_freq": 3e-3, "kfac_soap_m_qr1": 3e-3, "kfac_soap_m_qr2": 3e-3, "kfac_soap_m_qr5": 3e-3}
 
 
+def grid_rate(centre: float, k: int) -> float:
+    """Point ``k`` of the grid around ``centre``: ``centre·10^(k/2)`` to 3 significant digits."""
+    return float(f"{centre * 10 ** (k / 2):.3g}")
+
+
 def lr_grid(name: str, points: int) -> list[float]:
     """The ``points`` learning rates of optimizer ``name`` (see the module docstring)."""
-    return [float(f"{CENTRES[name] * 10 ** (k / 2):.3g}") for k in range(-(points // 2), points - points // 2)]
+    return [grid_rate(CENTRES[name], k) for k in range(-(points // 2), points - points // 2)]
+
+
+MAX_EXTENSIONS = 2
+"""How many rates a grid may grow by while its chosen lr sits at an edge (``extend_at_edge``)."""
+
+
+def extend_at_edge(ks: list[int], best: int) -> bool:
+    """The edge rule of every lr search: when ``best`` is the first or last of the grid ``ks`` (consecutive
+    point indices, ascending, more than one), add the next point beyond it; whether ``ks`` grew."""
+    if len(ks) < 2:
+        return False
+    if best == ks[0]:
+        ks.insert(0, ks[0] - 1)
+        return True
+    if best == ks[-1]:
+        ks.append(ks[-1] + 1)
+        return True
+    return False
 
 
 def available(name: str) -> bool:

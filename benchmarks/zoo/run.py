@@ -1,7 +1,9 @@
 """K-FAC against its peers on the zoo's real architectures (``python -m benchmarks.zoo``).
 
 Usage: ``python -m benchmarks.zoo [--models gpt2 tv_resnet18 ...] [--optimizers sgd kfac ...]
-[--steps 20] [--seeds 3] [--batch 16] [--out runs/zoo]``.
+[--steps 20] [--seeds 3] [--batch 16] [--out runs/zoo]``; a run in pieces (say, one per family, or
+the cheap optimizers first): each piece into its own ``--out`` (or the same, one after another), then
+``python -m benchmarks.zoo --out ALL --merge PIECE1 PIECE2 ...`` joins their files into one table.
 
 Per model of :data:`benchmarks.zoo.models.ZOO` (those whose library imports) and per optimizer:
 
@@ -13,9 +15,10 @@ Per model of :data:`benchmarks.zoo.models.ZOO` (those whose library imports) and
   (as Muon's documentation says), on AdamW's grid; ``soap``: heavyball's SOAP (eager), skipped with a
   note when heavyball does not import. The builders are ``benchmarks.peers.optimizers``'.
 - The lr grid rule, the same for all: 3 points ``centre·10^(k/2)``, k = -1, 0, 1 around the family's
-  centre (:data:`CENTRES`), extended by one point (up to :data:`MAX_EXTENSIONS` times) while the chosen
-  lr sits at an edge. The lr is chosen by the mean over seeds of the loss on a validation batch set
-  after ``--steps`` steps; the figures are on a separate test batch set.
+  centre (:data:`CENTRES`), extended by one point (up to ``MAX_EXTENSIONS`` times) while the chosen
+  lr sits at an edge (``benchmarks.peers.optimizers.extend_at_edge``, ``benchmarks.large_batch``'s
+  rule). The lr is chosen by the mean over seeds of the loss on a validation batch set after
+  ``--steps`` steps; the figures are on a separate test batch set.
 - Every run trains ``--steps`` steps on the same batches per seed (``ZooModel.batch`` from a seeded
   generator), timing only the training steps (forward, backward, ``step()``: the thread's CPU time,
   one thread), and scores the test set after each step.
@@ -24,17 +27,25 @@ Per model of :data:`benchmarks.zoo.models.ZOO` (those whose library imports) and
   it); the mean step's CPU time against SGD's; K-FAC's coverage (the share of weight-matrix elements
   it preconditions, from ``describe()``); whether the chosen lr sits at the grid's edge.
 
-Writes ``<out>/zoo.json`` (every run), ``<out>/zoo.md`` (the table) and ``<out>/zoo.png`` (the
-equal-step and equal-time losses against SGD's).
+- The goals: on how many models the drop-in ends at or below SGD (equal steps, equal CPU time), EigenAdam
+  at or below AdamW (equal steps), EigenAdam's step against AdamW's, and where a K-FAC optimizer ends above
+  its starting loss while AdamW ends below its own (:func:`goals`).
+
+Writes ``<out>/zoo.json`` (every run) after each (model, optimizer) search, so that an interrupted run
+keeps what it finished; a rerun with the same ``--out`` (and the same ``--steps``, ``--seeds`` and
+``--batch``) skips the searches already in it. ``<out>/zoo.md`` (the table and the goals) and
+``<out>/zoo.png`` (the equal-step and equal-time losses against SGD's) are rewritten after each model.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import math
 import re
+import statistics
 import time
 import warnings
 from collections.abc import Iterator
@@ -48,15 +59,13 @@ from torch import nn
 from tqdm import tqdm
 
 import kfac_optim
-from benchmarks.output import write_json_and_plot
-from benchmarks.peers.optimizers import OptimizerPair, available as peer_available, build_kfac
+from benchmarks.peers.optimizers import (MAX_EXTENSIONS, OptimizerPair, available as peer_available, build_kfac,
+                                         extend_at_edge, grid_rate)
 from benchmarks.zoo.models import ZOO, ZooModel, available
 
 OPTIMIZERS = ("sgd", "kfac", "adamw", "eigen_adam", "muon", "soap")
 CENTRES = {"sgd": 0.1, "kfac": 0.1, "adamw": 3e-3, "eigen_adam": 3e-3, "muon": 3e-3, "soap": 3e-3, "eigen_adam_m": 3e-3}
 """The centre of each family's grid: the drop-in shares SGD's, EigenAdam and Muon (at AdamW's RMS) AdamW's."""
-MAX_EXTENSIONS = 2
-"""How many points a grid may grow by while its best lr sits at an edge."""
 VALIDATION_SEED, TEST_SEED, BATCHES = 10_001, 20_002, 2
 DROP_IN: dict[str, Any] = {"momentum": 0.9}
 EIGEN_ADAM: dict[str, Any] = {"momentum": 0.9, "dampening": 0.9, "method": "eigen_adam", "kl_clip": None}
@@ -68,7 +77,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def grid_lr(name: str, k: int) -> float:
     """Point ``k`` of optimizer ``name``'s grid, ``centre·10^(k/2)``."""
-    return float(f"{CENTRES[name] * 10 ** (k / 2):.3g}")
+    return grid_rate(CENTRES[name], k)
 
 
 def _muon(model: nn.Module, lr: float) -> OptimizerPair:
@@ -181,27 +190,25 @@ def _mean(values: list[float]) -> float:
 def choose(entry: ZooModel, name: str, args: argparse.Namespace, bar: tqdm) -> tuple[list[Run], dict[str, Any]]:
     """The grid search of optimizer ``name`` on ``entry``: every run, and the chosen lr's summary."""
     runs: dict[int, list[Run]] = {}
-
-    def score(k: int) -> float:
-        if k not in runs:
-            runs[k] = []
-            for seed in range(args.seeds):
-                runs[k].append(train(entry, name, grid_lr(name, k), seed, args.steps, args.batch))
-                bar.update(1)
-        return _mean([run.validation for run in runs[k]])
-
-    low, high = -1, 1
+    ks = [-1, 0, 1]
     for extension in range(MAX_EXTENSIONS + 1):
-        best = min(range(low, high + 1), key=score)
-        if best not in (low, high) or extension == MAX_EXTENSIONS:
+        for k in ks:
+            if k not in runs:
+                runs[k] = []
+                for seed in range(args.seeds):
+                    runs[k].append(train(entry, name, grid_lr(name, k), seed, args.steps, args.batch))
+                    bar.update(1)
+        best = min(ks, key=lambda k: _mean([run.validation for run in runs[k]]))
+        if extension == MAX_EXTENSIONS or not extend_at_edge(ks, best):
             break
-        low, high = (low - 1, high) if best == low else (low, high + 1)
         bar.total += args.seeds
+    low, high = ks[0], ks[-1]
     chosen = runs[best]
     summary = {"lr": grid_lr(name, best), "at_edge": best in (low, high),
                "grid": [grid_lr(name, k) for k in range(low, high + 1)],
                "final": _mean([run.test[-1] for run in chosen]), "start": _mean([run.test_start for run in chosen]),
-               "step_s": _mean([run.times[-1] / args.steps for run in chosen]), "coverage": chosen[0].coverage}
+               "step_s": _mean([run.times[-1] / args.steps for run in chosen]), "coverage": chosen[0].coverage,
+               "diverged_runs": sum(not math.isfinite(run.test[-1]) for group in runs.values() for run in group)}
     return [run for group in runs.values() for run in group], {**summary, "runs": chosen}
 
 
@@ -248,6 +255,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/zoo"))
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="FOLDER",
+                        help="train nothing: join these folders' zoo.json (a run made in pieces) into --out's table")
     args = parser.parse_args(argv)
     with quiet_runs(args.threads):
         return _compare(args, parser)
@@ -270,8 +279,108 @@ def quiet_runs(threads: int) -> Iterator[None]:
         library_logger.setLevel(level)
 
 
+RESUME_KEYS = ("steps", "seeds", "batch")
+"""The settings a rerun into the same ``--out`` must share with the runs it resumes."""
+
+
+def _load(path: Path, args: argparse.Namespace, parser: argparse.ArgumentParser,
+          required: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The summaries and runs already in ``path`` (none if it does not exist and not ``required``); refuses
+    other settings."""
+    if not path.exists():
+        if required:
+            parser.error(f"{path} does not exist")
+        return {}, []
+    saved = json.loads(path.read_text())
+    differ = [k for k in RESUME_KEYS if saved["settings"].get(k) != str(getattr(args, k))]
+    if differ:
+        parser.error(f"{path} holds runs with other {differ}; pass the same values or another --out")
+    return saved["results"], saved["runs"]
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    """``payload`` into ``path`` whole or not at all (a temporary file renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(payload, indent=1))
+    partial.replace(path)
+
+
+def settle(results: dict[str, dict[str, dict[str, Any]]], every_run: list[dict[str, Any]], steps: int) -> None:
+    """Per model, the figures that compare its optimizers (in place): ``equal_time``, the mean test loss of
+    the chosen lr's runs at the smallest mean training time among the optimizers searched so far, and
+    ``step_ratio``, the mean step's CPU time against SGD's."""
+    for model, by_optimizer in results.items():
+        chosen = {name: [Run(**{k: v for k, v in r.items() if k != "model"}) for r in every_run
+                         if r["model"] == model and r["optimizer"] == name and r["lr"] == s["lr"]]
+                  for name, s in by_optimizer.items()}
+        budget = min(s["step_s"] * steps for s in by_optimizer.values())
+        sgd_step = by_optimizer["sgd"]["step_s"] if "sgd" in by_optimizer else None
+        for name, summary in by_optimizer.items():
+            summary["equal_time"] = _mean([loss_at(run, budget) for run in chosen[name]])
+            summary["step_ratio"] = summary["step_s"] / sgd_step if sgd_step else math.nan
+
+
+def _share(wins: int, total: int) -> str:
+    return f"{wins}/{total} ({wins / total:.0%})" if total else "0/0"
+
+
+def goals(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """The issue's goals read off ``settle``d results, one line each (models that lack an optimizer a goal
+    names are left out of that goal's count)."""
+    def pairs(a: str, b: str) -> list[str]:
+        return [m for m, r in results.items() if a in r and b in r]
+
+    lines = []
+    for key, clock, need in (("final", "equal steps", 0.9), ("equal_time", "equal CPU time", 0.75)):
+        models = pairs("kfac", "sgd")
+        wins = [m for m in models if results[m]["kfac"][key] <= results[m]["sgd"][key]]
+        lines.append(f"- drop-in ≤ SGD after {clock}: {_share(len(wins), len(models))} (goal ≥ {need:.0%}); "
+                     f"above on: {', '.join(m for m in models if m not in wins) or 'none'}")
+    models = pairs("eigen_adam", "adamw")
+    wins = [m for m in models if results[m]["eigen_adam"]["final"] <= results[m]["adamw"]["final"]]
+    lines.append(f"- EigenAdam ≤ AdamW after equal steps: {_share(len(wins), len(models))} (goal ≥ 90%); "
+                 f"above on: {', '.join(m for m in models if m not in wins) or 'none'}")
+    ratios = {m: results[m]["eigen_adam"]["step_s"] / results[m]["adamw"]["step_s"] for m in models}
+    over = [f"{m} {r:.2f}×" for m, r in ratios.items() if r > 2.5]
+    if ratios:
+        lines.append(f"- EigenAdam's step / AdamW's: median {statistics.median(ratios.values()):.2f}×, "
+                     f"max {max(ratios.values()):.2f}× (goal ≤ 2.5× on every model); over: {', '.join(over) or 'none'}")
+    trained = [m for m in pairs("adamw", "adamw") if results[m]["adamw"]["final"] < results[m]["adamw"]["start"]]
+    failed = [f"{m} {name} {results[m][name]['start']:.3g} → {results[m][name]['final']:.3g}"
+              for m in trained for name in ("kfac", "eigen_adam")
+              if name in results[m] and not results[m][name]["final"] < results[m][name]["start"]]
+    lines.append(f"- K-FAC (drop-in or EigenAdam) ends at or above its starting loss where AdamW trains "
+                 f"({len(trained)} models): {', '.join(failed) or 'never'} (goal: never)")
+    return lines
+
+
+def by_family(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """A Markdown table per model family: on how many of its models the drop-in ends at or below SGD and
+    EigenAdam at or below AdamW (after equal steps; at equal CPU time), and the median step ratios."""
+    def count(models: list[str], a: str, b: str, key: str) -> str:
+        both = [m for m in models if a in results[m] and b in results[m]]
+        return f"{sum(results[m][a][key] <= results[m][b][key] for m in both)}/{len(both)}"
+
+    def ratio(models: list[str], a: str, b: str) -> str:
+        values = [results[m][a]["step_s"] / results[m][b]["step_s"] for m in models if a in results[m] and b in results[m]]
+        return f"{statistics.median(values):.2g}×" if values else "n/a"
+
+    families: dict[str, list[str]] = {}
+    for model in results:
+        families.setdefault(ZOO[model].family, []).append(model)
+    lines = ["| family | models | drop-in ≤ SGD (steps; time) | EigenAdam ≤ AdamW (steps; time) | "
+             "drop-in step / SGD's | EigenAdam step / AdamW's |", "|---|---|---|---|---|---|"]
+    for family, models in families.items():
+        lines.append(f"| {family} | {', '.join(models)} | {count(models, 'kfac', 'sgd', 'final')}; "
+                     f"{count(models, 'kfac', 'sgd', 'equal_time')} | {count(models, 'eigen_adam', 'adamw', 'final')}; "
+                     f"{count(models, 'eigen_adam', 'adamw', 'equal_time')} | {ratio(models, 'kfac', 'sgd')} | "
+                     f"{ratio(models, 'eigen_adam', 'adamw')} |")
+    return "\n".join(lines) + "\n"
+
+
 def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The runs of ``main``'s arguments: the table, the JSON and the plot."""
+    """The runs of ``main``'s arguments: the table, the JSON and the plot (module docstring)."""
     here = available()
     models = args.models or here
     unknown = [m for m in models if m not in ZOO]
@@ -284,29 +393,61 @@ def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[
         notes.append("soap: heavyball does not import here, skipped")
     for note in notes:
         tqdm.write(note)
-    results: dict[str, dict[str, dict[str, Any]]] = {}
-    every_run: list[dict[str, Any]] = []
-    bar = tqdm(total=len(models) * len(optimizers) * 3 * args.seeds, desc="zoo runs", unit="run")
+    path = args.out / "zoo.json"
+    results, every_run = _load(path, args, parser)
+    if args.merge:
+        return _merge(args, parser, results, every_run)
+    todo = [(m, o) for m in models for o in optimizers if o not in results.get(m, {})]
+    settings = {k: str(v) for k, v in vars(args).items()}
+    payload: dict[str, Any] = {"settings": settings, "notes": notes, "results": results, "runs": every_run}
+    bar = tqdm(total=len(todo) * 3 * args.seeds, desc="zoo runs", unit="run")
     for model in models:
         bar.set_postfix_str(model)
-        by_optimizer = {}
         for name in optimizers:
+            if (model, name) not in todo:
+                continue
             runs, summary = choose(ZOO[model], name, args, bar)
+            summary.pop("runs")
             every_run += [{"model": model, **run.__dict__} for run in runs]
-            by_optimizer[name] = summary
-        budget = min(s["step_s"] * args.steps for s in by_optimizer.values())
-        sgd_step = by_optimizer["sgd"]["step_s"] if "sgd" in by_optimizer else None
-        for summary in by_optimizer.values():
-            summary["equal_time"] = _mean([loss_at(run, budget) for run in summary.pop("runs")])
-            summary["step_ratio"] = summary["step_s"] / sgd_step if sgd_step else math.nan
-        results[model] = by_optimizer
+            results.setdefault(model, {})[name] = summary
+            settle(results, every_run, args.steps)
+            _write_json(path, payload)
+        if model in results:
+            _report(args.out, payload)
     bar.close()
-    table = _table(results, optimizers)
-    payload = {"settings": {k: str(v) for k, v in vars(args).items()}, "notes": notes, "results": results,
-               "runs": every_run}
-    write_json_and_plot(args.out, "zoo", payload, _figure(results, optimizers))
-    (args.out / "zoo.md").write_text(
-        "Cells: test loss after equal steps / at equal CPU time (the mean step's CPU time against SGD's; the "
-        "chosen lr, * at the grid's edge; K-FAC's coverage)\n\n" + table)
-    print(table)  # noqa: T201 (a command-line report)
+    _report(args.out, payload)
+    print(payload["table"])  # noqa: T201 (a command-line report)
     return payload
+
+
+def _merge(args: argparse.Namespace, parser: argparse.ArgumentParser, results: dict[str, Any],
+           every_run: list[dict[str, Any]]) -> dict[str, Any]:
+    """``--merge``: the searches of the named folders joined to those in ``--out`` (a search in two: an error)."""
+    for folder in args.merge:
+        more, runs = _load(folder / "zoo.json", args, parser, required=True)
+        twice = [f"{m}/{o}" for m, by_optimizer in more.items() for o in by_optimizer if o in results.get(m, {})]
+        if twice:
+            parser.error(f"{folder} repeats searches already joined: {twice}")
+        for model, by_optimizer in more.items():
+            results.setdefault(model, {}).update(by_optimizer)
+        every_run += runs
+    settle(results, every_run, args.steps)
+    payload = {"settings": {k: str(v) for k, v in vars(args).items()}, "notes": [], "results": results,
+               "runs": every_run}
+    _report(args.out, payload)
+    print(payload["table"])  # noqa: T201 (a command-line report)
+    return payload
+
+
+def _report(out: Path, payload: dict[str, Any]) -> None:
+    """The table, the goals and the plot of everything in ``payload`` so far (the JSON gets them too)."""
+    results = {m: payload["results"][m] for m in ZOO if m in payload["results"]}  # the zoo's order
+    optimizers = [o for o in (*OPTIMIZERS, *VARIANTS) if any(o in r for r in results.values())]
+    payload["table"], payload["goals"] = _table(results, optimizers), goals(results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "zoo.md").write_text(
+        "Cells: test loss after equal steps / at equal CPU time (the mean step's CPU time against SGD's; the "
+        "chosen lr, * at the grid's edge; K-FAC's coverage)\n\n" + payload["table"] + "\nGoals:\n\n"
+        + "\n".join(payload["goals"]) + "\n\nBy family (median step ratios):\n\n" + by_family(results))
+    _write_json(out / "zoo.json", payload)
+    _figure(results, optimizers).savefig(out / "zoo.png", dpi=120)
