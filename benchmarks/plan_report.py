@@ -24,8 +24,8 @@ from kfac_optim.distributed.balance import imbalance
 from kfac_optim.distributed.grid import STRATEGIES
 from kfac_optim.distributed.plan import make_plan
 from kfac_optim.distributed.plan_memory import memory_per_rank
-from kfac_optim.distributed.work import WorkItem, item_costs
 from kfac_optim.distributed.strategy import block_work_items
+from kfac_optim.distributed.work import WorkItem, item_costs
 from kfac_optim.layers import discover_blocks
 from kfac_optim.optimizer import block_dims
 

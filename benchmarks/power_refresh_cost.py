@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from kfac_optim import linalg
-from kfac_optim.methods.decompositions import EigenDecomposer
 from kfac_optim.methods import EIGEN_ADAM_MAX_RANK, EIGEN_ADAM_THIN_WIDTH
+from kfac_optim.methods.decompositions import EigenDecomposer
 from kfac_optim.methods.power_refresh import PowerRefreshDecomposer
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import torchvision_problem
 
 

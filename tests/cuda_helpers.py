@@ -14,9 +14,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 from helpers import seeded_batch
+from torch import Tensor, nn
 
 DEVICE_VARIABLE = "KFAC_TEST_DEVICE"
 

@@ -8,9 +8,9 @@ than one test file). The distributed ones (spawning gloo ranks) are in tests/dis
 from __future__ import annotations
 
 import functools
-import io
 import importlib.metadata
 import importlib.util
+import io
 from types import ModuleType
 
 import pytest

@@ -111,7 +111,8 @@ def render(results: dict[str, Any]) -> str:
         lines += [f"Skipped (not installed): {', '.join(results['skipped'])}.", ""]
     for task, data in results["tasks"].items():
         lines += [f"### {task}: {STUDIES[task].task.description}, to {data['target']:.0%} test accuracy", "",
-                  "| batch | optimizer | lr | steps to target: median (seeds) | CPU ms/step | CPU s to target: median | vs best peer (steps / time) |",
+                  "| batch | optimizer | lr | steps to target: median (seeds) | CPU ms/step | CPU s to target: median "
+                  "| vs best peer (steps / time) |",
                   "|---|---|---|---|---|---|---|"]
         for batch in sorted({r["batch"] for r in data["rows"]}):
             rows = [r for r in data["rows"] if r["batch"] == batch]
@@ -123,7 +124,8 @@ def render(results: dict[str, Any]) -> str:
                          if math.isfinite(r["median_steps"]) and math.isfinite(best_steps) and math.isfinite(best_time)
                          else "-")
                 lines.append(f"| {batch} | {NAMES.get(r['optimizer'], r['optimizer'])} | {r['lr']:.3g} | "
-                             f"{_fmt(r['median_steps'])} ({', '.join(_fmt(s) for s in r['steps'])}) | {r['step_ms']:.1f} | "
+                             f"{_fmt(r['median_steps'])} ({', '.join(_fmt(s) for s in r['steps'])}) | "
+                             f"{r['step_ms']:.1f} | "
                              f"{_fmt(r['median_s'], 2)} | {ratio} |")
         lines += ["", "Critical batch (largest batch while doubling still cuts the steps by >= 1.5x): " + ", ".join(
             f"{NAMES.get(n, n)} {c if c is not None else 'never reached'}" for n, c in data["critical"].items()), ""]

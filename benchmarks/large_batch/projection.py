@@ -124,9 +124,11 @@ def render(projection: dict[str, Any]) -> list[str]:
              f"Assumed: {a['flops'] / 1e12:.0f} TFLOP/s effective training rate, {a['eigh_flops'] / 1e12:.1f} TFLOP/s "
              f"for eigendecompositions (9·n³ FLOPs each), {a['bandwidth'] / 1e9:.0f} GB/s per GPU, ring collectives, "
              f"{a['per_gpu_batch']} images per GPU, K-FAC intervals {a['factor_every']}/{a['inv_every']}, full "
-             f"eigenbases, grad_worker_fraction 1. Forward {projection['forward_gflops_per_sample']:.1f} GFLOP per image; "
+             f"eigenbases, grad_worker_fraction 1. Forward {projection['forward_gflops_per_sample']:.1f} GFLOP "
+             "per image; "
              f"gradients {b['gradient_broadcast_per_step_mem_opt'] / 1e6:.0f} MB, factors (packed) "
-             f"{b['factor_allreduce_packed'] / 1e6:.0f} MB, eigen decompositions {b['eigen_broadcast_f1'] / 1e6:.0f} MB "
+             f"{b['factor_allreduce_packed'] / 1e6:.0f} MB, "
+             f"eigen decompositions {b['eigen_broadcast_f1'] / 1e6:.0f} MB "
              "(benchmarks.comm_bytes). Time ratio at the seeds' epochs: K-FAC's "
              f"{a['kfac_epochs_ratio']:.2f}x SGD's epochs (as the seeds report) times the per-iteration ratio.", "",
              "| GPUs | global batch | SGD ms/iter | K-FAC ms/iter | precondition | statistics | decompositions | "
@@ -134,7 +136,8 @@ def render(projection: dict[str, Any]) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in projection["rows"]:
         lines.append(f"| {r['gpus']} | {r['global_batch']} | {1e3 * r['sgd_s']:.0f} | {1e3 * r['kfac_s']:.0f} | "
-                     f"{1e3 * r['precondition_s']:.1f} | {1e3 * r['statistics_s']:.1f} | {1e3 * r['decompositions_s']:.1f} | "
+                     f"{1e3 * r['precondition_s']:.1f} | {1e3 * r['statistics_s']:.1f} | "
+                     f"{1e3 * r['decompositions_s']:.1f} | "
                      f"{1e3 * r['kfac_communication_s']:.1f} | {r['per_iteration_ratio']:.2f}x | "
                      f"{r['break_even_steps_ratio']:.2f} | {r['time_ratio_at_seeds_epochs']:.2f}x |")
     return lines + [""]

@@ -85,7 +85,8 @@ def train(spec: RunSpec) -> Run:
         optimizer = optimizers.build(spec.optimizer, model, spec.lr, study.task)
         study.loss(model, *next(batches)).backward()  # untimed warm-up
         optimizer.zero_grad(set_to_none=True)
-        history = [{"step": 0, "time_s": 0.0, "val": study.accuracy(model, "val"), "test": study.accuracy(model, "test")}]
+        history = [{"step": 0, "time_s": 0.0, "val": study.accuracy(model, "val"),
+                    "test": study.accuracy(model, "test")}]
         spent, step, diverged = 0.0, 0, False
         closure_step = optimizers.needs_closure(spec.optimizer)
         sampled = isinstance(optimizer, kfac_optim.KFAC) and optimizer.options.curvature.fisher == "sampled"

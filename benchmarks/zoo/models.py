@@ -193,14 +193,15 @@ def _peft_lora(base: Callable[[], nn.Module], targets: list[str], **config: Any)
 
 def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
-        return importlib.import_module("timm").create_model(name, pretrained=False, num_classes=IMAGE_CLASSES, drop_rate=0.0,
-                                                            drop_path_rate=0.0, **kwargs)
+        return importlib.import_module("timm").create_model(name, pretrained=False, num_classes=IMAGE_CLASSES,
+                                                            drop_rate=0.0, drop_path_rate=0.0, **kwargs)
     return build
 
 
 def _torchvision(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
-        return getattr(importlib.import_module("torchvision.models"), name)(weights=None, num_classes=IMAGE_CLASSES, **kwargs)
+        models = importlib.import_module("torchvision.models")
+        return getattr(models, name)(weights=None, num_classes=IMAGE_CLASSES, **kwargs)
     return build
 
 
@@ -238,8 +239,8 @@ def _dit() -> nn.Module:
 def _entries() -> list[ZooModel]:
     lm, vision = causal_lm_loss, classification_loss
     text = _transformers_text
-    gpt2 = text("GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0, n_embd=32, n_layer=2, n_head=2,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    gpt2 = text("GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0,
+                n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     llama = text("LlamaConfig", "LlamaForCausalLM", **_LLAMA)
     return [
         # transformers: decoders, encoders, vision, state space
@@ -276,13 +277,15 @@ def _entries() -> list[ZooModel]:
         ZooModel("timm_resnet18", "convnet", "timm", _timm("resnet18", layers=(1, 1, 1, 1), channels=(16, 32, 64, 128)),
                  image_batch, vision),
         ZooModel("timm_mobilenetv3", "convnet", "timm", _timm("mobilenetv3_small_050"), image_batch, vision),
-        ZooModel("timm_convnext", "convnet", "timm", _timm("convnext_atto", depths=(1, 1, 1, 1), dims=(16, 32, 64, 128)),
+        ZooModel("timm_convnext", "convnet", "timm",
+                 _timm("convnext_atto", depths=(1, 1, 1, 1), dims=(16, 32, 64, 128)),
                  functools.partial(image_batch, size=32), vision),  # its stem and 3 downsamples divide by 32
         ZooModel("timm_efficientnet", "convnet", "timm", _timm("test_efficientnet"), image_batch, vision),
         ZooModel("timm_vit", "vit", "timm", _timm("vit_tiny_patch16_224", img_size=IMAGE, patch_size=4, depth=2,
                                                    embed_dim=32, num_heads=2), image_batch, vision),
-        ZooModel("timm_swin", "vit", "timm", _timm("swin_tiny_patch4_window7_224", img_size=IMAGE, patch_size=2, embed_dim=16,
-                                                    depths=(1, 1), num_heads=(1, 2), window_size=4), image_batch, vision),
+        ZooModel("timm_swin", "vit", "timm",
+                 _timm("swin_tiny_patch4_window7_224", img_size=IMAGE, patch_size=2, embed_dim=16, depths=(1, 1),
+                       num_heads=(1, 2), window_size=4), image_batch, vision),
         # diffusers
         ZooModel("unet2d", "unet", "diffusers", _unet, functools.partial(denoising_batch, size=8), denoising_loss),
         ZooModel("dit", "dit", "diffusers", _dit, functools.partial(denoising_batch, class_labels=True),

@@ -59,8 +59,8 @@ from torch import nn
 from tqdm import tqdm
 
 import kfac_optim
-from benchmarks.peers.optimizers import (MAX_EXTENSIONS, OptimizerPair, available as peer_available, build_kfac,
-                                         extend_at_edge, grid_rate)
+from benchmarks.peers.optimizers import MAX_EXTENSIONS, OptimizerPair, build_kfac, extend_at_edge, grid_rate
+from benchmarks.peers.optimizers import available as peer_available
 from benchmarks.zoo.models import ZOO, ZooModel, available
 
 OPTIMIZERS = ("sgd", "kfac", "adamw", "eigen_adam", "muon", "soap")
@@ -157,7 +157,8 @@ def train(entry: ZooModel, name: str, lr: float, seed: int, steps: int, batch_si
     model = entry.build()
     optimizer = build(name, model, lr)
     train_batches = _batches(entry, batch_size, 1000 + seed, steps)
-    validation, test = _batches(entry, batch_size, VALIDATION_SEED, BATCHES), _batches(entry, batch_size, TEST_SEED, BATCHES)
+    validation = _batches(entry, batch_size, VALIDATION_SEED, BATCHES)
+    test = _batches(entry, batch_size, TEST_SEED, BATCHES)
     times, losses, elapsed = [], [], 0.0
     start_loss = _mean_loss(entry, model, test)
     for batch in train_batches:
@@ -223,14 +224,16 @@ def _table(results: dict[str, dict[str, dict[str, Any]]], optimizers: list[str])
                 continue
             edge = "*" if s["at_edge"] else ""
             cov = f"; cov {s['coverage']:.0%}" if s["coverage"] is not None else ""
-            cells.append(f"{s['final']:.3g} / {s['equal_time']:.3g} ({s['step_ratio']:.2g}×; lr {s['lr']:g}{edge}{cov})")
+            cells.append(f"{s['final']:.3g} / {s['equal_time']:.3g} "
+                         f"({s['step_ratio']:.2g}×; lr {s['lr']:g}{edge}{cov})")
         lines.append(f"| {model} | {ZOO[model].family} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def _figure(results: dict[str, dict[str, dict[str, Any]]], optimizers: list[str]) -> Figure:
     figure = Figure(figsize=(max(6.0, 0.45 * len(results)), 6))
-    for row, key, title in ((0, "final", "loss after equal steps / SGD's"), (1, "equal_time", "loss at equal CPU time / SGD's")):
+    for row, key, title in ((0, "final", "loss after equal steps / SGD's"),
+                            (1, "equal_time", "loss at equal CPU time / SGD's")):
         axes = figure.add_subplot(2, 1, row + 1)
         models = list(results)
         for i, name in enumerate(optimizers):
@@ -363,7 +366,8 @@ def by_family(results: dict[str, dict[str, dict[str, Any]]]) -> str:
         return f"{sum(results[m][a][key] <= results[m][b][key] for m in both)}/{len(both)}"
 
     def ratio(models: list[str], a: str, b: str) -> str:
-        values = [results[m][a]["step_s"] / results[m][b]["step_s"] for m in models if a in results[m] and b in results[m]]
+        values = [results[m][a]["step_s"] / results[m][b]["step_s"]
+                  for m in models if a in results[m] and b in results[m]]
         return f"{statistics.median(values):.2g}×" if values else "n/a"
 
     families: dict[str, list[str]] = {}

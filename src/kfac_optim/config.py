@@ -34,14 +34,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kfac_optim.update.damping import AdaptiveDamping, check_damping
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES
-from kfac_optim.schedule.intervals import AutoIntervals, auto_of, check_interval
 from kfac_optim.layers import ConvStatistics, KroneckerBlock
 from kfac_optim.layers.conv_statistics import check_conv_statistics
 from kfac_optim.layers.registry import SkipLayers, check_block_overrides
 from kfac_optim.methods import Method, method_named
+from kfac_optim.schedule.intervals import AutoIntervals, auto_of, check_interval
+from kfac_optim.update.damping import AdaptiveDamping, check_damping
 
 IntSchedule = int | Callable[[int], int] | Literal["auto"] | AutoIntervals
 FloatSchedule = float | Callable[[int], float]

@@ -50,12 +50,12 @@ from kfac_optim.config import (
 )
 from kfac_optim.distributed.join import JoinSupport
 from kfac_optim.estimator.estimator import LARGE_FACTOR_DIM, KroneckerEstimator, block_dims, unwrap_model
-from kfac_optim.update.adam import outside_kfac_for
 from kfac_optim.layers import discover_blocks
 from kfac_optim.layers.positions import RealPositions
 from kfac_optim.methods import Method, method_named
 from kfac_optim.optimizer_views import KFACViews
 from kfac_optim.precision import MixedPrecision
+from kfac_optim.update.adam import outside_kfac_for
 from kfac_optim.update.sgd import sgd_update
 from kfac_optim.update.step_length import StepLength, TrustRegion, step_length_for
 

@@ -25,10 +25,10 @@ from kfac_optim.layers import KroneckerBlock, ModuleReport
 from kfac_optim.layers.attention import sequence_first_note
 
 if TYPE_CHECKING:
+    from kfac_optim.capture.hooks import Recording
     from kfac_optim.layers.factor import Factor
     from kfac_optim.layers.registry import Discovery
     from kfac_optim.methods import Method
-    from kfac_optim.capture.hooks import Recording
 
 logger = logging.getLogger(__name__)
 

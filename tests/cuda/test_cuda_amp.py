@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import running_factors
 from torch import Tensor, nn
 
-from helpers import running_factors
 from kfac_optim import KFAC
 from tests.cuda_helpers import cuda_check_batch, cuda_check_net, cuda_test_device, cuda_test_marks
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import running_factors
+
 from kfac_optim import KFAC
 from tests.cuda_helpers import (
     cpu_copies,

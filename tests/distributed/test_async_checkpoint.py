@@ -14,9 +14,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import seeded_batch
 from torch import nn
 
-from helpers import seeded_batch
 from kfac_optim import KFAC, AsyncConfig, RuntimeConfig
 
 STEPS = 12

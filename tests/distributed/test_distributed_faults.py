@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, RuntimeConfig
 from kfac_optim.schedule.milestones import MilestoneSchedule
-from tests.distributed_helpers import load_results, results_file, run_ranks
 from tests.distributed.test_distributed import STEPS, ddp_train, make_ddp_net, parameters, saved_factors
+from tests.distributed_helpers import load_results, results_file, run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 

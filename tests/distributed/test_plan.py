@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import import_torchvision
 
 from kfac_optim.distributed.balance import imbalance, load_lower_bound
 from kfac_optim.distributed.grid import resolve_grad_workers
@@ -21,7 +22,6 @@ from kfac_optim.distributed.plan_memory import memory_per_rank
 from kfac_optim.distributed.work import FACTORS, WorkItem, eigh_cost, work_items
 from kfac_optim.methods import DampedInverse, Eigen
 from kfac_optim.optimizer import block_dims
-from helpers import import_torchvision
 
 torch.set_num_threads(1)
 

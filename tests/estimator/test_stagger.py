@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import seeded_batch
 from torch import nn
 
-from helpers import seeded_batch
 from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.estimator.stagger import assign_phases
 

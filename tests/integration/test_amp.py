@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import running_factors, seeded_batch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers import running_factors, seeded_batch
 from kfac_optim import KFAC, CurvatureConfig, RuntimeConfig
 from tests.distributed_helpers import spawn
 

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 from conftest_apex import fake_apex, scaled_step  # noqa: F401  (fake_apex is a fixture)
 from helpers import running_factors
+from torch import Tensor, nn
+
 from kfac_optim import KFAC, CurvatureConfig
 
 OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, inv_update_steps=2)

@@ -14,9 +14,8 @@ from types import ModuleType
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from conftest_apex import fake_apex, install_fake_apex, scaled_step  # noqa: F401  (fake_apex is a fixture)
+from torch import nn
 
 pytestmark = pytest.mark.apex
 

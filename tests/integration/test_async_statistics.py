@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest_apex import fake_apex, scaled_step  # noqa: F401  (fake_apex is a fixture)
 from torch import Tensor, nn
 
-from conftest_apex import fake_apex, scaled_step  # noqa: F401  (fake_apex is a fixture)
 from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, RuntimeConfig
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import checkpoint_bytes
 from torch import nn
 
 from kfac_optim import KFAC, AdaptiveDamping, AsyncConfig, CurvatureConfig, RuntimeConfig
-from helpers import checkpoint_bytes
 from kfac_optim.schedule.intervals import MeasuredIntervals, StepCosts
 
 Batch = tuple[torch.Tensor, torch.Tensor]

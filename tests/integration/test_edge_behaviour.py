@@ -23,9 +23,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import kron_solve
 from torch import nn
 
-from helpers import kron_solve
 from kfac_optim import KFAC, CurvatureConfig, Eigen
 
 # -- describe() ------------------------------------------------------------------------------------

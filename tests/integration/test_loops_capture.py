@@ -21,7 +21,6 @@ from kfac_optim import KFAC, CurvatureConfig
 from tests.helpers import running_factors
 
 
-
 def loop_kfac(model: nn.Module, weight_sharing: str = "expand") -> KFAC:
     """K-FAC folding and decomposing every step, in float64, without the KL clip."""
     curvature = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64, factor_decay=0.5,

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import checkpoint_bytes
 from torch import nn
 
-from helpers import checkpoint_bytes
 from kfac_optim import KFAC, AdaptiveDamping, AsyncConfig, CurvatureConfig, RuntimeConfig
 
 RestoreBatch = tuple[torch.Tensor, torch.Tensor]

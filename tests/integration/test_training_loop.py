@@ -8,10 +8,10 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import running_factors, seeded_batch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from helpers import running_factors, seeded_batch
 from kfac_optim import KFAC, MilestoneSchedule
 
 

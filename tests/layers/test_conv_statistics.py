@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import kron_solve
 from torch import nn
 
-from helpers import kron_solve
 from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.layers import ConvStatistics, Expand, Reduce, ReduceAbove, SampledPositions
 

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import kron_solve
 from torch import nn
 
-from helpers import kron_solve
 from kfac_optim import KFAC, CurvatureConfig, UpdateConfig
 
 DTYPES = {"curvature": CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64)}

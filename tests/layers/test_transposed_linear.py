@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers import kron_solve
 from torch import nn
 
-from helpers import kron_solve
 from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.layers import TransposedLinearBlock, block_kind
 

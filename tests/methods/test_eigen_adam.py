@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.distributed_helpers import spawn
 from helpers import gram_schmidt_refresh, seeded_batch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kfac_optim import KFAC, EigenAdam, RuntimeConfig
+from tests.distributed_helpers import spawn
 
 LR, BETA2, EPS = 0.01, 0.9, 1e-4
 # ε well above float32 rounding of the rotated gradient: the head's G is singular (a softmax's

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kfac_optim import KFAC, CurvatureConfig, RuntimeConfig
-from kfac_optim.methods.decompositions import Decomposer, FactorView
 from kfac_optim.methods import Basis, Method, register_method
+from kfac_optim.methods.decompositions import Decomposer, FactorView
 from tests.distributed_helpers import spawn
 
 

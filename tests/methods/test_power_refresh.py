@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers import gram_schmidt_refresh
 from torch import Tensor
 
-from helpers import gram_schmidt_refresh
 from kfac_optim import EigenAdam, linalg
 from kfac_optim.methods.decompositions import EigenDecomposer
 from kfac_optim.methods.power_refresh import PowerRefreshDecomposer

@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import torchvision_problem
 from torch import nn
 
 from benchmarks.zoo import ZOO, ZooBatch, ZooModel
-from helpers import torchvision_problem
 from kfac_optim import KFAC
 
 LEFT_OUT = {"tv_resnet18", "mistral", "tv_vit"}  # the step's cost; twins of llama and timm_vit (module docstring)

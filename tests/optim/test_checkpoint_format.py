@@ -12,9 +12,9 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import seeded_batch
 from torch import nn
 
-from helpers import seeded_batch
 from kfac_optim import KFAC
 from kfac_optim.checkpoint import FORMAT
 from kfac_optim.methods import Eigen

@@ -12,13 +12,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import import_torchvision, kron_solve
 from torch import nn
 
-from helpers import kron_solve
 from kfac_optim import KFAC, AsyncConfig, CurvatureConfig, linalg
-from helpers import import_torchvision
-
-
 
 
 def low_rank_gram(dim: int, rank: int, zero_rows: int = 0) -> torch.Tensor:

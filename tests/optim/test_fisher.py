@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import seeded_batch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from helpers import seeded_batch
 from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.fisher import sampled_loss
 

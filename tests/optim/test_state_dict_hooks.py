@@ -14,7 +14,6 @@ import warnings
 from typing import Any
 
 import pytest
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -13,7 +13,6 @@ from torch import nn
 from kfac_optim import KFAC, CurvatureConfig, RuntimeConfig, UpdateConfig
 from kfac_optim.schedule.intervals import AutoIntervals
 
-
 # -- the validation table: KFAC(**kwargs) with one bad argument ---------------------------------
 #
 # One row per bad input: (constructor keywords, exception type, regex the message must match: the

@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest_apex import install_fake_apex
 from torch import nn
 
 import kfac_optim
-from conftest_apex import install_fake_apex
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

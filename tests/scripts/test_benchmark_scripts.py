@@ -26,8 +26,8 @@ from benchmarks import (
     step_time,
     whole_steps,
 )
-from kfac_optim.schedule.intervals import AutoIntervals, StepCosts
 from kfac_optim.optimizer import block_dims
+from kfac_optim.schedule.intervals import AutoIntervals, StepCosts
 
 
 def test_comm_bytes_counts_packed_triangles_and_whole_factors() -> None:

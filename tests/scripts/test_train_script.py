@@ -16,15 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import import_torchvision
 from torch import nn
-
-from kfac_optim import UpdateConfig
 
 from examples import train
 from examples.training.config import ModelConfig, ScheduleConfig, load_experiment
 from examples.training.models import build_network
 from examples.training.optimizers import LRFactor, build_optimizer
-from helpers import import_torchvision
+from kfac_optim import UpdateConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "configs" / "digits.yaml"

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import seeded_batch, torchvision_problem
 from torch import nn
 
-from helpers import seeded_batch, torchvision_problem
 from kfac_optim import KFAC
 
 SAMPLES, BATCH = 64, 8

@@ -11,8 +11,8 @@ import torch
 
 from benchmarks.zoo import ZOO, available
 from benchmarks.zoo import models as zoo_models
-from benchmarks.zoo.models import CHANNELS, IMAGE, IMAGE_CLASSES
 from benchmarks.zoo import run as zoo
+from benchmarks.zoo.models import CHANNELS, IMAGE, IMAGE_CLASSES
 
 
 @pytest.mark.skipif("gpt2" not in available(), reason="transformers does not import here")

@@ -26,20 +26,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from kfac_optim.background.statistics import StatisticsWorker
 from kfac_optim.capture import compiled as compiled_capture
 from kfac_optim.capture.calls import NO_CALL, ModelCall, ModelCallStart, computed_from, read_call, tensors_in
+from kfac_optim.capture.compiled import TapSite
 from kfac_optim.capture.lifetime import remove_hooks, take_over
 from kfac_optim.capture.pairs import Tapped, same_tensor, tensors_of
-from kfac_optim.capture.compiled import TapSite
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.layers.base import KroneckerBlock
 from kfac_optim.layers.hooks import (
@@ -53,7 +54,6 @@ from kfac_optim.layers.hooks import (
     writes_gradient,
 )
 from kfac_optim.layers.positions import RealPositions
-from kfac_optim.background.statistics import StatisticsWorker
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from kfac_optim.schedule import costs
 from kfac_optim.methods import Method, method_named
+from kfac_optim.schedule import costs
 
 Factor = Literal["A", "G"]
 FACTORS: tuple[Factor, Factor] = ("A", "G")

@@ -30,26 +30,26 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from kfac_optim.capture import batch_free
-from kfac_optim.update import directions
 from kfac_optim import fisher as fisher_lib
+from kfac_optim.capture import batch_free
+from kfac_optim.capture.weight_uses import WeightUseCheck
 from kfac_optim.config import KFACOptions, RuntimeConfig
-from kfac_optim.schedule.costs import model_costs
-from kfac_optim.update.damping import DampingRule, damping_rule
-from kfac_optim.estimator.decomposition_steps import DecompositionSteps, decomposition_steps
 from kfac_optim.distributed.strategies import strategy_for
 from kfac_optim.distributed.strategy import DistributionStrategy
+from kfac_optim.estimator.decomposition_steps import DecompositionSteps, decomposition_steps
 from kfac_optim.estimator.folds import fold_schedule
-from kfac_optim.schedule.intervals import IntervalSchedule, StepCosts
+from kfac_optim.estimator.pipeline import statistics_pipeline
 from kfac_optim.layers import KroneckerBlock, ModuleReport, discover_blocks
 from kfac_optim.layers.block_states import BlockStates
 from kfac_optim.layers.registry import SkipLayers, find_layers
 from kfac_optim.methods import Method, method_named
 from kfac_optim.precision import MixedPrecision
 from kfac_optim.reporter import LARGE_FACTOR_DIM, Reporter, memory_usage
-from kfac_optim.estimator.pipeline import statistics_pipeline
-from kfac_optim.capture.weight_uses import WeightUseCheck
+from kfac_optim.schedule.costs import model_costs
+from kfac_optim.schedule.intervals import IntervalSchedule, StepCosts
 from kfac_optim.state import Stateful, check_children, load_children, save_children, within
+from kfac_optim.update import directions
+from kfac_optim.update.damping import DampingRule, damping_rule
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kfac_optim.capture.hooks import StatisticsCapture
-from kfac_optim.schedule.intervals import IntervalSchedule
-from kfac_optim.layers import KroneckerBlock
 from kfac_optim.estimator.stagger import FactorStagger
+from kfac_optim.layers import KroneckerBlock
+from kfac_optim.schedule.intervals import IntervalSchedule
 
 logger = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from concurrent.futures import Future
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from kfac_optim.background.statistics import StatisticsWorker
 from kfac_optim.capture.hooks import Recording, StatisticsCapture
 from kfac_optim.diagnostics import warn_user
 from kfac_optim.layers import KroneckerBlock
 from kfac_optim.precision import MixedPrecision
-from kfac_optim.background.statistics import StatisticsWorker
 
 logger = logging.getLogger(__name__)
 

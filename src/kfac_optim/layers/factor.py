@@ -29,8 +29,8 @@ from kfac_optim.layers.support import EMPTY_SUPPORT, Support
 from kfac_optim.state import check_shapes, check_tensors
 
 if TYPE_CHECKING:
-    from kfac_optim.methods.decompositions import Decomposer, Decomposition
     from kfac_optim.methods import Method
+    from kfac_optim.methods.decompositions import Decomposer, Decomposition
 
 FactorName = Literal["A", "G"]
 

@@ -24,12 +24,12 @@ values ``(Σ_n j_n, in)``, N its number of sequences.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from kfac_optim.diagnostics import warn_user
-from typing import Any
-
 from kfac_optim.layers.base import KroneckerBlock
 from kfac_optim.layers.factor import Factor, FactorName
 from kfac_optim.layers.hooks import current_mask, current_samples
