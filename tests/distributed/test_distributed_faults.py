@@ -75,8 +75,8 @@ MISMATCHES: dict[str, tuple[tuple[Callable[[], nn.Module], dict[str, Any]], ...]
         (make_ddp_net, dict(damping=MilestoneSchedule(0.1, milestones=(200,), gamma=0.5))),
     ),
     "skip_layers": ((make_ddp_net, {}), (make_ddp_net, dict(curvature=CurvatureConfig(skip_layers=["fc2"])))),
-    "async_decompositions": ((make_ddp_net, {}), (make_ddp_net, dict(asynchronous=AsyncConfig()))),
-    "async_delay": (
+    "asynchronous": ((make_ddp_net, {}), (make_ddp_net, dict(asynchronous=AsyncConfig()))),
+    "asynchronous.delay": (
         (make_ddp_net, dict(asynchronous=AsyncConfig(delay=1))),
         (make_ddp_net, dict(asynchronous=AsyncConfig(delay=2))),
     ),

@@ -178,7 +178,7 @@ def test_a_loaded_or_globally_averaged_factor_folds_whole() -> None:
     state = block.A.state_dict()
     running = torch.randn(block.A.dim, block.A.dim)
     running = running @ running.T  # nonzero outside the 1x1 support, as a loaded factor may be
-    block.A.load_state_dict({**state, "running": running})
+    block.A.load_state_dict({**state, "running": block.A.packed(running)})  # saved as a factor saves it
     assert block.A.support is None
     x = torch.randn(2, 3, 1, 1)
     record(block, conv, x)
