@@ -17,7 +17,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kfac_optim.methods import Basis, Eigen, FactorView, register_method, rotate, unrotate
+from kfac_optim.methods.base import Basis
+from kfac_optim.methods.decompositions import FactorView
+from kfac_optim.methods.eigen import Eigen, rotate, unrotate
+from kfac_optim.methods.registry import register_method
 
 logger = logging.getLogger(__name__)
 
