@@ -32,7 +32,7 @@ from examples.training.models import DigitsCNN
 from kfac_optim import KFAC
 
 KFAC_OPTIONS = dict(lr=0.1, momentum=0.9, weight_decay=5e-4, damping=0.03, kl_clip=1e-3,
-                    factor_update_steps=5, inv_update_steps=50, method="inverse")
+                    factor_update_steps=5, decomposition_update_steps=50, method="inverse")
 
 
 def train(fp16: bool, args: argparse.Namespace) -> dict[str, Any]:

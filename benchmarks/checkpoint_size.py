@@ -129,7 +129,7 @@ def measure(name: str, batch: int, image: int) -> dict[str, Any]:
 def recompute_seconds(build: Any, batch: int, image: int) -> float:
     """The first step after loading a checkpoint whose decompositions are dropped, minus the first
     step after loading it whole (see the module docstring)."""
-    settings = dict(factor_update_steps=10, inv_update_steps=10)
+    settings = dict(factor_update_steps=10, decomposition_update_steps=10)
     model = build()
     optimizer = KFAC(model, **settings)
     one_step(model, optimizer, batch, image)

@@ -79,7 +79,7 @@ def make_optimizer(run: str, model: nn.Module, args: argparse.Namespace) -> torc
     if run.startswith("sgd"):
         return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return KFAC(model, lr=args.lr, momentum=0.9, damping=args.damping,
-                factor_update_steps=args.factor_interval, inv_update_steps=args.inverse_interval)
+                factor_update_steps=args.factor_interval, decomposition_update_steps=args.inverse_interval)
 
 
 def graph_counts(args: argparse.Namespace, x: Tensor) -> dict[str, int]:

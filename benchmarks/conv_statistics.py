@@ -122,7 +122,7 @@ def measure_cost(args: argparse.Namespace, kinds: list[str]) -> dict[str, object
 def run_progress(task: Task, kind: str, seed: int, steps: int) -> dict[str, object]:
     torch.manual_seed(seed)
     model = task.build()
-    optimizer = KFAC(model, lr=0.05, momentum=0.9, factor_update_steps=1, inv_update_steps=10,
+    optimizer = KFAC(model, lr=0.05, momentum=0.9, factor_update_steps=1, decomposition_update_steps=10,
                      curvature=CurvatureConfig(conv_positions=KINDS[kind]))
     losses = []
     batches = task.batches(seed)

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = build_model("resnet18", 32).train()
-    optimizer = KFAC(model, lr=0.05, factor_update_steps=1, inv_update_steps=1000, method=Eigen(max_rank=None))
+    optimizer = KFAC(model, lr=0.05, factor_update_steps=1, decomposition_update_steps=1000,
+                     method=Eigen(max_rank=None))
     generator = torch.Generator().manual_seed(1)
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:

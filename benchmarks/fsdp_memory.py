@@ -82,7 +82,7 @@ def measure(kind: str, fraction: str, rank: int, world: int, args: argparse.Name
     model = build(kind, args.model)
     grad_worker_fraction = 1.0 if fraction == "1" else 1 / world
     optimizer = KFAC(
-        model, lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=1, method=args.method,
+        model, lr=0.1, momentum=0.9, factor_update_steps=1, decomposition_update_steps=1, method=args.method,
         runtime=RuntimeConfig(grad_worker_fraction=grad_worker_fraction),
     )
     generator = torch.Generator().manual_seed(rank)

@@ -60,10 +60,10 @@ class PreconditioningOnTop(AutoIntervals):
 RULES: dict[str, dict[str, Any]] = {
     "auto": {},
     "budget_with_preconditioning": {"factor_update_steps": BudgetWithPreconditioning(),
-                                    "inv_update_steps": BudgetWithPreconditioning()},
+                                    "decomposition_update_steps": BudgetWithPreconditioning()},
     "preconditioning_on_top": {"factor_update_steps": PreconditioningOnTop(),
-                               "inv_update_steps": PreconditioningOnTop()},
-    "fixed_5_50": {"factor_update_steps": 5, "inv_update_steps": 50},
+                               "decomposition_update_steps": PreconditioningOnTop()},
+    "fixed_5_50": {"factor_update_steps": 5, "decomposition_update_steps": 50},
 }
 CONVNETS = ("tv_resnet18", "timm_convnext", "timm_mobilenetv3", "timm_resnet18")
 """The zoo's convnets whose intervals the rules set apart (the others choose 2-3/10-12 under every budget rule)."""

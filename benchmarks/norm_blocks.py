@@ -32,7 +32,8 @@ from benchmarks.output import write_json_and_plot
 from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.layers import LayerNormBlock
 
-KFAC_OPTIONS = dict(lr=0.1, momentum=0.9, damping=0.03, kl_clip=1e-3, factor_update_steps=1, inv_update_steps=10)
+KFAC_OPTIONS = dict(lr=0.1, momentum=0.9, damping=0.03, kl_clip=1e-3, factor_update_steps=1,
+                    decomposition_update_steps=10)
 
 
 class CharModel(nn.Module):

@@ -130,7 +130,7 @@ def measure_fraction(rank: int, world: int, config: dict[str, Any], fraction: st
     net = DDP(model) if world > 1 else model
     optimizer = KFAC(
         net, lr=0.01, momentum=0.9, damping=config["damping"], method=config["method"],
-        factor_update_steps=1, inv_update_steps=1,
+        factor_update_steps=1, decomposition_update_steps=1,
         runtime=RuntimeConfig(grad_worker_fraction=fraction if world > 1 else 1.0),
     )
     meter = PhaseMeter(optimizer)

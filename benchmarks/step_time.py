@@ -167,7 +167,7 @@ def loaded_kfac(model: nn.Module, blocks: list[KroneckerBlock], method: str, dam
     """A ``KFAC`` on ``model`` holding ``blocks``' factors and decompositions, through its checkpoint API,
     at step 1: its steps precondition with them and never fold or decompose."""
     opt = KFAC(model, lr=1e-4, momentum=0.9, weight_decay=5e-4, damping=damping, method=method,
-               factor_update_steps=NEVER, inv_update_steps=NEVER, kl_clip=1e-3)
+               factor_update_steps=NEVER, decomposition_update_steps=NEVER, kl_clip=1e-3)
     state = opt.state_dict()
     state["kfac"]["steps"] = 1
     state["kfac"]["blocks"] = {block.name: block.state_dict(opt.method) for block in blocks}

@@ -245,7 +245,7 @@ class LibraryKFACRunner(Runner):
         graft_adam = update.grafting == "adam"
         self.model, self.stats = model, {}
         self.opt = kfac_optim.KFAC(
-            model, lr=lr, momentum=0.0 if graft_adam else 0.9, damping=damping, inv_update_steps=10,
+            model, lr=lr, momentum=0.0 if graft_adam else 0.9, damping=damping, decomposition_update_steps=10,
             kl_clip=None if update.grafting else 1e-3, update=update,
             params=[{"params": matrices, "weight_decay": decay}, {"params": rest, "weight_decay": 0.0}],
         )
@@ -368,7 +368,7 @@ def _kfac(rule: str = "clip", damping: float = 0.1, per_token: float = 0.0, samp
 
     def build(model: GPT, lr: float, args) -> Runner:
         lam = damping * args.context**per_token
-        return KFACRunner(model, lr, rule, 1e-3, sampled, damping=lam, inv_update_steps=10, **kw)
+        return KFACRunner(model, lr, rule, 1e-3, sampled, damping=lam, decomposition_update_steps=10, **kw)
 
     return build
 
@@ -593,7 +593,7 @@ def kfac_direction(model: GPT, x, y, damping: float, sampled: bool, sharing: str
     blocks."""
     model = copy.deepcopy(model)
     opt = kfac_optim.KFAC(model, lr=1.0, momentum=0.0, kl_clip=None, damping=damping, factor_update_steps=1,
-                          inv_update_steps=1, curvature=kfac_optim.CurvatureConfig(
+                          decomposition_update_steps=1, curvature=kfac_optim.CurvatureConfig(
                               factor_decay=0.0, fisher="sampled" if sampled else "empirical", weight_sharing=sharing))
     logits = model(x)
     if sampled:
@@ -793,7 +793,7 @@ def main() -> None:
             model = GPT(data[2], args.context, args.width, args.layers, args.heads)
             if own:
                 opt = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, damping=0.1, kl_clip=1e-3, factor_update_steps=1,
-                                      inv_update_steps=10)
+                                      decomposition_update_steps=10)
                 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: schedule(t, args.steps))
 
                 def step(x, y, factor):
@@ -804,7 +804,7 @@ def main() -> None:
                     sched.step()
                     return loss.item()
             else:
-                step = KFACRunner(model, 0.1, "clip", 1e-3, False, damping=0.1, inv_update_steps=10).step
+                step = KFACRunner(model, 0.1, "clip", 1e-3, False, damping=0.1, decomposition_update_steps=10).step
             generator = torch.Generator().manual_seed(1000)
             losses.append([step(*batch(data[0], args.batch, args.context, generator), schedule(t, args.steps))
                            for t in range(args.steps)])

@@ -74,7 +74,7 @@ def kaisa_available() -> bool:
 def make_step(run: str, model: nn.Module, args: argparse.Namespace) -> tuple[Callable[[], None], Any]:
     """The run's ``step()`` after a backward, and the object holding its state."""
     common = dict(lr=args.lr, momentum=0.9, weight_decay=5e-4)
-    intervals = dict(factor_update_steps=args.factor_interval, inv_update_steps=args.inverse_interval)
+    intervals = dict(factor_update_steps=args.factor_interval, decomposition_update_steps=args.inverse_interval)
     if run == "sgd":
         sgd = torch.optim.SGD(model.parameters(), **common)
         return sgd.step, sgd

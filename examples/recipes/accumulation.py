@@ -24,7 +24,7 @@ def train(accum_steps: int, steps: int) -> nn.Module:
     model, loss_fn = toy_model(), F.cross_entropy
     # explicit intervals: the two runs compared must fold and decompose on the same steps, whatever
     # the default intervals' cost model makes of each run
-    optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=10)
+    optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, decomposition_update_steps=10)
     for x, y in toy_batches(steps, 64):
         optimizer.zero_grad()
         for micro_x, micro_y in zip(x.chunk(accum_steps), y.chunk(accum_steps)):

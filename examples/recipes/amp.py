@@ -31,7 +31,7 @@ def train(dtype: str, device: str, steps: int) -> tuple[float, float]:
     loader = [(x.to(device), y.to(device)) for x, y in toy_batches(steps, 64)]
     # explicit intervals: the runs compared must fold and decompose on the same steps, whatever the
     # default intervals' cost model makes of each precision
-    optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=10)
+    optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, decomposition_update_steps=10)
     losses = []
     if dtype == "fp16":
         scaler = torch.amp.GradScaler(device)

@@ -29,7 +29,7 @@ import kfac_optim
 from examples.recipes.ranks import Ranks, process_group, torchrun_ranks
 from examples.recipes.toy import toy_batches, toy_model
 
-INV_UPDATE_STEPS = 5
+DECOMPOSITION_STEPS = 5
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     ranks = torchrun_ranks(args.device, args.batch_size)
     rank, device = ranks.rank, ranks.device
     batches = toy_batches(args.steps, args.batch_size)
-    middle = (args.steps // 2) // INV_UPDATE_STEPS * INV_UPDATE_STEPS + 1  # steps up to a decomposition step
+    middle = (args.steps // 2) // DECOMPOSITION_STEPS * DECOMPOSITION_STEPS + 1  # steps up to a decomposition step
     with process_group(ranks):
         model = sharded_toy_model(device)
-        optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=INV_UPDATE_STEPS)
+        optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, decomposition_update_steps=DECOMPOSITION_STEPS)
         train(model, optimizer, batches, range(middle), ranks)
         path = tempfile.mkdtemp() if rank == 0 else None
         shared = [path]
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = sharded_toy_model(device)  # a fresh run resumes from the checkpoint
         optimizer = kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1,
-                                    inv_update_steps=INV_UPDATE_STEPS)
+                                    decomposition_update_steps=DECOMPOSITION_STEPS)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd, "kfac": optimizer.kfac_state()}
         dcp.load(state, checkpoint_id=path)

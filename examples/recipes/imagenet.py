@@ -47,7 +47,7 @@ CHECKPOINT_DIR = Path("runs") / "imagenet"  # git-ignored, as examples.train's r
 
 
 def interval(value: str) -> int | str:
-    """``--factor-update-steps`` / ``--inv-update-steps``: an int >= 1, or "auto"."""
+    """``--factor-update-steps`` / ``--decomposition-update-steps``: an int >= 1, or "auto"."""
     return value if value == "auto" else int(value)
 
 
@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=1e-4,
                         help="weight decay (coupled, as SGD's)")
     parser.add_argument("--factor-update-steps", type=interval, default="auto", help="K-FAC's factor interval")
-    parser.add_argument("--inv-update-steps", type=interval, default="auto", help="K-FAC's decomposition interval")
+    parser.add_argument("--decomposition-update-steps", type=interval, default="auto",
+                        help="K-FAC's decomposition interval")
     parser.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none",
                         help="autocast dtype (fp16: with a GradScaler)")
     parser.add_argument("--resume", type=Path, help="a checkpoint.pth.tar to continue from")
@@ -153,7 +154,8 @@ def main_worker(rank: int, args: argparse.Namespace) -> int:
         model = DistributedDataParallel(model, device_ids=[rank] if args.device == "cuda" else None)
     # optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     optimizer = kfac_optim.KFAC(model, args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-                                factor_update_steps=args.factor_update_steps, inv_update_steps=args.inv_update_steps)
+                                factor_update_steps=args.factor_update_steps,
+                                decomposition_update_steps=args.decomposition_update_steps)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=30, gamma=0.1)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 

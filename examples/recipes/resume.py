@@ -32,7 +32,7 @@ def train(model: nn.Module, optimizer: kfac_optim.KFAC, batches: list) -> None:
 
 def fresh() -> tuple[nn.Module, kfac_optim.KFAC]:
     model = toy_model()
-    return model, kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=5)
+    return model, kfac_optim.KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, decomposition_update_steps=5)
 
 
 def main(argv: list[str] | None = None) -> int:

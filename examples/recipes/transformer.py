@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = kfac_optim.KFAC(
         model, lr=args.lr, momentum=0.9, damping=args.damping,
         kl_clip=0.1, update=kfac_optim.UpdateConfig(trust_region="lr_squared"),  # tuned under this trust region
-        method="inverse", factor_update_steps=5, inv_update_steps=20,
+        method="inverse", factor_update_steps=5, decomposition_update_steps=20,
     )
     print(optimizer.describe())
 

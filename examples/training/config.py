@@ -93,7 +93,7 @@ class OptimConfig:
     kfac: dict[str, Any] = _opt(
         {},
         "kfac: keyword arguments of kfac_optim.KFAC (damping, kl_clip, factor_decay, "
-        "factor_update_steps, inv_update_steps, method, fisher, ...; fisher: sampled makes the trainer call "
+        "factor_update_steps, decomposition_update_steps, method, fisher, ...; fisher: sampled makes the trainer call "
         "sample_fisher; update: {trust_region: lr_squared, ...} is an UpdateConfig); a value {initial: x, "
         "epochs: [e1, ...], gamma: g} is a schedule: x, multiplied by g at each epoch e_i (ints stay ints)",
     )

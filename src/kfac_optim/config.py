@@ -250,18 +250,19 @@ class KFACOptions:
     ``damping``: λ, in Fisher units of a per-sample loss (docs/numerics.md), a float > 0, a
     callable ``step -> float`` or an ``AdaptiveDamping`` (Levenberg–Marquardt,
     ``kfac_optim.update.damping``). ``kl_clip``: the bound on the step's KL estimate ν is computed from
-    (``UpdateConfig.trust_region``; None: no scaling). ``factor_update_steps`` / ``inv_update_steps``: fold statistics /
-    refresh decompositions every this many steps (int >= 1 or callable ``step -> int``), or ``"auto"`` /
-    an ``AutoIntervals`` (the default): chosen from the cost counted from shapes, or a
-    ``MeasuredIntervals``: from the cost timed on the first steps (``kfac_optim.schedule.intervals``). ``method``:
-    "eigen", "inverse", "eigen_adam" or a ``kfac_optim.Method``. ``curvature``, ``asynchronous``, ``update``: see
+    (``UpdateConfig.trust_region``; None: no scaling). ``factor_update_steps`` /
+    ``decomposition_update_steps``: fold statistics / refresh decompositions every this many steps
+    (int >= 1 or callable ``step -> int``), or ``"auto"`` / an ``AutoIntervals`` (the default):
+    chosen from the cost counted from shapes, or a ``MeasuredIntervals``: from the cost timed on the
+    first steps (``kfac_optim.schedule.intervals``). ``method``: "eigen", "inverse", "eigen_adam",
+    "root" or a ``kfac_optim.Method``. ``curvature``, ``asynchronous``, ``update``: see
     :class:`CurvatureConfig`, :class:`AsyncConfig` (None: decompositions in line) and :class:`UpdateConfig`.
     """
 
     damping: Damping = 0.1
     kl_clip: float | None = 1e-2
     factor_update_steps: IntSchedule = "auto"
-    inv_update_steps: IntSchedule = "auto"
+    decomposition_update_steps: IntSchedule = "auto"
     method: Literal["eigen", "inverse", "eigen_adam", "root"] | Method = "eigen"
     curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
     asynchronous: AsyncConfig | None = None
@@ -274,8 +275,8 @@ class KFACOptions:
             check_damping(self.damping)
         if self.kl_clip is not None and not 0 < self.kl_clip < math.inf:
             raise ValueError(f"kl_clip must be a finite number > 0 or None, got {self.kl_clip}")
-        auto = auto_of(self.factor_update_steps, self.inv_update_steps)  # ValueError naming them
-        for name in ("factor_update_steps", "inv_update_steps"):
+        auto = auto_of(self.factor_update_steps, self.decomposition_update_steps)  # ValueError naming them
+        for name in ("factor_update_steps", "decomposition_update_steps"):
             if not callable(getattr(self, name)) and not isinstance(getattr(self, name), (str, AutoIntervals)):
                 check_interval(name, getattr(self, name))
         method_named(self.method)  # ValueError naming method
@@ -300,11 +301,11 @@ class KFACOptions:
                 "CurvatureConfig.stagger (stagger_factor_updates) needs factor_update_steps > 1: at an interval "
                 "of 1 every layer folds on every step, there is nothing to spread"
             )
-        factor, inverse = self.factor_update_steps, self.inv_update_steps
+        factor, inverse = self.factor_update_steps, self.decomposition_update_steps
         if isinstance(factor, int) and isinstance(inverse, int) and inverse % factor:
             warn_user(  # KAISA warns too: valid, but some decompositions see no new factors
-                f"inv_update_steps={inverse} is not a multiple of factor_update_steps={factor}: some decomposition "
-                "steps decompose the factors of an earlier one again",
+                f"decomposition_update_steps={inverse} is not a multiple of factor_update_steps={factor}: "
+                "some decomposition steps decompose the factors of an earlier one again",
             )
 
     def _check_adaptive_damping(self) -> None:
@@ -332,7 +333,7 @@ class KFACOptions:
             "damping": self.damping,
             "kl_clip": self.kl_clip,
             "factor_update_steps": self.factor_update_steps,
-            "inv_update_steps": self.inv_update_steps,
+            "decomposition_update_steps": self.decomposition_update_steps,
             "method": self.method,
             **{f"curvature.{f.name}": getattr(self.curvature, f.name) for f in fields(self.curvature)
                if f.name not in _COMPARED_AS_LAYERS},

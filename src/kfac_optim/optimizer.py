@@ -15,7 +15,7 @@ One step, for every K-FAC layer with joint weight ``W = [W | b]`` and gradient `
     if GradScaler found inf/nan:         drop this backward's statistics, return
     ∇ ← ∇ / s under GradScaler;          batch G ← batch G / s²                    (loss scale s)
     if k % factor_update_steps(k) == 0:  A, G ← decay·(A, G) + (1 − decay)·(batch A, batch G)
-    if k % inv_update_steps(k) == 0:     refresh the decompositions of A and G (the method's)
+    if k % decomposition_update_steps(k) == 0:     refresh the decompositions of A and G (the method's)
     V   = (G ⊗ A + λI)⁻¹ ∇W                               (per layer, as the method applies it)
     ν   = Σ lr‖∇W‖² / Σ lr⟨V, ∇W⟩, at most sqrt(kl_clip / |Σ lr² ⟨V, ∇W⟩|)   (UpdateConfig)
     d   = ν·V  for K-FAC parameters,  ∇p  (or Adam's step, by the method) for every other one
@@ -96,7 +96,7 @@ class KFAC(KFACViews, Optimizer, Joinable):
             "auto" (default) / a ``kfac_optim.schedule.intervals.AutoIntervals``: chosen from the cost
             counted from the layers' and the first batch's shapes, reproducible; a
             ``MeasuredIntervals`` times the first steps instead (docs/api.md "Automatic intervals").
-        inv_update_steps: refresh decompositions every this many steps (int ≥ 1, callable, "auto").
+        decomposition_update_steps: refresh decompositions every this many steps (int ≥ 1, callable, "auto").
         method: "eigen" (exact damping of ``G ⊗ A``) or "inverse" (π-factored damping), or a
             ``kfac_optim.Method`` instance.
         curvature: :class:`~kfac_optim.config.CurvatureConfig`: the Fisher's kind, loss reduction,
@@ -132,7 +132,7 @@ class KFAC(KFACViews, Optimizer, Joinable):
         damping: Damping = KFACOptions.damping,
         kl_clip: float | None = KFACOptions.kl_clip,
         factor_update_steps: IntSchedule = KFACOptions.factor_update_steps,
-        inv_update_steps: IntSchedule = KFACOptions.inv_update_steps,
+        decomposition_update_steps: IntSchedule = KFACOptions.decomposition_update_steps,
         method: Literal["eigen", "inverse", "eigen_adam", "root"] | Method = KFACOptions.method,
         curvature: CurvatureConfig | None = None,
         asynchronous: AsyncConfig | None = None,
@@ -151,7 +151,7 @@ class KFAC(KFACViews, Optimizer, Joinable):
             if value is not None and not isinstance(value, kind):
                 raise TypeError(f"{name} must be a {kind.__name__} or None, got {type(value).__name__}")
         curvature, runtime = curvature or CurvatureConfig(), runtime or RuntimeConfig()
-        self._options = KFACOptions(damping, kl_clip, factor_update_steps, inv_update_steps, method,
+        self._options = KFACOptions(damping, kl_clip, factor_update_steps, decomposition_update_steps, method,
                                     curvature, asynchronous, update or UpdateConfig())
         self._trust_region = TrustRegion(self._options.kl_clip, self._options.update.trust_region)
         self.model = unwrap_model(model)

@@ -111,7 +111,7 @@ class Reporter:
         if large:
             logger.warning("K-FAC factors of dim >= %d take seconds each to decompose on a CPU at full rank "
                            "(rank-deficient ones, e.g. of convs on small feature maps, far less): %s; see "
-                           "inv_update_steps, AsyncConfig and skip_layers (docs/design.md §4)",
+                           "decomposition_update_steps, AsyncConfig and skip_layers (docs/design.md §4)",
                            LARGE_FACTOR_DIM, ", ".join(large))
 
     def _large_sgd_notes(self, trainable: set[Tensor], reports: list[ModuleReport]) -> list[str]:

@@ -19,7 +19,7 @@ from tests.cuda_helpers import cuda_check_batch, cuda_check_net, cuda_test_devic
 pytestmark = cuda_test_marks()
 
 AMP_OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, factor_update_steps=1,
-                                   inv_update_steps=2)
+                                   decomposition_update_steps=2)
 
 
 def cuda_amp_run(steps: int, dtype: torch.dtype | None = torch.float16,

@@ -47,7 +47,7 @@ def train_with_workers(async_statistics: bool, scaled: bool, steps: int = 9) -> 
     ``GradScaler`` when ``scaled``. Parameters and running factors, on the CPU."""
     device = cuda_test_device()
     model = cuda_check_net(device)
-    optimizer = KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=2, inv_update_steps=4,
+    optimizer = KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=2, decomposition_update_steps=4,
                      runtime=RuntimeConfig(async_statistics=async_statistics))
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10) if scaled else None
     for step in range(steps):
@@ -90,7 +90,7 @@ def eigen_matrix(eigen: linalg.Eigen) -> Tensor:
 def test_an_async_round_on_cuda_decomposes_the_snapshot_written_on_the_training_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``inv_update_steps=3``: step 3 snapshots the factors (its stream held up first, so the
+    """``decomposition_update_steps=3``: step 3 snapshots the factors (its stream held up first, so the
     snapshot is written late) and hands them to the worker, which writes its results late too (its
     stream held up before it copies them out); step 6 adopts them. They must be the decompositions
     of step 3's factors, computed in line."""
@@ -107,7 +107,7 @@ def test_an_async_round_on_cuda_decomposes_the_snapshot_written_on_the_training_
     device = cuda_test_device()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3)).to(device)
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=3, asynchronous=AsyncConfig(), factor_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, decomposition_update_steps=3, asynchronous=AsyncConfig(), factor_update_steps=1)
     block = optimizer.blocks[0]
     generator = torch.Generator().manual_seed(3)
     snapshots: dict[str, tuple[Tensor, int]] = {}

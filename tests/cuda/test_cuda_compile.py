@@ -31,7 +31,7 @@ def test_an_inductor_compiled_model_on_cuda_feeds_the_factors_as_eager(monkeypat
     device = cuda_test_device()
     torch._dynamo.reset()
     model, eager = cuda_check_net(device), cuda_check_net(device)
-    options = dict(lr=0.05, momentum=0.9, damping=0.1, factor_update_steps=1, inv_update_steps=2)
+    options = dict(lr=0.05, momentum=0.9, damping=0.1, factor_update_steps=1, decomposition_update_steps=2)
     optimizer, eager_optimizer = KFAC(model, **options), KFAC(eager, **options)
     compiled = torch.compile(model, fullgraph=True, backend="inductor")
     for step in range(3):

@@ -35,7 +35,7 @@ from tests.distributed_helpers import spawn
 pytestmark = [*cuda_test_marks(), pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")]
 
 NCCL_OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, factor_update_steps=1,
-                                    inv_update_steps=2)
+                                    decomposition_update_steps=2)
 NCCL_STEPS = 6
 NCCL_SAVE_AT = 3  # after step 3, a factor step between the decomposition steps 2 and 4
 NCCL_DEADLINE_S = 90.0

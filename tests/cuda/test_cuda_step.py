@@ -27,7 +27,7 @@ from tests.cuda_helpers import (
 pytestmark = cuda_test_marks()
 
 STEP_OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, factor_update_steps=1,
-                                    inv_update_steps=2)
+                                    decomposition_update_steps=2)
 CHECK_STEPS = 5
 
 

@@ -23,7 +23,7 @@ STEPS = 12
 # Decomposition steps 0, 3, 6, 9: step 0 decomposes in line, step 3 hands a round to the worker,
 # adopted at step 6 (delay None) or 5 (delay 2).
 SETTINGS = dict(
-    lr=0.05, momentum=0.9, damping=0.05, factor_update_steps=1, inv_update_steps=3, asynchronous=AsyncConfig()
+    lr=0.05, momentum=0.9, damping=0.05, factor_update_steps=1, decomposition_update_steps=3, asynchronous=AsyncConfig()
 )
 
 
@@ -44,7 +44,8 @@ def checkpoint_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def fresh(**settings) -> tuple[CheckpointNet, KFAC]:
     torch.manual_seed(0)
     model = CheckpointNet()
-    return model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **{**SETTINGS, **settings}})
+    return model, KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **{**SETTINGS,
+                                                                                                **settings}})
 
 
 def checkpoint_run(model: nn.Module, optimizer: KFAC, steps: range) -> None:

@@ -33,17 +33,17 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4 ranks
 STEPS = 6
-SAVE_AT = 3  # right after a decomposition step (inv_update_steps=2: steps 0, 2, 4)
+SAVE_AT = 3  # right after a decomposition step (decomposition_update_steps=2: steps 0, 2, 4)
 DEADLINE_S = 90.0
 OPTIONS: dict[str, Any] = dict(
     lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.1, kl_clip=1e-2,
-    curvature=CurvatureConfig(factor_decay=0.9), inv_update_steps=2
+    curvature=CurvatureConfig(factor_decay=0.9), decomposition_update_steps=2
 )
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 assert_same = partial(assert_same_tensors, **TOLERANCE)  # rtol=0, atol=0 for bit-identity
 # phases 0-2 over 4 blocks
 STAGGER: dict[str, Any] = dict(curvature=CurvatureConfig(factor_decay=0.9, stagger=True), factor_update_steps=3)
-DEFAULT_INTERVALS: dict[str, Any] = dict(factor_update_steps="auto", inv_update_steps="auto")
+DEFAULT_INTERVALS: dict[str, Any] = dict(factor_update_steps="auto", decomposition_update_steps="auto")
 DEFAULT_STEPS = 12  # past the first automatic decomposition interval (at least 10)
 
 
@@ -178,7 +178,7 @@ def ddp_run(
 ) -> tuple[DDP, KFAC]:
     model = DDP(make_ddp_net())
     optimizer = KFAC(model, **{"runtime": RuntimeConfig(grad_worker_fraction=fraction), "factor_update_steps": 1,
-                               "inv_update_steps": 10, **{**OPTIONS, **kwargs}})
+                               "decomposition_update_steps": 10, **{**OPTIONS, **kwargs}})
     ddp_train(model, optimizer, steps, rank, world)
     return model, optimizer
 
@@ -195,18 +195,18 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
         results[f"memory {fraction}"] = optimizer.memory_usage()
 
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), rank, world, after_step=optimizer.synchronize_factors)
     results["factors eager"] = global_factors(optimizer)
 
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), rank, world, micro_batches=2)
     results["params no_sync"] = parameters(model)
 
     model = DDP(make_ddp_net())
     # comm-opt: every rank receives the decompositions it does not own
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     storage: list[dict[str, int]] = []
 
     def record_received_storage() -> None:
@@ -248,7 +248,7 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
     model = DDP(make_ddp_net(extra_layers=True), find_unused_parameters=True)
     model.module.use_branch = rank == 0
     optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction="mem-opt"),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), rank, world)
     results["params unused"] = parameters(model)
     results["factors unused"] = global_factors(optimizer)
@@ -265,7 +265,7 @@ def ddp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str, 
     for fraction, method in MODERN_RUNS:
         model = DDP(make_ddp_net(modern=True))
         optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction), method=method,
-                         **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                         **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
         ddp_train(model, optimizer, range(STEPS), rank, world)
         results[f"modern params {fraction} {method}"] = parameters(model)
         results[f"modern factors {fraction} {method}"] = global_factors(optimizer)
@@ -312,7 +312,7 @@ def async_resumed(rank: int, world: int) -> dict[str, Any]:
             inner.load_state_dict(saved["model"])
             model = DDP(inner)
             optimizer = KFAC(model, asynchronous=AsyncConfig(delay=delay),
-                             **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                             **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
             optimizer.load_state_dict(saved["optimizer"])
             ddp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
             results[f"params async {delay} resumed from {source}"] = parameters(model)
@@ -325,7 +325,7 @@ def async_delay_with_a_rank_that_decomposes_nothing(rank: int, world: int) -> di
     torch.manual_seed(0)
     model = DDP(nn.Linear(16, 3))
     optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction="mem-opt"), asynchronous=AsyncConfig(delay=1),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     for step in range(4):  # decomposition steps 0 (in line) and 2 (a round, adopted at 3)
         x, y = ddp_shard(step, rank, world)
         optimizer.zero_grad()
@@ -340,7 +340,7 @@ def resume(rank: int, world: int, checkpoint: Path, fraction: float | str) -> di
     inner.load_state_dict(saved["model"])
     model = DDP(inner) if world > 1 else inner
     optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     optimizer.load_state_dict(saved["optimizer"])
     ddp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
     return parameters(model)
@@ -371,7 +371,7 @@ def ddp_scenario_four_ranks(rank: int, world: int, directory: Path) -> dict[str,
 
 def single_process(steps: int = STEPS, **kwargs: Any) -> tuple[DdpNet, KFAC]:
     model = make_ddp_net()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **{**OPTIONS, **kwargs}})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **{**OPTIONS, **kwargs}})
     ddp_train(model, optimizer, range(steps))
     return model, optimizer
 
@@ -473,7 +473,7 @@ def test_two_ranks_equal_one_process_with_embedding_attention_grouped_and_nd_con
     ddp_two_ranks, fraction, method
 ) -> None:
     model = make_ddp_net(modern=True)
-    optimizer = KFAC(model, method=method, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, method=method, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     assert len(optimizer.blocks) == 7
     ddp_train(model, optimizer, range(STEPS))
     for results in ddp_two_ranks:
@@ -507,12 +507,13 @@ def test_no_sync_accumulation_equals_one_large_batch(ddp_two_ranks, ddp_referenc
 def test_async_decompositions_under_ddp_equal_one_process_with_the_shards_as_micro_batches(ddp_two_ranks) -> None:
     """Each rank adopts the worker's round at the same step; owners broadcast what they adopted."""
     model = make_ddp_net()
-    optimizer = KFAC(model, asynchronous=AsyncConfig(), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, asynchronous=AsyncConfig(), **{"factor_update_steps": 1, "decomposition_update_steps": 10,
+                                                           **OPTIONS})
     ddp_train(model, optimizer, range(STEPS), micro_batches=2)
     for results in ddp_two_ranks:
         assert_same(results["params async"], parameters(model))
     synchronous = make_ddp_net()
-    ddp_train(synchronous, KFAC(synchronous, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}),
+    ddp_train(synchronous, KFAC(synchronous, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS}),
               range(STEPS), micro_batches=2)
     # Stale by one refresh from step 4 on (rounds: step 0 in line, submitted at 2, adopted at 4).
     assert not torch.allclose(parameters(model)["fc1.weight"], parameters(synchronous)["fc1.weight"], rtol=1e-4)
@@ -563,7 +564,7 @@ def test_staggered_factor_updates_under_ddp_equal_one_process(ddp_two_ranks) -> 
 def test_sampled_fisher_under_ddp_equals_one_process_with_the_shards_as_micro_batches(ddp_two_ranks) -> None:
     """Each rank draws targets for its shard; one process drawing the same per shard agrees."""
     model = make_ddp_net()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS,
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS,
                                "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")})
     ddp_train(model, optimizer, range(STEPS), micro_batches=2)
     factors = saved_factors(optimizer.state_dict())
@@ -595,7 +596,7 @@ def test_receivers_take_new_decompositions_into_the_storage_of_the_old_ones(ddp_
     for results in ddp_two_ranks:
         storage = results["received decomposition storage"]
         assert storage[0], "this rank received no decomposition"
-        # Decomposition steps 0, 2, 4 (inv_update_steps=2). A thin Q (linalg.symmetric_eigen) may
+        # Decomposition steps 0, 2, 4 (decomposition_update_steps=2). A thin Q (linalg.symmetric_eigen) may
         # change shape while the factor's rank grows; a Q of the shape held reuses its storage.
         reused = 0
         for before, after in ((storage[0], storage[2]), (storage[2], storage[4])):

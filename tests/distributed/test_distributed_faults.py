@@ -36,7 +36,7 @@ DEADLINE_S = 120.0
 GROUP_TIMEOUT_S = 30.0  # the default group: generous, a loaded box is slow
 FAULT_TIMEOUT_S = 5.0  # the groups that are broken on purpose
 OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, damping=0.1, kl_clip=1e-2,
-                               curvature=CurvatureConfig(factor_decay=0.9), inv_update_steps=2)
+                               curvature=CurvatureConfig(factor_decay=0.9), decomposition_update_steps=2)
 JOIN_BATCHES = (6, 4)  # per rank: rank 1 runs out of inputs two steps early
 DEAD_RANK_EXIT_CODE = 17
 
@@ -65,7 +65,8 @@ class Wide(nn.Module):
 # per rank: (model factory, KFAC keyword arguments); rank r uses entry r
 MISMATCHES: dict[str, tuple[tuple[Callable[[], nn.Module], dict[str, Any]], ...]] = {
     "damping": ((make_ddp_net, dict(damping=0.1)), (make_ddp_net, dict(damping=0.2))),
-    "inv_update_steps": ((make_ddp_net, dict(inv_update_steps=10)), (make_ddp_net, dict(inv_update_steps=5))),
+    "decomposition_update_steps": ((make_ddp_net, dict(decomposition_update_steps=10)),
+                                   (make_ddp_net, dict(decomposition_update_steps=5))),
     "method": ((make_ddp_net, dict(method="eigen")), (make_ddp_net, dict(method="inverse"))),
     "factor_dtype": ((make_ddp_net, {}), (make_ddp_net, dict(curvature=CurvatureConfig(factor_dtype=torch.float64)))),
     "grad_worker_fraction": ((make_ddp_net, dict(runtime=RuntimeConfig(grad_worker_fraction=1.0))),
@@ -107,7 +108,7 @@ def mismatched_settings(rank: int) -> dict[str, str]:
     for case, per_rank in MISMATCHES.items():
         factory, kwargs = per_rank[rank]
         results[case] = outcome(
-            lambda: KFAC(factory(), lr=0.1, **{"factor_update_steps": 1, "inv_update_steps": 10, **kwargs}))  # noqa: B023 (called at once)
+            lambda: KFAC(factory(), lr=0.1, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **kwargs}))  # noqa: B023 (called at once)
     return results
 
 
@@ -131,7 +132,7 @@ def state(model: nn.Module, optimizer: KFAC) -> dict[str, Any]:
 def uneven_inputs(rank: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     with Join([model, optimizer]):
         ddp_train(model, optimizer, range(JOIN_BATCHES[rank]), rank, WORLD)
     results["joined"] = state(model, optimizer)
@@ -140,10 +141,10 @@ def uneven_inputs(rank: int) -> dict[str, Any]:
 
     model = DDP(make_ddp_net())
     optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction="mem-opt"),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     results["refused mem-opt"] = outcome(lambda: Join([model, optimizer]))
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
 
     def optimizer_first() -> None:
         with Join([optimizer, model]):
@@ -151,7 +152,7 @@ def uneven_inputs(rank: int) -> dict[str, Any]:
 
     results["refused optimizer first"] = outcome(optimizer_first)
     model = DDP(make_ddp_net())
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
 
     def model_only() -> None:
         with Join([model]):
@@ -170,7 +171,7 @@ def state_dict_on_rank_zero(rank: int, directory: Path) -> dict[str, Any]:
     for fraction in (1.0, "mem-opt"):
         model = DDP(make_ddp_net(), process_group=group)
         optimizer = KFAC(model, runtime=RuntimeConfig(process_group=group, grad_worker_fraction=fraction),
-                         **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                         **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
         ddp_train(model, optimizer, range(3), rank, WORLD)  # step 2 decomposed: the factors are global
         if fraction == 1.0:
             if rank == 0:
@@ -214,7 +215,7 @@ def resume_checkpoint(path: Path, fraction: float | str, group: Any, rank: int, 
     inner.load_state_dict(saved["model"])
     model = DDP(inner, process_group=group) if world > 1 else inner
     optimizer = KFAC(model, runtime=RuntimeConfig(process_group=group, grad_worker_fraction=fraction),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     optimizer.load_state_dict(saved["optimizer"])
     ddp_train(model, optimizer, range(int(path.stem[-1]) + 1, STEPS), rank, world)
     return model
@@ -226,7 +227,7 @@ def dead_peer(rank: int, directory: Path, results: dict[str, Any]) -> dict[str, 
     group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S))
     model = DDP(make_ddp_net(), process_group=group)
     optimizer = KFAC(model, runtime=RuntimeConfig(process_group=group),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     ddp_train(model, optimizer, range(4), rank, WORLD)
     if rank == 1:  # dies as step 4, a decomposition step, begins
         torch.save(results, results_file(directory, every_fault, rank))

@@ -30,11 +30,11 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 GLOBAL_BATCH = 8
 STEPS = 5
-SAVE_AT = 3  # right after a decomposition step (inv_update_steps=2: steps 0, 2, 4)
+SAVE_AT = 3  # right after a decomposition step (decomposition_update_steps=2: steps 0, 2, 4)
 DEADLINE_S = 150.0
 OPTIONS: dict[str, Any] = dict(
     lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.1, kl_clip=1e-2,
-    curvature=CurvatureConfig(factor_decay=0.9), inv_update_steps=2
+    curvature=CurvatureConfig(factor_decay=0.9), decomposition_update_steps=2
 )
 SGD_OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True)
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -234,7 +234,7 @@ def kfac_run(
 ) -> dict[str, torch.Tensor]:
     model = sharded_model(mesh, root_only, **fsdp_kwargs)
     optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     fsdp_train(model, optimizer, range(STEPS), rank, world)
     SENT[fraction] = optimizer.estimator.strategy.comm.bytes_sent["fsdp_rows"]
     return full_parameters(model)
@@ -250,7 +250,7 @@ def sgd_runs(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
     for name, build in (
         ("torch sgd", lambda m: torch.optim.SGD(m.parameters(), **SGD_OPTIONS)),
         ("kfac off", lambda m: KFAC(m, curvature=CurvatureConfig(skip_layers=[nn.Linear, nn.Conv2d]),
-                                    **{"factor_update_steps": 1, "inv_update_steps": 10, **SGD_OPTIONS})),
+                                    **{"factor_update_steps": 1, "decomposition_update_steps": 10, **SGD_OPTIONS})),
     ):
         model = sharded_model()
         fsdp_train(model, build(model), range(STEPS), rank, world)
@@ -273,7 +273,7 @@ def resume_from_checkpoint(model: nn.Module, path: Path, rank: int = 0, world: i
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **{**OPTIONS, **kwargs}})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **{**OPTIONS, **kwargs}})
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optimizer_state, "kfac": optimizer.kfac_state()}
     dcp.load(state, checkpoint_id=path)
@@ -298,19 +298,19 @@ def fsdp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str,
     model = sharded_model()
     train_sampled(model,
                   KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5),
-                       **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS,
+                       **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS,
                           "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")}), range(STEPS), rank, world)
     results["params sampled"] = full_parameters(model)
     model = sharded_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     train_sampled(model,
                   KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5),
-                       **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS,
+                       **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS,
                           "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")}), range(STEPS), rank, world,
                   scaler=scaler)
     results["params sampled grad scaler"] = full_parameters(model)
     model = sharded_model()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     for step in range(STEPS):
         x, y = fsdp_shard(step, rank, world)
@@ -324,7 +324,7 @@ def fsdp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str,
     model = make_token_model()
     fully_shard(model)
     optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     results["new blocks"] = sorted(type(block).__name__ for block in optimizer.blocks)
     fsdp_train(model, optimizer, range(STEPS), rank, world, data=token_shard)
     results["params new blocks"] = full_parameters(model)
@@ -336,19 +336,19 @@ def fsdp_scenario_two_ranks(rank: int, world: int, directory: Path) -> dict[str,
     curvature = CurvatureConfig(factor_decay=OPTIONS["curvature"].factor_decay, blocks=blocks)
     try:
         KFAC(fully_shard(nn.Sequential(Transposed())), curvature=curvature,
-             **{"factor_update_steps": 1, "inv_update_steps": 10, **options})
+             **{"factor_update_steps": 1, "decomposition_update_steps": 10, **options})
     except ValueError as error:
         results["rows of different lengths error"] = str(error)
 
     model = sharded_model()
     optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     fsdp_train(model, optimizer, range(SAVE_AT), rank, world)
     save_checkpoint(model, optimizer, directory / "dcp")
     plain = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}  # DTensor shards, per rank
     model = sharded_model()
     optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=0.5),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     model.load_state_dict(plain["model"])
     optimizer.load_state_dict(plain["optimizer"])
     fsdp_train(model, optimizer, range(SAVE_AT, STEPS), rank, world)
@@ -397,7 +397,8 @@ def fsdp_reference() -> dict[str, torch.Tensor]:
     """One process, the unsharded model, the concatenated batch."""
     torch.set_num_threads(1)
     model = make_fsdp_net()
-    fsdp_train(model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}), range(STEPS))
+    fsdp_train(model, KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS}),
+               range(STEPS))
     return full_parameters(model)
 
 
@@ -427,7 +428,7 @@ def test_sampled_fisher_on_two_fsdp_ranks_equals_one_process_with_the_shards_as_
     """``sample_fisher`` back-propagates to the hooked layer outputs, so it records under FSDP2 too
     (differentiating w.r.t. the sharded parameters reached no layer: no statistics at all)."""
     model = make_fsdp_net()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS,
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS,
                                "curvature": CurvatureConfig(factor_decay=0.9, fisher="sampled")})
     train_sampled(model, optimizer, range(STEPS), micro_batches=2)
     assert all(f.running.abs().sum() > 0 for b in optimizer.blocks for f in b.factors.values())
@@ -440,7 +441,7 @@ def test_new_block_kinds_on_two_fsdp_ranks_equal_one_process(fsdp_two_ranks) -> 
     preconditioned whole from its gathered gradient rows, as in one process."""
     torch.set_num_threads(1)
     model = make_token_model()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     fsdp_train(model, optimizer, range(STEPS), data=token_shard)
     expected = full_parameters(model)
     kinds = sorted(type(block).__name__ for block in optimizer.blocks)
@@ -502,7 +503,7 @@ def test_dcp_checkpoint_holds_global_factors_by_module_name(fsdp_two_ranks, modu
     import torch.distributed.checkpoint as dcp
 
     model = make_fsdp_net()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     fsdp_train(model, optimizer, range(SAVE_AT))
     expected = optimizer.kfac_state_dict()
     metadata = dcp.FileSystemReader(str(module_tmp_path / "dcp")).read_metadata()

@@ -27,7 +27,7 @@ from kfac_optim.methods import Method
 from tests.distributed_helpers import assert_same_tensors, spawn
 
 SEAM_STEPS = 5
-SEAM_OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=2)
+SEAM_OPTIONS: dict[str, Any] = dict(lr=0.1, momentum=0.9, factor_update_steps=1, decomposition_update_steps=2)
 
 
 class SeamNet(nn.Module):

@@ -42,7 +42,7 @@ def test_assign_phases_is_greedy_largest_first_with_ties_by_name() -> None:
 @pytest.mark.parametrize("interval", [2, 3])
 def test_each_layer_captures_and_folds_only_on_its_phase_once_per_interval(interval: int) -> None:
     model = stagger_mlp()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=interval, inv_update_steps=4,
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=interval, decomposition_update_steps=4,
                      curvature=CurvatureConfig(stagger=True))
     phases = expected_phases(interval)
     versions = [0, 0, 0]
@@ -66,7 +66,7 @@ def test_a_callable_interval_gets_phases_against_the_interval_in_force() -> None
     model = stagger_mlp()
     schedule = lambda step: 2 if step < 6 else 3  # noqa: E731
     optimizer = KFAC(model, lr=0.1, factor_update_steps=schedule, curvature=CurvatureConfig(stagger=True),
-                     inv_update_steps=10)
+                     decomposition_update_steps=10)
     for step in range(12):
         x, y = stagger_batch(step)
         optimizer.zero_grad()
@@ -84,7 +84,7 @@ def test_staggered_factors_are_the_running_averages_of_each_layers_own_batches()
     decay, interval = 0.9, 3
     model = stagger_mlp()
     optimizer = KFAC(
-        model, lr=0.1, momentum=0.9, factor_update_steps=interval, inv_update_steps=2,
+        model, lr=0.1, momentum=0.9, factor_update_steps=interval, decomposition_update_steps=2,
         curvature=CurvatureConfig(factor_decay=decay, stagger=True, factor_dtype=torch.float64,
                                   inv_dtype=torch.float64),
     )
@@ -133,7 +133,8 @@ def test_attention_projections_share_one_phase_and_are_captured_together() -> No
             return self.head(self.attention(h, h, h, need_weights=False)[0].mean(1))
 
     model = Net()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=2, curvature=CurvatureConfig(stagger=True), inv_update_steps=10)
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=2, curvature=CurvatureConfig(stagger=True),
+                     decomposition_update_steps=10)
     names = [block.name for block in optimizer.blocks]
     attention_blocks = [i for i, name in enumerate(names) if name.startswith("attention")]
     assert len(attention_blocks) >= 2
@@ -155,7 +156,7 @@ def test_attention_projections_share_one_phase_and_are_captured_together() -> No
 def test_sampled_fisher_records_only_the_layers_of_the_phase() -> None:
     model = stagger_mlp()
     optimizer = KFAC(model, lr=0.1, factor_update_steps=3, curvature=CurvatureConfig(fisher="sampled", stagger=True),
-                     inv_update_steps=10)
+                     decomposition_update_steps=10)
     phases = expected_phases(3)
     for step in range(7):
         x, y = stagger_batch(step)

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from kfac_optim import KFAC, CurvatureConfig, RuntimeConfig
 from tests.distributed_helpers import spawn
 
-OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, inv_update_steps=2)
+OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, decomposition_update_steps=2)
 BATCH = 16
 
 
@@ -67,7 +67,8 @@ def amp_run(
     extra = {"runtime": RuntimeConfig(grad_scaler=scaler)} if pass_scaler else {}
     if fisher != "empirical":
         extra["curvature"] = CurvatureConfig(fisher=fisher)
-    optimizer = (make_optimizer(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}, **extra)
+    optimizer = (make_optimizer(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS},
+                                **extra)
                  if make_optimizer is KFAC else make_optimizer(model))
     input_dtype = next(model.parameters()).dtype
     for step in range(steps):
@@ -172,7 +173,7 @@ def test_an_injected_inf_skips_the_step_leaves_all_state_untouched_and_halves_th
 def test_a_skipped_overflow_step_leaves_no_stale_statistics_for_the_next_step() -> None:
     model, optimizer, _ = amp_run(5, inject_inf_at=2)  # batches 0, 1, (2 skipped), 3, 4
     control_model = make_amp_net()
-    control = KFAC(control_model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    control = KFAC(control_model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     scaler = torch.amp.GradScaler("cpu")
     for step in (0, 1, 3, 4):
         x, y = amp_batch(step)
@@ -208,7 +209,7 @@ def test_with_kfac_off_the_update_is_sgd_with_grad_scaler_bit_for_bit() -> None:
             warnings.simplefilter("ignore")
             return KFAC(model, lr=0.05, momentum=0.9, weight_decay=1e-3,
                         curvature=CurvatureConfig(skip_layers=[nn.Linear, nn.Conv2d]), factor_update_steps=1,
-                        inv_update_steps=10)
+                        decomposition_update_steps=10)
 
     def sgd(model: nn.Module) -> torch.optim.SGD:
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
@@ -237,7 +238,7 @@ def test_bf16_parameters_keep_their_dtype_while_factors_stay_fp32() -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_statistics_under_autocast_are_grams_of_the_upcast_captured_tensors(dtype: torch.dtype) -> None:
     model = make_amp_net()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     block = optimizer.blocks[-1]  # fc2: its output, hence its output-gradient, is in ``dtype``
     captured: list[tuple[Tensor, Tensor]] = []
     original = block.accumulate
@@ -266,14 +267,14 @@ def test_the_deprecated_torch_cuda_amp_grad_scaler_is_accepted() -> None:
         scaler = torch.cuda.amp.GradScaler()
     model, optimizer, _ = amp_run(2, dtype=None, init_scale=None, make_optimizer=KFAC)
     reference = copy.deepcopy(model)
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS},
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS},
                      runtime=RuntimeConfig(grad_scaler=scaler))
     for step in range(2):  # a disabled scaler: scale(), step() and the statistics are plain
         x, y = amp_batch(step)
         optimizer.zero_grad()
         scaler.scale(F.cross_entropy(model(x), y)).backward()
         scaler.step(optimizer)
-    control = KFAC(reference, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    control = KFAC(reference, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     for step in range(2):
         x, y = amp_batch(step)
         control.zero_grad()
@@ -291,7 +292,7 @@ DDP_STEPS = 4
 def ddp_with_grad_scaler(rank: int, world: int, directory: Path) -> dict[str, Any]:
     model = make_amp_net()
     ddp = DDP(model)
-    optimizer = KFAC(ddp, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(ddp, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     scaler = torch.amp.GradScaler("cpu")
     size = BATCH // world
     for step in range(DDP_STEPS):
@@ -318,7 +319,7 @@ def amp_run_over_rank_shards(steps: int, world: int) -> tuple[nn.Module, KFAC]:
     about K-FAC's distributed statistics.
     """
     model = make_amp_net()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     scaler = torch.amp.GradScaler("cpu")
     for step in range(steps):
         x, y = amp_batch(step)

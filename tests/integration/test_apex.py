@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from kfac_optim import KFAC, CurvatureConfig
 
-OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, inv_update_steps=2)
+OPTIONS: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.1, decomposition_update_steps=2)
 LEVELS = ["O1", "O2"]
 
 pytestmark = pytest.mark.apex
@@ -41,7 +41,7 @@ def teacher_batch(step: int) -> tuple[Tensor, Tensor]:
 
 def apex_setup(amp: ModuleType, opt_level: str) -> tuple[nn.Module, KFAC]:
     model = make_apex_mlp()
-    return amp.initialize(model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}),
+    return amp.initialize(model, KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS}),
                           opt_level=opt_level, verbosity=0)
 
 
@@ -58,7 +58,7 @@ def end_apex(amp: ModuleType) -> None:
 
 def fp32_control(steps: list[int]) -> tuple[nn.Module, KFAC]:
     model = make_apex_mlp()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     for step in steps:
         x, y = teacher_batch(step)
         optimizer.zero_grad()
@@ -225,7 +225,8 @@ def test_sampled_fisher_statistics_are_left_unscaled_under_apex(fake_apex: Modul
     model = make_apex_mlp()
     model, optimizer = fake_apex.initialize(model,
                                             KFAC(model, curvature=CurvatureConfig(fisher="sampled"),
-                                                 **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}),
+                                                 **{"factor_update_steps": 1, "decomposition_update_steps": 10,
+                                                    **OPTIONS}),
                                             opt_level=opt_level,
                                             verbosity=0)
     fake_apex._amp_state.loss_scalers[0]._loss_scale = 2.0**12
@@ -233,7 +234,7 @@ def test_sampled_fisher_statistics_are_left_unscaled_under_apex(fake_apex: Modul
     end_apex(fake_apex)
     control_model = make_apex_mlp()
     control = KFAC(control_model, curvature=CurvatureConfig(fisher="sampled"),
-                   **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                   **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     train(control_model, control, under_apex=False)
     torch.testing.assert_close(running_factors(optimizer), running_factors(control), rtol=3e-2, atol=1e-3)
     torch.testing.assert_close(owned_params(optimizer), owned_params(control), rtol=2e-2, atol=2e-3)

@@ -119,7 +119,7 @@ def train_case(case: str, async_statistics: bool, steps: int = 9) -> tuple[list[
     factory, batches, step, options = CASES[case]
     torch.manual_seed(0)
     model = factory()
-    optimizer = KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=2, inv_update_steps=4,
+    optimizer = KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=2, decomposition_update_steps=4,
                      runtime=RuntimeConfig(async_statistics=async_statistics), **options)
     if step is grad_scaler_step:
         optimizer.test_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # type: ignore[attr-defined]
@@ -157,7 +157,7 @@ def blocked_worker(optimizer: KFAC) -> threading.Event:
 def test_an_input_refilled_in_place_before_the_worker_reads_it_is_dropped_with_a_warning() -> None:
     torch.manual_seed(0)
     model = SharedLinear()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=1,
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, decomposition_update_steps=1,
                      runtime=RuntimeConfig(async_statistics=True))
     (x, y), (x2, _) = image_batches(2)
     plain_step(model, optimizer, x, y)
@@ -181,7 +181,7 @@ def test_an_input_refilled_in_place_before_the_worker_reads_it_is_dropped_with_a
 def test_a_failure_in_the_worker_is_raised_on_the_optimizers_thread() -> None:
     torch.manual_seed(0)
     model = SharedLinear()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=2,
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, decomposition_update_steps=2,
                      runtime=RuntimeConfig(async_statistics=True))
 
     def broken(inputs: Tensor, grad_output: Tensor) -> None:
@@ -198,7 +198,7 @@ def test_a_failure_in_the_worker_is_raised_on_the_optimizers_thread() -> None:
 def test_state_dict_waits_for_the_worker() -> None:
     torch.manual_seed(0)
     model = SharedLinear()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10,
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, decomposition_update_steps=10,
                      runtime=RuntimeConfig(async_statistics=True))
     (x, y), (x2, y2) = image_batches(2)
     plain_step(model, optimizer, x, y)  # step 0 decomposes, so it waits for the worker
@@ -216,7 +216,8 @@ def test_under_apex_the_statistics_are_computed_in_line_with_one_warning(fake_ap
     def run(async_statistics: bool) -> list[Tensor]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-        optimizer = KFAC(model, lr=0.05, inv_update_steps=2, runtime=RuntimeConfig(async_statistics=async_statistics),
+        optimizer = KFAC(model, lr=0.05, decomposition_update_steps=2,
+                         runtime=RuntimeConfig(async_statistics=async_statistics),
                          factor_update_steps=1)
         model, optimizer = fake_apex.initialize(model, optimizer, opt_level="O2", verbosity=0)
         generator = torch.Generator().manual_seed(3)

@@ -33,7 +33,7 @@ def conversion_mlp() -> nn.Sequential:
 def conversion_kfac(model: nn.Module) -> KFAC:
     """K-FAC folding every step with ``factor_decay=0`` (the running factors are the last step's), in float64."""
     curvature = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64, factor_decay=0.0)
-    return KFAC(model, lr=0.1, damping=0.1, kl_clip=None, factor_update_steps=1, inv_update_steps=1,
+    return KFAC(model, lr=0.1, damping=0.1, kl_clip=None, factor_update_steps=1, decomposition_update_steps=1,
                 curvature=curvature)
 
 

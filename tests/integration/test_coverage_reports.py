@@ -23,7 +23,7 @@ from torch import nn
 
 from kfac_optim import KFAC, Eigen
 
-SETTINGS = dict(lr=0.1, momentum=0.0, kl_clip=None, factor_update_steps=1, inv_update_steps=1)
+SETTINGS = dict(lr=0.1, momentum=0.0, kl_clip=None, factor_update_steps=1, decomposition_update_steps=1)
 
 
 class BypassedHead(nn.Module):
@@ -154,6 +154,6 @@ def test_a_wide_diagonal_factor_is_not_named_as_slow_to_decompose(caplog: pytest
     with torch.device("meta"):
         model = nn.Sequential(nn.Embedding(50257, 8), nn.Linear(8, 4096, bias=False))
     with caplog.at_level(logging.WARNING):
-        KFAC(model, lr=0.1, method=Eigen(max_rank=None), factor_update_steps=1, inv_update_steps=10)
+        KFAC(model, lr=0.1, method=Eigen(max_rank=None), factor_update_steps=1, decomposition_update_steps=10)
     (record,) = [r for r in caplog.records if "seconds" in r.getMessage()]
     assert "1.G (4096)" in record.getMessage() and "0.A" not in record.getMessage(), record.getMessage()

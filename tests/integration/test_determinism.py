@@ -84,7 +84,7 @@ def test_the_default_run_equals_the_run_given_its_chosen_intervals() -> None:
     steps = len(data)
     assert inverse < steps  # decompositions after step 0 use the folds compared
     control_model = three_layer_mlp()
-    control = KFAC(control_model, lr=0.1, momentum=0.9, factor_update_steps=factor, inv_update_steps=inverse)
+    control = KFAC(control_model, lr=0.1, momentum=0.9, factor_update_steps=factor, decomposition_update_steps=inverse)
     for batch in data:
         step(control_model, control, batch)
     assert_same_state(snapshot(model), snapshot(control_model))
@@ -131,7 +131,7 @@ def test_a_measured_decision_that_makes_its_step_a_factor_step_folds_it() -> Non
     costs = StepCosts(step=1.0, factor=0.05, decomposition=0.1)  # share 0.25: factor interval 1
     model = three_layer_mlp()
     optimizer = KFAC(model, lr=0.1, factor_update_steps=MeasuredIntervals(costs=costs),
-                     inv_update_steps=MeasuredIntervals(costs=costs))
+                     decomposition_update_steps=MeasuredIntervals(costs=costs))
     data = batches(5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -146,19 +146,19 @@ def test_a_measured_decision_that_makes_its_step_a_factor_step_folds_it() -> Non
 # -- resume at any step ------------------------------------------------------------------------
 
 RESUME_STEPS = 12
-MIXED = [  # (factor_update_steps, inv_update_steps)
+MIXED = [  # (factor_update_steps, decomposition_update_steps)
     ("auto", "auto"),
     ("auto", 2),
     (2, "auto"),
     (2, 4),
 ]
 CASES: dict[str, dict[str, Any]] = {
-    **{f"intervals {f}/{i}": dict(factor_update_steps=f, inv_update_steps=i) for f, i in MIXED},
+    **{f"intervals {f}/{i}": dict(factor_update_steps=f, decomposition_update_steps=i) for f, i in MIXED},
     "async": dict(asynchronous=AsyncConfig()),
-    "async delay 1, 2/4": dict(asynchronous=AsyncConfig(delay=1), factor_update_steps=2, inv_update_steps=4),
+    "async delay 1, 2/4": dict(asynchronous=AsyncConfig(delay=1), factor_update_steps=2, decomposition_update_steps=4),
     "stagger 3/auto": dict(curvature=CurvatureConfig(stagger=True), factor_update_steps=3),
     "eigen_adam": dict(method="eigen_adam", lr=0.01),
-    "adaptive damping 1/4": dict(damping=AdaptiveDamping(every=2), factor_update_steps=1, inv_update_steps=4),
+    "adaptive damping 1/4": dict(damping=AdaptiveDamping(every=2), factor_update_steps=1, decomposition_update_steps=4),
     "async, eigen_adam": dict(asynchronous=AsyncConfig(), method="eigen_adam", lr=0.01),
     "async, adaptive damping": dict(asynchronous=AsyncConfig(delay=1), damping=AdaptiveDamping(every=3)),
     "async statistics": dict(runtime=RuntimeConfig(async_statistics=True)),
@@ -202,11 +202,11 @@ def test_a_run_saved_at_any_step_resumes_bit_identically(options: dict[str, Any]
 @pytest.mark.parametrize(("factor", "inverse"), [("auto", 2), (2, "auto"), (lambda step: 2, "auto")],
                          ids=["auto/2", "2/auto", "callable/auto"])
 def test_a_checkpoint_with_one_explicit_and_one_automatic_interval_loads(factor: Any, inverse: Any) -> None:
-    model, optimizer = build(dict(factor_update_steps=factor, inv_update_steps=inverse))
+    model, optimizer = build(dict(factor_update_steps=factor, decomposition_update_steps=inverse))
     for batch in batches(5):
         step(model, optimizer, batch)
     state = optimizer.state_dict()
-    _, fresh = build(dict(factor_update_steps=factor, inv_update_steps=inverse))
+    _, fresh = build(dict(factor_update_steps=factor, decomposition_update_steps=inverse))
     fresh.load_state_dict(state)
     assert fresh.estimator.intervals.chosen == optimizer.estimator.intervals.chosen
     assert fresh.describe().splitlines()[-1] == optimizer.describe().splitlines()[-1]

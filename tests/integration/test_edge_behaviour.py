@@ -36,7 +36,7 @@ def test_describe_counts_the_weight_matrices_kfac_preconditions_and_no_other_par
     Linear's (2, 3) = 6 is not; biases and the LayerNorm's 1-dim parameters are no matrices."""
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(32, 3), nn.LayerNorm(3), nn.Linear(3, 2))
     optimizer = KFAC(model, lr=0.1, curvature=CurvatureConfig(skip_layers=["4"]), factor_update_steps=1,
-                     inv_update_steps=10)
+                     decomposition_update_steps=10)
     first_line = optimizer.describe().splitlines()[0]
     assert "precondition 114/120 weight-matrix elements (95.0%)" in first_line, first_line
 
@@ -45,7 +45,7 @@ def test_describe_reports_full_coverage_for_a_model_without_weight_matrices() ->
     model = nn.Sequential(nn.LayerNorm(4))  # parameters of 1 dim only: nothing to cover, nothing missed
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # whether K-FAC takes the LayerNorm or not is not the point here
-        optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+        optimizer = KFAC(model, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     assert "0/0 weight-matrix elements (100.0%)" in optimizer.describe().splitlines()[0]
 
 
@@ -65,7 +65,7 @@ def _graph_warnings(record: list[warnings.WarningMessage]) -> list[str]:
 
 def test_factor_steps_whose_every_backward_builds_a_graph_warn_once() -> None:
     model, x, y = _mlp_and_batch()
-    optimizer = KFAC(model, lr=0.01, factor_update_steps=1, inv_update_steps=1)
+    optimizer = KFAC(model, lr=0.01, factor_update_steps=1, decomposition_update_steps=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -79,7 +79,7 @@ def test_a_gradient_penalty_step_records_its_final_backward_without_warning() ->
     """A ``create_graph=True`` backward followed, in the same step, by the plain backward that
     produces ``.grad``: the plain one is recorded, so nothing is reported."""
     model, x, y = _mlp_and_batch()
-    optimizer = KFAC(model, lr=0.01, factor_update_steps=1, inv_update_steps=1)
+    optimizer = KFAC(model, lr=0.01, factor_update_steps=1, decomposition_update_steps=1)
     x.requires_grad_(True)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -113,7 +113,7 @@ def test_a_new_damping_refreshes_the_inverse_although_the_factors_did_not_change
     layer = nn.Linear(4, 3).double()
     generator = torch.Generator().manual_seed(5)
     x, y = torch.randn(16, 4, generator=generator, dtype=torch.float64), torch.randint(0, 3, (16,), generator=generator)
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, method="inverse", factor_update_steps=1, inv_update_steps=1,
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, method="inverse", factor_update_steps=1, decomposition_update_steps=1,
                      damping=lambda step: 0.1 if step == 0 else 10.0,
                      curvature=CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64))
     optimizer.zero_grad()
@@ -141,7 +141,7 @@ def test_new_factors_refresh_the_eigendecomposition_at_an_unchanged_damping() ->
     torch.manual_seed(0)
     layer = nn.Linear(4, 3).double()
     optimizer = KFAC(layer, lr=1.0, kl_clip=None, method="eigen", damping=0.1, factor_update_steps=1,
-                     inv_update_steps=1,
+                     decomposition_update_steps=1,
                      curvature=CurvatureConfig(factor_decay=0.5, factor_dtype=torch.float64, inv_dtype=torch.float64))
     (block,) = optimizer.blocks
     for seed in range(3):
@@ -169,7 +169,7 @@ def test_reduce_warns_once_about_one_backward_over_calls_with_different_batch_si
     torch.manual_seed(0)
     layer = nn.Linear(3, 3)
     optimizer = KFAC(layer, lr=0.01, curvature=CurvatureConfig(weight_sharing="reduce"),
-                     factor_update_steps=1, inv_update_steps=1)
+                     factor_update_steps=1, decomposition_update_steps=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -185,7 +185,7 @@ def test_reduce_does_not_warn_about_micro_batches_of_different_sizes() -> None:
     torch.manual_seed(0)
     layer = nn.Linear(3, 3)
     optimizer = KFAC(layer, lr=0.01, curvature=CurvatureConfig(weight_sharing="reduce"),
-                     factor_update_steps=1, inv_update_steps=1)
+                     factor_update_steps=1, decomposition_update_steps=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(2):
@@ -207,7 +207,7 @@ def test_the_large_factor_note_starts_at_dim_4096_exactly(caplog: pytest.LogCapt
     with torch.device("meta"):  # only the sizes matter: nothing is allocated
         model = nn.Sequential(nn.Linear(4095, 4095), nn.Linear(4095, 4096, bias=False), nn.Linear(4094, 2))
     with caplog.at_level(logging.WARNING):
-        KFAC(model, lr=0.1, method=Eigen(max_rank=None), factor_update_steps=1, inv_update_steps=10)
+        KFAC(model, lr=0.1, method=Eigen(max_rank=None), factor_update_steps=1, decomposition_update_steps=10)
     (record,) = [r for r in caplog.records if "seconds" in r.getMessage()]
     named = set(re.findall(r"\b\d+\.[AG] \(\d+\)", record.getMessage()))
     assert named == {"0.A (4096)", "1.G (4096)"}, record.getMessage()

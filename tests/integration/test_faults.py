@@ -48,7 +48,7 @@ def test_gradient_penalty_records_plain_tensors_once_per_step() -> None:
     torch.manual_seed(0)
     net = faults_mlp()
     reference_net = copy.deepcopy(net)  # no optimizer: gradients computed directly below
-    optimizer = KFAC(net, lr=0.1, curvature=CurvatureConfig(factor_decay=0.0), inv_update_steps=1000,
+    optimizer = KFAC(net, lr=0.1, curvature=CurvatureConfig(factor_decay=0.0), decomposition_update_steps=1000,
                      factor_update_steps=1)
     x, y = faults_batch()
     x.requires_grad_(True)
@@ -75,7 +75,7 @@ def test_gradient_penalty_records_plain_tensors_once_per_step() -> None:
 
 def test_gradient_penalty_does_not_grow_a_graph_across_steps() -> None:
     net = faults_mlp()
-    optimizer = KFAC(net, lr=0.01, factor_update_steps=1, inv_update_steps=2)
+    optimizer = KFAC(net, lr=0.01, factor_update_steps=1, decomposition_update_steps=2)
     for step in range(4):
         x, y = faults_batch(seed=step)
         x.requires_grad_(True)
@@ -94,7 +94,7 @@ def test_a_collected_optimizer_takes_its_hooks_with_it() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no take-over warning: each optimizer is gone before the next
         for _ in range(3):
-            optimizer = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+            optimizer = KFAC(net, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
             faults_train_step(net, optimizer)
             assert forward_hook_count(net) == 2
             del optimizer
@@ -104,9 +104,9 @@ def test_a_collected_optimizer_takes_its_hooks_with_it() -> None:
 
 def test_a_second_live_optimizer_takes_the_model_over_with_a_warning() -> None:
     net = faults_mlp()
-    first = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    first = KFAC(net, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     with pytest.warns(UserWarning, match="already has a live KFAC") as record:
-        second = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+        second = KFAC(net, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     assert {w.filename for w in record} == {__file__}
     assert forward_hook_count(net) == len(second.blocks)  # only the new optimizer's hooks
     faults_train_step(net, second)
@@ -120,7 +120,7 @@ def test_recreating_the_optimizer_keeps_one_hook_per_layer() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(5):
-            optimizers.append(KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=10))
+            optimizers.append(KFAC(net, lr=0.1, factor_update_steps=1, decomposition_update_steps=10))
     assert forward_hook_count(net) == 2
 
 
@@ -128,7 +128,7 @@ def test_a_deep_copied_model_does_not_feed_the_originals_factors() -> None:
     torch.manual_seed(0)
     net = faults_mlp()
     optimizer = KFAC(net, lr=0.1, curvature=CurvatureConfig(factor_decay=0.0), factor_update_steps=1,
-                     inv_update_steps=10)
+                     decomposition_update_steps=10)
     ema = copy.deepcopy(net)  # an EMA / teacher copy made after the optimizer
     x, y = faults_batch()
     F.cross_entropy(net(x), y).backward()
@@ -141,7 +141,7 @@ def test_a_deep_copied_model_does_not_feed_the_originals_factors() -> None:
 
 def test_remove_hooks_leaves_no_hooks_on_copies() -> None:
     net = faults_mlp()
-    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     twin = copy.deepcopy(net)
     optimizer.remove_hooks()
     assert forward_hook_count(net) == 0
@@ -152,11 +152,13 @@ def test_a_copy_of_the_model_can_be_trained_by_its_own_optimizer() -> None:
     """The copy (with the inert placeholders of the original's hooks) trains as a plain model with
     the same parameters that never had an optimizer: the same blocks, factors and step."""
     net = faults_mlp()
-    original = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=10)  # alive: its hooks were copied too
+    original = KFAC(net, lr=0.1, factor_update_steps=1,
+                    decomposition_update_steps=10)  # alive: its hooks were copied too
     twin = copy.deepcopy(net)
     control = faults_mlp()
     control.load_state_dict(net.state_dict())
-    optimizers = [KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10) for model in (twin, control)]
+    optimizers = [KFAC(model, lr=0.1, factor_update_steps=1, decomposition_update_steps=10) for model in (twin,
+                                                                                                          control)]
     for model, optimizer in zip((twin, control), optimizers, strict=True):
         faults_train_step(model, optimizer)
     twin_optimizer, control_optimizer = optimizers
@@ -176,8 +178,8 @@ def test_a_layer_called_with_keyword_arguments_is_captured() -> None:
     torch.manual_seed(0)
     keyword_net, positional_net = nn.Linear(6, 3), nn.Linear(6, 3)
     positional_net.load_state_dict(keyword_net.state_dict())
-    keyword = KFAC(keyword_net, lr=0.1, inv_update_steps=1, factor_update_steps=1)
-    positional = KFAC(positional_net, lr=0.1, inv_update_steps=1, factor_update_steps=1)
+    keyword = KFAC(keyword_net, lr=0.1, decomposition_update_steps=1, factor_update_steps=1)
+    positional = KFAC(positional_net, lr=0.1, decomposition_update_steps=1, factor_update_steps=1)
     x, y = faults_batch()
     F.cross_entropy(keyword_net(input=x), y).backward()
     F.cross_entropy(positional_net(x), y).backward()
@@ -193,7 +195,7 @@ def test_a_layer_called_with_keyword_arguments_is_captured() -> None:
 def test_one_nan_gradient_entry_stays_in_its_layer() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=1, kl_clip=1e-3, factor_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, decomposition_update_steps=1, kl_clip=1e-3, factor_update_steps=1)
     faults_train_step(net, optimizer)  # decompositions exist from here on
     x, y = faults_batch(seed=1)
     optimizer.zero_grad()
@@ -209,8 +211,8 @@ def test_a_non_finite_layer_is_left_out_of_the_trust_region_and_reported() -> No
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
     twin = copy.deepcopy(net)
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=2, kl_clip=1e-4, factor_update_steps=1)
-    control = KFAC(twin, lr=0.1, inv_update_steps=2, kl_clip=1e-4, factor_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, decomposition_update_steps=2, kl_clip=1e-4, factor_update_steps=1)
+    control = KFAC(twin, lr=0.1, decomposition_update_steps=2, kl_clip=1e-4, factor_update_steps=1)
     faults_train_step(net, optimizer)
     faults_train_step(twin, control)
     x, y = faults_batch(seed=1)
@@ -230,7 +232,7 @@ def test_a_non_finite_layer_is_left_out_of_the_trust_region_and_reported() -> No
 
 def test_a_damping_schedule_returning_inf_is_named_when_used() -> None:
     optimizer = KFAC(faults_mlp(), lr=0.1, damping=lambda step: float("inf"), factor_update_steps=1,
-                     inv_update_steps=10)
+                     decomposition_update_steps=10)
     with pytest.raises(ValueError, match="damping"):
         optimizer.step()
 
@@ -241,7 +243,7 @@ def test_a_damping_schedule_returning_inf_is_named_when_used() -> None:
 def trained(width: int = 16, steps: int = 2, **kwargs) -> tuple[nn.Module, KFAC]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 3))
-    optimizer = KFAC(net, lr=0.1, momentum=0.9, inv_update_steps=1, **{"factor_update_steps": 1, **kwargs})
+    optimizer = KFAC(net, lr=0.1, momentum=0.9, decomposition_update_steps=1, **{"factor_update_steps": 1, **kwargs})
     for step in range(steps):
         faults_train_step(net, optimizer, seed=step)
     return net, optimizer
@@ -311,7 +313,7 @@ def test_checkpoint_of_a_compiled_model_loads_into_the_plain_model() -> None:
     torch.manual_seed(0)
     net = faults_mlp()
     compiled = torch.compile(net, backend="eager")
-    optimizer = KFAC(compiled, lr=0.1, inv_update_steps=1, factor_update_steps=1)
+    optimizer = KFAC(compiled, lr=0.1, decomposition_update_steps=1, factor_update_steps=1)
     x, y = faults_batch()
     F.cross_entropy(compiled(x), y).backward()
     optimizer.step()
@@ -319,7 +321,7 @@ def test_checkpoint_of_a_compiled_model_loads_into_the_plain_model() -> None:
     assert all(block.A.initialized for block in optimizer.blocks)
     state = optimizer.state_dict()
     assert set(state["kfac"]["blocks"]) == {name.rsplit(".", 1)[0] for name in net.state_dict()}
-    plain = KFAC(copy.deepcopy(net), lr=0.1, inv_update_steps=1, factor_update_steps=1)
+    plain = KFAC(copy.deepcopy(net), lr=0.1, decomposition_update_steps=1, factor_update_steps=1)
     plain.load_state_dict(state)
     for block, loaded in zip(optimizer.blocks, plain.blocks, strict=True):
         torch.testing.assert_close(block.A.running, loaded.A.running, rtol=0, atol=0)

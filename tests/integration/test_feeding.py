@@ -33,7 +33,7 @@ from kfac_optim.layers import ModuleReport
 from kfac_optim.layers.factor import unpack_running
 
 OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": None,
-                           "curvature": CurvatureConfig(factor_decay=0.9), "inv_update_steps": 1}
+                           "curvature": CurvatureConfig(factor_decay=0.9), "decomposition_update_steps": 1}
 STEPS = 3
 
 
@@ -96,7 +96,7 @@ def run_classifier(
     """``STEPS`` plain K-FAC steps; ``extra_pass(model, x, y, loss)`` runs after the forward,
     before ``loss.backward()``."""
     model = mlp()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     for step in range(STEPS):
         x, y = batch(step)
         optimizer.zero_grad()
@@ -119,7 +119,7 @@ def test_monitoring_grad_pass_before_backward_does_not_change_the_factors() -> N
 def test_adversarial_input_gradient_pass_in_train_mode_does_not_change_the_factors() -> None:
     def run(attack_in_eval_mode: bool) -> tuple[dict[str, Tensor], nn.Module]:
         model = mlp()
-        optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+        optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
         for step in range(STEPS):
             x, y = batch(step)
             optimizer.zero_grad()
@@ -168,8 +168,8 @@ def test_generator_pass_through_a_frozen_discriminator_does_not_feed_its_factors
 
     def run(generator_pass_in_eval_mode: bool) -> tuple[dict[str, Tensor], nn.Module]:
         net_g, net_d = gan()
-        opt_g, opt_d = (KFAC(net_g, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}),
-                        KFAC(net_d, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}))
+        opt_g, opt_d = (KFAC(net_g, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS}),
+                        KFAC(net_d, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS}))
         for step in range(STEPS):
             real, noise = gan_batch(step)
             opt_g.zero_grad()
@@ -194,8 +194,8 @@ def test_module_level_zero_grad_gives_the_same_factors_as_the_optimizers() -> No
 
     def run(zero: Callable[[nn.Module, KFAC], None]) -> tuple[dict[str, Tensor], nn.Module]:
         net_g, net_d = gan()
-        opt_g, opt_d = (KFAC(net_g, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}),
-                        KFAC(net_d, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}))
+        opt_g, opt_d = (KFAC(net_g, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS}),
+                        KFAC(net_d, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS}))
         for step in range(STEPS):
             real, noise = gan_batch(step)
             zero(net_d, opt_d)
@@ -233,7 +233,7 @@ class TwoHeads(nn.Module):
 def test_multi_task_losses_backpropagated_separately_equal_their_sum() -> None:
     def run(separately: bool) -> tuple[dict[str, Tensor], nn.Module]:
         model = TwoHeads()
-        optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+        optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
         for step in range(STEPS):
             x, y = batch(step)
             optimizer.zero_grad()
@@ -257,7 +257,7 @@ def test_backbone_unfrozen_after_construction_trains_and_is_preconditioned() -> 
     model = mlp(sizes=(4, 8, 8, 3))  # "0", "2": backbone; "4": head
     backbone = model[:3]
     backbone.requires_grad_(False)
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     for step in range(2):
         x, y = batch(step)
         optimizer.zero_grad()
@@ -286,7 +286,7 @@ def test_unfrozen_layer_starts_with_empty_factors_and_takes_the_dense_kfac_step(
     model = mlp(sizes=(4, 8, 3))
     model[0].requires_grad_(False)
     options = {**OPTIONS, "momentum": 0.0}
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **options})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **options})
     x, y = batch(0)
     optimizer.zero_grad()
     F.cross_entropy(model(x), y).backward()
@@ -325,10 +325,10 @@ def test_parameters_outside_the_model_take_the_sgd_path_and_are_listed() -> None
         sgd_options = {"lr": OPTIONS["lr"], "momentum": OPTIONS["momentum"]}
         if together:
             optimizer = KFAC(model, params=[*model.parameters(), temperature],
-                             **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+                             **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
             others: list[torch.optim.Optimizer] = []
         else:
-            optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+            optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
             others = [torch.optim.SGD([temperature], **sgd_options)]
         for step in range(STEPS):
             x, y = batch(step)
@@ -369,7 +369,7 @@ def test_complex_linear_takes_the_sgd_path_with_a_true_reason() -> None:
         lr=OPTIONS["lr"], momentum=OPTIONS["momentum"]))
     kfac_model, optimizer = run(lambda model: KFAC(
         model, params=[{"params": model[0].parameters(), "lr": 0.0}, {"params": model[2].parameters()}],
-        **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}))
+        **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS}))
     assert_factors_equal(dict(kfac_model[2].named_parameters()), dict(sgd_model[2].named_parameters()))
     row = report(optimizer, "2")
     assert row.status != "kfac" and "complex" in row.detail.lower(), optimizer.describe()
@@ -395,7 +395,8 @@ def test_parametrized_linear_is_preconditioned_or_takes_the_sgd_path_with_a_true
         return [{"params": net[0].parameters(), "lr": 0.0}, {"params": net[2].parameters()}]
 
     model = parametrized(kind)
-    optimizer = KFAC(model, params=groups(model), **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, params=groups(model), **{"factor_update_steps": 1, "decomposition_update_steps": 10,
+                                                     **OPTIONS})
     rows = [row for row in optimizer.module_reports if row.name == "2" or row.name.startswith("2.")]
     if any(row.status == "kfac" for row in rows):
         pytest.fail("preconditioned parametrized Linear: add the dense reference for it here")
@@ -454,7 +455,7 @@ def test_position_embedding_statistics_do_not_depend_on_the_batch_size() -> None
         sums: dict[str, float] = {}
         for seed in range(8):
             model = TinyLM()
-            optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+            optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
             lm_loss(model, *lm_batch(seed, batch_size)).backward()
             optimizer.step()
             for key, factor in factors(optimizer).items():
@@ -463,7 +464,7 @@ def test_position_embedding_statistics_do_not_depend_on_the_batch_size() -> None
         return sums
 
     probe_model = TinyLM()
-    probe = KFAC(probe_model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    probe = KFAC(probe_model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     lm_loss(probe_model, *lm_batch(0, 8)).backward()  # whether an input has a batch dimension shows in a forward
     probe.step()
     row = report(probe, "position")
@@ -496,7 +497,7 @@ def test_one_dimensional_indices_of_one_per_sample_are_a_batch_and_stay_kfac() -
     """Labels ``(N,)`` are a batched use (N = the other layers' batch): preconditioned, no warning.
     Positions ``(T,)`` with a batch N != T: the SGD path, one warning, the reason in describe()."""
     model = LabelConditioned()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         for step in range(2):
@@ -508,7 +509,7 @@ def test_one_dimensional_indices_of_one_per_sample_are_a_batch_and_stay_kfac() -
     assert bool(factors(optimizer)["label.G"].trace() > 0)
 
     lm = TinyLM()
-    optimizer = KFAC(lm, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(lm, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     with pytest.warns(RuntimeWarning,
                       match="'position' takes the SGD path: its indices have no batch dimension") as caught:
         for seed in range(2):
@@ -523,7 +524,7 @@ def test_one_dimensional_indices_of_one_per_sample_are_a_batch_and_stay_kfac() -
 
 def test_positions_with_a_batch_as_long_as_the_sequence_are_ambiguous_and_warn() -> None:
     lm = TinyLM()
-    optimizer = KFAC(lm, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(lm, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     with pytest.warns(RuntimeWarning, match="'position' was called with 1-D indices of length 5, the batch size"):
         lm_loss(lm, *lm_batch(0, 5)).backward()
         optimizer.step()
@@ -534,11 +535,11 @@ def test_positions_with_a_batch_as_long_as_the_sequence_are_ambiguous_and_warn()
 
 
 def compile_run(backend: str | None, step_compiled: bool = True, steps: int = 12) -> tuple[dict[str, Tensor], KFAC]:
-    """12 steps of a tiny MLP with ``inv_update_steps=5``: the train step compiled with ``backend``
+    """12 steps of a tiny MLP with ``decomposition_update_steps=5``: the train step compiled with ``backend``
     (None: eager), ``optimizer.step()`` inside the compiled function or (``step_compiled=False``)
     called after it."""
     model = mlp()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **{**OPTIONS, "inv_update_steps": 5}})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, **{**OPTIONS, "decomposition_update_steps": 5}})
 
     def forward_backward(x: Tensor, y: Tensor) -> Tensor:
         optimizer.zero_grad()
@@ -594,7 +595,8 @@ def test_compiled_train_step_adds_no_graph_for_the_kfac_step() -> None:
     def graphs(with_kfac: bool) -> int:
         torch._dynamo.reset()
         model = mlp()
-        optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS}) if with_kfac else None
+        optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10,
+                                   **OPTIONS}) if with_kfac else None
         if optimizer is not None:
             optimizer.remove_hooks()
 
@@ -617,14 +619,14 @@ def test_fullgraph_compiled_model_with_kfac_armed_records_like_eager() -> None:
     x, y = batch(0)
     plain = torch._dynamo.explain(mlp())(x)
     model = mlp()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     hooked = torch._dynamo.explain(model)(x)
     assert hooked.graph_count == plain.graph_count, (hooked.graph_count, plain.graph_count, hooked.break_reasons)
     optimizer.zero_grad()
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     eager = mlp()
-    eager_optimizer = KFAC(eager, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    eager_optimizer = KFAC(eager, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     for step in range(2):
         x, y = batch(step)
         for net, opt in ((compiled, optimizer), (eager, eager_optimizer)):
@@ -667,12 +669,12 @@ def test_fullgraph_aot_compiled_models_follow_the_eager_rule(kind: str) -> None:
     torch._dynamo.reset()
     plain = torch._dynamo.explain(make())(inputs(0)).graph_count
     model = make()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     assert torch._dynamo.explain(model)(inputs(0)).graph_count == plain == 1
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     eager = make()
-    eager_optimizer = KFAC(eager, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    eager_optimizer = KFAC(eager, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     for step in range(2):
         for net, opt in ((compiled, optimizer), (eager, eager_optimizer)):
             opt.zero_grad()
@@ -708,8 +710,8 @@ def test_compiled_multi_task_backwards_add_up_like_the_summed_loss(backend: str)
     factors of the eager ``(loss_a + loss_b).backward()`` (1e-6: summed output-gradients)."""
     torch._dynamo.reset()
     model, reference = TwoHeads(), TwoHeads()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
-    reference_optimizer = KFAC(reference, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
+    reference_optimizer = KFAC(reference, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     compiled = torch.compile(model, fullgraph=True, backend=backend)
     for step in range(2):
         x, y = batch(step)
@@ -734,7 +736,7 @@ def test_a_model_compiled_and_run_before_kfac_existed_warns_that_nothing_was_rec
     x, y = batch(0)
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):  # Dynamo's default
         F.cross_entropy(compiled(x), y).backward()
-        optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+        optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
         optimizer.zero_grad()
         F.cross_entropy(compiled(x), y).backward()
         with pytest.warns(RuntimeWarning, match="recorded no statistics .* torch._dynamo.reset"):
@@ -753,7 +755,7 @@ def test_torch_state_initialization_at_lr_0_warns_nothing_and_a_moving_step_stil
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model = mlp()
-    optimizer = KFAC(model, **{**OPTIONS, "factor_update_steps": 1, "inv_update_steps": 10})
+    optimizer = KFAC(model, **{**OPTIONS, "factor_update_steps": 1, "decomposition_update_steps": 10})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _, optimizer_state = get_state_dict(model, optimizer)
@@ -780,8 +782,8 @@ def test_compiled_multihead_attention_keeps_its_tensor_hooks_and_warns_once() ->
 
     torch._dynamo.reset()
     model, eager = Attend(), Attend()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
-    eager_optimizer = KFAC(eager, **{"factor_update_steps": 1, "inv_update_steps": 10, **OPTIONS})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
+    eager_optimizer = KFAC(eager, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
     compiled = torch.compile(model, backend="eager")
     x, y = torch.randn(6, 5, 8, generator=torch.Generator().manual_seed(0)), batch(0)[1]
     with pytest.warns(UserWarning, match="'attention.in_proj' records through a tensor hook under torch.compile"):
@@ -796,7 +798,7 @@ def test_compiled_multihead_attention_keeps_its_tensor_hooks_and_warns_once() ->
 DDP_STEPS = 10
 DDP_BATCH = 8
 DDP_OPTIONS: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "damping": 0.1, "kl_clip": 1e-2,
-                               "curvature": CurvatureConfig(factor_decay=0.9), "inv_update_steps": 2}
+                               "curvature": CurvatureConfig(factor_decay=0.9), "decomposition_update_steps": 2}
 
 
 def train_lm(model: nn.Module, optimizer: KFAC, rank: int = 0, world: int = 1) -> dict[str, Tensor]:
@@ -815,10 +817,12 @@ def scenario_tied_lm(rank: int, world: int, directory: Path) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     model = DDP(TinyLM(tied=True))
-    ddp = train_lm(model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **DDP_OPTIONS}), rank, world)
+    ddp = train_lm(model, KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **DDP_OPTIONS}),
+                   rank, world)
     sharded = fully_shard(TinyLM(tied=True))
     fsdp = train_lm(sharded,
-                    KFAC(sharded, **{"factor_update_steps": 1, "inv_update_steps": 10, **DDP_OPTIONS}), rank, world)
+                    KFAC(sharded, **{"factor_update_steps": 1, "decomposition_update_steps": 10,
+                                     **DDP_OPTIONS}), rank, world)
     return {"ddp": ddp, "fsdp": {name: p.full_tensor() for name, p in fsdp.items()}}
 
 
@@ -827,7 +831,8 @@ def test_tied_lm_with_learned_positions_on_two_ddp_ranks_equals_one_process(tmp_
     from tests.distributed_helpers import spawn
 
     model = TinyLM(tied=True)
-    expected = train_lm(model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **DDP_OPTIONS}))
+    expected = train_lm(model, KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10,
+                                              **DDP_OPTIONS}))
     ranks = spawn(scenario_tied_lm, 2, tmp_path, deadline_s=90)
     for result in ranks:
         assert_factors_equal(result["ddp"], expected, rtol=0, atol=1e-5)

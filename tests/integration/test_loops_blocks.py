@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from kfac_optim import KFAC, CurvatureConfig, EigenAdam, UpdateConfig
 from kfac_optim.layers import LinearBlock
 
-FIXED: dict[str, Any] = {"factor_update_steps": 1, "inv_update_steps": 2}
+FIXED: dict[str, Any] = {"factor_update_steps": 1, "decomposition_update_steps": 2}
 
 
 def block_loop_batch(step: int, n: int = 8, features: int = 4, classes: int = 3) -> tuple[Tensor, Tensor]:

@@ -25,7 +25,7 @@ def loop_kfac(model: nn.Module, weight_sharing: str = "expand") -> KFAC:
     """K-FAC folding and decomposing every step, in float64, without the KL clip."""
     curvature = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64, factor_decay=0.5,
                                 weight_sharing=weight_sharing)
-    return KFAC(model, lr=0.1, damping=0.1, kl_clip=None, factor_update_steps=1, inv_update_steps=1,
+    return KFAC(model, lr=0.1, damping=0.1, kl_clip=None, factor_update_steps=1, decomposition_update_steps=1,
                 curvature=curvature)
 
 
@@ -400,7 +400,7 @@ def test_a_sequence_first_model_with_one_sequence_is_not_taken_for_batch_free() 
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)  # batch_first=False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the sequence-first note
-        optimizer = KFAC(layer, lr=0.1, factor_update_steps=1, inv_update_steps=1)
+        optimizer = KFAC(layer, lr=0.1, factor_update_steps=1, decomposition_update_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         layer(torch.randn(5, 1, 8)).square().mean().backward()
@@ -536,7 +536,7 @@ def test_a_batch_norm_block_in_eval_mode_records_the_fisher_of_its_running_stati
     fisher = torch.einsum("nui,nuj->uij", s_hat, s_hat) / 4
     curvature = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64,
                                 blocks={nn.BatchNorm2d: ChannelNormBlock})
-    optimizer = KFAC(layer, lr=0.1, curvature=curvature, factor_update_steps=1, inv_update_steps=1)
+    optimizer = KFAC(layer, lr=0.1, curvature=curvature, factor_update_steps=1, decomposition_update_steps=1)
     (0.5 * ((layer(x) - target) ** 2).reshape(4, -1).sum(1).mean()).backward()
     optimizer.step()
     torch.testing.assert_close(optimizer.blocks[0].A.running, fisher, rtol=1e-10, atol=1e-12)

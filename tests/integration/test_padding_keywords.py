@@ -70,7 +70,7 @@ def padded_batch(length: int, side: str = "right") -> dict[str, torch.Tensor]:
 def padding_kfac(model: nn.Module) -> KFAC:
     """K-FAC folding and decomposing every step, float64 factors, no KL clip."""
     curvature = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64)
-    return KFAC(model, lr=0.1, damping=0.1, kl_clip=None, factor_update_steps=1, inv_update_steps=1,
+    return KFAC(model, lr=0.1, damping=0.1, kl_clip=None, factor_update_steps=1, decomposition_update_steps=1,
                 curvature=curvature)
 
 

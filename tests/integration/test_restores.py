@@ -86,17 +86,17 @@ def control_run(options: dict[str, Any], data: list[RestoreBatch]) -> dict[str, 
     return run_state(model, optimizer)
 
 
-STAGGER = dict(curvature=CurvatureConfig(stagger=True), factor_update_steps=3, inv_update_steps=3)
+STAGGER = dict(curvature=CurvatureConfig(stagger=True), factor_update_steps=3, decomposition_update_steps=3)
 SAME_OPTIMIZER_CASES: dict[str, dict[str, Any]] = {
     "default": {},
-    "intervals 2/4": dict(factor_update_steps=2, inv_update_steps=4),
+    "intervals 2/4": dict(factor_update_steps=2, decomposition_update_steps=4),
     "stagger 3/3": STAGGER,
-    "stagger 2/2": dict(curvature=CurvatureConfig(stagger=True), factor_update_steps=2, inv_update_steps=2),
+    "stagger 2/2": dict(curvature=CurvatureConfig(stagger=True), factor_update_steps=2, decomposition_update_steps=2),
     "eigen_adam": dict(method="eigen_adam", lr=0.01),
     "async": dict(asynchronous=AsyncConfig()),
-    "async delay 1, 2/4": dict(asynchronous=AsyncConfig(delay=1), factor_update_steps=2, inv_update_steps=4),
+    "async delay 1, 2/4": dict(asynchronous=AsyncConfig(delay=1), factor_update_steps=2, decomposition_update_steps=4),
     "async statistics": dict(runtime=RuntimeConfig(async_statistics=True)),
-    "adaptive damping 1/4": dict(damping=AdaptiveDamping(every=2), factor_update_steps=1, inv_update_steps=4),
+    "adaptive damping 1/4": dict(damping=AdaptiveDamping(every=2), factor_update_steps=1, decomposition_update_steps=4),
 }
 
 

@@ -30,7 +30,7 @@ CLASSES = 3
 def sample_kfac(model: nn.Module) -> KFAC:
     """K-FAC folding every step, float64 factors (the first fold is the batch's factors)."""
     curvature = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64)
-    return KFAC(model, lr=0.1, damping=0.1, kl_clip=None, factor_update_steps=1, inv_update_steps=1,
+    return KFAC(model, lr=0.1, damping=0.1, kl_clip=None, factor_update_steps=1, decomposition_update_steps=1,
                 curvature=curvature)
 
 
@@ -355,7 +355,7 @@ def test_the_sampled_fisher_under_a_mask_draws_at_the_real_positions_in_the_unit
     reference = per_sample_reference({"hidden": model.hidden, "head": model.head}, share, len(pairs))
     for length in (5, 8):
         twin = copy.deepcopy(model)
-        optimizer = KFAC(twin, lr=0.1, damping=0.1, kl_clip=None, factor_update_steps=1, inv_update_steps=1,
+        optimizer = KFAC(twin, lr=0.1, damping=0.1, kl_clip=None, factor_update_steps=1, decomposition_update_steps=1,
                          curvature=CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64,
                                                    fisher="sampled"))
         batch = padded_to(length)

@@ -65,7 +65,7 @@ def test_all_layers_skipped_equals_sgd(settings: dict) -> None:
     model = small_cnn()
     reference = copy.deepcopy(model)
     sgd_train(model, KFAC(model, curvature=CurvatureConfig(skip_layers=[".*"]),
-                          **{"factor_update_steps": 1, "inv_update_steps": 10, **settings}), steps=6)
+                          **{"factor_update_steps": 1, "decomposition_update_steps": 10, **settings}), steps=6)
     sgd_train(reference, torch.optim.SGD(reference.parameters(), **settings), steps=6)
     assert_bit_identical(model, reference)
 
@@ -78,7 +78,7 @@ def test_two_param_groups_and_step_lr_equal_sgd() -> None:
     schedule = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # noqa: E731
     sgd_train(model,
               KFAC(model, params=two_groups(model), curvature=CurvatureConfig(skip_layers=[nn.Linear, nn.Conv2d]),
-                   **{"factor_update_steps": 1, "inv_update_steps": 10, **settings}), 7, schedule)
+                   **{"factor_update_steps": 1, "decomposition_update_steps": 10, **settings}), 7, schedule)
     sgd_train(reference, torch.optim.SGD(two_groups(reference), **settings), 7, schedule)
     assert_bit_identical(model, reference)
 
@@ -87,7 +87,7 @@ def test_model_without_supported_layers_warns_and_equals_sgd() -> None:
     model = nn.Sequential(nn.Flatten(), nn.BatchNorm1d(36))
     reference = copy.deepcopy(model)
     with pytest.warns(UserWarning, match="no supported layer"):
-        optimizer = KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=10)
+        optimizer = KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=1, decomposition_update_steps=10)
     generator = torch.Generator().manual_seed(0)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for _ in range(4):
@@ -102,7 +102,8 @@ def test_model_without_supported_layers_warns_and_equals_sgd() -> None:
 def test_unsupported_layers_in_a_kfac_model_follow_the_sgd_rule() -> None:
     """A BatchNorm parameter's update is exactly SGD's given its gradient, next to K-FAC layers."""
     model = small_cnn()
-    optimizer = KFAC(model, lr=0.1, momentum=0.9, weight_decay=1e-3, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(model, lr=0.1, momentum=0.9, weight_decay=1e-3, factor_update_steps=1,
+                     decomposition_update_steps=10)
     bn = model[1]
     buffer = None
     generator = torch.Generator().manual_seed(0)
@@ -120,7 +121,7 @@ def test_unsupported_layers_in_a_kfac_model_follow_the_sgd_rule() -> None:
 
 def test_lr_scheduler_drives_kfac() -> None:
     model = small_cnn()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     sgd_train(model, optimizer, steps=1)
     scheduler.step()

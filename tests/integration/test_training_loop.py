@@ -56,11 +56,11 @@ def test_accumulated_micro_batches_equal_one_large_batch() -> None:
     model = CapturePathsNet()
     accumulated = copy.deepcopy(model)
     x, y = loop_batch(12)
-    opt_one = KFAC(model, lr=0.1, damping=0.1, factor_update_steps=1, inv_update_steps=10)
+    opt_one = KFAC(model, lr=0.1, damping=0.1, factor_update_steps=1, decomposition_update_steps=10)
     F.cross_entropy(model(x), y).backward()
     opt_one.step()
 
-    opt_acc = KFAC(accumulated, lr=0.1, damping=0.1, factor_update_steps=1, inv_update_steps=10)
+    opt_acc = KFAC(accumulated, lr=0.1, damping=0.1, factor_update_steps=1, decomposition_update_steps=10)
     for xs, ys in zip(x.split([4, 8]), y.split([4, 8])):  # unequal micro-batches, loss weighted by size
         (F.cross_entropy(accumulated(xs), ys) * len(xs) / 12).backward()
     opt_acc.step()
@@ -74,7 +74,7 @@ def test_accumulated_micro_batches_equal_one_large_batch() -> None:
 def test_activation_checkpointing_does_not_double_count(mode: str) -> None:
     plain, checkpointed = CapturePathsNet(), CapturePathsNet(checkpoint_mode=mode)
     checkpointed.load_state_dict(plain.state_dict())
-    optimizers = [KFAC(m, lr=0.1, factor_update_steps=1, inv_update_steps=10) for m in (plain, checkpointed)]
+    optimizers = [KFAC(m, lr=0.1, factor_update_steps=1, decomposition_update_steps=10) for m in (plain, checkpointed)]
     x, y = loop_batch(8)
     x.requires_grad_(mode == "reentrant")  # reentrant checkpoint needs an input that requires grad
     for model, optimizer in zip((plain, checkpointed), optimizers):
@@ -87,7 +87,8 @@ def test_activation_checkpointing_does_not_double_count(mode: str) -> None:
 def test_inplace_relu_after_a_layer_sees_the_layers_own_output_gradient() -> None:
     inplace, out_of_place = CapturePathsNet(inplace=True), CapturePathsNet(inplace=False)
     out_of_place.load_state_dict(inplace.state_dict())
-    optimizers = [KFAC(m, lr=0.1, factor_update_steps=1, inv_update_steps=10) for m in (inplace, out_of_place)]
+    optimizers = [KFAC(m, lr=0.1, factor_update_steps=1, decomposition_update_steps=10) for m in (inplace,
+                                                                                                  out_of_place)]
     x, y = loop_batch(8)
     for model, optimizer in zip((inplace, out_of_place), optimizers):
         F.cross_entropy(model(x), y).backward()
@@ -98,7 +99,7 @@ def test_inplace_relu_after_a_layer_sees_the_layers_own_output_gradient() -> Non
 def test_no_statistics_under_no_grad_or_between_factor_steps() -> None:
     """(Eval mode records: tests/integration/test_loops_capture.py.)"""
     model = CapturePathsNet()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=2, inv_update_steps=10)
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=2, decomposition_update_steps=10)
     x, y = loop_batch(4)
     model.eval()
     with torch.no_grad():
@@ -115,9 +116,9 @@ def test_no_statistics_under_no_grad_or_between_factor_steps() -> None:
 
 def test_remove_hooks_lets_a_second_optimizer_own_the_model() -> None:
     model = CapturePathsNet()
-    first = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    first = KFAC(model, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     first.remove_hooks()
-    second = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    second = KFAC(model, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     x, y = loop_batch(4)
     F.cross_entropy(model(x), y).backward()
     assert all(b.pending_samples == 0 for b in first.blocks)
@@ -126,9 +127,9 @@ def test_remove_hooks_lets_a_second_optimizer_own_the_model() -> None:
 
 def test_zero_grad_drops_statistics_of_a_step_that_never_happened() -> None:
     model = CapturePathsNet()
-    optimizer = KFAC(model, lr=0.1, damping=0.1, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(model, lr=0.1, damping=0.1, factor_update_steps=1, decomposition_update_steps=10)
     reference = copy.deepcopy(model)
-    reference_optimizer = KFAC(reference, lr=0.1, damping=0.1, factor_update_steps=1, inv_update_steps=10)
+    reference_optimizer = KFAC(reference, lr=0.1, damping=0.1, factor_update_steps=1, decomposition_update_steps=10)
     x_skipped, y_skipped = loop_batch(4, seed=1)
     F.cross_entropy(model(x_skipped), y_skipped).backward()  # e.g. a NaN loss the user skips
     optimizer.zero_grad()
@@ -142,7 +143,7 @@ def test_zero_grad_drops_statistics_of_a_step_that_never_happened() -> None:
 def test_steps_without_statistics_do_not_touch_the_pending_buffers() -> None:
     """Non-factor steps and zero_grad cost no pass over the (n, n) pending statistics."""
     model = CapturePathsNet()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=2, inv_update_steps=2)
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=2, decomposition_update_steps=2)
     x, y = loop_batch(4)
     F.cross_entropy(model(x), y).backward()
     optimizer.step()  # step 0: a factor step folds (and clears) the statistics
@@ -163,7 +164,7 @@ def test_update_intervals_follow_their_schedules() -> None:
         model,
         lr=0.01,
         factor_update_steps=MilestoneSchedule(1, milestones=(3,), gamma=2),
-        inv_update_steps=lambda step: 2,
+        decomposition_update_steps=lambda step: 2,
     )
     folds, decompositions = [], []
     for step in range(6):
@@ -189,9 +190,9 @@ def loop_run(model: nn.Module, optimizer: KFAC, steps: range) -> None:
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_state_dict_round_trip_resumes_bit_identically(method: str) -> None:
     settings = dict(lr=0.05, momentum=0.9, weight_decay=1e-4, damping=0.05, factor_update_steps=2,
-                    inv_update_steps=3, method=method)
+                    decomposition_update_steps=3, method=method)
     model = CapturePathsNet()
-    optimizer = KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **settings})
+    optimizer = KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **settings})
     loop_run(model, optimizer, range(5))
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
@@ -201,7 +202,7 @@ def test_state_dict_round_trip_resumes_bit_identically(method: str) -> None:
     checkpoint_ = torch.load(buffer, weights_only=True)
     resumed = CapturePathsNet()
     resumed.load_state_dict(checkpoint_["model"])
-    resumed_optimizer = KFAC(resumed, **{"factor_update_steps": 1, "inv_update_steps": 10, **settings})
+    resumed_optimizer = KFAC(resumed, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **settings})
     resumed_optimizer.load_state_dict(checkpoint_["optimizer"])
     assert resumed_optimizer.steps == 5
     loop_run(resumed, resumed_optimizer, range(5, 10))
@@ -210,5 +211,5 @@ def test_state_dict_round_trip_resumes_bit_identically(method: str) -> None:
 
 
 def test_checkpoint_keys_factors_by_module_name() -> None:
-    optimizer = KFAC(CapturePathsNet(), lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(CapturePathsNet(), lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     assert set(optimizer.state_dict()["kfac"]["blocks"]) == {"conv", "seq", "head"}

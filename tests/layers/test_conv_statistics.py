@@ -75,7 +75,7 @@ def step_with_conv_statistics(conv: nn.Module, x: torch.Tensor, target: torch.Te
     conv = copy.deepcopy(conv)
     config = CurvatureConfig(conv_positions=statistics, factor_dtype=torch.float64,
                              inv_dtype=torch.float64, **curvature)
-    optimizer = KFAC(conv, lr=1.0, kl_clip=None, damping=0.1, factor_update_steps=1, inv_update_steps=10,
+    optimizer = KFAC(conv, lr=1.0, kl_clip=None, damping=0.1, factor_update_steps=1, decomposition_update_steps=10,
                      curvature=config)
     joint = lambda: torch.cat([p.detach().reshape(conv.weight.shape[0], -1)  # noqa: E731
                                for p in optimizer.blocks[0].parameters()], 1)
@@ -164,7 +164,7 @@ def test_reduce_above_reduces_only_layers_with_more_output_positions_than_its_th
     for statistics in (ReduceAbove(20), Reduce(), Expand()):
         copy = nn.Sequential(*(nn.Conv2d(m.in_channels, m.out_channels, 3, m.stride, 1) for m in model))
         copy.load_state_dict(model.state_dict())
-        optimizer = KFAC(copy, lr=1.0, factor_update_steps=1, inv_update_steps=10,
+        optimizer = KFAC(copy, lr=1.0, factor_update_steps=1, decomposition_update_steps=10,
                          curvature=CurvatureConfig(conv_positions=statistics, factor_dtype=torch.float64))
         F.mse_loss(copy(x), target).backward()
         optimizer.step()

@@ -83,7 +83,7 @@ def one_kfac_step(layer: nn.Module, x: torch.Tensor, target: torch.Tensor,
                   **kwargs) -> tuple[KFAC, torch.Tensor, torch.Tensor]:
     """Take one step with lr=1 and no momentum: returns the optimizer, ∇W and the applied direction."""
     optimizer = KFAC(layer, lr=1.0, kl_clip=None,
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES, **kwargs})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **DTYPES, **kwargs})
     before = joint_weight(layer)
     mean_loss(layer, x, target).backward()
     grad = joint_grad(layer).clone()
@@ -146,7 +146,7 @@ def test_conv2d_patches_reproduce_the_layer_output(conv_args: dict) -> None:
     """Whatever the padding, the captured rows times the joint weight give the layer's output."""
     layer = nn.Conv2d(2, 3, **conv_args)
     x = torch.randn(2, 2, 6, 5)
-    optimizer = KFAC(layer, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(layer, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     rows = optimizer.blocks[0].input_rows(x)
     expected = layer(x).permute(0, 2, 3, 1).reshape(-1, 3)
     torch.testing.assert_close(with_bias_column(rows, True) @ joint_weight(layer).T, expected)
@@ -169,7 +169,7 @@ def test_inverse_method_is_pi_damped_kronecker_inverse() -> None:
 
 def test_running_average_first_update_then_decay() -> None:
     layer = nn.Linear(3, 2)
-    optimizer = KFAC(layer, lr=0.0, inv_update_steps=100, factor_update_steps=1,
+    optimizer = KFAC(layer, lr=0.0, decomposition_update_steps=100, factor_update_steps=1,
                      curvature=CurvatureConfig(factor_decay=0.75, factor_dtype=torch.float64, inv_dtype=torch.float64))
     batches = [(torch.randn(8, 3), torch.randn(8, 2)) for _ in range(3)]
     expected = None
@@ -189,7 +189,7 @@ def test_sum_reduction_gives_the_same_factors_as_mean() -> None:
     for reduction in ("mean", "sum"):
         torch.manual_seed(1)
         layer = nn.Linear(3, 2)
-        optimizer = KFAC(layer, lr=0.0, factor_update_steps=1, inv_update_steps=10,
+        optimizer = KFAC(layer, lr=0.0, factor_update_steps=1, decomposition_update_steps=10,
                          curvature=CurvatureConfig(loss_reduction=reduction, factor_dtype=torch.float64,
                                                    inv_dtype=torch.float64))
         loss = mean_loss(layer, x, target) * (8 if reduction == "sum" else 1)
@@ -208,7 +208,7 @@ def test_kl_clip_scales_the_direction_by_nu() -> None:
     _, grad, unclipped = one_kfac_step(reference_layer, x, target, damping=damping)
 
     optimizer = KFAC(layer, lr=lr, kl_clip=kl_clip, damping=damping, update=UpdateConfig(trust_region="base_lr"),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **DTYPES})
     before = joint_weight(layer)
     mean_loss(layer, x, target).backward()
     optimizer.step()

@@ -107,7 +107,7 @@ def test_conv1d_steps_exactly_like_conv2d_with_a_1_by_k_kernel(method: str, padd
     target = torch.randn(4, 4, 10)
     updates = []
     for layer, inputs, targets in ((conv1, x, target), (conv2, x.unsqueeze(2), target.unsqueeze(2))):
-        optimizer = KFAC(layer, lr=0.3, momentum=0.9, damping=0.01, method=method, inv_update_steps=2,
+        optimizer = KFAC(layer, lr=0.3, momentum=0.9, damping=0.01, method=method, decomposition_update_steps=2,
                          **{"factor_update_steps": 1, **DTYPES})
         before = layer.weight.detach().clone()
         for _ in range(3):
@@ -163,7 +163,7 @@ def test_grouped_conv_is_one_kronecker_pair_per_group(conv_type, channels, group
 
 
 def test_depthwise_conv_factors_are_batched_not_one_per_group() -> None:
-    optimizer = KFAC(nn.Conv1d(64, 64, 5, groups=64), lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(nn.Conv1d(64, 64, 5, groups=64), lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     (block,) = optimizer.blocks
     assert block.A.running.shape == (64, 6, 6) and block.G.running.shape == (64, 1, 1)
 
@@ -190,7 +190,8 @@ def test_embedding_steps_exactly_like_linear_on_one_hot_rows(method: str) -> Non
         target = torch.randn(5, 4, dim, generator=generator)
         for layer, inputs in ((embedding, tokens), (linear, F.one_hot(tokens, vocabulary).double())):
             if step == 0:
-                layer.kfac = KFAC(layer, lr=0.2, momentum=0.9, damping=0.03, method=method, inv_update_steps=2,
+                layer.kfac = KFAC(layer, lr=0.2, momentum=0.9, damping=0.03, method=method,
+                                  decomposition_update_steps=2,
                                   **{"factor_update_steps": 1, **DTYPES})
             layer.kfac.zero_grad()
             mean_loss(layer, inputs, target).backward()
@@ -209,7 +210,7 @@ def test_embedding_matches_dense_reference() -> None:
     A_ref, G_ref = reference_factors(F.one_hot(tokens.reshape(-1), 6).double(), g_hat, 4)
     embedding.zero_grad()
     optimizer = KFAC(embedding, lr=1.0, kl_clip=None, damping=0.1,
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **DTYPES})
     before = embedding.weight.detach().clone()
     mean_loss(embedding, tokens, target).backward()
     grad = embedding.weight.grad.T.clone()
@@ -232,7 +233,8 @@ def test_embedding_padding_positions_add_zero_rows() -> None:
     A_ref, G_ref = reference_factors(a_rows, g_hat * keep, 2)
     padding_row = embedding.weight.detach()[0].clone()
     embedding.zero_grad()
-    optimizer = KFAC(embedding, lr=1.0, damping=0.1, **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+    optimizer = KFAC(embedding, lr=1.0, damping=0.1, **{"factor_update_steps": 1, "decomposition_update_steps": 10,
+                                                        **DTYPES})
     mean_loss(embedding, tokens, target).backward()
     optimizer.step()
     block = optimizer.blocks[0]
@@ -251,7 +253,7 @@ def test_embedding_with_max_norm_takes_the_dense_kfac_step_from_its_renormalized
         embedding.weight.mul_(3.0)  # every row above max_norm: each looked-up row is renormalized
     damping, lr = 0.1, 0.1
     optimizer = KFAC(embedding, lr=lr, damping=damping, kl_clip=None,
-                     **{"factor_update_steps": 1, "inv_update_steps": 1, **DTYPES})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 1, **DTYPES})
     for step in range(2):
         indices = torch.randint(0, 8, (3, 5))
         optimizer.zero_grad()
@@ -278,7 +280,7 @@ def test_embedding_with_max_norm_takes_the_dense_kfac_step_from_its_renormalized
 def test_embedding_memory_is_linear_in_the_vocabulary(method: str) -> None:
     vocabulary, dim = 50_000, 512
     embedding = nn.Embedding(vocabulary, dim, dtype=torch.float32)
-    optimizer = KFAC(embedding, lr=0.1, method=method, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(embedding, lr=0.1, method=method, factor_update_steps=1, decomposition_update_steps=10)
     optimizer.zero_grad()
     embedding(torch.randint(0, vocabulary, (2, 8))).float().pow(2).sum().backward()
     optimizer.step()
@@ -295,7 +297,7 @@ def test_sparse_embedding_takes_the_sgd_path_bit_identically() -> None:
     reference = nn.Embedding(6, 3, sparse=True)
     reference.load_state_dict(embedding.state_dict())
     with pytest.warns(UserWarning, match="sparse"):
-        optimizer = KFAC(nn.Sequential(embedding), lr=0.1, factor_update_steps=1, inv_update_steps=10)
+        optimizer = KFAC(nn.Sequential(embedding), lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     tokens = torch.randint(0, 6, (4, 3))
     for layer, opt in ((embedding, optimizer), (reference, reference_optimizer)):
@@ -361,7 +363,7 @@ def test_a_block_can_decline_instances() -> None:
         register_block(FancyLinear, EvenOnly)
         net = nn.Sequential(FancyLinear(3, 4), FancyLinear(4, 3))
         with pytest.warns(UserWarning, match="odd width"):
-            optimizer = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+            optimizer = KFAC(net, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
         assert [type(b) for b in optimizer.blocks] == [EvenOnly]
         assert [r.status for r in optimizer.module_reports] == ["kfac", "unsupported"]
     finally:
@@ -381,7 +383,7 @@ def test_describe_lists_every_module_with_trainable_parameters() -> None:
     net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
     net[2].weight.requires_grad_(False)
     optimizer = KFAC(net, lr=0.1, params=[p for p in net.parameters() if p.requires_grad], factor_update_steps=1,
-                     inv_update_steps=10)
+                     decomposition_update_steps=10)
     reports = {r.name: r for r in optimizer.module_reports}
     assert set(reports) == {"0", "1", "2"}
     assert reports["0"].block == "0" and "A 5x5 dense" in reports["0"].detail
@@ -396,7 +398,7 @@ def test_describe_names_a_tied_weight_and_the_block_that_owns_it() -> None:
     head = nn.Linear(4, 10)
     head.weight = embedding.weight
     net = nn.Sequential(embedding, head)
-    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     reports = {r.name: r for r in optimizer.module_reports}
     assert [b.name for b in optimizer.blocks] == ["0"]
     assert reports["1"].block == "0" and "preconditioned in block '0'" in reports["1"].detail
@@ -409,7 +411,7 @@ def test_a_tied_weight_the_block_cannot_take_warns_that_its_second_use_is_left_o
     first, second = nn.Linear(3, 3), nn.Linear(3, 3)
     second.weight = first.weight
     with pytest.warns(UserWarning, match="tied weights: '1' \\(Linear\\) shares the weight of block '0'"):
-        optimizer = KFAC(nn.Sequential(first, second), lr=0.1, factor_update_steps=1, inv_update_steps=10)
+        optimizer = KFAC(nn.Sequential(first, second), lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     assert [b.name for b in optimizer.blocks] == ["0"]
     assert "this module's uses of the weight are left out" in {r.name: r for r in optimizer.module_reports}["1"].detail
 
@@ -425,7 +427,7 @@ def test_a_block_whose_hooks_never_fire_is_reported_at_the_first_factor_step() -
             return F.linear(self.used(x), self.bypassed.weight, self.bypassed.bias)
 
     net = Functional()
-    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     with pytest.warns(RuntimeWarning, match=r"\['bypassed'\] produced no statistics"):
         net(torch.randn(4, 3)).sum().backward()
         optimizer.step()
@@ -490,7 +492,7 @@ def test_multihead_attention_matches_dense_reference(batch_first: bool, cross: b
 
     mha.zero_grad()
     optimizer = KFAC(mha, lr=1.0, kl_clip=None, damping=0.1,
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **DTYPES})
     before = {name: p.detach().clone() for name, p in mha.named_parameters()}
     out, _ = mha(first(query), first(key), first(value), need_weights=False)
     torch.testing.assert_close(first(out), final, rtol=1e-12, atol=1e-12)  # the tap changes no value
@@ -530,7 +532,7 @@ def test_multihead_attention_matches_dense_reference(batch_first: bool, cross: b
 
 def test_attention_tap_is_only_active_on_recording_forwards_and_leaves_eval_alone() -> None:
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-    optimizer = KFAC(layer, lr=0.1, factor_update_steps=2, inv_update_steps=10)
+    optimizer = KFAC(layer, lr=0.1, factor_update_steps=2, decomposition_update_steps=10)
     with pytest.raises(AssertionError):  # an armed forward that raises (mismatched embed dim) still pops its tap
         layer.self_attn(torch.randn(2, 3, 5), torch.randn(2, 3, 5), torch.randn(2, 3, 5))
     assert not _get_current_function_mode_stack()
@@ -570,7 +572,7 @@ def test_kfac_preconditions_at_least_95_percent_of_a_modern_models_weight_matric
     K-FAC parameters; every other parameter's update is SGD's, bit for bit."""
     torch.manual_seed(0)
     model = TokenMixer()
-    optimizer = KFAC(model, lr=0.1, kl_clip=None, damping=0.01, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(model, lr=0.1, kl_clip=None, damping=0.01, factor_update_steps=1, decomposition_update_steps=10)
     text = optimizer.describe()
     matrices = {name: p.numel() for name, p in model.named_parameters() if p.dim() >= 2}
     kfac_params = {id(p) for block in optimizer.blocks for p in block.parameters()}
@@ -598,7 +600,7 @@ def test_a_model_with_attention_copies_and_pickles_with_inert_taps() -> None:
     import pickle
 
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
-    optimizer = KFAC(layer, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(layer, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     clone = copy.deepcopy(layer)
     restored = pickle.loads(pickle.dumps(layer))
     for other in (clone, restored):
@@ -628,7 +630,7 @@ def test_sequence_first_linear_blocks_count_the_length_as_samples_and_the_optimi
             optimizer = KFAC(layer, lr=0.1,
                              curvature=CurvatureConfig(loss_reduction=loss_reduction, factor_dtype=torch.float64,
                                                        inv_dtype=torch.float64),
-                             **{"factor_update_steps": 1, "inv_update_steps": 10})
+                             **{"factor_update_steps": 1, "decomposition_update_steps": 10})
         notes = [str(w.message) for w in caught if "sequence-first attention" in str(w.message)]
         assert len(notes) == batch_dim, notes  # a warning for the sequence-first layer only
         reduce(layer(inputs).pow(2)).backward()
@@ -660,7 +662,7 @@ def test_a_module_called_twice_per_forward_adds_both_calls_rows_and_its_samples_
     A_ref, G_ref = reference_factors(a_rows, g_hat, 5)
     layer.zero_grad()
     optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1,
-                     **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10, **DTYPES})
     (0.5 * ((layer(torch.tanh(layer(x))) - target) ** 2).sum(1).mean()).backward()
     optimizer.step()
     torch.testing.assert_close(optimizer.blocks[0].A.running, A_ref, rtol=1e-12, atol=1e-12)
@@ -707,7 +709,7 @@ def test_norm_blocks_are_the_exact_per_unit_fisher(make_layer, shape) -> None:
     layer.zero_grad()
     curvature = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64, blocks=norm_blocks)
     optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1, curvature=curvature, factor_update_steps=1,
-                     inv_update_steps=10)
+                     decomposition_update_steps=10)
     snapshot = [p.detach().clone() for p in params]
     (0.5 * ((layer(x) - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
     grad = torch.stack([p.grad.reshape(-1) for p in params], -1)
@@ -778,7 +780,7 @@ def test_reduce_for_attention_is_one_row_per_sample_per_projection() -> None:
     optimizer = KFAC(mha, lr=1.0, kl_clip=None, damping=0.1,
                      curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64,
                                                inv_dtype=torch.float64),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10})
     out, _ = mha(query, key, key, need_weights=False)
     (0.5 * ((out - target) ** 2).sum(-1).sum(0).mean()).backward()
     optimizer.step()
@@ -841,7 +843,7 @@ def test_a_module_called_several_times_per_forward_matches_the_dense_reference(s
     optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1,
                      curvature=CurvatureConfig(weight_sharing=sharing, factor_dtype=torch.float64,
                                                inv_dtype=torch.float64),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10})
     before = torch.cat([layer.weight.detach(), layer.bias.detach()[:, None]], 1)
     rnn_loss(rnn_forward(layer, inputs)[1][-1], target).backward()
     grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1)
@@ -870,7 +872,7 @@ def test_reduce_across_calls_makes_one_row_per_sample_per_backward_under_gradien
     optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1,
                      curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64,
                                                inv_dtype=torch.float64),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10})
     for inputs, target in zip(batches, targets, strict=True):  # each micro-batch loss: mean over the step's 8 samples
         (rnn_loss(rnn_forward(layer, inputs)[1][-1], target) / 2).backward()
     optimizer.step()
@@ -887,7 +889,7 @@ def test_reduce_across_calls_drops_the_held_sums_of_a_discarded_backward() -> No
     optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1,
                      curvature=CurvatureConfig(weight_sharing="reduce", factor_dtype=torch.float64,
                                                inv_dtype=torch.float64),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10})
     rnn_loss(rnn_forward(layer, [torch.randn(4, 3) for _ in range(2)])[1][-1], torch.randn(4, 3)).backward()
     optimizer.zero_grad()
     rnn_loss(rnn_forward(layer, inputs)[1][-1], target).backward()
@@ -943,7 +945,7 @@ def test_tied_embedding_and_head_use_the_nearest_kronecker_product_of_both_uses(
     optimizer = KFAC(model, lr=1.0, kl_clip=None, damping=0.1,
                      curvature=CurvatureConfig(weight_sharing=sharing, factor_dtype=torch.float64,
                                                inv_dtype=torch.float64),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10})
     before = model.embedding.weight.detach().clone()
     (0.5 * ((model(tokens)[2] - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
     grad = model.embedding.weight.grad.clone()
@@ -965,7 +967,7 @@ def test_tied_block_equals_the_untied_embedding_when_the_head_records_nothing() 
     factors = []
     for model, embedding in ((tied, tied.embedding), (plain, plain)):
         optimizer = KFAC(model, lr=1.0, kl_clip=None, damping=0.1,
-                         **{"factor_update_steps": 1, "inv_update_steps": 10, **DTYPES})
+                         **{"factor_update_steps": 1, "decomposition_update_steps": 10, **DTYPES})
         (0.5 * ((embedding(tokens) - target) ** 2).reshape(4, -1).sum(1).mean()).backward()
         optimizer.step()
         factors.append((optimizer.blocks[0].A.running, optimizer.blocks[0].G.running))
@@ -1004,7 +1006,7 @@ def test_tied_factors_are_the_nearest_kronecker_product_of_each_uses_running_ave
 
     optimizer = KFAC(model, lr=0.0, kl_clip=None, damping=0.1,
                      curvature=CurvatureConfig(factor_decay=decay, factor_dtype=torch.float64, inv_dtype=torch.float64),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10})
     for tokens, target in batches:
         optimizer.zero_grad()
         (0.5 * ((model(tokens)[2] - target) ** 2).reshape(N, -1).sum(1).mean()).backward()
@@ -1029,7 +1031,7 @@ def test_a_tied_block_resumes_from_a_checkpoint_with_both_uses_running_averages(
     def build(model: TiedModel) -> KFAC:
         return KFAC(model, lr=0.1, momentum=0.9, damping=0.1,
                     curvature=CurvatureConfig(factor_decay=0.5, factor_dtype=torch.float64, inv_dtype=torch.float64),
-                    inv_update_steps=1, factor_update_steps=1)
+                    decomposition_update_steps=1, factor_update_steps=1)
 
     torch.manual_seed(0)
     straight = TiedModel(V, D)
@@ -1065,7 +1067,7 @@ def test_reduce_across_calls_with_the_sampled_fisher_records_only_the_sampled_ba
     optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=0.1,
                      curvature=CurvatureConfig(weight_sharing="reduce", fisher="sampled", factor_dtype=torch.float64,
                                                inv_dtype=torch.float64),
-                     **{"factor_update_steps": 1, "inv_update_steps": 10})
+                     **{"factor_update_steps": 1, "decomposition_update_steps": 10})
     out = rnn_forward(layer, inputs)[1][-1]
     optimizer.sample_fisher(out, "mse", generator=torch.Generator().manual_seed(3))
     rnn_loss(out, target).backward()

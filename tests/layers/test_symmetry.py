@@ -85,7 +85,8 @@ def symmetry_build(case: str, dtype: torch.dtype, weight_sharing: str = "expand"
         factor_dtype=torch.float64 if dtype == torch.float64 else torch.float32,
         blocks={nn.LayerNorm: LayerNormBlock},
     )
-    return model, KFAC(model, lr=0.01, factor_update_steps=1, inv_update_steps=2, damping=0.1, curvature=curvature)
+    return model, KFAC(model, lr=0.01, factor_update_steps=1, decomposition_update_steps=2, damping=0.1,
+                       curvature=curvature)
 
 
 def symmetry_train_step(case: str, model: nn.Module, optimizer: KFAC, step: int, rows: int) -> None:

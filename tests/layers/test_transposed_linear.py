@@ -88,7 +88,7 @@ def test_conv1d_factors_and_step_match_the_dense_reference() -> None:
     A_ref, G_ref = a_rows.T @ a_rows / 24, g_rows.T @ g_rows / 4
 
     damping = 0.1
-    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=damping, factor_update_steps=1, inv_update_steps=10,
+    optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=damping, factor_update_steps=1, decomposition_update_steps=10,
                      curvature=FLOAT64)
     before = torch.cat([layer.weight.detach().T, layer.bias.detach()[:, None]], 1)  # [W_linear | b]: (3, 6)
     squared_error(layer(x), target).backward()
@@ -109,7 +109,7 @@ def test_conv1d_trains_as_the_linear_holding_its_transposed_weight() -> None:
         linear.bias.copy_(conv.bias)
     start = linear.weight.detach().clone()
     x, target = torch.randn(8, 4, 5), torch.randn(8, 4, 3)
-    settings = dict(lr=0.3, momentum=0.9, factor_update_steps=1, inv_update_steps=2, curvature=FLOAT64)
+    settings = dict(lr=0.3, momentum=0.9, factor_update_steps=1, decomposition_update_steps=2, curvature=FLOAT64)
     optimizers = [KFAC(conv, **settings), KFAC(linear, **settings)]
     for _ in range(4):
         for layer, optimizer in zip((conv, linear), optimizers, strict=True):

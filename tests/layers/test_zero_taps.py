@@ -210,7 +210,7 @@ def zero_taps_train(skip: bool,
     monkeypatch.setattr(ConvBlock, "skip_zero_taps", skip)
     torch.manual_seed(0)
     net = shrinking_net()
-    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=2,
+    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, decomposition_update_steps=2,
                      curvature=CurvatureConfig(factor_dtype=torch.float64))
     for _ in range(5):
         x, y = torch.randn(8, 3, 4, 4), torch.randint(0, 3, (8,))

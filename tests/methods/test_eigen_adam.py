@@ -55,7 +55,7 @@ def token_batch(step: int, size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
 
 def make_optimizer(model: nn.Module, **kwargs: Any) -> KFAC:
     options: dict[str, Any] = {"lr": LR, "method": EigenAdam(beta2=BETA2, eps=EPS), "kl_clip": None,
-                               "factor_update_steps": 1, "inv_update_steps": 2}
+                               "factor_update_steps": 1, "decomposition_update_steps": 2}
     return KFAC(model, **{**options, **kwargs})
 
 
@@ -191,7 +191,7 @@ def test_bad_eigen_adam_settings_name_the_setting(kwargs: dict[str, float], matc
 
 
 def test_describe_and_repr_name_the_method_and_its_settings() -> None:
-    optimizer = KFAC(make_net(), lr=LR, method="eigen_adam", factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(make_net(), lr=LR, method="eigen_adam", factor_update_steps=1, decomposition_update_steps=10)
     assert optimizer.describe().startswith("KFAC (eigen_adam)")
     assert repr(optimizer.method) == ("EigenAdam(max_rank=128, beta2=0.95, eps=1e-08, thin_width=256, beta1=None, "
                                       "refresh='eigh')")
@@ -230,7 +230,7 @@ def test_two_runs_with_the_power_refresh_are_bit_identical() -> None:
     for _ in range(2):
         model = make_net()
         optimizer = make_optimizer(model, method=EigenAdam(beta2=BETA2, eps=EPS, beta1=0.9, refresh="power"),
-                                   momentum=0.0, inv_update_steps=1)
+                                   momentum=0.0, decomposition_update_steps=1)
         for step in range(STEPS):
             eigen_adam_step(model, optimizer, step)
         runs.append([p.detach().clone() for p in model.parameters()])
@@ -240,7 +240,7 @@ def test_two_runs_with_the_power_refresh_are_bit_identical() -> None:
 def test_a_discarded_batch_of_statistics_under_the_power_refresh_keeps_every_state_finite() -> None:
     model = make_net()
     optimizer = make_optimizer(model, method=EigenAdam(beta2=BETA2, eps=EPS, beta1=0.9, refresh="power"),
-                               momentum=0.0, inv_update_steps=1)
+                               momentum=0.0, decomposition_update_steps=1)
     for step in range(3):
         eigen_adam_step(model, optimizer, step)
     hidden = next(block for block in optimizer.blocks if block.name == "hidden")
@@ -365,12 +365,12 @@ def test_capped_directions_equal_the_thin_formula_computed_densely(beta1: float 
     assert checked == {"hidden", "head"}
 
 
-@pytest.mark.parametrize("refresh, inv_update_steps", [("eigh", 4), ("power", 2)])
-def test_capped_state_resumes_bit_identically_from_a_checkpoint(refresh: str, inv_update_steps: int) -> None:
+@pytest.mark.parametrize("refresh, decomposition_update_steps", [("eigh", 4), ("power", 2)])
+def test_capped_state_resumes_bit_identically_from_a_checkpoint(refresh: str, decomposition_update_steps: int) -> None:
     """``"eigh"``: decomposed at steps 0 and 4, the resumed steps 5-7 use those bases; ``"power"``: the
     thin bases refreshed at steps 2, 4 and, in the resumed run, 6 from the checkpoint's."""
     model = make_net()
-    optimizer = thin_optimizer(model, refresh=refresh, inv_update_steps=inv_update_steps)
+    optimizer = thin_optimizer(model, refresh=refresh, decomposition_update_steps=decomposition_update_steps)
     for step in range(5):
         eigen_adam_step(model, optimizer, step)
     saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
@@ -380,7 +380,7 @@ def test_capped_state_resumes_bit_identically_from_a_checkpoint(refresh: str, in
 
     resumed = make_net(seed=1)
     resumed.load_state_dict(saved_model)
-    resumed_optimizer = thin_optimizer(resumed, refresh=refresh, inv_update_steps=inv_update_steps)
+    resumed_optimizer = thin_optimizer(resumed, refresh=refresh, decomposition_update_steps=decomposition_update_steps)
     resumed_optimizer.load_state_dict(saved_optimizer)
     for step in range(5, 8):
         eigen_adam_step(resumed, resumed_optimizer, step)
@@ -436,7 +436,7 @@ def regression_loss_after(optimizer_for: Any, steps: int) -> tuple[float, float]
 def eigen_adam_recipe(max_rank: int | None) -> Any:
     """docs/tuning.md's EigenAdam (Adam's first moment through SGD's momentum), at CONVERGENCE_LR."""
     return lambda model: KFAC(model, lr=CONVERGENCE_LR, momentum=0.9, dampening=0.9, kl_clip=None,
-                              factor_update_steps=1, inv_update_steps=2,
+                              factor_update_steps=1, decomposition_update_steps=2,
                               method=EigenAdam(max_rank=max_rank, thin_width=max_rank or EigenAdam().thin_width))
 
 
@@ -470,7 +470,8 @@ def test_eigen_adam_with_soaps_first_moment_lowers_the_loss_at_least_as_much_as_
 
     def soap_placed(model: nn.Module) -> KFAC:
         method = EigenAdam(max_rank=max_rank, thin_width=max_rank or EigenAdam().thin_width, beta1=0.9)
-        return KFAC(model, lr=CONVERGENCE_LR, momentum=0.0, kl_clip=None, factor_update_steps=1, inv_update_steps=2,
+        return KFAC(model, lr=CONVERGENCE_LR, momentum=0.0, kl_clip=None, factor_update_steps=1,
+                    decomposition_update_steps=2,
                     method=method)
 
     initial, eigen_adam = regression_loss_after(soap_placed, CONVERGENCE_STEPS)

@@ -41,7 +41,7 @@ def damped_root(factor: Tensor, damping: float, exponent: float) -> Tensor:
 def first_step(layer: nn.Linear, x: Tensor, target: Tensor, method: Any, damping: float) -> tuple[KFAC, Tensor, Tensor]:
     """One step at lr=1, no KL clip, the factors the batch's: the optimizer, ``∇`` and the applied direction."""
     optimizer = KFAC(layer, lr=1.0, kl_clip=None, damping=damping, method=method, factor_update_steps=1,
-                     inv_update_steps=10, curvature=FLOAT64)
+                     decomposition_update_steps=10, curvature=FLOAT64)
     before = torch.cat([layer.weight.detach(), layer.bias.detach()[:, None]], 1)
     (0.5 * ((layer(x) - target) ** 2).sum(1).mean()).backward()
     grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1)
@@ -74,7 +74,7 @@ def test_an_embeddings_diagonal_factor_is_rooted_elementwise() -> None:
     model = nn.Sequential(nn.Embedding(6, 4), nn.Flatten(), nn.Linear(8, 3))
     tokens, labels = torch.randint(0, 6, (12, 2)), torch.randint(0, 3, (12,))
     optimizer = KFAC(model, lr=1.0, kl_clip=None, damping=0.1, method="root", factor_update_steps=1,
-                     inv_update_steps=10, curvature=FLOAT64)
+                     decomposition_update_steps=10, curvature=FLOAT64)
     F.cross_entropy(model(tokens), labels).backward()
     embed = optimizer.blocks[0]
     assert embed.A.diagonal
@@ -102,7 +102,7 @@ def test_a_method_declares_its_basis_and_never_gets_another() -> None:
     # A 65x65 of rank 2 (two rows): Eigen holds it thin (65, 2), a method declaring FULL whole.
     for method, columns in ((Eigen(max_rank=None), 2), (Full(max_rank=None), 65)):
         layer = nn.Linear(64, 3)
-        optimizer = KFAC(layer, lr=0.1, method=method, factor_update_steps=1, inv_update_steps=10)
+        optimizer = KFAC(layer, lr=0.1, method=method, factor_update_steps=1, decomposition_update_steps=10)
         layer(torch.randn(2, 64)).sum().backward()
         optimizer.step()
         assert optimizer.blocks[0].A.decomposition.Q.shape == (65, columns), method
@@ -137,7 +137,8 @@ def test_checkpoint_resume_continues_bit_identically() -> None:
     def make() -> tuple[nn.Module, KFAC]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
-        return model, KFAC(model, lr=0.05, method=RootKronecker(exponent=2), factor_update_steps=1, inv_update_steps=3)
+        return model, KFAC(model, lr=0.05, method=RootKronecker(exponent=2), factor_update_steps=1,
+                           decomposition_update_steps=3)
 
     model, optimizer = make()
     for step in range(4):  # step 3 decomposed: the resumed run holds the same bases

@@ -92,7 +92,7 @@ class DiagonalKronecker(Method):
 
 DAMPING = 0.1
 SETTINGS: dict[str, Any] = dict(lr=0.1, momentum=0.9, damping=DAMPING, kl_clip=None, method="diagonal_seam_test",
-                                factor_update_steps=1, inv_update_steps=2)
+                                factor_update_steps=1, decomposition_update_steps=2)
 
 
 def seam_net() -> nn.Sequential:

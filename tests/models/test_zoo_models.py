@@ -30,7 +30,7 @@ from kfac_optim import KFAC
 
 LEFT_OUT = {"tv_resnet18", "mistral", "tv_vit"}  # the step's cost; twins of llama and timm_vit (module docstring)
 TESTED = [name for name in ZOO if name not in LEFT_OUT]
-ZOO_SETTINGS: dict[str, Any] = dict(lr=0.02, momentum=0.0, factor_update_steps=1, inv_update_steps=2)
+ZOO_SETTINGS: dict[str, Any] = dict(lr=0.02, momentum=0.0, factor_update_steps=1, decomposition_update_steps=2)
 LIBRARIES = {"peft": ("peft", "transformers")}
 
 

@@ -23,7 +23,7 @@ from tests.integration.test_feeding import TinyLM, lm_batch, lm_loss
 
 WIDTHS = (400, 300, 10)  # Linear(400, 300), Linear(300, 10): A 401 and 301, G 300 and 10
 MAX_RANK = Eigen().max_rank  # the default eigenbasis cap
-FORMAT_SETTINGS = dict(lr=0.05, damping=0.1, factor_update_steps=1, inv_update_steps=2)
+FORMAT_SETTINGS = dict(lr=0.05, damping=0.1, factor_update_steps=1, decomposition_update_steps=2)
 
 
 def wide_mlp() -> nn.Sequential:
@@ -112,7 +112,7 @@ def test_every_factor_kind_unpacks_bit_identically(tied: bool, method: str) -> N
     and a tied embedding/head's use factors and derived ones: saved packed (running factors, and
     the damped inverses of ``method="inverse"``), loaded whole, bit for bit."""
     model = TinyLM(vocab=13, width=8, tied=True) if tied else make_ddp_net(modern=True)
-    settings = {**FORMAT_SETTINGS, "factor_update_steps": 1, "inv_update_steps": 10, "method": method}
+    settings = {**FORMAT_SETTINGS, "factor_update_steps": 1, "decomposition_update_steps": 10, "method": method}
     optimizer = KFAC(model, **settings)
     if tied:
         for step in range(3):

@@ -35,12 +35,13 @@ def test_the_constructor_has_at_most_18_named_parameters() -> None:
         (lambda: CurvatureConfig(fisher="sampled", loss_reduction="mean"), "loss_reduction", "fisher"),
         (lambda: KFACOptions(curvature=CurvatureConfig(stagger=True)), "stagger", "factor_update_steps"),
         (lambda: KFAC(_config_model(), curvature=CurvatureConfig(stagger=True), factor_update_steps=1,
-                      inv_update_steps=10), "stagger",
+                      decomposition_update_steps=10), "stagger",
          "factor_update_steps"),
-        (lambda: KFAC(_config_model(), update=UpdateConfig(grafting="sgd"), factor_update_steps=1, inv_update_steps=10),
+        (lambda: KFAC(_config_model(), update=UpdateConfig(grafting="sgd"), factor_update_steps=1,
+                      decomposition_update_steps=10),
          "grafting", "kl_clip"),
         (lambda: KFAC(_config_model(), momentum=0.9, nesterov=True, kl_clip=None, update=UpdateConfig(grafting="adam"),
-                      factor_update_steps=1, inv_update_steps=10),
+                      factor_update_steps=1, decomposition_update_steps=10),
          "grafting", "momentum"),
         (lambda: UpdateConfig(adam_betas=(0.9, 0.95)), "adam_betas", "grafting"),
     ],
@@ -54,12 +55,13 @@ def test_a_contradictory_combination_is_a_value_error_naming_both(make, first: s
 
 
 def test_an_inverse_interval_off_the_factor_interval_warns() -> None:
-    with pytest.warns(UserWarning, match="inv_update_steps=3 is not a multiple of factor_update_steps=2"):
-        KFAC(_config_model(), factor_update_steps=2, inv_update_steps=3)
+    with pytest.warns(UserWarning, match="decomposition_update_steps=3 is not a multiple of factor_update_steps=2"):
+        KFAC(_config_model(), factor_update_steps=2, decomposition_update_steps=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        KFAC(_config_model(), factor_update_steps=2, inv_update_steps=4)
-        KFAC(_config_model(), factor_update_steps=lambda step: 2, inv_update_steps=3)  # a schedule: not checked
+        KFAC(_config_model(), factor_update_steps=2, decomposition_update_steps=4)
+        KFAC(_config_model(), factor_update_steps=lambda step: 2,
+             decomposition_update_steps=3)  # a schedule: not checked
 
 
 @pytest.mark.parametrize("config", [CurvatureConfig, AsyncConfig, RuntimeConfig, KFACOptions])
@@ -79,25 +81,25 @@ def test_configs_are_frozen(config: type) -> None:
 )
 def test_a_config_of_the_wrong_type_is_a_type_error_naming_it(kwargs: dict, argument: str) -> None:
     with pytest.raises(TypeError, match=argument):
-        KFAC(_config_model(), **{"factor_update_steps": 1, "inv_update_steps": 10, **kwargs})
+        KFAC(_config_model(), **{"factor_update_steps": 1, "decomposition_update_steps": 10, **kwargs})
 
 
 def test_an_unknown_keyword_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'fischer'"):
-        KFAC(_config_model(), fischer="sampled", factor_update_steps=1, inv_update_steps=10)
+        KFAC(_config_model(), fischer="sampled", factor_update_steps=1, decomposition_update_steps=10)
 
 
 @pytest.mark.parametrize("keyword", sorted(FLAT_KEYWORDS))
 def test_a_flat_keyword_is_a_type_error(keyword: str) -> None:
     """The configs' fields are given in their config only: ``KFAC(model, fisher=...)`` is no spelling."""
     with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):
-        KFAC(_config_model(), factor_update_steps=1, inv_update_steps=10, **{keyword: None})
+        KFAC(_config_model(), factor_update_steps=1, decomposition_update_steps=10, **{keyword: None})
 
 
 def test_options_is_read_only_and_holds_the_configs() -> None:
     curvature = CurvatureConfig(fisher="sampled")
     optimizer = KFAC(_config_model(), damping=0.2, curvature=curvature, asynchronous=AsyncConfig(),
-                     factor_update_steps=1, inv_update_steps=10)
+                     factor_update_steps=1, decomposition_update_steps=10)
     assert optimizer.options.damping == 0.2
     assert optimizer.options.curvature is curvature and optimizer.options.asynchronous == AsyncConfig()
     with pytest.raises(AttributeError):
@@ -107,7 +109,7 @@ def test_options_is_read_only_and_holds_the_configs() -> None:
 def test_the_rank_check_reads_every_shared_setting_and_no_per_process_one() -> None:
     settings = KFACOptions(asynchronous=AsyncConfig(delay=2)).rank_settings()
     assert settings.keys() == KFACOptions().rank_settings().keys()  # the same names, in order, on every rank
-    assert {"damping", "kl_clip", "factor_update_steps", "inv_update_steps", "method", "curvature.fisher",
+    assert {"damping", "kl_clip", "factor_update_steps", "decomposition_update_steps", "method", "curvature.fisher",
             "curvature.factor_dtype", "asynchronous", "asynchronous.delay"} <= set(settings)
     assert "curvature.skip_layers" not in settings  # compared as the layer list it gives
     assert not any("process_group" in name or "grad_scaler" in name or "statistics" in name for name in settings)

@@ -64,14 +64,14 @@ def test_a_factor_of_few_rows_is_decomposed_through_its_range() -> None:
 
 def test_factors_count_the_rows_that_bound_their_rank() -> None:
     conv = nn.Conv2d(3, 4, 3)
-    optimizer = KFAC(conv, lr=0.1, inv_update_steps=100, factor_update_steps=1)
+    optimizer = KFAC(conv, lr=0.1, decomposition_update_steps=100, factor_update_steps=1)
     for _ in range(3):
         conv(torch.randn(5, 3, 6, 6)).square().mean().backward()
         optimizer.step()
     block = optimizer.blocks[0]
     assert block.A.rank_bound == block.G.rank_bound == 3 * 5 * 4 * 4  # 3 batches of 5 samples, 4x4 positions
     assert torch.linalg.matrix_rank(block.A.running.double()) <= block.A.rank_bound
-    restored = KFAC(nn.Conv2d(3, 4, 3), lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    restored = KFAC(nn.Conv2d(3, 4, 3), lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     restored.load_state_dict(optimizer.state_dict())
     assert restored.blocks[0].A.rank_bound == 240
 
@@ -203,7 +203,7 @@ def test_conv_over_maps_smaller_than_its_kernel_decomposes_in_float32(caplog: py
     # The issue's minimal case: A is 4609 x 4609 (zero-padding taps: 4096 zero columns), rank ~33.
     # torch.linalg.eigh fails to converge on it in float32 (and takes ~70 s to say so).
     conv = nn.Conv2d(512, 512, 3, padding=1)
-    optimizer = KFAC(conv, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(conv, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     x = torch.relu(torch.randn(32, 512, 1, 1))
     caplog.set_level(logging.DEBUG, logger="kfac_optim.linalg")
     with warnings.catch_warnings():
@@ -230,7 +230,7 @@ def test_resnet18_layer4_first_step_decomposes_every_factor_in_float32(caplog: p
         if isinstance(module, (nn.Conv2d, nn.Linear)) and not name.startswith("layer4.")
     ]
     optimizer = KFAC(model, lr=0.1, momentum=0.9, curvature=CurvatureConfig(skip_layers=others), factor_update_steps=1,
-                     inv_update_steps=10)
+                     decomposition_update_steps=10)
     assert [b.name for b in optimizer.blocks] == [
         "layer4.0.conv1", "layer4.0.conv2", "layer4.0.downsample.0", "layer4.1.conv1", "layer4.1.conv2",
     ]
@@ -252,7 +252,7 @@ def test_a_layer_without_a_decomposition_says_so_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=1, factor_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, decomposition_update_steps=1, factor_update_steps=1)
     real_eigh = torch.linalg.eigh
 
     def failing_eigh(matrix: torch.Tensor, *args, **kwargs):
@@ -281,10 +281,10 @@ def test_a_layer_without_a_decomposition_says_so_once(
 
 
 def test_async_round_is_adopted_at_the_next_decomposition_step() -> None:
-    # inv_update_steps=3: step 0 decomposes in line; step 3 snapshots the factors and hands them
+    # decomposition_update_steps=3: step 0 decomposes in line; step 3 snapshots the factors and hands them
     # to the worker; step 6 adopts exactly their decompositions (layers use step 0's until then).
     net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3))
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=3, asynchronous=AsyncConfig(), factor_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, decomposition_update_steps=3, asynchronous=AsyncConfig(), factor_update_steps=1)
     block = optimizer.blocks[0]
     snapshots = {}
     for step in range(7):
@@ -305,7 +305,8 @@ def test_async_round_is_adopted_at_the_next_decomposition_step() -> None:
 
 def test_async_delay_adopts_the_round_that_many_steps_later() -> None:
     net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3))
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=4, asynchronous=AsyncConfig(delay=1), factor_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, decomposition_update_steps=4, asynchronous=AsyncConfig(delay=1),
+                     factor_update_steps=1)
     block = optimizer.blocks[0]
     for step in range(6):
         F.cross_entropy(net(torch.randn(16, 20)), torch.randint(0, 3, (16,))).backward()
@@ -316,7 +317,7 @@ def test_async_delay_adopts_the_round_that_many_steps_later() -> None:
             assert block.A.decomposed_key == (1, 0.0)  # step 0's, while step 4's round is in flight
     assert block.A.decomposed_key == (submitted, 0.0)  # adopted at step 5
     with pytest.raises(ValueError, match="async_delay"):
-        KFAC(net, asynchronous=AsyncConfig(delay=0), factor_update_steps=1, inv_update_steps=10)
+        KFAC(net, asynchronous=AsyncConfig(delay=0), factor_update_steps=1, decomposition_update_steps=10)
 
 
 def test_the_eigenbasis_cap_in_the_optimizer_is_described_logged_and_checkpointed(
@@ -326,7 +327,7 @@ def test_the_eigenbasis_cap_in_the_optimizer_is_described_logged_and_checkpointe
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(40, 12), nn.Tanh(), nn.Linear(12, 3))
-    optimizer = KFAC(net, lr=0.1, method=Eigen(max_rank=8), factor_update_steps=1, inv_update_steps=2)
+    optimizer = KFAC(net, lr=0.1, method=Eigen(max_rank=8), factor_update_steps=1, decomposition_update_steps=2)
     assert "eigenbasis cap max_rank=8" in optimizer.describe() and "0.A (41), 0.G (12)" in optimizer.describe()
     assert "2.A (13)" in optimizer.describe()  # 12 inputs + bias > 8: capped too; 2.G (3) is not
     caplog.set_level(logging.INFO, logger="kfac_optim.reporter")
@@ -337,7 +338,7 @@ def test_the_eigenbasis_cap_in_the_optimizer_is_described_logged_and_checkpointe
     assert eig.Q.shape == (41, 8) and float(eig.complement) > 0
     assert "'0': A (dim 41) truncated by the eigenbasis cap to its 8 leading eigenpairs" in caplog.text
     restored_net = nn.Sequential(nn.Linear(40, 12), nn.Tanh(), nn.Linear(12, 3))
-    restored = KFAC(restored_net, lr=0.1, method=Eigen(max_rank=8), factor_update_steps=1, inv_update_steps=2)
+    restored = KFAC(restored_net, lr=0.1, method=Eigen(max_rank=8), factor_update_steps=1, decomposition_update_steps=2)
     restored.load_state_dict(optimizer.state_dict())
     assert torch.equal(restored.blocks[0].A.decomposition.complement, eig.complement)
     with pytest.raises(ValueError, match="max_rank must be an int >= 1 or None"):

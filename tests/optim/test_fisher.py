@@ -36,8 +36,8 @@ def make(dtype: torch.dtype = torch.float64, **options) -> tuple[TwoLayer, KFAC]
     torch.manual_seed(0)
     model = TwoLayer().to(dtype)
     defaults = dict(lr=0.1, curvature=CurvatureConfig(fisher="sampled", factor_decay=0.0, factor_dtype=dtype,
-                                                      inv_dtype=dtype), inv_update_steps=1)
-    return model, KFAC(model, **{"factor_update_steps": 1, "inv_update_steps": 10, **{**defaults, **options}})
+                                                      inv_dtype=dtype), decomposition_update_steps=1)
+    return model, KFAC(model, **{"factor_update_steps": 1, "decomposition_update_steps": 10, **{**defaults, **options}})
 
 
 def fisher_batch(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,8 +168,8 @@ def test_loss_scaling_does_not_change_sampled_factors() -> None:
 def test_sampled_fisher_errors_name_the_argument() -> None:
     model = TwoLayer()
     with pytest.raises(ValueError, match="fisher"):
-        KFAC(model, curvature=CurvatureConfig(fisher="true"), factor_update_steps=1, inv_update_steps=10)
-    empirical = KFAC(model, factor_update_steps=1, inv_update_steps=10)
+        KFAC(model, curvature=CurvatureConfig(fisher="true"), factor_update_steps=1, decomposition_update_steps=10)
+    empirical = KFAC(model, factor_update_steps=1, decomposition_update_steps=10)
     with pytest.raises(RuntimeError, match="fisher='sampled'"):
         empirical.sample_fisher(model(torch.randn(2, D_IN)), "cross_entropy")
     empirical.remove_hooks()
@@ -281,7 +281,7 @@ def test_sampled_sequence_fisher_has_the_empirical_fisher_units() -> None:
     model = TwoLayer().double()
     empirical = KFAC(model, lr=0.1,
                      curvature=CurvatureConfig(factor_decay=0.0, factor_dtype=torch.float64, inv_dtype=torch.float64),
-                     factor_update_steps=1, inv_update_steps=10)
+                     factor_update_steps=1, decomposition_update_steps=10)
     F.cross_entropy(model(x).reshape(-1, D_OUT), targets.reshape(-1)).backward()
     empirical.step()
     for s, e in zip(sampled.blocks, empirical.blocks, strict=True):

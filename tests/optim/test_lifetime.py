@@ -49,7 +49,8 @@ def test_kfac_and_its_model_are_freed_when_the_last_reference_goes(
     options: dict[str, Any], garbage_collector_off: None
 ) -> None:
     model = lifetime_net()
-    optimizer = KFAC(model, **{"lr": 0.1, "momentum": 0.9, "factor_update_steps": 1, "inv_update_steps": 2, **options})
+    optimizer = KFAC(model, **{"lr": 0.1, "momentum": 0.9, "factor_update_steps": 1, "decomposition_update_steps": 2,
+                               **options})
     sampled = optimizer.options.curvature.fisher == "sampled"
     for step in range(3):  # decompositions at steps 0 and 2: every lazily built part exists
         x, y = seeded_batch((8, 1, 4, 4), 3, seed=step)

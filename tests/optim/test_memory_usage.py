@@ -33,7 +33,7 @@ def one_step(optimizer: KFAC, net: nn.Module) -> None:
 @pytest.mark.parametrize("factor_dtype", [torch.float32, torch.float64])
 def test_factors_and_pending_are_n_squared_before_any_decomposition(factor_dtype: torch.dtype) -> None:
     optimizer = KFAC(memory_model(), curvature=CurvatureConfig(factor_dtype=factor_dtype), factor_update_steps=1,
-                     inv_update_steps=10)
+                     decomposition_update_steps=10)
     size = torch.finfo(factor_dtype).bits // 8
     usage = optimizer.memory_usage()
     assert usage["factors"] == sum(n * n for n in DIMS) * size
@@ -54,7 +54,7 @@ def test_factors_and_pending_are_n_squared_before_any_decomposition(factor_dtype
 def test_decompositions_are_q_and_d_or_one_inverse_per_factor(method, inv_dtype, per_factor) -> None:
     net = memory_model()
     optimizer = KFAC(net, lr=0.01, method=method, curvature=CurvatureConfig(inv_dtype=inv_dtype), factor_update_steps=1,
-                     inv_update_steps=10)
+                     decomposition_update_steps=10)
     one_step(optimizer, net)
     size = torch.finfo(inv_dtype).bits // 8
     usage = optimizer.memory_usage()

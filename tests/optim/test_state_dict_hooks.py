@@ -24,7 +24,7 @@ from kfac_optim import KFAC
 def _trained() -> tuple[nn.Module, KFAC]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    optimizer = KFAC(model, lr=0.1, momentum=0.9, inv_update_steps=1, factor_update_steps=1)
+    optimizer = KFAC(model, lr=0.1, momentum=0.9, decomposition_update_steps=1, factor_update_steps=1)
     for _ in range(2):
         optimizer.zero_grad()
         F.cross_entropy(model(torch.randn(6, 4)), torch.randint(0, 2, (6,))).backward()
@@ -62,7 +62,7 @@ def test_a_load_pre_hook_runs_before_kfac_checks_the_checkpoint() -> None:
     # would warn that no layer matches and start fresh; the user's pre hook renames them back.
     state["kfac"]["blocks"] = {f"net.{name}": block for name, block in state["kfac"]["blocks"].items()}
     optimizer.remove_hooks()
-    fresh = KFAC(model, lr=0.1, momentum=0.9, inv_update_steps=1, factor_update_steps=1)
+    fresh = KFAC(model, lr=0.1, momentum=0.9, decomposition_update_steps=1, factor_update_steps=1)
 
     def rename(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         blocks = {name.removeprefix("net."): block for name, block in state_dict["kfac"]["blocks"].items()}
@@ -114,7 +114,7 @@ def test_an_sgd_state_dict_without_maximize_and_foreach_loads_and_steps_as_under
     results = []
     for make in (
         lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-        lambda m: KFAC(m, lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=10),
+        lambda m: KFAC(m, lr=0.1, momentum=0.9, factor_update_steps=1, decomposition_update_steps=10),
     ):
         replica = _sgd_only_model()
         replica.load_state_dict(model.state_dict())

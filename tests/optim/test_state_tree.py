@@ -19,7 +19,7 @@ from torch import nn
 from kfac_optim import KFAC
 from kfac_optim.state import StateError, within
 
-TREE_SETTINGS = dict(lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=2)
+TREE_SETTINGS = dict(lr=0.1, momentum=0.9, factor_update_steps=1, decomposition_update_steps=2)
 
 
 class TallyOwner:

@@ -68,13 +68,13 @@ VALIDATION_TABLE = [
     bad({"kl_clip": float("nan")}, ValueError, "kl_clip"),
     bad({"factor_update_steps": 0}, ValueError, "factor_update_steps"),
     bad({"factor_update_steps": True}, ValueError, "factor_update_steps"),
-    bad({"inv_update_steps": 0}, ValueError, "inv_update_steps"),
-    bad({"inv_update_steps": 2.5}, ValueError, "inv_update_steps"),
+    bad({"decomposition_update_steps": 0}, ValueError, "decomposition_update_steps"),
+    bad({"decomposition_update_steps": 2.5}, ValueError, "decomposition_update_steps"),
     bad({"method": "cholesky"}, ValueError, "method"),
     bad({"factor_update_steps": "fast"}, ValueError, "factor_update_steps.*'auto'"),
-    bad({"inv_update_steps": "automatic"}, ValueError, "inv_update_steps.*'auto'"),
-    bad({"factor_update_steps": AutoIntervals(overhead=1.0), "inv_update_steps": AutoIntervals()}, ValueError,
-        "factor_update_steps=.*inv_update_steps=.*same AutoIntervals", id="two different AutoIntervals"),
+    bad({"decomposition_update_steps": "automatic"}, ValueError, "decomposition_update_steps.*'auto'"),
+    bad({"factor_update_steps": AutoIntervals(overhead=1.0), "decomposition_update_steps": AutoIntervals()}, ValueError,
+        "factor_update_steps=.*decomposition_update_steps=.*same AutoIntervals", id="two different AutoIntervals"),
     bad({"curvature": Later(CurvatureConfig, stagger=True), "factor_update_steps": "auto"}, ValueError,
         "stagger.*explicit factor_update_steps",
         id="stagger with auto intervals"),
@@ -109,11 +109,12 @@ def test_bad_argument_raises_an_error_naming_it(kwargs: dict[str, Any], error: t
     with pytest.raises(error, match=match):
         built = {name: value.make(**value.fields) if isinstance(value, Later) else value
                  for name, value in kwargs.items()}
-        KFAC(**{"factor_update_steps": 1, "inv_update_steps": 10, **{"model": small_mlp(), **BASE, **built}})
+        KFAC(**{"factor_update_steps": 1, "decomposition_update_steps": 10, **{"model": small_mlp(), **BASE, **built}})
 
 
 def test_schedule_returning_a_bad_value_is_named_when_used() -> None:
-    optimizer = KFAC(small_mlp(), lr=0.1, damping=lambda step: -1.0, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(small_mlp(), lr=0.1, damping=lambda step: -1.0, factor_update_steps=1,
+                     decomposition_update_steps=10)
     with pytest.raises(ValueError, match="damping"):
         optimizer.step()
 
@@ -122,7 +123,7 @@ def test_a_layer_its_block_declines_warns_once_and_takes_the_sgd_path() -> None:
     """A sparse-gradient embedding is of a registered kind that its block does not support."""
     net = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
     with pytest.warns(UserWarning, match="sparse") as record:
-        optimizer = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+        optimizer = KFAC(net, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     assert len([w for w in record if "sparse" in str(w.message)]) == 1
     assert {w.filename for w in record} == {__file__}  # the warning names the user's line
     assert [b.name for b in optimizer.blocks] == ["1"]
@@ -140,7 +141,7 @@ def train_step(net: nn.Module, optimizer: KFAC, seed: int = 0) -> None:
 
 def test_non_finite_statistics_are_discarded_with_a_warning() -> None:
     net = small_mlp()
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=2, factor_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, decomposition_update_steps=2, factor_update_steps=1)
     train_step(net, optimizer)
     before = optimizer.blocks[0].A.running.clone()
     optimizer.zero_grad()
@@ -156,7 +157,7 @@ def test_non_finite_statistics_are_discarded_with_a_warning() -> None:
 
 def test_first_fold_non_finite_leaves_factor_uninitialized() -> None:
     net = small_mlp()
-    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, inv_update_steps=10)
+    optimizer = KFAC(net, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)
     x = torch.randn(8, 4)
     F.cross_entropy(net(x), torch.zeros(8, dtype=torch.long)).backward()
     optimizer.blocks[1].G.pending.fill_(float("inf"))
@@ -170,7 +171,7 @@ def test_first_fold_non_finite_leaves_factor_uninitialized() -> None:
 
 def test_failed_decomposition_keeps_the_last_good_one(monkeypatch: pytest.MonkeyPatch) -> None:
     net = small_mlp()
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=1, factor_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, decomposition_update_steps=1, factor_update_steps=1)
     train_step(net, optimizer)
     good = optimizer.blocks[0].A.decomposition
 
@@ -192,7 +193,7 @@ def test_failed_decomposition_keeps_the_last_good_one(monkeypatch: pytest.Monkey
 
 def test_float32_failure_is_retried_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
     net = small_mlp()
-    optimizer = KFAC(net, lr=0.1, inv_update_steps=1, factor_update_steps=1)
+    optimizer = KFAC(net, lr=0.1, decomposition_update_steps=1, factor_update_steps=1)
     real_eigh = torch.linalg.eigh
 
     def float32_fails(matrix: torch.Tensor, *args, **kwargs):

@@ -108,7 +108,7 @@ def _model_and_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 def test_step_marks_its_phases_with_profiler_ranges() -> None:
     model, x, y = _model_and_batch()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=1)
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, decomposition_update_steps=1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -121,7 +121,7 @@ def test_step_marks_its_phases_with_profiler_ranges() -> None:
 
 def test_read_only_properties_follow_the_schedule() -> None:
     model, x, y = _model_and_batch()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=2, inv_update_steps=10)
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=2, decomposition_update_steps=10)
     seen = []
     for _ in range(3):
         seen.append((optimizer.steps, optimizer.capturing))
@@ -139,7 +139,7 @@ def test_a_factor_that_takes_seconds_to_decompose_is_noted_once(caplog: pytest.L
     with torch.device("meta"):  # only the sizes matter: nothing is allocated
         model = nn.Sequential(nn.Linear(4095, 8), nn.Linear(8, 4096, bias=False))
     with caplog.at_level("WARNING", logger="kfac_optim.optimizer"):
-        KFAC(model, lr=0.1, method=Eigen(max_rank=None), factor_update_steps=1, inv_update_steps=10)
+        KFAC(model, lr=0.1, method=Eigen(max_rank=None), factor_update_steps=1, decomposition_update_steps=10)
     (record,) = [r for r in caplog.records if "seconds" in r.getMessage()]
     assert "0.A (4096)" in record.getMessage() and "1.G (4096)" in record.getMessage()
 
@@ -148,5 +148,5 @@ def test_factors_under_the_eigenbasis_cap_are_not_noted_as_slow(caplog: pytest.L
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4095, 8), nn.Linear(8, 4096, bias=False))
     with caplog.at_level("WARNING", logger="kfac_optim.optimizer"):
-        KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=10)  # Eigen(max_rank=128): O(n²·128)
+        KFAC(model, lr=0.1, factor_update_steps=1, decomposition_update_steps=10)  # Eigen(max_rank=128): O(n²·128)
     assert [r for r in caplog.records if "seconds" in r.getMessage()] == []

@@ -57,22 +57,22 @@ def test_the_cost_model_keeps_the_amortized_curvature_work_within_the_budget() -
 def test_calibration_then_injected_costs_give_the_same_intervals_every_run(caplog: pytest.LogCaptureFixture) -> None:
     model = intervals_mlp()
     optimizer = KFAC(model, lr=0.1, factor_update_steps=MeasuredIntervals(costs=COSTS),
-                     inv_update_steps=MeasuredIntervals(costs=COSTS))
+                     decomposition_update_steps=MeasuredIntervals(costs=COSTS))
     assert [optimizer.is_factor_step(k) for k in range(3)] == [True, True, False]
     assert [optimizer.is_inverse_step(k) for k in range(3)] == [True, False, False]
     assert "factor_update_steps=auto (measuring)" in optimizer.describe()
     with caplog.at_level(logging.INFO, logger="kfac_optim.schedule.intervals"):
         train(optimizer, model, 4)
-    assert "factor_update_steps=2 (auto), inv_update_steps=140 (auto)" in caplog.text
+    assert "factor_update_steps=2 (auto), decomposition_update_steps=140 (auto)" in caplog.text
     assert optimizer.describe().splitlines()[-1].startswith(
-        "intervals: factor_update_steps=2 (auto), inv_update_steps=140 (auto)")
+        "intervals: factor_update_steps=2 (auto), decomposition_update_steps=140 (auto)")
     assert [k for k in range(3, 300) if optimizer.is_factor_step(k)][:3] == [4, 6, 8]
     assert [k for k in range(3, 300) if optimizer.is_inverse_step(k)] == [140, 280]
 
 
 def test_an_explicit_interval_is_kept_and_the_other_chosen() -> None:
     model = intervals_mlp()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, inv_update_steps=AutoIntervals(costs=COSTS))
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=1, decomposition_update_steps=AutoIntervals(costs=COSTS))
     train(optimizer, model, 4)
     assert optimizer.estimator.intervals.chosen == (1, 140)
     assert all(optimizer.is_factor_step(k) for k in range(10))
@@ -80,7 +80,8 @@ def test_an_explicit_interval_is_kept_and_the_other_chosen() -> None:
 
 def test_measured_intervals_are_decided_once_and_bounded() -> None:
     model = intervals_mlp()
-    optimizer = KFAC(model, lr=0.1, factor_update_steps=MeasuredIntervals(), inv_update_steps=MeasuredIntervals())
+    optimizer = KFAC(model, lr=0.1, factor_update_steps=MeasuredIntervals(),
+                     decomposition_update_steps=MeasuredIntervals())
     train(optimizer, model, 3)
     assert optimizer.estimator.intervals.chosen is None  # decided at the start of step 3
     train(optimizer, model, 2, first=3)
@@ -96,7 +97,7 @@ def test_a_resumed_run_keeps_the_chosen_intervals_and_continues_bit_identically(
     def build(costs: StepCosts) -> tuple[nn.Module, KFAC]:
         model = intervals_mlp()
         return model, KFAC(model, lr=0.1, momentum=0.9, factor_update_steps=AutoIntervals(costs=costs),
-                           inv_update_steps=AutoIntervals(costs=costs))
+                           decomposition_update_steps=AutoIntervals(costs=costs))
 
     cheap = StepCosts(step=0.1, factor=0.02, decomposition=0.1)  # (1, 10)
     reference_model, reference = build(cheap)
@@ -119,7 +120,7 @@ def test_a_resumed_run_keeps_the_chosen_intervals_and_continues_bit_identically(
 def test_a_checkpoint_with_bad_intervals_is_refused_naming_the_field() -> None:
     model = intervals_mlp()
     optimizer = KFAC(model, lr=0.1, factor_update_steps=AutoIntervals(costs=COSTS),
-                     inv_update_steps=AutoIntervals(costs=COSTS))
+                     decomposition_update_steps=AutoIntervals(costs=COSTS))
     train(optimizer, model, 4)
     state = optimizer.state_dict()
     state["kfac"]["intervals"]["inverse"] = 0
@@ -241,18 +242,18 @@ def test_intervals_at_their_caps_warn_once_saying_how_to_override() -> None:
     does for the rest of the run, so one RuntimeWarning says so (describe() alone logs at INFO)."""
     costly = StepCosts(step=0.01, factor=10.0, decomposition=1000.0)
     model = intervals_mlp()
-    capped = r"reached their caps.*factor_update_steps=50.*inv_update_steps=500"
+    capped = r"reached their caps.*factor_update_steps=50.*decomposition_update_steps=500"
     with pytest.warns(RuntimeWarning, match=capped) as caught:
         optimizer = KFAC(model, lr=0.1, factor_update_steps=AutoIntervals(costs=costly),
-                         inv_update_steps=AutoIntervals(costs=costly))
+                         decomposition_update_steps=AutoIntervals(costs=costly))
         train(optimizer, model, 6)
     assert sum("reached their caps" in str(w.message) for w in caught) == 1
-    assert "factor_update_steps= / inv_update_steps=" in str(caught[0].message)
+    assert "factor_update_steps= / decomposition_update_steps=" in str(caught[0].message)
     # within the caps: no warning
     model = intervals_mlp()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         optimizer = KFAC(model, lr=0.1, factor_update_steps=AutoIntervals(costs=COSTS),
-                         inv_update_steps=AutoIntervals(costs=COSTS))
+                         decomposition_update_steps=AutoIntervals(costs=COSTS))
         train(optimizer, model, 6)
     assert optimizer.estimator.intervals.chosen == (2, 140)

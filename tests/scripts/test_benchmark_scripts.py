@@ -188,7 +188,7 @@ def test_interval_rules_runs_each_rule_beside_sgd_and_reports_the_intervals_it_c
                                    "--seeds", "1", "--out", str(tmp_path)])
     by_rule = results["tv_regnet"]
     assert set(by_rule) == {"sgd", "fixed_5_50"} and by_rule["sgd"]["step_ratio"] == 1.0
-    assert by_rule["fixed_5_50"]["intervals"] == "factor_update_steps=5, inv_update_steps=50"
+    assert by_rule["fixed_5_50"]["intervals"] == "factor_update_steps=5, decomposition_update_steps=50"
     assert "| tv_regnet | fixed_5_50 |" in (tmp_path / "interval_rules.md").read_text()
 
 

@@ -108,7 +108,8 @@ def test_imagenet_shaped_recipe_checkpoints_on_rank_0_and_resumes_exactly_on_two
     The run resumed from epoch 1 must end with the uninterrupted run's model, and the ranks agree.
     ``--dist-timeout`` bounds every collective: a rank that waits for the others fails the test."""
     common = ["--world-size", "2", "--epochs", "3", "--batch-size", "16", "--train-size", "64", "--val-size", "32",
-              "--factor-update-steps", "1", "--inv-update-steps", "3", "--amp", "bf16", "--dist-timeout", "30"]
+              "--factor-update-steps", "1", "--decomposition-update-steps", "3", "--amp", "bf16",
+              "--dist-timeout", "30"]
     assert imagenet.main([*common, "--keep-checkpoints", "--checkpoint-dir", str(tmp_path / "straight"),
                           "--dist-url", f"file://{tmp_path / 'rendezvous-straight'}"]) == 0
     assert imagenet.main([*common, "--resume", str(tmp_path / "straight" / "checkpoint-epoch1.pth.tar"),

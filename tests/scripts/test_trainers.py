@@ -28,7 +28,7 @@ from torch import nn
 from kfac_optim import KFAC
 
 SAMPLES, BATCH = 64, 8
-KFAC_ARGS: dict[str, Any] = dict(lr=0.1, momentum=0.9, factor_update_steps=1, inv_update_steps=3)
+KFAC_ARGS: dict[str, Any] = dict(lr=0.1, momentum=0.9, factor_update_steps=1, decomposition_update_steps=3)
 
 
 def trainer_package(name: str) -> ModuleType:

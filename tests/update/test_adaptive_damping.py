@@ -35,7 +35,7 @@ def reduction_ratio_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reduction_ratio_optimizer(model: nn.Module, lr: float, damping: AdaptiveDamping | float, **kwargs: object) -> KFAC:
-    return KFAC(model, lr=lr, damping=damping, kl_clip=None, factor_update_steps=1, inv_update_steps=1,
+    return KFAC(model, lr=lr, damping=damping, kl_clip=None, factor_update_steps=1, decomposition_update_steps=1,
                 curvature=CurvatureConfig(factor_decay=0.0, factor_dtype=torch.float64, inv_dtype=torch.float64),
                 **kwargs)
 

@@ -13,7 +13,7 @@ from torch import nn
 from kfac_optim import KFAC, CurvatureConfig
 
 EXACT = CurvatureConfig(factor_dtype=torch.float64, inv_dtype=torch.float64)
-EVERY_STEP = {"factor_update_steps": 1, "inv_update_steps": 1}
+EVERY_STEP = {"factor_update_steps": 1, "decomposition_update_steps": 1}
 SCALES = torch.tensor([4.0, 2.0, 1.0, 0.5, 0.25, 0.125])
 """Input feature scales of the regression: curvature spread over 1000x, SGD's lr set by the largest."""
 

@@ -59,7 +59,7 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _kfac_direction_and_gradient(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """K-FAC's unclipped direction V (lr 1, no clip) and ∇ at ``_net()`` on ``_labelled_batch()``, flattened."""
     net = _net()
-    optimizer = KFAC(net, lr=1.0, kl_clip=None, curvature=DOUBLE, inv_update_steps=1, factor_update_steps=1)
+    optimizer = KFAC(net, lr=1.0, kl_clip=None, curvature=DOUBLE, decomposition_update_steps=1, factor_update_steps=1)
     before = _params(net)
     _backward(net, seed)
     grad = _flat([p.grad.clone() for p in net.parameters()])
@@ -105,7 +105,7 @@ def test_while_the_kl_bound_binds_the_step_scales_with_the_scheduled_lr(schedule
     net = _net()
     start = [p.detach().clone() for p in net.parameters()]
     lr = torch.tensor(base_lr) if tensor_lr else base_lr
-    optimizer = KFAC(net, lr=lr, kl_clip=kl_clip, curvature=DOUBLE, inv_update_steps=1, factor_update_steps=1,
+    optimizer = KFAC(net, lr=lr, kl_clip=kl_clip, curvature=DOUBLE, decomposition_update_steps=1, factor_update_steps=1,
                      update=UpdateConfig(trust_region="base_lr"))
     scheduler = SCHEDULES[schedule](optimizer)
     lengths, lrs = [], []
@@ -135,7 +135,7 @@ def test_doubling_the_base_lr_doubles_the_clipped_step(kl_clip: float | None) ->
     for lr in (0.1, 0.2):
         net = _net()
         before = _params(net)
-        optimizer = KFAC(net, lr=lr, curvature=DOUBLE, inv_update_steps=1, factor_update_steps=1,
+        optimizer = KFAC(net, lr=lr, curvature=DOUBLE, decomposition_update_steps=1, factor_update_steps=1,
                          update=UpdateConfig(trust_region="lr_squared"), **settings)
         _backward(net)
         optimizer.step()
@@ -148,7 +148,7 @@ def test_the_scheduled_lr_trust_region_keeps_the_step_fixed_while_binding() -> N
     """``UpdateConfig(trust_region="scheduled_lr")``: the rule of earlier releases, lr cancels."""
     net = _net()
     start = _params(net)
-    optimizer = KFAC(net, lr=0.5, kl_clip=1e-4, curvature=DOUBLE, inv_update_steps=1,
+    optimizer = KFAC(net, lr=0.5, kl_clip=1e-4, curvature=DOUBLE, decomposition_update_steps=1,
                      update=UpdateConfig(trust_region="scheduled_lr"), factor_update_steps=1)
     lengths = []
     for lr in (0.5, 0.25):
@@ -161,7 +161,7 @@ def test_at_a_constant_lr_the_base_lr_trust_region_is_the_old_rule_bit_for_bit()
     runs = []
     for trust_region in ("base_lr", "scheduled_lr"):
         net = _net()
-        optimizer = KFAC(net, lr=0.3, momentum=0.9, kl_clip=1e-3, inv_update_steps=2,
+        optimizer = KFAC(net, lr=0.3, momentum=0.9, kl_clip=1e-3, decomposition_update_steps=2,
                          params=[{"params": net[0].parameters(), "lr": 0.1}, {"params": net[2].parameters()}],
                          update=UpdateConfig(trust_region=trust_region), factor_update_steps=1)
         for seed in range(4):
@@ -177,13 +177,13 @@ def test_the_base_lr_is_saved_with_the_param_groups_and_restored() -> None:
     """The base lr is the group's lr when built; a resumed optimizer keeps the saved one."""
     net = _net()
     optimizer = KFAC(net, lr=0.4, kl_clip=1e-4, curvature=DOUBLE, factor_update_steps=1,
-                     inv_update_steps=10, update=BASE_LR)
+                     decomposition_update_steps=10, update=BASE_LR)
     _backward(net)
     optimizer.step()
     optimizer.param_groups[0]["lr"] = 0.1
     state = optimizer.state_dict()
     resumed = KFAC(_net(), lr=0.1, kl_clip=1e-4, curvature=DOUBLE, factor_update_steps=1,
-                   inv_update_steps=10, update=BASE_LR)
+                   decomposition_update_steps=10, update=BASE_LR)
     resumed.load_state_dict(state)
     assert resumed.param_groups[0]["kfac_base_lr"] == 0.4
     assert resumed.trust_region_lr(resumed.param_groups[0]) == 0.4
@@ -192,7 +192,7 @@ def test_the_base_lr_is_saved_with_the_param_groups_and_restored() -> None:
 def test_the_base_lr_is_each_groups_lr_when_built_whatever_a_scheduler_does() -> None:
     net = _net()
     optimizer = KFAC(net, lr=0.4, params=[{"params": net[0].parameters(), "lr": 0.2}, {"params": net[2].parameters()}],
-                     factor_update_steps=1, inv_update_steps=10, update=BASE_LR)
+                     factor_update_steps=1, decomposition_update_steps=10, update=BASE_LR)
     torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
     assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.02, 0.04])
     assert [optimizer.trust_region_lr(group) for group in optimizer.param_groups] == [0.2, 0.4]
@@ -200,11 +200,11 @@ def test_the_base_lr_is_each_groups_lr_when_built_whatever_a_scheduler_does() ->
 
 def test_a_state_dict_of_an_earlier_release_takes_the_schedulers_initial_lr() -> None:
     net = _net()
-    optimizer = KFAC(net, lr=0.4, factor_update_steps=1, inv_update_steps=10, update=BASE_LR)
+    optimizer = KFAC(net, lr=0.4, factor_update_steps=1, decomposition_update_steps=10, update=BASE_LR)
     torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
     state = optimizer.state_dict()
     del state["param_groups"][0]["kfac_base_lr"]
-    resumed = KFAC(_net(), lr=0.1, factor_update_steps=1, inv_update_steps=10, update=BASE_LR)
+    resumed = KFAC(_net(), lr=0.1, factor_update_steps=1, decomposition_update_steps=10, update=BASE_LR)
     resumed.load_state_dict(state)
     assert resumed.trust_region_lr(resumed.param_groups[0]) == 0.4
 
@@ -217,7 +217,8 @@ def test_decoupled_decay_where_kfac_is_off_is_sgd_with_the_decay_written_out() -
     lr, wd, momentum = 0.1, 0.05, 0.9
     net = _net()
     optimizer = KFAC(net, lr=lr, momentum=momentum, weight_decay=wd, curvature=CurvatureConfig(skip_layers=("0",)),
-                     update=UpdateConfig(decoupled_weight_decay=True), factor_update_steps=1, inv_update_steps=10)
+                     update=UpdateConfig(decoupled_weight_decay=True), factor_update_steps=1,
+                     decomposition_update_steps=10)
     reference = [p.detach().clone() for p in net[0].parameters()]
     buffers: list[torch.Tensor | None] = [None, None]
     for seed in range(3):
@@ -239,7 +240,7 @@ def test_decoupled_decay_enters_neither_the_direction_nor_the_clip() -> None:
         net = _net()
         optimizer = KFAC(net, lr=lr, momentum=0.9, weight_decay=decay, kl_clip=1e-5, curvature=DOUBLE,
                          update=UpdateConfig(trust_region="base_lr", decoupled_weight_decay=True),
-                         factor_update_steps=1, inv_update_steps=10)
+                         factor_update_steps=1, decomposition_update_steps=10)
         before = _params(net)
         _backward(net)
         optimizer.step()
@@ -261,7 +262,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_sgd_grafting_has_kfacs_direction_and_the_gradients_norm_per_tensor() -> None:
     lr = 0.3
     twin = _net()
-    unclipped = KFAC(twin, lr=1.0, kl_clip=None, curvature=DOUBLE, factor_update_steps=1, inv_update_steps=10)
+    unclipped = KFAC(twin, lr=1.0, kl_clip=None, curvature=DOUBLE, factor_update_steps=1, decomposition_update_steps=10)
     twin_before = _params(twin)
     _backward(twin)
     unclipped.step()
@@ -269,7 +270,7 @@ def test_sgd_grafting_has_kfacs_direction_and_the_gradients_norm_per_tensor() ->
 
     net = _net()
     optimizer = KFAC(net, lr=lr, kl_clip=None, curvature=DOUBLE, update=UpdateConfig(grafting="sgd"),
-                     factor_update_steps=1, inv_update_steps=10)
+                     factor_update_steps=1, decomposition_update_steps=10)
     before = _params(net)
     _backward(net)
     grads = [p.grad.clone() for p in net.parameters()]
@@ -296,11 +297,12 @@ def test_adam_grafting_has_adams_step_norm_per_tensor_and_is_adamw_where_kfac_is
     update = UpdateConfig(grafting="adam", decoupled_weight_decay=True, adam_betas=betas, adam_eps=eps)
     net = _net()
     optimizer = KFAC(net, lr=lr, weight_decay=wd, kl_clip=None, curvature=SKIP_2, update=update, factor_update_steps=1,
-                     inv_update_steps=10)
+                     decomposition_update_steps=10)
     twin = _net()  # layer "2" under torch.optim.AdamW, fed the same gradients
     adamw = torch.optim.AdamW(twin[2].parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
     v_twin = _net()
-    first_direction = KFAC(v_twin, lr=1.0, kl_clip=None, curvature=SKIP_2, factor_update_steps=1, inv_update_steps=10)
+    first_direction = KFAC(v_twin, lr=1.0, kl_clip=None, curvature=SKIP_2, factor_update_steps=1,
+                           decomposition_update_steps=10)
     v_before = _params(v_twin[0])
     _backward(v_twin)
     first_direction.step()
@@ -332,4 +334,4 @@ def test_adam_grafting_refuses_a_sparse_embedding_by_name() -> None:
     net = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
     with pytest.raises(ValueError, match="grafting='adam'.*module '0'"):  # before the layers are discovered
         KFAC(net, lr=0.01, kl_clip=None, update=UpdateConfig(grafting="adam"), factor_update_steps=1,
-             inv_update_steps=10)
+             decomposition_update_steps=10)

@@ -8,7 +8,7 @@ Must not know: what the settings mean, the optimizer, layers' math. It compares 
 Why: K-FAC's collectives are only matched when every rank takes the same factor and
 decomposition steps over the same layers with the same plan. Ranks built differently either
 drift apart silently (another ``damping``) or abort in the backend with a message that does not
-say why (another ``inv_update_steps``, ``method`` or layer list). One ``all_gather`` of one int64
+say why (another ``decomposition_update_steps``, ``method`` or layer list). One ``all_gather`` of one int64
 per setting at construction turns that into a ``ValueError`` naming the setting and the ranks.
 
 How values are described (ranks compare these strings):

@@ -125,7 +125,7 @@ class KroneckerEstimator:
             self.blocks, self.method, curvature.inv_dtype, self.strategy, self.reporter, self.nonfinite_directions,
             options.asynchronous)
         self.steps = 0
-        self.intervals = IntervalSchedule(options.factor_update_steps, options.inv_update_steps, device,
+        self.intervals = IntervalSchedule(options.factor_update_steps, options.decomposition_update_steps, device,
                                           remeasure=self.decomposition_steps.remeasures)
         self.folds = fold_schedule(self.blocks, self.intervals, stagger=curvature.stagger,
                                    sum_over_ranks=self.strategy.sum_over_ranks)

@@ -17,7 +17,7 @@ curvature work, :meth:`IntervalSchedule.begin_step`, and hands it the counted co
 
 The budget rule, its constants and the calibration: docs/api.md "Automatic intervals" and
 docs/design.md §4 "Automatic intervals". An explicit ``factor_update_steps`` or
-``inv_update_steps`` (int or callable) is kept as given; when a cap binds, one warning says so.
+``decomposition_update_steps`` (int or callable) is kept as given; when a cap binds, one warning says so.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ MIN_AUTO_INVERSE = 10
 """The smallest automatic decomposition interval (the customary K-FAC value)."""
 
 Interval = int | Callable[[int], int] | str  # or an AutoIntervals
-"""What ``factor_update_steps`` / ``inv_update_steps`` take."""
+"""What ``factor_update_steps`` / ``decomposition_update_steps`` take."""
 
 
 def check_interval(name: str, value: int) -> int:
@@ -77,7 +77,7 @@ class StepCosts:
 
 @dataclass(frozen=True)
 class AutoIntervals:
-    """``factor_update_steps`` / ``inv_update_steps`` chosen from the costs counted from shapes
+    """``factor_update_steps`` / ``decomposition_update_steps`` chosen from the costs counted from shapes
     (deterministic; module docstring and ``kfac_optim.schedule.costs``).
 
     ``overhead``: the budget of the curvature's amortized cost, as a fraction of a plain step (> 0;
@@ -139,13 +139,13 @@ def auto_of(factor: Any, inverse: Any) -> AutoIntervals | None:
     """
     autos = [AutoIntervals() if value == "auto" else value for value in (factor, inverse)
              if isinstance(value, (str, AutoIntervals))]
-    for name, value in (("factor_update_steps", factor), ("inv_update_steps", inverse)):
+    for name, value in (("factor_update_steps", factor), ("decomposition_update_steps", inverse)):
         if isinstance(value, str) and value != "auto":
             raise ValueError(f"{name} must be an int >= 1, a callable, 'auto' or an AutoIntervals, got {value!r}")
     if len(autos) == 2 and autos[0] != autos[1]:
         raise ValueError(
-            f"factor_update_steps={factor!r} and inv_update_steps={inverse!r}: give the same AutoIntervals to both, "
-            "or an explicit interval to one"
+            f"factor_update_steps={factor!r} and decomposition_update_steps={inverse!r}: give the same "
+            "AutoIntervals to both, or an explicit interval to one"
         )
     return autos[0] if autos else None
 
@@ -206,7 +206,7 @@ class IntervalSchedule:
 
     def is_inverse_step(self, step: int) -> bool:
         if self._inverse is not None:
-            return step % check_interval("inv_update_steps", resolve(self._inverse, step)) == 0
+            return step % check_interval("decomposition_update_steps", resolve(self._inverse, step)) == 0
         if self.chosen is None:
             return self._offset(step) == 0 if self.measured else True
         return step % self.chosen[1] == 0
@@ -294,7 +294,7 @@ class IntervalSchedule:
     def _measured(self) -> StepCosts:
         ends, decomposition = self._ends, self._decomposition
         assert len(ends) == CALIBRATION_STEPS, "every calibration step ends (skipped steps are not counted)"
-        if decomposition is None:  # an explicit inv_update_steps without a decomposition at step c: unused
+        if decomposition is None:  # an explicit decomposition_update_steps without a decomposition at step c: unused
             assert self._inverse is not None
             decomposition = 0.0
         # a step's start: its zero_grad(), else the previous step's end (step 0 only has the former)
@@ -334,7 +334,8 @@ class IntervalSchedule:
                         precondition=(self.costs.precondition + precondition / ranks) / 2)
         _, inverse = self.auto.choose(costs, self.chosen[0], None)
         if inverse != self.chosen[1]:
-            logger.info("K-FAC inv_update_steps %d -> %d (auto, re-measured at step %d)", self.chosen[1], inverse,
+            logger.info("K-FAC decomposition_update_steps %d -> %d (auto, re-measured at step %d)", self.chosen[1],
+                        inverse,
                         self._round)
         self.chosen, self.costs = (self.chosen[0], inverse), costs
         self._round = self._decomposition = self._precondition = None
@@ -346,7 +347,7 @@ class IntervalSchedule:
         assert self.auto is not None and self.chosen is not None
         capped = [f"{name}={value} (its cap {cap})" for name, value, cap, auto in (
             ("factor_update_steps", self.chosen[0], self.auto.max_factor, self._factor is None),
-            ("inv_update_steps", self.chosen[1], self.auto.max_inverse, self._inverse is None),
+            ("decomposition_update_steps", self.chosen[1], self.auto.max_inverse, self._inverse is None),
         ) if auto and value is not None and value >= cap]
         if not capped or self._warned_cap:
             return
@@ -354,7 +355,8 @@ class IntervalSchedule:
         warn_user(
             f"K-FAC's automatic intervals reached their caps: {', '.join(capped)}, so the curvature is refreshed "
             f"that rarely for the rest of the run: its work costs more than the budget of {self.auto.overhead:g}× "
-            f"the step ({self.describe()}). To override, pass factor_update_steps= / inv_update_steps= as ints, or "
+            f"the step ({self.describe()}). To override, pass factor_update_steps= / "
+            "decomposition_update_steps= as ints, or "
             f"an {type(self.auto).__name__}(overhead=..., max_factor=..., max_inverse=...) (docs/api.md "
             "'Automatic intervals')",
             RuntimeWarning,
@@ -371,7 +373,7 @@ class IntervalSchedule:
 
         chosen = self.chosen or (None, None)
         line = f"intervals: {text('factor_update_steps', self._factor, chosen[0])}, " \
-               f"{text('inv_update_steps', self._inverse, chosen[1])}"
+               f"{text('decomposition_update_steps', self._inverse, chosen[1])}"
         if self.costs is not None:
             line += f" from {_seconds(self.costs) if self.measured else _counted(self.costs)}, " \
                     f"budget {self.auto.overhead:g}× the step"

@@ -1,6 +1,6 @@
 """Schedules for the step-dependent hyperparameters of :class:`kfac_optim.KFAC`.
 
-``factor_update_steps``, ``inv_update_steps`` and ``damping`` take either a constant or any
+``factor_update_steps``, ``decomposition_update_steps`` and ``damping`` take either a constant or any
 callable ``step -> value``; this module offers the KAISA papers' "dynamic update decoupling":
 a value multiplied by ``gamma`` at each milestone step (intervals grow 10× late in training, or
 damping shrinks). Must not know the optimizer.
