@@ -89,8 +89,8 @@ class KFACViews:
         """Whether some layer folds its statistics at ``step`` (every layer, unless staggered)."""
         return bool(self.estimator.folding_blocks(step))
 
-    def is_inverse_step(self, step: int) -> bool:
-        return self.estimator.is_inverse_step(step)
+    def is_decomposition_step(self, step: int) -> bool:
+        return self.estimator.is_decomposition_step(step)
 
     def describe(self) -> str:
         """Every module with parameters in the param groups and what K-FAC does with them now: the

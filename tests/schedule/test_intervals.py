@@ -59,7 +59,7 @@ def test_calibration_then_injected_costs_give_the_same_intervals_every_run(caplo
     optimizer = KFAC(model, lr=0.1, factor_update_steps=MeasuredIntervals(costs=COSTS),
                      decomposition_update_steps=MeasuredIntervals(costs=COSTS))
     assert [optimizer.is_factor_step(k) for k in range(3)] == [True, True, False]
-    assert [optimizer.is_inverse_step(k) for k in range(3)] == [True, False, False]
+    assert [optimizer.is_decomposition_step(k) for k in range(3)] == [True, False, False]
     assert "factor_update_steps=auto (measuring)" in optimizer.describe()
     with caplog.at_level(logging.INFO, logger="kfac_optim.schedule.intervals"):
         train(optimizer, model, 4)
@@ -67,7 +67,7 @@ def test_calibration_then_injected_costs_give_the_same_intervals_every_run(caplo
     assert optimizer.describe().splitlines()[-1].startswith(
         "intervals: factor_update_steps=2 (auto), decomposition_update_steps=140 (auto)")
     assert [k for k in range(3, 300) if optimizer.is_factor_step(k)][:3] == [4, 6, 8]
-    assert [k for k in range(3, 300) if optimizer.is_inverse_step(k)] == [140, 280]
+    assert [k for k in range(3, 300) if optimizer.is_decomposition_step(k)] == [140, 280]
 
 
 def test_an_explicit_interval_is_kept_and_the_other_chosen() -> None:
@@ -184,7 +184,7 @@ def run_schedule(schedule: IntervalSchedule, clock: FakeClock, steps: range,
         schedule.begin_step(step, average)
         if schedule.is_factor_step(step):
             clock.now += 0.5
-        if schedule.is_inverse_step(step):
+        if schedule.is_decomposition_step(step):
             with schedule.timing_decomposition(step):
                 clock.now += decomposition_cost(step)
         with schedule.timing_precondition(step):
@@ -213,7 +213,7 @@ def test_later_decomposition_rounds_are_measured_again_and_the_inverse_interval_
     assert sums[-1] == [pytest.approx(10.0), pytest.approx(0.1), 1.0]  # [decomposition, preconditioning, ranks]
     run_schedule(schedule, clock, range(26, 32), lambda step: 10.0, sums)  # round 30: (5.05 + 10)/2 → 43 → 45
     assert schedule.chosen == (3, 45)
-    assert [k for k in range(32, 200) if schedule.is_inverse_step(k)][:2] == [45, 90]
+    assert [k for k in range(32, 200) if schedule.is_decomposition_step(k)][:2] == [45, 90]
     # a loop without zero_grad(): the step is measured from the previous step's end (loading included)
     schedule = IntervalSchedule(MeasuredIntervals(), MeasuredIntervals(), torch.device("cpu"), clock=clock)
     run_schedule(schedule, clock, range(0, 4), lambda step: 0.1, sums, zero_grad=False)

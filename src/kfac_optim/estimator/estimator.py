@@ -174,8 +174,8 @@ class KroneckerEstimator:
         """The blocks that capture for and fold at ``step``: all on factor steps, or their phase's."""
         return self.folds.blocks_at(step)
 
-    def is_inverse_step(self, step: int) -> bool:
-        return self.intervals.is_inverse_step(step)
+    def is_decomposition_step(self, step: int) -> bool:
+        return self.intervals.is_decomposition_step(step)
 
     def arm(self) -> None:
         """Let the hooks capture for the coming step when it is a factor step (for its layers)."""
@@ -204,7 +204,7 @@ class KroneckerEstimator:
             self._fold(folding, statistics_scale, moves)
         else:
             self.statistics.discard_pending()  # a no-op when nothing was captured
-        if self.is_inverse_step(step):
+        if self.is_decomposition_step(step):
             self.reporter.bias_changes()
             with self.intervals.timing_decomposition(step):
                 self.statistics.settle()

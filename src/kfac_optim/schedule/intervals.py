@@ -204,7 +204,7 @@ class IntervalSchedule:
             return self._offset(step) in (0, 1) if self.measured else True
         return step % self.chosen[0] == 0
 
-    def is_inverse_step(self, step: int) -> bool:
+    def is_decomposition_step(self, step: int) -> bool:
         if self._inverse is not None:
             return step % check_interval("decomposition_update_steps", resolve(self._inverse, step)) == 0
         if self.chosen is None:
