@@ -31,7 +31,7 @@ from kfac_optim.schedule.intervals import StepCosts
 logger = logging.getLogger(__name__)
 
 
-class Factor(Protocol):
+class SizedFactor(Protocol):
     """What the cost model reads of a factor (``layers.factor.Factor``)."""
 
     dim: int
@@ -40,18 +40,18 @@ class Factor(Protocol):
     pending_rows: int
 
 
-class Block(Protocol):
+class SizedBlock(Protocol):
     """What the cost model reads of a block (``layers.base.KroneckerBlock``)."""
 
-    factors: Mapping[str, Factor]
+    factors: Mapping[str, SizedFactor]
 
     def forward_rows(self) -> int: ...
 
     @property
-    def A(self) -> Factor: ...  # noqa: N802 (the paper's name)
+    def A(self) -> SizedFactor: ...  # noqa: N802 (the paper's name)
 
     @property
-    def G(self) -> Factor: ...  # noqa: N802
+    def G(self) -> SizedFactor: ...  # noqa: N802
 
 EIGH = 20.0
 """``eigh`` of a dense ``(n, n)`` factor: ``EIGH·n³`` flop-equivalents."""
@@ -109,9 +109,9 @@ PRECONDITION_OPERATIONS = 15
 """Operations per block of a step's preconditioning (the joint gradient, the products, the split)."""
 
 
-def model_costs(blocks: Sequence[Block],
-                decomposition_cost: Callable[[Factor, Factor], tuple[float, float]],
-                precondition_cost: Callable[[Factor, Factor], float]) -> StepCosts | None:
+def model_costs(blocks: Sequence[SizedBlock],
+                decomposition_cost: Callable[[SizedFactor, SizedFactor], tuple[float, float]],
+                precondition_cost: Callable[[SizedFactor, SizedFactor], float]) -> StepCosts | None:
     """One step's costs (flop-equivalents) of ``blocks`` from the statistics they hold pending now
     (one batch's rows: call before the fold), or None when none holds any.
 
@@ -134,7 +134,7 @@ def model_costs(blocks: Sequence[Block],
     return StepCosts(step=step, factor=factor, decomposition=decomposition, precondition=precondition)
 
 
-def layer_cost(a: Factor, g: Factor, rows: int) -> float:
+def layer_cost(a: SizedFactor, g: SizedFactor, rows: int) -> float:
     """A layer's forward and backward over ``rows`` input rows (``KroneckerBlock.forward_rows``):
     matrix products for a dense ``A`` (``in × out`` multiply-adds per row and group), a lookup of
     ``out`` elements per row for a diagonal one (an embedding's or a normalization's)."""
@@ -143,7 +143,7 @@ def layer_cost(a: Factor, g: Factor, rows: int) -> float:
     return FORWARD_BACKWARD * rows * a.dim * g.dim * a.groups
 
 
-def statistics_cost(factor: Factor, read_rows: int) -> float:
+def statistics_cost(factor: SizedFactor, read_rows: int) -> float:
     """A factor's capture and fold: the Gram product ``2·rows·dim²`` of its pending rows (the
     diagonal's ``rows·dim`` squares), the passes over the ``read_rows`` rows the capture reads to
     make them (its pending rows scaled by the layer's forward rows over ``A``'s: a conv's ``Reduce``
