@@ -33,7 +33,7 @@ from torch import Tensor
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES, Communicator, Pending, group_rank_and_size
 from kfac_optim.distributed.consistency import Description, check_same_on_every_rank, describe
 from kfac_optim.distributed.plan import FACTORS, Plan, make_plan
-from kfac_optim.distributed.strategy import Precondition, block_work_items, whole_gradient_directions
+from kfac_optim.distributed.strategy import Precondition, WholeTensors, block_work_items, whole_gradient_directions
 from kfac_optim.methods import Method
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class DataParallel:
+class DataParallel(WholeTensors):
     """K-FAC on the ranks of a data-parallel job: this rank's part of the plan (``DistributionStrategy``).
 
     Args:
@@ -95,7 +95,6 @@ class DataParallel:
         """Whether K-FAC runs on more than one rank."""
         return self.comm.active
 
-    whole_tensors = True
 
     @property
     def broadcasts_directions(self) -> bool:
@@ -233,18 +232,6 @@ class DataParallel:
         them, :meth:`share_directions` hands them over the rows."""
         names = {block.name for block in blocks}
         return whole_gradient_directions(blocks, precondition, lambda joint: self.share_directions(joint, dtype, names))
-
-    def local(self, tensor: Tensor) -> Tensor:
-        return tensor
-
-    def summed_over_shards(self, terms: Tensor, params: Sequence[Tensor]) -> Tensor:
-        return terms
-
-    def preconditioning_bytes(self, dtype: torch.dtype) -> int:
-        return 0
-
-    def resharded(self, param: Tensor) -> bool:
-        return False
 
     def share_directions(self, directions: Mapping[str, Tensor], dtype: torch.dtype,
                          among: Set[str]) -> dict[str, Tensor]:

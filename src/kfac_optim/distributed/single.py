@@ -19,7 +19,7 @@ from torch import Tensor
 
 from kfac_optim.distributed.comm import DEFAULT_BUCKET_BYTES, Communicator
 from kfac_optim.distributed.plan import Plan, make_plan
-from kfac_optim.distributed.strategy import Precondition, block_work_items, whole_gradient_directions
+from kfac_optim.distributed.strategy import Precondition, WholeTensors, block_work_items, whole_gradient_directions
 from kfac_optim.methods import Method
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class SingleProcess:
+class SingleProcess(WholeTensors):
     """K-FAC on one rank (``DistributionStrategy``).
 
     Args:
@@ -59,7 +59,6 @@ class SingleProcess:
             logger.info("K-FAC plan: %s", self.plan.summary(0))
 
     active = False
-    whole_tensors = True
     broadcasts_directions = False
 
     def decomposes(self, block: str, factor: str) -> bool:
@@ -86,18 +85,6 @@ class SingleProcess:
     def directions(self, blocks: Sequence[KroneckerBlock], precondition: Precondition,
                    dtype: torch.dtype) -> dict[Tensor, Tensor]:
         return whole_gradient_directions(blocks, precondition, _computed)
-
-    def local(self, tensor: Tensor) -> Tensor:
-        return tensor
-
-    def summed_over_shards(self, terms: Tensor, params: Sequence[Tensor]) -> Tensor:
-        return terms
-
-    def preconditioning_bytes(self, dtype: torch.dtype) -> int:
-        return 0
-
-    def resharded(self, param: Tensor) -> bool:
-        return False
 
     def loaded(self) -> None:
         """Asks for a decomposition pass at the next step when the checkpoint lacks a

@@ -28,7 +28,7 @@ from kfac_optim.methods import Method
 if TYPE_CHECKING:
     from kfac_optim.layers import KroneckerBlock
 
-__all__ = ["DistributionStrategy", "Precondition", "block_work_items", "whole_gradient_directions"]
+__all__ = ["DistributionStrategy", "Precondition", "WholeTensors", "block_work_items", "whole_gradient_directions"]
 
 Precondition = Callable[["KroneckerBlock", Tensor], "Tensor | None"]
 """``(block, its whole joint gradient) -> its joint direction``, or None where this rank holds no
@@ -123,6 +123,25 @@ class DistributionStrategy(Protocol):
     def loaded(self) -> None:
         """After the blocks loaded a checkpoint (the same one on every rank)."""
         ...
+
+
+class WholeTensors:
+    """The tensor-layout part of :class:`DistributionStrategy` for a strategy under which every rank
+    holds the whole parameters and gradients of every K-FAC layer (no sharded parameters)."""
+
+    whole_tensors = True
+
+    def local(self, tensor: Tensor) -> Tensor:
+        return tensor
+
+    def summed_over_shards(self, terms: Tensor, params: Sequence[Tensor]) -> Tensor:
+        return terms
+
+    def preconditioning_bytes(self, dtype: torch.dtype) -> int:
+        return 0
+
+    def resharded(self, param: Tensor) -> bool:
+        return False
 
 
 def block_work_items(blocks: Sequence[KroneckerBlock]) -> list[WorkItem]:
