@@ -91,7 +91,8 @@ VALIDATION_TABLE = [
     bad({"curvature": Later(CurvatureConfig, inv_dtype=torch.bfloat16)}, ValueError, "inv_dtype"),
     bad({"runtime": Later(RuntimeConfig, grad_worker_fraction=1.5)}, ValueError, "grad_worker_fraction"),
     bad({"runtime": Later(RuntimeConfig, grad_worker_fraction="fastest")}, ValueError, "grad_worker_fraction"),
-    bad({"runtime": Later(RuntimeConfig, grad_scaler=object())}, TypeError, "grad_scaler"),
+    bad({"runtime": Later(RuntimeConfig, grad_scaler=object())}, TypeError, "grad_scaler",
+        id="runtime=RuntimeConfig(grad_scaler=object())"),  # an id without the object's address
     bad({"runtime": Later(RuntimeConfig, async_statistics=1)}, TypeError, "async_statistics.* must be a bool"),
     bad({"curvature": Later(CurvatureConfig, stagger=1)}, TypeError, "stagger_factor_updates"),
     # the update rule
