@@ -16,8 +16,9 @@ the project's CPU box (``eigh`` of ``n = 512…1024`` at 15-19 ``n³``, a Choles
 element of ``n = 1024…4096``; ``python -m benchmarks.cost_constants`` measures them again) and rounded;
 ``STEP_EFFICIENCY`` and the operation counts (the fixed cost of a tensor operation, which dominates small layers) were
 set so that the counted parts match the measured ones of ``benchmarks.default_cost``'s ResNet-18 and char GPT
-(docs/tuning.md "The drop-in cost, measured"). They are constants, so the intervals are a pure function of the model,
-one batch's shapes and the settings: the same on every run and every rank.
+(benchmarks/RESULTS.md "The drop-in's cost: the eigenbasis cap and the budgeted intervals"). They are
+constants, so the intervals are a pure function of the model, one batch's shapes and the settings: the same on
+every run and every rank.
 """
 
 from __future__ import annotations
