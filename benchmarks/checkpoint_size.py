@@ -12,7 +12,7 @@ folds the factors and decomposes them: the eigenbasis cap, ``Eigen(max_rank=128)
   kfac_entry        ``optimizer.state_dict()["kfac"]``: packed running factors, decompositions, counters
   packed_factors    the running factors' tensors in that entry (upper triangles; diagonal factors whole)
   decompositions    the decompositions' tensors in that entry (``Q`` at most ``n × 128``, ``d``, ``σ``)
-  whole_factors     what the factors took saved whole (format 1, before issue 28): ``Σ n²`` per factor
+  whole_factors     what the factors took saved whole (the unpacked layout): ``Σ n²`` per factor
   kfac_checkpoint   ``{"model", "optimizer"}`` with KFAC (momentum buffers included)
   sgd_checkpoint    the same with SGD
 

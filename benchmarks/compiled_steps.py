@@ -1,4 +1,4 @@
-"""Train steps of a ``torch.compile``d model with and without K-FAC's capture (issue 22, item 4).
+"""Train steps of a ``torch.compile``d model with and without K-FAC's capture.
 
 Usage: ``python -m benchmarks.compiled_steps [--model gpt|resnet18] [--backend inductor] [--threads 1] ...``
 (``--help`` lists every flag). Prints a table and writes JSON (``--json``).

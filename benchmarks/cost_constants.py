@@ -13,7 +13,7 @@ to flop-equivalents at the largest size's matrix-product rate. Prints them next 
 the library uses (``costs.EIGH``, ``costs.INVERSE``, ``costs.RANGE``, ``costs.ELEMENT``) and writes
 ``DIR/cost_constants.json`` and ``.png`` (default ``runs/``). The step-level constants
 (``STEP_EFFICIENCY``, the operation counts) come from ``benchmarks.default_cost``'s models
-(docs/tuning.md "The drop-in cost, measured").
+(benchmarks/RESULTS.md "The drop-in's cost: the eigenbasis cap and the budgeted intervals").
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ KL bound, the damping, the intervals; the length rules the library does not ship
 length, per-layer lengths and K-FAC's own step floored at SGD's decrease, are written here as
 :class:`AlternativeLength`);
 ``--ratios`` also prints ``‖ν·V‖/‖∇‖`` of the first 10 steps (the applied direction's length
-against SGD's). docs/tuning.md "The drop-in at SGD's lr" holds the figures.
+against SGD's). The figures:
+benchmarks/RESULTS.md "The drop-in at SGD's lr: each suspect measured alone".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Why is K-FAC no better than SGD, step for step, on a small transformer? (issue 21, item 2)
+"""Why is K-FAC no better than SGD, step for step, on a small transformer?
 
 A tiny character-level GPT (pre-LN blocks, SDPA causal attention, learned position embedding, tied
 embedding/head) on Python sources of the standard library. Two parts:

@@ -9,7 +9,7 @@ reaches a target and the metric a run has at a given time.
   end at or beyond it and its own median time to it is finite). Each run's time to it is reported per
   seed ("never" when the run does not reach it), then the median over seeds (never counted as infinite) and the mean
   (only when every seed reaches it), and the median's ratio to AdamW's median.
-- The issue's own goal, **AdamW's final metric** (AdamW's median final), the same way.
+- The benchmark's own goal, **AdamW's final metric** (AdamW's median final), the same way.
 - **Metric at equal time**: each run's metric at the shortest total training time among all the
   task's runs (all runs have a history up to it), mean over seeds.
 """
@@ -155,7 +155,7 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def kfac_verdicts(summaries: Sequence[dict[str, Any]]) -> list[str]:
-    """Issue 21's goals for K-FAC, one line per task and goal, as measured (no judgement beyond the numbers)."""
+    """The benchmark's goals for K-FAC, one line per task and goal, as measured (no judgement beyond the numbers)."""
     lines = []
     for s in summaries:
         rows = s["rows"]

@@ -117,7 +117,7 @@ def write(out: Path, results: dict[str, dict[str, Any]], infos: dict[str, dict[s
                  for task, i in infos.items() if "wall_s" in i]
     text = "\n\n".join([
         f"`{command}`", *tables,
-        "Issue 21's goals for K-FAC, as measured:\n\n"
+        "The benchmark's goals for K-FAC, as measured:\n\n"
         + "\n".join(f"- {line}" for line in analysis.kfac_verdicts(summaries)),
         "Runs:\n\n" + "\n".join(f"- {line}" for line in runs_line) if runs_line else "Runs: (no timing recorded)",
     ])

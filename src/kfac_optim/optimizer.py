@@ -366,7 +366,8 @@ class KFAC(KFACViews, Optimizer, Joinable):
         ranks' K-FAC collectives; use ``Join([ddp_model, optimizer])`` (``kfac_optim.distributed.join``).
 
         Raises:
-            ValueError: ``grad_worker_fraction < 1`` (a joined rank cannot precondition).
+            ValueError: ``grad_worker_fraction < 1`` (a joined rank cannot precondition), or layers
+                sharded by FSDP2 (a joined rank cannot take part in their row collectives).
         """
         return self._join.hook()
 

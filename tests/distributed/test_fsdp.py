@@ -536,3 +536,45 @@ def test_rows_sent_match_the_bytes_comm_bytes_counts(fsdp_two_ranks, fraction: f
     per_step = fsdp_bytes(block_dims(make_fsdp_net()), param_bytes=0, world=2, fraction=fraction)
     sent = sum(results[f"rows sent {fraction}"] for results in fsdp_two_ranks)
     assert sent == STEPS * 2 * per_step["kfac_rows_per_step_mean"] > 0
+
+
+# -- Join: refused with sharded layers ----------------------------------------------------------
+
+JOIN_DEADLINE_S = 60.0  # the scenario runs no step: nothing can wait on a rank that joined
+
+
+def fsdp_join_scenario(rank: int, world: int, directory: Path) -> dict[str, Any]:
+    """``Join([optimizer])`` on the sharded model at grad-worker fractions 1 and 1/2: what the
+    construction raises (None: nothing). No step runs, so a missing refusal cannot hang."""
+    from torch.distributed.algorithms.join import Join
+
+    results: dict[str, Any] = {}
+    for fraction in (1.0, 0.5):
+        model = sharded_model()
+        optimizer = KFAC(model, runtime=RuntimeConfig(grad_worker_fraction=fraction),
+                         **{"factor_update_steps": 1, "decomposition_update_steps": 10, **OPTIONS})
+        results[f"strategy {fraction}"] = type(optimizer.estimator.strategy).__name__
+        try:
+            Join([optimizer])
+            results[f"refused {fraction}"] = None
+        except ValueError as error:
+            results[f"refused {fraction}"] = str(error)
+    return results
+
+
+@pytest.fixture(scope="module")
+def fsdp_join(module_tmp_path: Path) -> list[dict[str, Any]]:
+    return spawn(fsdp_join_scenario, 2, module_tmp_path, deadline_s=JOIN_DEADLINE_S)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_join_with_fsdp2_sharded_layers_is_refused_when_built_naming_fsdp2(fsdp_join, fraction: float) -> None:
+    """A rank that joined could not take part in the row path's gathers and sums over shards (nor
+    FSDP2 in its own collectives): ``Join`` is refused on every rank before any step, naming FSDP2,
+    also where the grad-worker fraction alone would be refused."""
+    for rank in fsdp_join:
+        assert rank[f"strategy {fraction}"] == "RowSharded"
+        message = rank[f"refused {fraction}"]
+        assert message is not None, "Join([optimizer]) on an FSDP2-sharded model was accepted"
+        assert message.startswith("KFAC under Join needs whole parameters on every rank"), message
+        assert "FSDP2" in message, message

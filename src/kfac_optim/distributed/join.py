@@ -14,10 +14,11 @@ owns and joins the decomposition broadcasts. Once every rank has joined, the pos
 factors global and gives every rank the momentum buffers of the last rank to join, so the ranks
 leave ``Join`` identical.
 
-``grad_worker_fraction < 1`` is refused: a joined rank has no gradient to precondition and
-broadcast. Not seen by a joined rank: steps the others skip (a ``GradScaler`` overflow) and
-``no_sync`` gradient accumulation; there the ranks' collectives no longer match (an error, or with
-gloo possibly an abort).
+Refused when ``Join`` is built: ``grad_worker_fraction < 1`` (a joined rank has no gradient to
+precondition and broadcast) and layers sharded by FSDP2 (every step's row gathers and sums over
+the shards need every rank's gradient rows). Not seen by a joined rank: steps the others skip (a
+``GradScaler`` overflow) and ``no_sync`` gradient accumulation; there the ranks' collectives no
+longer match (an error, or with gloo possibly an abort).
 """
 
 from __future__ import annotations
@@ -87,8 +88,16 @@ class JoinSupport:
         """The join hook; refuses what it cannot shadow (every rank calls this in ``Join(...)``).
 
         Raises:
-            ValueError: ``grad_worker_fraction < 1`` on more than one rank.
+            ValueError: layers sharded by FSDP2 (the strategy does not hold whole tensors), or
+                ``grad_worker_fraction < 1`` on more than one rank.
         """
+        if not self.strategy.whole_tensors:
+            raise ValueError(
+                "KFAC under Join needs whole parameters on every rank: with layers sharded by FSDP2 "
+                "(fully_shard) every step gathers gradient rows and sums over the shards, collectives a rank "
+                "that ran out of inputs cannot take part in (nor in FSDP2's own); give every rank the same "
+                "number of batches"
+            )
         if self.strategy.broadcasts_directions:
             raise ValueError(
                 "KFAC under Join needs RuntimeConfig(grad_worker_fraction=1) (comm-opt): with "

@@ -11,13 +11,13 @@ multiplied, more than ``A``'s when its statistics reduce them, as a conv's ``Red
 **Unit**: a *flop-equivalent* is the time one core takes for one floating-point operation of a large
 matrix product (``2·m·n·k`` per ``(m, k) @ (k, n)``). Work that does not run at that rate is
 counted at its measured rate in this unit: the constants below were measured with one thread on
-the project's CPU box (``eigh`` of ``n = 512…1024`` at 15-19 ``n³``, a Cholesky inverse at
-4-5 ``n³``, the capped randomized eigensolver at 19-28 ``n²·c``, an elementwise pass at 40-60 per
-element of ``n = 1024…4096``; ``python -m benchmarks.cost_constants`` measures them again) and rounded;
+the project's CPU box (benchmarks/RESULTS.md "The cost model's constants"; ``python -m
+benchmarks.cost_constants`` measures them again) and rounded;
 ``STEP_EFFICIENCY`` and the operation counts (the fixed cost of a tensor operation, which dominates small layers) were
 set so that the counted parts match the measured ones of ``benchmarks.default_cost``'s ResNet-18 and char GPT
-(docs/tuning.md "The drop-in cost, measured"). They are constants, so the intervals are a pure function of the model,
-one batch's shapes and the settings: the same on every run and every rank.
+(benchmarks/RESULTS.md "The drop-in's cost: the eigenbasis cap and the budgeted intervals"). They are
+constants, so the intervals are a pure function of the model, one batch's shapes and the settings: the same on
+every run and every rank.
 """
 
 from __future__ import annotations
