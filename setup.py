@@ -14,7 +14,7 @@ TRAINERS = ["pytorch-lightning>=2.6", "transformers>=5.0", "accelerate>=1.0"]
 # The real-library models of benchmarks/zoo (python -m benchmarks.zoo, tests/models/); each library is optional:
 # a missing one skips its models.
 MODELS = ["timm", "diffusers", "peft"]
-DEV = EXAMPLES + TRAINERS + MODELS + ["pytest", "ruff>=0.6"]
+DEV = EXAMPLES + TRAINERS + MODELS + ["pytest", "pytest-xdist", "ruff>=0.6"]
 PEERS = ["heavyball"]  # SOAP for `python -m benchmarks.peers` (optional: skipped without it)
 
 setup(

@@ -115,8 +115,10 @@ def phase_command(name: str, args: argparse.Namespace) -> list[str]:
     if name == "tests":
         selection = ["tests/cuda/test_cuda_step.py"] if args.quick else ["tests/cuda"]
         # -v: one line per test as it ends (a killed phase's log still says how far it got); -rA: the
-        # captured output of passing tests too (the eigh times)
-        return [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-rA", "-p", "no:cacheprovider", *selection]
+        # captured output of passing tests too (the eigh times); -n 0: one process, not a worker per core
+        # sharing the GPU
+        return [sys.executable, "-m", "pytest", "-m", "cuda", "-n", "0", "-v", "-rA", "-p", "no:cacheprovider",
+                *selection]
     command = [sys.executable, "-m", "benchmarks.gpu_check", "--phase", name, "--out", str(args.out),
                "--device", args.device, "--budget", str(args.budgets[name])]
     return [*command, "--quick"] if args.quick else command
