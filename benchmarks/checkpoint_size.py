@@ -119,7 +119,7 @@ def measure(name: str, batch: int, image: int) -> dict[str, Any]:
         "batch": batch,
         "bytes": sizes,
         "kfac_entry_over_model": sizes["kfac_entry"] / sizes["model"],
-        "kfac_entry_of_format_1_over_model": (sizes["kfac_entry"] - sizes["packed_factors"] + sizes["whole_factors"])
+        "kfac_entry_unpacked_over_model": (sizes["kfac_entry"] - sizes["packed_factors"] + sizes["whole_factors"])
         / sizes["model"],
         "kfac_checkpoint_over_sgd_checkpoint": sizes["kfac_checkpoint"] / sizes["sgd_checkpoint"],
         "recompute_seconds": recompute_seconds(build, batch, image),
@@ -157,7 +157,7 @@ def plot(results: list[dict[str, Any]]) -> Figure:
     axes = figure.subplots()
     width = 0.2
     bars = (("model", "model state_dict"), ("packed_factors", "K-FAC: packed factors"),
-            ("decompositions", "K-FAC: decompositions"), ("whole_factors", "factors whole (format 1)"))
+            ("decompositions", "K-FAC: decompositions"), ("whole_factors", "factors whole (unpacked)"))
     for index, (key, label) in enumerate(bars):
         positions = [i + (index - 1.5) * width for i in range(len(results))]
         axes.bar(positions, [r["bytes"][key] / MIB for r in results], width, label=label)
