@@ -385,7 +385,7 @@ def by_family(results: dict[str, dict[str, dict[str, Any]]]) -> str:
 
 def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The runs of ``main``'s arguments: the table, the JSON and the plot (module docstring)."""
-    here = available()
+    here = available(args.models)
     models = args.models or here
     unknown = [m for m in models if m not in ZOO]
     if unknown:

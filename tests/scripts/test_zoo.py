@@ -15,8 +15,9 @@ from benchmarks.zoo import run as zoo
 from benchmarks.zoo.models import CHANNELS, IMAGE, IMAGE_CLASSES
 
 
-@pytest.mark.skipif("gpt2" not in available(), reason="transformers does not import here")
 def test_the_zoo_runs_each_optimizer_over_its_grid_and_writes_json_markdown_and_a_plot(tmp_path: Path) -> None:
+    if not available(["gpt2"]):  # here, not in a skipif: collecting would import every zoo library
+        pytest.skip("transformers does not import here")
     payload = zoo.main(["--models", "gpt2", "--optimizers", "sgd", "kfac", "--steps", "2", "--seeds", "1",
                         "--out", str(tmp_path)])
     summary = payload["results"]["gpt2"]
