@@ -9,8 +9,9 @@ ends the run as diverged.
 
 The protocol, one task at a time: phase 1 runs each optimizer's lr grid on seed 0 and scores each lr by its final
 validation metric, adding the next rate beyond an edge while the best sits there (at most
-``optimizers.MAX_EXTENSIONS`` rounds, `optimizers.extend_at_edge`); phase 2 runs the best lr on seeds 1..n-1, and the seed-0 run of the best lr
-serves as the first seed (its test metric was never used for the choice).
+``optimizers.MAX_EXTENSIONS`` rounds, `optimizers.extend_at_edge`); phase 2 runs the best lr on seeds
+1..n-1, and the seed-0 run of the best lr serves as the first seed (its test metric was never used
+for the choice).
 """
 
 from __future__ import annotations
