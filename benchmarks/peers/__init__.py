@@ -1,7 +1,7 @@
 """K-FAC against its peers on the clock: SGD, AdamW, Muon, K-FAC and (optional) SOAP on five CPU tasks.
 
     python -m benchmarks.peers                      # default size: 120 runs, 20.7 min measured (--jobs 3, load 15 -> 5)
-                                                    # before nanogpt (45 CPU s a run) joined the four tasks
+                                                    # before nanogpt (30 CPU s a run) joined the four tasks
     python -m benchmarks.peers --quick --tasks mlp  # a smoke run of seconds
     python -m benchmarks.peers --tasks gpt --optimizers adamw muon kfac --jobs 1
     python -m benchmarks.peers.transformer_goal runs/peers  # EigenAdam's transformer recipe against AdamW and Muon

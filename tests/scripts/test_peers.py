@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmarks.peers import analysis, cli, optimizers, transformer_goal
-from benchmarks.peers.protocol import Runner, RunSpec, tune_and_seed
+from benchmarks.peers.protocol import Runner, RunSpec, train, tune_and_seed
 from benchmarks.peers.tasks import TASKS, CharGPT, NanoGPT
 
 
@@ -144,3 +144,11 @@ def test_the_transformer_goal_interpolates_time_to_adamws_final_and_steps_to_muo
     # Muon's final 2.1 at its 30th step; K-FAC passes 2.1 between 0 (4.0) and 10 (2.0) steps: 1.9 / 2 of 10
     assert row["muon_steps"] == 30 and row["to_muon_steps"] == pytest.approx(9.5)
     assert row["met"] == {"time": False, "steps": True, "lr_inside": True}
+
+
+def test_a_short_nanogpt_run_trains_and_evaluates_on_the_char_splits() -> None:
+    run = train(RunSpec("nanogpt", "adamw", 3e-3, seed=0, budget_s=0.3, evals=1))
+    assert run["steps"] >= 1 and not run["diverged"]
+    start, end = run["history"][0], run["history"][-1]
+    assert start["val"] == pytest.approx(math.log(256), rel=0.05)  # nanoGPT's init: near-uniform logits
+    assert end["val"] < start["val"] and math.isfinite(end["test"])
