@@ -5,13 +5,16 @@
 reads the ``<task>.json`` files that ``python -m benchmarks.peers --out DIR`` wrote (a task's runs from
 several commands merge; an optimizer may come from one of them only) and reports, per task and per
 K-FAC configuration among them (``kfac_ema`` is the recipe: `benchmarks.peers.optimizers`), on the
-``split`` metric (validation by default; lower is better on the language tasks):
+``split`` metric (validation by default; lower is better on the language tasks), then each merged
+task's table of `benchmarks.peers.analysis` (test metric):
 
 - **time to AdamW's final**: the median over seeds of the configuration's training CPU time to AdamW's
   median final metric, over AdamW's own median time to it (about its budget); goal ≤ 0.6×.
 - **steps to Muon's final**: the configuration's median step count to Muon's median final metric,
   against Muon's median steps to it; goal: fewer (steps, not time: `torch.optim.Muon` runs its
   Newton-Schulz iteration in bf16, which a CPU without native bf16 emulates, so its CPU time is inflated).
+- **steps to AdamW's final** (information): the configuration's median steps to AdamW's median
+  final, against AdamW's.
 - **lr at an edge**: whether the configuration's chosen lr is the first or last of its grid, as grown
   by the protocol (`benchmarks.peers.protocol.search`); goal: not.
 
@@ -27,7 +30,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers.analysis import KFAC, median, median_final, time_to
+from benchmarks.peers.analysis import KFAC, format_table, median, median_final, summarize_task, time_to
 from benchmarks.peers.protocol import final
 from benchmarks.peers.tasks import TASKS
 
@@ -59,6 +62,7 @@ def measure(task: str, results: dict[str, dict[str, Any]], split: str) -> list[d
     adamw, muon = results["adamw"], results["muon"]
     adamw_final, muon_final = median_final(adamw["seeds"], hib, split), median_final(muon["seeds"], hib, split)
     adamw_time = _to(adamw, adamw_final, hib, split, "time_s")
+    adamw_steps = _to(adamw, adamw_final, hib, split, "step")
     muon_steps = _to(muon, muon_final, hib, split, "step")
     rows = []
     for name, res in results.items():
@@ -75,6 +79,7 @@ def measure(task: str, results: dict[str, dict[str, Any]], split: str) -> list[d
             "adamw_final": adamw_final, "adamw_lr": adamw["best_lr"], "muon_final": muon_final,
             "muon_lr": muon["best_lr"], "to_adamw_s": to_adamw, "adamw_s": adamw_time, "time_ratio": ratio,
             "to_muon_steps": steps, "muon_steps": muon_steps,
+            "to_adamw_steps": _to(res, adamw_final, hib, split, "step"), "adamw_steps": adamw_steps,
             "step_ms": {n: 1e3 * median([r["step_s"] for r in results[n]["seeds"]]) for n in ("adamw", "muon", name)},
             "met": {"time": ratio <= TIME_GOAL, "steps": steps < muon_steps, "lr_inside": not at_edge},
         })
@@ -89,7 +94,8 @@ def table(rows: list[dict[str, Any]], split: str) -> str:
     """The rows as one Markdown table."""
     head = ["task", "K-FAC", "lr (grid)", f"final {split}: K-FAC (seeds) / AdamW / Muon",
             "time to AdamW's final: K-FAC / AdamW (s)", f"ratio (goal ≤ {TIME_GOAL}×)",
-            "steps to Muon's final: K-FAC / Muon (goal fewer)", "step ms: K-FAC / AdamW / Muon", "goals met"]
+            "steps to Muon's final: K-FAC / Muon (goal fewer)", "steps to AdamW's final: K-FAC / AdamW",
+            "step ms: K-FAC / AdamW / Muon", "goals met"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ms = r["step_ms"]
@@ -102,6 +108,7 @@ def table(rows: list[dict[str, Any]], split: str) -> str:
             f"{_n(r['to_adamw_s'])} / {_n(r['adamw_s'])}",
             "never" if math.isinf(r["time_ratio"]) else f"{r['time_ratio']:.2f}×",
             f"{_n(r['to_muon_steps'], 0)} / {_n(r['muon_steps'], 0)}",
+            f"{_n(r['to_adamw_steps'], 0)} / {_n(r['adamw_steps'], 0)}",
             f"{ms[r['optimizer']]:.0f} / {ms['adamw']:.0f} / {ms['muon']:.0f}", met]) + " |")
     return "\n".join(lines)
 
@@ -113,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", choices=("val", "test"), default="val", help="the metric's split (default val)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table and the rows (JSON) here")
     args = parser.parse_args(argv)
-    rows = [row for task, results in merged_runs(args.folders).items() for row in measure(task, results, args.split)]
-    text = table(rows, args.split)
+    merged = merged_runs(args.folders)
+    rows = [row for task, results in merged.items() for row in measure(task, results, args.split)]
+    peers_tables = [format_table(summarize_task(TASKS[task], results)) for task, results in merged.items()]
+    text = "\n\n".join([table(rows, args.split), *peers_tables])
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n", encoding="utf-8")

@@ -141,6 +141,7 @@ def test_the_transformer_goal_interpolates_time_to_adamws_final_and_steps_to_muo
     row, = transformer_goal.measure("gpt", results, "val")
     # AdamW reaches its final 2.0 at 2 s; K-FAC at its first evaluation, 2 s: ratio 1
     assert (row["to_adamw_s"], row["adamw_s"], row["time_ratio"]) == (2.0, 2.0, 1.0)
+    assert (row["to_adamw_steps"], row["adamw_steps"]) == (10, 20)
     # Muon's final 2.1 at its 30th step; K-FAC passes 2.1 between 0 (4.0) and 10 (2.0) steps: 1.9 / 2 of 10
     assert row["muon_steps"] == 30 and row["to_muon_steps"] == pytest.approx(9.5)
     assert row["met"] == {"time": False, "steps": True, "lr_inside": True}
