@@ -65,10 +65,10 @@ def median(times: Sequence[float]) -> float:
     return statistics.median(times)
 
 
-def median_final(runs: Sequence[Run], higher_is_better: bool) -> float:
-    """The median final test metric over seeds; a diverged seed counts as the worst value."""
+def median_final(runs: Sequence[Run], higher_is_better: bool, split: str = "test") -> float:
+    """The median final ``split`` metric over seeds; a diverged seed counts as the worst value."""
     worst = -math.inf if higher_is_better else math.inf
-    return statistics.median(worst if math.isnan(v) else v for v in (final(r, "test") for r in runs))
+    return statistics.median(worst if math.isnan(v) else v for v in (final(r, split) for r in runs))
 
 
 def best_of(values: dict[str, float], higher_is_better: bool) -> tuple[str, float]:

@@ -2,10 +2,13 @@
 
 Every optimizer gets the same grid shape: ``points`` learning rates spaced by sqrt(10),
 ``centre * 10 ** (k / 2)`` for k = -points//2 ... points - points//2 - 1 (4 points: centre/10,
-centre/3.16, centre, 3.16 centre); only the centre differs per family (`CENTRES`).
+centre/3.16, centre, 3.16 centre); only the centre differs per family (`CENTRES`). While the chosen lr
+sits at an edge, the search adds the next rate beyond it, at most `MAX_EXTENSIONS` times
+(`extend_at_edge`, the rule of every search here).
 
 - ``sgd``: `torch.optim.SGD`, momentum 0.9 (weight decay coupled, as L2).
-- ``adamw``: `torch.optim.AdamW`, torch's defaults (betas 0.9/0.999).
+- ``adamw``: `torch.optim.AdamW`, torch's defaults (betas 0.9/0.999) but where the task's model sets
+  its own (``Task.adam_betas``: nanoGPT's 0.9/0.95 on ``nanogpt``).
 - ``muon``: `torch.optim.Muon` (momentum 0.95, Nesterov, 5 Newton-Schulz steps) on the hidden 2-D
   weight matrices, the weights of the ``nn.Linear`` layers that are not the task's output head;
   `torch.optim.AdamW` on everything else: embeddings (and the tied head), the output head,
@@ -39,7 +42,8 @@ SGD's grid; ``kfac_dropin_graft``: the same with ``UpdateConfig(grafting="sgd")`
 ``KFAC_SETTINGS`` with ``dampening=0.9``, so the momentum buffer is Adam's first moment (an EMA,
 ``m ← 0.9 m + 0.1 d``) instead of SGD's sum (``m ← 0.9 m + d``, up to 10× the direction): the
 update of the preconditioned layers then has AdamW's RMS at equal lr (on AdamW's grid;
-``python -m benchmarks.peers.update_rms``, docs/tuning.md "Replacing AdamW").
+``python -m benchmarks.peers.update_rms``, docs/tuning.md "Replacing AdamW"): EigenAdam's documented
+transformer recipe (README, docs/tuning.md: ``momentum=0.9, dampening=0.9, method="eigen_adam", kl_clip=None``).
 EigenAdam against SOAP, one of SOAP's choices at a time (benchmarks/results/eigen_adam_ablation/):
 ``kfac_soap_m``, SOAP's first moment (``EigenAdam(beta1=0.9)``, Adam's m of the gradient rotated
 over the root, momentum 0); ``kfac_stats1``, the factors folded every step (SOAP's statistics
@@ -116,9 +120,19 @@ def grid_rate(centre: float, k: int) -> float:
     return float(f"{centre * 10 ** (k / 2):.3g}")
 
 
+def grid_points(points: int) -> list[int]:
+    """The point indices ``k`` of a ``points``-rate grid, ascending (see the module docstring)."""
+    return list(range(-(points // 2), points - points // 2))
+
+
+def rate(name: str, k: int) -> float:
+    """Point ``k`` of optimizer ``name``'s grid."""
+    return grid_rate(CENTRES[name], k)
+
+
 def lr_grid(name: str, points: int) -> list[float]:
     """The ``points`` learning rates of optimizer ``name`` (see the module docstring)."""
-    return [grid_rate(CENTRES[name], k) for k in range(-(points // 2), points - points // 2)]
+    return [rate(name, k) for k in grid_points(points)]
 
 
 MAX_EXTENSIONS = 2
@@ -183,7 +197,7 @@ def _muon(model: nn.Module, lr: float, weight_decay: float, task: Task) -> Optim
     rest = [p for p in model.parameters() if id(p) not in chosen]
     return OptimizerPair(
         torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
-        torch.optim.AdamW(rest, lr=lr, weight_decay=weight_decay),
+        torch.optim.AdamW(rest, lr=lr, betas=task.adam_betas, weight_decay=weight_decay),
     )
 
 
@@ -201,7 +215,7 @@ def build(name: str, model: nn.Module, lr: float, task: Task) -> Optimizer | Opt
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+        return torch.optim.AdamW(model.parameters(), lr=lr, betas=task.adam_betas, weight_decay=wd)
     if name == "muon":
         return _muon(model, lr, wd, task)
     if name == "kfac":

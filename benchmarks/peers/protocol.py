@@ -8,8 +8,10 @@ crosses another ``1/evals`` of the budget (evaluation is not timed). A non-finit
 ends the run as diverged.
 
 The protocol, one task at a time: phase 1 runs each optimizer's lr grid on seed 0 and scores each lr by its final
-validation metric; phase 2 runs the best lr on seeds 1..n-1, and the seed-0 run of the best lr
-serves as the first seed (its test metric was never used for the choice).
+validation metric, adding the next rate beyond an edge while the best sits there (at most
+``optimizers.MAX_EXTENSIONS`` rounds, `optimizers.extend_at_edge`); phase 2 runs the best lr on seeds
+1..n-1, and the seed-0 run of the best lr serves as the first seed (its test metric was never used
+for the choice).
 """
 
 from __future__ import annotations
@@ -139,15 +141,32 @@ class Runner:
             self.pool.shutdown()
 
 
+def search(runner: Runner, task: str, names: list[str], points: int, budget: float,
+           evals: int) -> dict[str, list[Run]]:
+    """Phase 1: ``{optimizer: its seed-0 grid runs, lr ascending}``, each grid grown at an edge while its best
+    sits there (a round of every optimizer's new rates at a time, so that parallel workers stay busy)."""
+    higher_is_better = TASKS[task].higher_is_better
+    grids = {n: optimizers.grid_points(points) for n in names}
+    runs: dict[tuple[str, int], Run] = {}
+    for extension in range(optimizers.MAX_EXTENSIONS + 1):
+        todo = [(n, k) for n, ks in grids.items() for k in ks if (n, k) not in runs]
+        specs = [RunSpec(task, n, optimizers.rate(n, k), 0, budget, evals) for n, k in todo]
+        runs.update(zip(todo, runner.map(specs), strict=True))
+        if extension == optimizers.MAX_EXTENSIONS:
+            break
+        grown = [optimizers.extend_at_edge(ks, max(ks, key=lambda k: score(runs[(n, k)], higher_is_better)))
+                 for n, ks in grids.items()]
+        if not any(grown):
+            break
+    return {n: [runs[(n, k)] for k in ks] for n, ks in grids.items()}
+
+
 def tune_and_seed(runner: Runner, task: str, names: list[str], points: int, seeds: int, budget_scale: float,
                   evals: int) -> dict[str, Any]:
     """Both phases for every optimizer on one task: ``{optimizer: {"grid": runs, "best_lr", "seeds": runs}}``."""
     budget = TASKS[task].budget_s * budget_scale
-    grid_runs = runner.map([RunSpec(task, n, lr, 0, budget, evals) for n in names
-                            for lr in optimizers.lr_grid(n, points)])
     results: dict[str, Any] = {}
-    for n in names:
-        runs = [r for r in grid_runs if r["optimizer"] == n]
+    for n, runs in search(runner, task, names, points, budget, evals).items():
         best = max(runs, key=lambda r: score(r, TASKS[task].higher_is_better))
         results[n] = {"grid": runs, "best_lr": best["lr"], "seeds": [best]}
     for run in runner.map([RunSpec(task, n, results[n]["best_lr"], seed, budget, evals)

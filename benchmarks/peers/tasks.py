@@ -6,6 +6,10 @@
 - ``gpt``: a character-level GPT (`CharGPT`: learned position embedding, tied embedding/head,
   causal SDPA attention, LayerNorm, 2 layers, d=64) on Python standard-library sources, held-out
   loss in nats/char.
+- ``nanogpt``: Karpathy's nanoGPT at a CPU size (`NanoGPT`: the same pre-LayerNorm blocks with a fused
+  qkv Linear, output projection and 4x GELU MLP, biases on (nanoGPT's default ``bias=True``), dropout
+  0, learned position embedding, tied embedding/head, nanoGPT's initialisation; 4 layers, 4 heads,
+  d=128) on the same text, context and splits as ``gpt``; its AdamW has nanoGPT's betas (0.9, 0.95).
 
 Digits come from `examples.training.data.load_datasets` (its fixed train/test split); the
 validation split is a further stratified 20% of its training set, held out from training.
@@ -61,6 +65,9 @@ class Task:
     build: Callable[[], nn.Module]
     heads: tuple[str, ...]
     kind: str  # "classify" | "reconstruct" | "language"
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's betas (the ``adamw`` peer's and Muon's AdamW part's): torch's default but where the
+    model's own recipe sets them."""
 
     def splits(self) -> Splits:
         return _splits(self.kind)
@@ -148,6 +155,23 @@ class CharGPT(nn.Module):
         return self.head(self.norm(self.blocks(x)))
 
 
+class NanoGPT(CharGPT):
+    """`CharGPT` initialised as Karpathy's nanoGPT (``model.py``): every Linear and Embedding weight
+    N(0, 0.02²), biases 0, and each residual branch's output projection (attention's ``proj``, the
+    MLP's ``out``) N(0, (0.02 / sqrt(2·layers))²). Shapes as `CharGPT`'s."""
+
+    def __init__(self, context: int = GPT_CONTEXT, width: int = 128, layers: int = 4, heads: int = 4) -> None:
+        super().__init__(context, width, layers, heads)
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for block in self.blocks:
+            for projection in (block.proj, block.out):
+                nn.init.normal_(projection.weight, std=0.02 / (2 * layers) ** 0.5)
+
+
 def _windows(text: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
     windows = torch.stack([text[s:s + GPT_CONTEXT + 1] for s in starts.tolist()])
     return windows[:, :-1], windows[:, 1:]
@@ -179,7 +203,7 @@ def _text_splits() -> Splits:
     return Splits((text[:a], text[:0]), held_out(text[a:b]), held_out(text[b:]))
 
 
-TASKS: dict[str, Task] = {task.name: task for task in (  # the GPT, the costliest, last
+TASKS: dict[str, Task] = {task.name: task for task in (  # the GPTs, the costliest, last
     Task("cnn", "digits CNN (conv16-conv16-1024x128-10), batch 128", "accuracy", True, 128, 4.0, 0.0,
          DigitsCNN, heads=("7",), kind="classify"),
     Task("autoencoder", "digits deep autoencoder 64-512-256-128-16-...-64 (tanh), batch 256", "mse", False, 256,
@@ -188,4 +212,7 @@ TASKS: dict[str, Task] = {task.name: task for task in (  # the GPT, the costlies
          DigitsMLP, heads=("5",), kind="classify"),
     Task("gpt", "char GPT on stdlib sources: 2 layers, d=64, context 64, tied head, SDPA, batch 32",
          "loss (nats/char)", False, 32, 12.0, 0.0, CharGPT, heads=("head",), kind="language"),
+    Task("nanogpt", "nanoGPT-shaped char model on the same text: 4 layers, 4 heads, d=128, context 64, "
+         "tied head, nanoGPT's init and AdamW betas (0.9, 0.95), batch 16", "loss (nats/char)", False, 16, 30.0, 0.0,
+         NanoGPT, heads=("head",), kind="language", adam_betas=(0.9, 0.95)),
 )}
