@@ -1,7 +1,7 @@
 """The command line: run the study, write JSON, a Markdown report and the log-log plot of steps vs batch.
 
 A search is one optimizer's lr grid and its seeds on one task at one batch (``study.py``); the searches
-run one after another, in the order of ``--optimizers``, each over ``--tasks`` and ``--batches``, and
+run one after another, task by task in the order of ``--tasks``, then of ``--optimizers``, then of ``--batches``, and
 ``<out>/large_batch.json`` (every search: its runs and its row), ``.md`` and ``.png`` are rewritten after
 each, so that an interrupted run keeps what it finished. A rerun with the same ``--out`` (and the same
 ``--grid-points``, ``--seeds`` and ``--max-steps``) skips the searches already in it; ``--merge`` joins
@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="batch sizes (default 128 512 2048: 250 to 15 steps per epoch of 32k samples)")
     parser.add_argument("--optimizers", nargs="+", choices=optimizers.CHOICES, default=list(NAMES),
                         help="optimizers (peers' names; default: the eight above, SOAP skipped without heavyball), "
-                             "searched in this order, each over every task and batch")
+                             "searched in this order on each task, each at every batch")
     parser.add_argument("--grid-points", type=int, default=3,
                         help="lrs per optimizer, sqrt(10) apart (default 3; extended by one beyond an edge, up to "
                              f"{study.MAX_EXTENSIONS} times, while the chosen lr sits there)")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         _write(args.out, payload)
         print(render(payload))  # noqa: T201 (a command-line report)
         return 0
-    todo = [(name, task, batch) for name in names for task in args.tasks for batch in args.batches
+    todo = [(name, task, batch) for task in args.tasks for name in names for batch in args.batches
             if search_name(name, batch) not in payload["searches"].get(task, {})]
     with tqdm(total=len(todo) * (args.grid_points + args.seeds - 1), unit="run", desc="large-batch runs") as bar:
         if len(todo) < len(names) * len(args.tasks) * len(args.batches):
@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"CPU s {_fmt(row['median_s'], 2)}")
         finally:
             pool.close()
-    _write(args.out, payload)
+    if not todo:
+        _write(args.out, payload)
     print(render(payload))  # noqa: T201 (a command-line report)
     return 0
 

@@ -4,6 +4,7 @@ run takes too long for the suite; the command line's runs are fakes)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -60,9 +61,14 @@ def test_the_grid_is_extended_while_the_choice_sits_at_an_edge_for_every_optimiz
     assert len(grid_runs) == len({(r["optimizer"], r["batch"], r["lr"]) for r in grid_runs})  # no rate run twice
 
 
+large_batch_projection = functools.cache(projection.project)
+"""The projection, computed once for the command-line tests (a second each; nothing they check)."""
+
+
 def large_batch_counting_train(monkeypatch: pytest.MonkeyPatch, fail_on: str | None = None) -> list[str]:
-    """Replace the study's run by :func:`fake_large_batch_run` (best lr: the family's centre); the optimizers
-    it ran, in order (``fail_on``: interrupted at that optimizer's first run)."""
+    """Replace the study's run by :func:`fake_large_batch_run` (best lr: the family's centre) and the
+    projection by its cached copy; the optimizers it ran, in order (``fail_on``: interrupted at that
+    optimizer's first run)."""
     calls: list[str] = []
 
     def fake(spec: study.RunSpec) -> study.Run:
@@ -72,33 +78,33 @@ def large_batch_counting_train(monkeypatch: pytest.MonkeyPatch, fail_on: str | N
         return {**fake_large_batch_run(spec, optimizers.CENTRES[spec.optimizer]), "step_s": 0.01}
 
     monkeypatch.setattr(study, "train", fake)
+    monkeypatch.setattr(projection, "project", large_batch_projection)
     return calls
 
 
-def test_an_interrupted_run_keeps_its_finished_searches_and_a_rerun_skips_them(monkeypatch: pytest.MonkeyPatch,
-                                                                                tmp_path: Path) -> None:
-    args = ["--tasks", "cnn", "--batches", "128", "256", "--grid-points", "1", "--seeds", "2", "--max-steps", "30",
+def test_an_interrupted_run_keeps_its_finished_searches_and_a_rerun_skips_them(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--tasks", "cnn", "--batches", "128", "--grid-points", "1", "--seeds", "2", "--max-steps", "30",
             "--jobs", "1", "--out", str(tmp_path), "--optimizers"]
     calls = large_batch_counting_train(monkeypatch, fail_on="adamw")
     with pytest.raises(KeyboardInterrupt):
         cli.main([*args, "sgd", "adamw"])
-    assert calls == ["sgd"] * 4  # per batch: one lr, then seed 1
+    assert calls == ["sgd"] * 2  # one lr, then seed 1
     saved = json.loads((tmp_path / "large_batch.json").read_text())
-    assert set(saved["searches"]["cnn"]) == {"sgd 128", "sgd 256"}
-    assert [(r["optimizer"], r["batch"]) for r in saved["tasks"]["cnn"]["rows"]] == [("sgd", 128), ("sgd", 256)]
-    first = saved["searches"]["cnn"]["sgd 128"]
+    assert set(saved["searches"]["cnn"]) == {"sgd 128"}
+    assert [r["optimizer"] for r in saved["tasks"]["cnn"]["rows"]] == ["sgd"]
 
     calls = large_batch_counting_train(monkeypatch)
     assert cli.main([*args, "sgd", "adamw"]) == 0
-    assert calls == ["adamw"] * 4  # SGD's searches are not run again
+    assert calls == ["adamw"] * 2  # SGD's search is not run again
     again = json.loads((tmp_path / "large_batch.json").read_text())
-    assert again["searches"]["cnn"]["sgd 128"] == first
-    assert [(r["optimizer"], r["batch"]) for r in again["tasks"]["cnn"]["rows"]] == [
-        ("sgd", 128), ("adamw", 128), ("sgd", 256), ("adamw", 256)]
+    assert again["searches"]["cnn"]["sgd 128"] == saved["searches"]["cnn"]["sgd 128"]
+    assert [r["optimizer"] for r in again["tasks"]["cnn"]["rows"]] == ["sgd", "adamw"]
     assert all(len(r["steps"]) == 2 for r in again["tasks"]["cnn"]["rows"])
-    assert "| 256 | AdamW |" in (tmp_path / "large_batch.md").read_text()
+    assert "| 128 | AdamW |" in (tmp_path / "large_batch.md").read_text()
     with pytest.raises(SystemExit):  # other settings into the same folder
-        cli.main([*args[:-3], "40", *args[-3:], "sgd"])
+        cli.main([*args, "sgd", "--max-steps", "40"])
+    assert "other ['max_steps']" in capsys.readouterr().err
 
 
 def test_a_run_made_in_pieces_joins_into_one_report_and_a_search_in_both_is_refused(
