@@ -1,5 +1,12 @@
 """The command line: run the study, write JSON, a Markdown report and the log-log plot of steps vs batch.
 
+A search is one optimizer's lr grid and its seeds on one task at one batch (``study.py``); the searches
+run one after another, task by task in the order of ``--tasks``, then of ``--optimizers``, then of ``--batches``, and
+``<out>/large_batch.json`` (every search: its runs and its row), ``.md`` and ``.png`` are rewritten after
+each, so that an interrupted run keeps what it finished. A rerun with the same ``--out`` (and the same
+``--grid-points``, ``--seeds`` and ``--max-steps``) skips the searches already in it; ``--merge`` joins
+the files of a run made in pieces (``benchmarks.output``, as ``benchmarks.zoo``).
+
 Owns: arguments, progress, output files. Must not know: how a run trains (``study.py``) or the projection's
 model (``projection.py``).
 """
@@ -7,7 +14,6 @@ model (``projection.py``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -16,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 from tqdm import tqdm
 
+from benchmarks import output
 from benchmarks.large_batch import projection, study
 from benchmarks.large_batch.tasks import STUDIES
 from benchmarks.peers import optimizers
@@ -29,13 +36,18 @@ every other default (the automatic intervals included); ``kfac`` the README's Ad
 ``method="eigen_adam"``, ``kl_clip=None``, with the defaults' intervals."""
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+RESUME_KEYS = ("grid_points", "seeds", "max_steps")
+"""The settings a rerun into the same ``--out`` must share with the searches it resumes."""
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.large_batch", description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", nargs="+", choices=list(STUDIES), default=list(STUDIES))
     parser.add_argument("--batches", nargs="+", type=int, default=[128, 512, 2048],
                         help="batch sizes (default 128 512 2048: 250 to 15 steps per epoch of 32k samples)")
     parser.add_argument("--optimizers", nargs="+", choices=optimizers.CHOICES, default=list(NAMES),
-                        help="optimizers (peers' names; default: the six above, SOAP skipped without heavyball)")
+                        help="optimizers (peers' names; default: the eight above, SOAP skipped without heavyball), "
+                             "searched in this order on each task, each at every batch")
     parser.add_argument("--grid-points", type=int, default=3,
                         help="lrs per optimizer, sqrt(10) apart (default 3; extended by one beyond an edge, up to "
                              f"{study.MAX_EXTENSIONS} times, while the chosen lr sits there)")
@@ -43,22 +55,62 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=400, help="steps per run at most (default 400)")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each (default 2)")
     parser.add_argument("--quick", action="store_true", help="smoke test: cnn, batches 128 256, 1 lr, 1 seed, 30 steps")
-    parser.add_argument("--out", type=Path, default=Path("runs") / "large_batch", help="output folder")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=Path("runs") / "large_batch",
+                        help="output folder; a rerun into it skips the searches its large_batch.json holds")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="FOLDER",
+                        help="train nothing: join these folders' large_batch.json (a run made in pieces) into --out")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = _parser().parse_args(argv)
     if args.quick:
         args.tasks, args.batches, args.grid_points, args.seeds, args.max_steps = ["cnn"], [128, 256], 1, 1, 30
     return args
 
 
+def _load(folder: Path, args: argparse.Namespace, required: bool = False) -> dict[str, Any]:
+    """The payload saved in ``folder`` (a fresh one if none and not ``required``); refuses other settings."""
+    path = folder / "large_batch.json"
+    try:
+        saved = output.load_finished(path, vars(args), RESUME_KEYS)
+    except ValueError as error:
+        _parser().error(str(error))
+    if saved is None and required:
+        _parser().error(f"{path} does not exist")
+    return saved or {"searches": {}, "skipped": []}
+
+
+def search_name(optimizer: str, batch: int) -> str:
+    """The key of one search within its task: ``"<optimizer> <batch>"``."""
+    return f"{optimizer} {batch}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The searches of the arguments not yet in ``--out`` (or ``--merge``'s join), then the report; each
+    search is written (JSON, Markdown, plot) as soon as it is finished."""
     args = parse_args(argv)
+    saved = _load(args.out, args)
     names = [n for n in args.optimizers if optimizers.available(n)]
-    skipped = sorted(set(args.optimizers) - set(names))
-    args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                               "skipped": skipped, "tasks": {}}
-    per_round = len(names) * len(args.batches) * args.grid_points
-    with tqdm(total=per_round * len(args.tasks), unit="run", desc="large-batch runs") as bar:
+    payload: dict[str, Any] = {
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "skipped": sorted(set(saved["skipped"]) | (set(args.optimizers) - set(names))),
+        "searches": saved["searches"], "projection": projection.project()}
+    if args.merge:
+        for folder in args.merge:
+            more = _load(folder, args, required=True)
+            twice = output.join_searches(payload["searches"], more["searches"])
+            if twice:
+                _parser().error(f"{folder} repeats searches already joined: {twice}")
+            payload["skipped"] = sorted(set(payload["skipped"]) | set(more["skipped"]))
+        _write(args.out, payload)
+        print(render(payload))  # noqa: T201 (a command-line report)
+        return 0
+    todo = [(name, task, batch) for task in args.tasks for name in names for batch in args.batches
+            if search_name(name, batch) not in payload["searches"].get(task, {})]
+    with tqdm(total=len(todo) * (args.grid_points + args.seeds - 1), unit="run", desc="large-batch runs") as bar:
+        if len(todo) < len(names) * len(args.tasks) * len(args.batches):
+            bar.write(f"{args.out}: resuming, {len(todo)} searches to go")
         def done(run: study.Run) -> None:
             bar.set_postfix_str(f"{run['task']}/{run['optimizer']} b{run['batch']} lr {run['lr']:.3g}")
             bar.update()
@@ -69,25 +121,36 @@ def main(argv: list[str] | None = None) -> int:
 
         pool = Runner(args.jobs, done, run=study.train)
         try:
-            for task in args.tasks:
-                grid_runs, chosen = study.search(run_all, task, names, args.batches, args.grid_points, args.max_steps)
+            for index, (name, task, batch) in enumerate(todo, 1):
+                grid_runs, chosen = study.search(run_all, task, [name], [batch], args.grid_points, args.max_steps)
                 seed_runs = run_all(study.seed_specs(chosen, args.seeds))
-                rows = study.summarize(chosen, seed_runs)
-                results["tasks"][task] = {"target": STUDIES[task].target, "rows": rows,
-                                          "critical": critical(rows), "grid": grid_runs, "seeds": seed_runs}
+                (row,) = study.summarize(chosen, seed_runs)
+                payload["searches"].setdefault(task, {})[search_name(name, batch)] = {
+                    "optimizer": name, "batch": batch, "row": row, "grid": grid_runs, "seeds": seed_runs}
+                _write(args.out, payload)
+                bar.write(f"search {index}/{len(todo)} done: {task} {name} batch {batch}: lr {row['lr']:.3g}, "
+                          f"steps {_fmt(row['median_steps'])} ({', '.join(_fmt(s) for s in row['steps'])}), "
+                          f"CPU s {_fmt(row['median_s'], 2)}")
         finally:
             pool.close()
-    results["projection"] = projection.project()
-    (args.out / "large_batch.json").write_text(json.dumps(results, indent=1, default=_json))
-    report = render(results)
-    (args.out / "large_batch.md").write_text(report)
-    plot(results).savefig(args.out / "large_batch.png", dpi=110)
-    print(report)
+    if not todo:
+        _write(args.out, payload)
+    print(render(payload))  # noqa: T201 (a command-line report)
     return 0
 
 
-def _json(value: Any) -> Any:
-    return None if isinstance(value, float) and not math.isfinite(value) else str(value)
+def _write(out: Path, payload: dict[str, Any]) -> None:
+    """The report of every search in ``payload`` so far: ``tasks`` (per task the target, the rows in the
+    order of :data:`NAMES`, the critical batches) into ``payload``, then the JSON, Markdown and plot."""
+    order = {name: index for index, name in enumerate(NAMES)}
+    payload["tasks"] = {}
+    for task in (t for t in STUDIES if t in payload["searches"]):
+        rows = sorted((s["row"] for s in payload["searches"][task].values()),
+                      key=lambda r: (r["batch"], order.get(r["optimizer"], len(order)), r["optimizer"]))
+        payload["tasks"][task] = {"target": STUDIES[task].target, "rows": rows, "critical": critical(rows)}
+    output.write_json_whole(out / "large_batch.json", payload)
+    (out / "large_batch.md").write_text(render(payload))
+    plot(payload).savefig(out / "large_batch.png", dpi=110)
 
 
 def critical(rows: list[dict[str, Any]]) -> dict[str, int | None]:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import math
 import re
@@ -59,6 +58,7 @@ from torch import nn
 from tqdm import tqdm
 
 import kfac_optim
+from benchmarks.output import join_searches, load_finished, write_json_whole
 from benchmarks.peers.optimizers import MAX_EXTENSIONS, OptimizerPair, build_kfac, extend_at_edge, grid_rate
 from benchmarks.peers.optimizers import available as peer_available
 from benchmarks.zoo.models import ZOO, ZooModel, available
@@ -290,23 +290,15 @@ def _load(path: Path, args: argparse.Namespace, parser: argparse.ArgumentParser,
           required: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The summaries and runs already in ``path`` (none if it does not exist and not ``required``); refuses
     other settings."""
-    if not path.exists():
+    try:
+        saved = load_finished(path, vars(args), RESUME_KEYS)
+    except ValueError as error:
+        parser.error(str(error))
+    if saved is None:
         if required:
             parser.error(f"{path} does not exist")
         return {}, []
-    saved = json.loads(path.read_text())
-    differ = [k for k in RESUME_KEYS if saved["settings"].get(k) != str(getattr(args, k))]
-    if differ:
-        parser.error(f"{path} holds runs with other {differ}; pass the same values or another --out")
     return saved["results"], saved["runs"]
-
-
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    """``payload`` into ``path`` whole or not at all (a temporary file renamed over it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(payload, indent=1))
-    partial.replace(path)
 
 
 def settle(results: dict[str, dict[str, dict[str, Any]]], every_run: list[dict[str, Any]], steps: int) -> None:
@@ -415,7 +407,7 @@ def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[
             every_run += [{"model": model, **run.__dict__} for run in runs]
             results.setdefault(model, {})[name] = summary
             settle(results, every_run, args.steps)
-            _write_json(path, payload)
+            write_json_whole(path, payload)
         if model in results:
             _report(args.out, payload)
     bar.close()
@@ -429,11 +421,9 @@ def _merge(args: argparse.Namespace, parser: argparse.ArgumentParser, results: d
     """``--merge``: the searches of the named folders joined to those in ``--out`` (a search in two: an error)."""
     for folder in args.merge:
         more, runs = _load(folder / "zoo.json", args, parser, required=True)
-        twice = [f"{m}/{o}" for m, by_optimizer in more.items() for o in by_optimizer if o in results.get(m, {})]
+        twice = join_searches(results, more)
         if twice:
             parser.error(f"{folder} repeats searches already joined: {twice}")
-        for model, by_optimizer in more.items():
-            results.setdefault(model, {}).update(by_optimizer)
         every_run += runs
     settle(results, every_run, args.steps)
     payload = {"settings": {k: str(v) for k, v in vars(args).items()}, "notes": [], "results": results,
@@ -453,5 +443,5 @@ def _report(out: Path, payload: dict[str, Any]) -> None:
         "Cells: test loss after equal steps / at equal CPU time (the mean step's CPU time against SGD's; the "
         "chosen lr, * at the grid's edge; K-FAC's coverage)\n\n" + payload["table"] + "\nGoals:\n\n"
         + "\n".join(payload["goals"]) + "\n\nBy family (median step ratios):\n\n" + by_family(results))
-    _write_json(out / "zoo.json", payload)
+    write_json_whole(out / "zoo.json", payload)
     _figure(results, optimizers).savefig(out / "zoo.png", dpi=120)

@@ -1,15 +1,19 @@
 """``python -m benchmarks.large_batch``'s arithmetic: the critical batch, the lr grid's extension,
-the generated data and the projection's byte counts (no training: a run takes too long for the suite)."""
+the generated data and the projection's byte counts, and its command line's resumption (no training: a
+run takes too long for the suite; the command line's runs are fakes)."""
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.comm_bytes import comm_bytes
-from benchmarks.large_batch import projection, study
+from benchmarks.large_batch import cli, projection, study
 from benchmarks.large_batch.data import LENGTH, generate
 from benchmarks.peers import optimizers
 
@@ -55,6 +59,65 @@ def test_the_grid_is_extended_while_the_choice_sits_at_an_edge_for_every_optimiz
         # Muon: centre 1e-2, grid 3.16e-3-3.16e-2, extended twice below; its best (1e-4) is beyond the bound
         assert tried["muon"] == [0.000316, 0.001, 0.00316, 0.01, 0.0316] and chosen[("muon", batch)]["lr"] == 0.000316
     assert len(grid_runs) == len({(r["optimizer"], r["batch"], r["lr"]) for r in grid_runs})  # no rate run twice
+
+
+large_batch_projection = functools.cache(projection.project)
+"""The projection, computed once for the command-line tests (a second each; nothing they check)."""
+
+
+def large_batch_counting_train(monkeypatch: pytest.MonkeyPatch, fail_on: str | None = None) -> list[str]:
+    """Replace the study's run by :func:`fake_large_batch_run` (best lr: the family's centre) and the
+    projection by its cached copy; the optimizers it ran, in order (``fail_on``: interrupted at that
+    optimizer's first run)."""
+    calls: list[str] = []
+
+    def fake(spec: study.RunSpec) -> study.Run:
+        if spec.optimizer == fail_on:
+            raise KeyboardInterrupt
+        calls.append(spec.optimizer)
+        return {**fake_large_batch_run(spec, optimizers.CENTRES[spec.optimizer]), "step_s": 0.01}
+
+    monkeypatch.setattr(study, "train", fake)
+    monkeypatch.setattr(projection, "project", large_batch_projection)
+    return calls
+
+
+def test_an_interrupted_run_keeps_its_finished_searches_and_a_rerun_skips_them(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--tasks", "cnn", "--batches", "128", "--grid-points", "1", "--seeds", "2", "--max-steps", "30",
+            "--jobs", "1", "--out", str(tmp_path), "--optimizers"]
+    calls = large_batch_counting_train(monkeypatch, fail_on="adamw")
+    with pytest.raises(KeyboardInterrupt):
+        cli.main([*args, "sgd", "adamw"])
+    assert calls == ["sgd"] * 2  # one lr, then seed 1
+    saved = json.loads((tmp_path / "large_batch.json").read_text())
+    assert set(saved["searches"]["cnn"]) == {"sgd 128"}
+    assert [r["optimizer"] for r in saved["tasks"]["cnn"]["rows"]] == ["sgd"]
+
+    calls = large_batch_counting_train(monkeypatch)
+    assert cli.main([*args, "sgd", "adamw"]) == 0
+    assert calls == ["adamw"] * 2  # SGD's search is not run again
+    again = json.loads((tmp_path / "large_batch.json").read_text())
+    assert again["searches"]["cnn"]["sgd 128"] == saved["searches"]["cnn"]["sgd 128"]
+    assert [r["optimizer"] for r in again["tasks"]["cnn"]["rows"]] == ["sgd", "adamw"]
+    assert all(len(r["steps"]) == 2 for r in again["tasks"]["cnn"]["rows"])
+    assert "| 128 | AdamW |" in (tmp_path / "large_batch.md").read_text()
+    with pytest.raises(SystemExit):  # other settings into the same folder
+        cli.main([*args, "sgd", "--max-steps", "40"])
+    assert "other ['max_steps']" in capsys.readouterr().err
+
+
+def test_a_run_made_in_pieces_joins_into_one_report_and_a_search_in_both_is_refused(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    large_batch_counting_train(monkeypatch)
+    common = ["--tasks", "cnn", "--batches", "128", "--grid-points", "1", "--seeds", "1", "--jobs", "1"]
+    cli.main([*common, "--optimizers", "sgd", "--out", str(tmp_path / "a")])
+    cli.main([*common, "--optimizers", "adamw", "--out", str(tmp_path / "b")])
+    cli.main([*common, "--out", str(tmp_path / "all"), "--merge", str(tmp_path / "a"), str(tmp_path / "b")])
+    joined = json.loads((tmp_path / "all" / "large_batch.json").read_text())
+    assert [r["optimizer"] for r in joined["tasks"]["cnn"]["rows"]] == ["sgd", "adamw"]
+    with pytest.raises(SystemExit):
+        cli.main([*common, "--out", str(tmp_path / "twice"), "--merge", str(tmp_path / "a"), str(tmp_path / "a")])
 
 
 def test_the_data_are_the_same_for_the_same_seed_and_every_class_appears() -> None:
