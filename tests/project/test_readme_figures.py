@@ -16,6 +16,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -98,3 +100,69 @@ def test_the_large_batch_row_quotes_large_batch_json() -> None:
                      for b in batches)
     assert ("SOAP needs fewer steps" in row.time) == soap_fewer, \
         f"README row {row.task!r}: 'SOAP needs fewer steps' (than EigenAdam at every batch) is {soap_fewer} in the file"
+
+
+# -- EigenAdam's transformer recipe (benchmarks.peers' transformer goal, validation split) --------------
+
+def transformer_recipe_runs(task: str) -> list[dict]:
+    """The recipe's (``kfac_ema``: EigenAdam with ``dampening=0.9``) entries for ``task`` in the
+    validation-goal files: the first run's goal_val.json, then the task's repeat."""
+    return [entry for name in ("goal_val.json", f"goal_val_{task}_repeat.json")
+            for entry in read_result(f"transformers_goal/{name}")
+            if entry["task"] == task and entry["optimizer"] == "kfac_ema"]
+
+
+def test_the_transformer_recipe_row_quotes_goal_val_json() -> None:
+    row = pays_row("char GPT / nanoGPT-shaped", "benchmarks/results/transformers_goal/goal_val.md")
+    gpt, nanogpt = transformer_recipe_runs("gpt"), transformer_recipe_runs("nanogpt")
+    assert len(gpt) == len(nanogpt) == 2
+
+    def step_range(runs: list[dict]) -> tuple[str, str]:  # K-FAC's step time over AdamW's, lowest and highest
+        ratios = sorted(r["step_ms"]["kfac_ema"] / r["step_ms"]["adamw"] for r in runs)
+        return f"{ratios[0]:.1f}", f"{ratios[-1]:.1f}"
+
+    assert_row_quotes(row, "time", r"^([\d.]+)×, ([\d.]+)× \(two runs\) / not reached in the budget$",
+                      tuple(f"{r['to_adamw_s'] / r['adamw_s']:.2f}" for r in gpt),
+                      "the char GPT's time to AdamW's final validation loss over AdamW's, per run")
+    assert all(r["to_adamw_s"] == float("inf") for r in nanogpt), \
+        f"README row {row.task!r}: the nanoGPT-shaped model now reaches AdamW's final loss in a run"
+    assert_row_quotes(row, "step", r"^([\d.]+)-([\d.]+)× / ([\d.]+)-([\d.]+)×$", step_range(gpt) + step_range(nanogpt),
+                      "K-FAC's step over AdamW's, lowest-highest over the runs")
+
+
+# -- the model zoo (benchmarks.zoo), four rows by family ---------------------------------------------------
+
+ZOO_ROWS = {  # the row's first cell starts with: (its families in zoo.md, its own count of models)
+    "zoo, 20 steps, batch 16": (("decoder", "encoder", "encoder-decoder", "ssm", "lora"), 9),
+    "zoo: 5 ViTs": (("vit",), 5),
+    "zoo: 7 convnets": (("convnet",), 7),
+    "zoo: 2 diffusion models": (("unet", "dit"), 2),
+}
+
+
+@pytest.mark.parametrize("task_start", list(ZOO_ROWS))
+def test_a_zoo_row_quotes_zoo_json(task_start: str) -> None:
+    row = pays_row(task_start, "benchmarks/results/zoo_full/zoo.md")
+    data = read_result("zoo_full/zoo.json")
+    results, (families, count) = data["results"], ZOO_ROWS[task_start]
+    family_of = {cells[0]: cells[1] for line in data["table"].splitlines()[2:]
+                 if len(cells := [c.strip() for c in line.strip("|").split("|")]) > 1}
+    models = [m for m in results if family_of[m] in families]
+    assert len(models) == count, f"README row {row.task!r}: zoo.json has {len(models)} such models, the row {count}"
+
+    def wins(name: str, base: str, key: str) -> str:  # models where ``name``'s loss is at or below ``base``'s
+        return f"{sum(results[m][name][key] <= results[m][base][key] for m in models)}/{len(models)}"
+
+    def step_ratio(name: str, base: str) -> str:  # the median over the models of the mean step's CPU time
+        return f"{statistics.median(results[m][name]['step_s'] / results[m][base]['step_s'] for m in models):.2f}"
+
+    assert_row_quotes(row, "time", r"drop-in (?:on )?(\d+/\d+), (\d+/\d+); EigenAdam (?:on )?(\d+/\d+), (\d+/\d+)$",
+                      (wins("kfac", "sgd", "final"), wins("kfac", "sgd", "equal_time"),
+                       wins("eigen_adam", "adamw", "final"), wins("eigen_adam", "adamw", "equal_time")),
+                      "models at or below the peer's loss after equal steps, at equal CPU time")
+    assert_row_quotes(row, "step", r"^([\d.]+)×(?: SGD's)?; ([\d.]+)×(?: AdamW's)?$",
+                      (step_ratio("kfac", "sgd"), step_ratio("eigen_adam", "adamw")),
+                      "median step time over the peer's")
+    if task_start.startswith("zoo,"):
+        assert_row_quotes(row, "task", r"^zoo, (\d+) steps, batch (\d+) ",
+                          (data["settings"]["steps"], data["settings"]["batch"]), "the steps and the batch")
