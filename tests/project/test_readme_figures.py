@@ -166,3 +166,55 @@ def test_a_zoo_row_quotes_zoo_json(task_start: str) -> None:
     if task_start.startswith("zoo,"):
         assert_row_quotes(row, "task", r"^zoo, (\d+) steps, batch (\d+) ",
                           (data["settings"]["steps"], data["settings"]["batch"]), "the steps and the batch")
+
+
+# -- the main job (benchmarks.digits): each run's metrics.jsonl ----------------------------------------------
+
+def main_job_records(task: str, run: str) -> list[dict]:
+    path = RESULTS / "main_job" / task / run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def main_job_reach(records: list[dict], metric: str, goal: float) -> tuple[float, int]:
+    """The training time and epoch of the first epoch at the goal (accuracy at or above, a loss at or below)."""
+    higher = metric.endswith("_acc")
+    hit = next(r for r in records if (r[metric] >= goal if higher else r[metric] <= goal))
+    return hit["time_s"], hit["epoch"]
+
+
+def main_job_step_ratio(task: str, run: str, base: str) -> str:
+    """``run``'s mean step (its training time over its steps) over ``base``'s, as the rows print it."""
+    mean_step = {name: (r := main_job_records(task, name)[-1])["time_s"] / r["step"] for name in (run, base)}
+    return f"{mean_step[run] / mean_step[base]:.2f}"
+
+
+def test_the_digits_cnn_row_quotes_its_metrics() -> None:
+    row = pays_row("digits CNN", "benchmarks/results/main_job/digits/summary.md")
+    assert "metric: test_acc\n" in (RESULTS / "main_job/digits/kfac/config.yaml").read_text(encoding="utf-8")
+    (kfac_s, kfac_epoch), (sgd_s, sgd_epoch) = (main_job_reach(main_job_records("digits", run), "test_acc", 0.97)
+                                                for run in ("kfac", "sgd"))
+    assert_row_quotes(row, "goal", r"^(\d+)% test accuracy$", ("97",), "the target")
+    assert_row_quotes(row, "time", r"^([\d.]+)× SGD's \((\d+) epochs to (\d+)\)$",
+                      (f"{kfac_s / sgd_s:.2f}", str(kfac_epoch), str(sgd_epoch)),
+                      "K-FAC's time to the target over SGD's, and the epochs")
+    assert_row_quotes(row, "step", r"^([\d.]+)×$", (main_job_step_ratio("digits", "kfac", "sgd"),),
+                      "K-FAC's mean step over SGD's")
+
+
+@pytest.mark.parametrize(("peer", "link"), [("sgd", "digits_autoencoder/summary.md"), ("adamw", "summary.md")])
+def test_an_autoencoder_row_quotes_its_metrics(peer: str, link: str) -> None:
+    row = pays_row("digits autoencoder", f"benchmarks/results/main_job/{link}")
+    runs = {name: main_job_records("digits_autoencoder", name) for name in {peer, "adamw", "kfac"}}
+    goal = runs[peer][-1]["train_mse"]  # the peer's final training MSE (SGD, which never gets to AdamW's, is left out)
+    seconds = {name: main_job_reach(records, "train_mse", goal)[0] for name, records in runs.items()}
+    name = {"sgd": "SGD", "adamw": "AdamW"}[peer]
+    assert row.goal == f"{name}'s final MSE", f"README row {row.task!r}: the goal is {row.goal!r}"
+    if peer == "sgd":  # the row also says how AdamW did against the same goal
+        assert_row_quotes(row, "time", rf"^([\d.]+)× {name}'s \(\*\*AdamW took ([\d.]+)× too\*\*\)$",
+                          (f"{seconds['kfac'] / seconds['sgd']:.2f}", f"{seconds['adamw'] / seconds['sgd']:.2f}"),
+                          "K-FAC's and AdamW's time to SGD's final MSE over SGD's")
+    else:
+        assert_row_quotes(row, "time", rf"^([\d.]+)× {name}'s$", (f"{seconds['kfac'] / seconds[peer]:.2f}",),
+                          f"K-FAC's time to {name}'s final MSE over {name}'s")
+    assert_row_quotes(row, "step", r"^([\d.]+)×$", (main_job_step_ratio("digits_autoencoder", "kfac", peer),),
+                      f"K-FAC's mean step over {name}'s")
