@@ -218,3 +218,30 @@ def test_an_autoencoder_row_quotes_its_metrics(peer: str, link: str) -> None:
                           f"K-FAC's time to {name}'s final MSE over {name}'s")
     assert_row_quotes(row, "step", r"^([\d.]+)×$", (main_job_step_ratio("digits_autoencoder", "kfac", peer),),
                       f"K-FAC's mean step over {name}'s")
+
+
+# -- EigenAdam against tuned AdamW on four small tasks (benchmarks.peers, round 4) ---------------------------
+
+PEERS_TASKS = {  # the row's name of a task: (its JSON under peers_gpt_round4/, the K-FAC run the row quotes)
+    "GPT": ("with_ema/gpt.json", "kfac_ema"), "MLP": ("other_tasks/mlp.json", "kfac"),
+    "autoencoder": ("other_tasks/autoencoder.json", "kfac"), "CNN": ("other_tasks/cnn.json", "kfac"),
+}
+
+
+def test_the_peers_row_quotes_round_4s_json() -> None:
+    row = pays_row("four small tasks", "benchmarks/results/peers_gpt_round4/")
+    time_ratios, step_ratios = [], []
+    for path, kfac in PEERS_TASKS.values():
+        data = read_result(f"peers_gpt_round4/{path}")
+        rows, runs = data["summary"]["rows"], data["runs"]
+        # median training time over the seeds to AdamW's median final test metric, over AdamW's
+        to_adamw = {name: statistics.median(rows[name]["to_adamw_s"]) for name in (kfac, "adamw")}
+        time_ratios.append(f"{to_adamw[kfac] / to_adamw['adamw']:.2f}")
+        step_s = {name: statistics.fmean(seed["step_s"] for seed in runs[name]["seeds"]) for name in (kfac, "adamw")}
+        step_ratios.append(f"{step_s[kfac] / step_s['adamw']:.1f}")
+    names = list(PEERS_TASKS)
+    assert_row_quotes(row, "time", rf"^{names[0]} ([\d.]+)× \(`dampening=0.9`\), {names[1]} ([\d.]+)×, "
+                      rf"{names[2]} ([\d.]+)×, {names[3]} ([\d.]+)×$", tuple(time_ratios),
+                      "K-FAC's time to AdamW's final over AdamW's, per task")
+    assert_row_quotes(row, "step", r"^([\d.]+)× / ([\d.]+)× / ([\d.]+)× / ([\d.]+)×$", tuple(step_ratios),
+                      "K-FAC's step over AdamW's, per task")
