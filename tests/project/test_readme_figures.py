@@ -245,3 +245,21 @@ def test_the_peers_row_quotes_round_4s_json() -> None:
                       "K-FAC's time to AdamW's final over AdamW's, per task")
     assert_row_quotes(row, "step", r"^([\d.]+)× / ([\d.]+)× / ([\d.]+)× / ([\d.]+)×$", tuple(step_ratios),
                       "K-FAC's step over AdamW's, per task")
+
+
+CHECKED_ROWS = [  # (first cell's start, link) of each row the tests above check
+    ("digits autoencoder", "benchmarks/results/main_job/digits_autoencoder/summary.md"),
+    ("digits autoencoder", "benchmarks/results/main_job/summary.md"),
+    ("digits CNN", "benchmarks/results/main_job/digits/summary.md"),
+    ("1-D CNN", "benchmarks/results/large_batch_3seeds/large_batch.md"),
+    ("four small tasks", "benchmarks/results/peers_gpt_round4/"),
+    ("char GPT / nanoGPT-shaped", "benchmarks/results/transformers_goal/goal_val.md"),
+    *((task_start, "benchmarks/results/zoo_full/zoo.md") for task_start in ZOO_ROWS),
+]
+
+
+def test_every_row_of_the_table_is_checked_here() -> None:
+    unchecked = [f"{r.task} ({r.link})" for r in pays_rows()
+                 if not any(r.task.startswith(start) and r.link == link for start, link in CHECKED_ROWS)]
+    assert len(pays_rows()) == len(CHECKED_ROWS) and unchecked == [], \
+        f"README 'When K-FAC pays': rows whose figures no test here recomputes: {unchecked}"
