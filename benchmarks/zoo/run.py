@@ -86,8 +86,10 @@ def _muon(model: nn.Module, lr: float) -> OptimizerPair:
     matrices = [p for p in trainable if p.dim() == 2 and id(p) not in embedded]
     chosen = {id(p) for p in matrices}
     rest = [p for p in trainable if id(p) not in chosen]
-    return OptimizerPair(torch.optim.Muon(matrices, lr=lr, adjust_lr_fn="match_rms_adamw"),
-                         torch.optim.AdamW(rest, lr=lr))
+    parts = [torch.optim.Muon(matrices, lr=lr, adjust_lr_fn="match_rms_adamw")] if matrices else []
+    if rest:  # none on a LoRA model, whose trainable parameters are all adapter matrices
+        parts.append(torch.optim.AdamW(rest, lr=lr))
+    return OptimizerPair(*parts)
 
 
 def _soap(model: nn.Module, lr: float) -> torch.optim.Optimizer:

@@ -138,3 +138,17 @@ def test_the_image_teacher_labels_by_colour_alone_and_uses_every_class() -> None
     assert torch.equal(labels, (x.mean((2, 3)) @ zoo_models._projection(CHANNELS, IMAGE_CLASSES)).argmax(-1))
     moved = x.roll((3, 5), (2, 3))  # the same picture elsewhere: the same means
     assert torch.allclose(moved.mean((2, 3)), x.mean((2, 3)), atol=1e-6)
+
+
+def test_muon_builds_and_steps_where_every_trainable_parameter_is_a_hidden_matrix() -> None:
+    """A LoRA model trains only its adapters' 2-D matrices: Muon takes them all and AdamW's part is
+    empty (it was built anyway, and ``torch.optim.AdamW`` refuses an empty parameter list)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.Linear(3, 2, bias=False))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = zoo.build("muon", model, 1e-2)
+    model(torch.randn(5, 4)).square().sum().backward()
+    optimizer.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
