@@ -97,20 +97,24 @@ VARIANTS: dict[str, Variant] = {
     "kfac_damping_0.01": _drop_in(damping=0.01),
     "kfac_damping_1": _drop_in(damping=1.0),
     "kfac_intervals_1": _drop_in(factor_update_steps=1, decomposition_update_steps=1),
+    "kfac_factor_1": _drop_in(factor_update_steps=1),
+    "kfac_decomposition_1": _drop_in(decomposition_update_steps=1),
     "kfac_no_cap": _drop_in(method=kfac_optim.Eigen(max_rank=None)),
     "kfac_reduce": _drop_in(curvature=kfac_optim.CurvatureConfig(weight_sharing="reduce")),
     "kfac_inverse": _drop_in(method="inverse"),
-    "kfac_norms": _drop_in(curvature=kfac_optim.CurvatureConfig(blocks={nn.LayerNorm: kfac_optim.layers.LayerNormBlock})),
+    "kfac_norms": _drop_in(curvature=kfac_optim.CurvatureConfig(
+        blocks={nn.LayerNorm: kfac_optim.layers.LayerNormBlock})),
 }
 """K-FAC variants run only when named. ``eigen_adam_m``: SOAP's placement of the first moment
 (``EigenAdam(beta1=0.9)``, no SGD momentum), on AdamW's grid. ``kfac_*``: the drop-in with one
-change, on its grid (the ablations of benchmarks/RESULTS.md "Why the drop-in trailed SGD on ViTs
-and ConvNeXt"): ``outside_*`` the lr of the parameters outside K-FAC times 0, 0.3 or 3; ``no_clip``
-K-FAC's directions as they are (``kl_clip=None``); ``kl_*`` the KL bound; ``graft_sgd`` each
-tensor's step at SGD's norm; ``damping_*``; ``intervals_1`` fresh factors and decompositions every
-step; ``no_cap`` no eigenbasis cap; ``reduce`` ``weight_sharing="reduce"``; ``inverse`` π-factored damping
-(``method="inverse"``); ``norms`` ``nn.LayerNorm``'s own blocks (``layers.norm``; not its subclasses that
-override ``forward``, such as timm's ``LayerNorm2d``)."""
+change, on its grid (the ablations of benchmarks/RESULTS.md "Why the drop-in trailed SGD on two
+ViTs, ConvNeXt and EfficientNet"): ``outside_*`` the lr of the parameters outside K-FAC times 0, 0.3
+or 3; ``no_clip`` K-FAC's directions as they are (``kl_clip=None``); ``kl_*`` the KL bound;
+``graft_sgd`` each tensor's step at SGD's norm; ``damping_*``; ``intervals_1`` fresh factors and
+decompositions every step, ``factor_1`` / ``decomposition_1`` only one of them every step (the other
+automatic); ``no_cap`` no eigenbasis cap; ``reduce`` ``weight_sharing="reduce"``; ``inverse``
+π-factored damping (``method="inverse"``); ``norms`` ``nn.LayerNorm``'s own blocks (``layers.norm``;
+not its subclasses that override ``forward``, such as timm's ``LayerNorm2d`` and ``LayerNorm``)."""
 _FAMILIES = {"sgd": 0.1, "kfac": 0.1, "adamw": 3e-3, "eigen_adam": 3e-3, "muon": 3e-3, "soap": 3e-3}
 CENTRES = {**_FAMILIES, **{name: _FAMILIES[variant.grid] for name, variant in VARIANTS.items()}}
 """The centre of each family's grid: the drop-in shares SGD's, EigenAdam and Muon (at AdamW's RMS)

@@ -138,3 +138,15 @@ def test_the_image_teacher_labels_by_colour_alone_and_uses_every_class() -> None
     assert torch.equal(labels, (x.mean((2, 3)) @ zoo_models._projection(CHANNELS, IMAGE_CLASSES)).argmax(-1))
     moved = x.roll((3, 5), (2, 3))  # the same picture elsewhere: the same means
     assert torch.allclose(moved.mean((2, 3)), x.mean((2, 3)), atol=1e-6)
+
+
+def test_a_variant_puts_the_parameters_outside_kfac_in_a_group_at_its_share_of_the_lr() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    variant = zoo.Variant({"momentum": 0.9}, "kfac", outside_lr=0.3)
+    optimizer = zoo._variant(variant, model, 0.1, list(model.parameters()))
+    norm = {id(p) for p in model[1].parameters()}
+    by_group = [({id(p) for p in group["params"]}, group["lr"]) for group in optimizer.param_groups]
+    assert by_group == [({id(p) for p in (*model[0].parameters(), *model[2].parameters())}, 0.1), (norm, 0.1 * 0.3)]
+    assert {id(p) for block in optimizer.blocks for p in block.parameters()}.isdisjoint(norm)
+    assert optimizer.param_groups[1]["momentum"] == 0.9
+
