@@ -48,6 +48,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Iterator
+from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,15 +65,60 @@ from benchmarks.peers.optimizers import available as peer_available
 from benchmarks.zoo.models import ZOO, ZooModel, available
 
 OPTIMIZERS = ("sgd", "kfac", "adamw", "eigen_adam", "muon", "soap")
-CENTRES = {"sgd": 0.1, "kfac": 0.1, "adamw": 3e-3, "eigen_adam": 3e-3, "muon": 3e-3, "soap": 3e-3, "eigen_adam_m": 3e-3}
-"""The centre of each family's grid: the drop-in shares SGD's, EigenAdam and Muon (at AdamW's RMS) AdamW's."""
 VALIDATION_SEED, TEST_SEED, BATCHES = 10_001, 20_002, 2
 DROP_IN: dict[str, Any] = {"momentum": 0.9}
 EIGEN_ADAM: dict[str, Any] = {"momentum": 0.9, "dampening": 0.9, "method": "eigen_adam", "kl_clip": None}
-VARIANTS: dict[str, dict[str, Any]] = {
-    "eigen_adam_m": {"momentum": 0.0, "method": kfac_optim.EigenAdam(beta1=0.9), "kl_clip": None}}
-"""EigenAdam variants run only when named: ``eigen_adam_m``, SOAP's placement of the first moment
-(``EigenAdam(beta1=0.9)``, no SGD momentum), on AdamW's grid."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A K-FAC optimizer run only when named: ``KFAC(model, lr, **settings)`` on ``grid``'s grid (an
+    optimizer of :data:`OPTIMIZERS`); the parameters no K-FAC block covers take ``outside_lr`` times
+    the lr (1: the drop-in's plain SGD step at its lr)."""
+
+    settings: dict[str, Any]
+    grid: str
+    outside_lr: float = 1.0
+
+
+def _drop_in(outside_lr: float = 1.0, **settings: Any) -> Variant:
+    return Variant({**DROP_IN, **settings}, "kfac", outside_lr)
+
+
+VARIANTS: dict[str, Variant] = {
+    "eigen_adam_m": Variant({"momentum": 0.0, "method": kfac_optim.EigenAdam(beta1=0.9), "kl_clip": None}, "adamw"),
+    "kfac_outside_0": _drop_in(0.0),
+    "kfac_outside_0.3": _drop_in(0.3),
+    "kfac_outside_3": _drop_in(3.0),
+    "kfac_no_clip": _drop_in(kl_clip=None),
+    "kfac_kl_1e-3": _drop_in(kl_clip=1e-3),
+    "kfac_kl_0.1": _drop_in(kl_clip=0.1),
+    "kfac_graft_sgd": _drop_in(kl_clip=None, update=kfac_optim.UpdateConfig(grafting="sgd")),
+    "kfac_damping_0.01": _drop_in(damping=0.01),
+    "kfac_damping_1": _drop_in(damping=1.0),
+    "kfac_intervals_1": _drop_in(factor_update_steps=1, decomposition_update_steps=1),
+    "kfac_factor_1": _drop_in(factor_update_steps=1),
+    "kfac_decomposition_1": _drop_in(decomposition_update_steps=1),
+    "kfac_no_cap": _drop_in(method=kfac_optim.Eigen(max_rank=None)),
+    "kfac_reduce": _drop_in(curvature=kfac_optim.CurvatureConfig(weight_sharing="reduce")),
+    "kfac_inverse": _drop_in(method="inverse"),
+    "kfac_norms": _drop_in(curvature=kfac_optim.CurvatureConfig(
+        blocks={nn.LayerNorm: kfac_optim.layers.LayerNormBlock})),
+}
+"""K-FAC variants run only when named. ``eigen_adam_m``: SOAP's placement of the first moment
+(``EigenAdam(beta1=0.9)``, no SGD momentum), on AdamW's grid. ``kfac_*``: the drop-in with one
+change, on its grid (the ablations of benchmarks/RESULTS.md "Why the drop-in trailed SGD on two
+ViTs, ConvNeXt and EfficientNet"): ``outside_*`` the lr of the parameters outside K-FAC times 0, 0.3
+or 3; ``no_clip`` K-FAC's directions as they are (``kl_clip=None``); ``kl_*`` the KL bound;
+``graft_sgd`` each tensor's step at SGD's norm; ``damping_*``; ``intervals_1`` fresh factors and
+decompositions every step, ``factor_1`` / ``decomposition_1`` only one of them every step (the other
+automatic); ``no_cap`` no eigenbasis cap; ``reduce`` ``weight_sharing="reduce"``; ``inverse``
+π-factored damping (``method="inverse"``); ``norms`` ``nn.LayerNorm``'s own blocks (``layers.norm``;
+not its subclasses that override ``forward``, such as timm's ``LayerNorm2d`` and ``LayerNorm``)."""
+_FAMILIES = {"sgd": 0.1, "kfac": 0.1, "adamw": 3e-3, "eigen_adam": 3e-3, "muon": 3e-3, "soap": 3e-3}
+CENTRES = {**_FAMILIES, **{name: _FAMILIES[variant.grid] for name, variant in VARIANTS.items()}}
+"""The centre of each family's grid: the drop-in shares SGD's, EigenAdam and Muon (at AdamW's RMS)
+AdamW's, a variant its :attr:`Variant.grid`'s."""
 
 
 def grid_lr(name: str, k: int) -> float:
@@ -112,12 +158,31 @@ def build(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer | Opt
     if name == "eigen_adam":
         return build_kfac(model, lr, 0.0, {**EIGEN_ADAM, "params": trainable})
     if name in VARIANTS:
-        return build_kfac(model, lr, 0.0, {**VARIANTS[name], "params": trainable})
+        return _variant(VARIANTS[name], model, lr, trainable)
     if name == "muon":
         return _muon(model, lr)
     if name == "soap":
         return _soap(model, lr)
     raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {name!r}")
+
+
+def _covered(model: nn.Module, settings: dict[str, Any]) -> set[str]:
+    """The names of ``model``'s parameters that K-FAC's blocks cover under ``settings`` (read off a copy)."""
+    copy = deepcopy(model)
+    names = {id(p): name for name, p in copy.named_parameters()}
+    optimizer = build_kfac(copy, 1.0, 0.0, settings)
+    return {names[id(p)] for block in optimizer.blocks for p in block.parameters()}
+
+
+def _variant(variant: Variant, model: nn.Module, lr: float, trainable: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """``variant`` over ``trainable`` at ``lr``, the parameters outside K-FAC in a group of their own."""
+    if variant.outside_lr == 1.0:
+        return build_kfac(model, lr, 0.0, {**variant.settings, "params": trainable})
+    covered = _covered(model, variant.settings)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for name, p in named if name in covered]},
+              {"params": [p for name, p in named if name not in covered], "lr": lr * variant.outside_lr}]
+    return build_kfac(model, lr, 0.0, {**variant.settings, "params": [g for g in groups if g["params"]]})
 
 
 def coverage(optimizer: object) -> float | None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.zoo import ZOO, available
+from benchmarks.zoo import ZOO, available, curvature
 from benchmarks.zoo import models as zoo_models
 from benchmarks.zoo import run as zoo
 from benchmarks.zoo.models import CHANNELS, IMAGE, IMAGE_CLASSES
@@ -152,3 +153,37 @@ def test_muon_builds_and_steps_where_every_trainable_parameter_is_a_hidden_matri
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     optimizer.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_variant_puts_the_parameters_outside_kfac_in_a_group_at_its_share_of_the_lr() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    variant = zoo.Variant({"momentum": 0.9}, "kfac", outside_lr=0.3)
+    optimizer = zoo._variant(variant, model, 0.1, list(model.parameters()))
+    norm = {id(p) for p in model[1].parameters()}
+    by_group = [({id(p) for p in group["params"]}, group["lr"]) for group in optimizer.param_groups]
+    assert by_group == [({id(p) for p in (*model[0].parameters(), *model[2].parameters())}, 0.1), (norm, 0.1 * 0.3)]
+    assert {id(p) for block in optimizer.blocks for p in block.parameters()}.isdisjoint(norm)
+    assert optimizer.param_groups[1]["momentum"] == 0.9
+
+
+def zoo_pooled_conv_loss(images: torch.Tensor) -> Callable[[torch.nn.Module, slice], torch.Tensor]:
+    """The cross-entropy of ``images[s]`` against class 0 (``curvature.ratios``' ``loss_of``)."""
+    return lambda model, s: torch.nn.functional.cross_entropy(model(images[s]), torch.zeros(len(images[s]),
+                                                                                          dtype=torch.long))
+
+
+@pytest.mark.parametrize(("weight_sharing", "conv_ratio"), [("expand", 9.0), ("reduce", 1.0)])
+def test_the_curvature_probe_finds_kfac_exact_on_one_sample_but_expand_t_times_low_on_identical_positions(
+        weight_sharing: str, conv_ratio: float) -> None:
+    # One sample, every one of the T = 9 positions the same: the per-sample gradient of the 1x1 conv is
+    # Σ_t δaᵀ = T·δaᵀ, so the exact Fisher along D is T²(δᵀDa)²; expand's A = aaᵀ (the mean over rows)
+    # and G = Σ_rows δδᵀ = T·δδᵀ give T(δᵀDa)², reduce's A = āāᵀ, G = (Σ_t δ)(Σ_t δ)ᵀ give T²(δᵀDa)².
+    # The pooled head has one row per sample: rank-one factors, exact.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                torch.nn.Linear(4, 2))
+    images = torch.randn(1, 3, 1, 1).expand(1, 3, 3, 3).contiguous()
+    found = curvature.ratios(model, zoo_pooled_conv_loss(images), 1, weight_sharing=weight_sharing)
+    assert set(found) == {"0.weight", "3.weight"}
+    assert found["0.weight"] == pytest.approx((conv_ratio, conv_ratio), rel=1e-3)
+    assert found["3.weight"] == pytest.approx((1.0, 1.0), rel=1e-3)
