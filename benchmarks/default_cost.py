@@ -92,7 +92,7 @@ def workload(name: str, steps: int, size: int | None = None, batch: int | None =
 
 def _batch_size(batch: Any) -> int:
     """The samples in one of :func:`workload`'s batches (a pair's targets, a zoo batch's first input)."""
-    return len(batch[1]) if isinstance(batch, tuple) else len(batch.args[0])
+    return len(batch[1]) if isinstance(batch, tuple) else len([*batch.args, *batch.kwargs.values()][0])
 
 
 def _after_calibration(times: list[float]) -> float:
