@@ -163,12 +163,23 @@ class Terms(Protocol):
     def term(self, products: Tensor, lr: float | Tensor) -> Tensor: ...
 
 
-def _same_multiplier(a: float | Tensor, b: float | Tensor) -> bool:
-    """Whether ``x * a`` and ``x * b`` are the same bits for every ``x``: the same tensor, or Python
-    numbers of the same type, value and sign (``0.0`` and ``-0.0`` compare equal but differ)."""
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
+_RunKey = tuple[torch.dtype, float | Tensor] | None
+"""What parameters must share to take :meth:`Terms.term` together: their products' dtype and their lr
+(None: parameters without a direction or gradient, whose terms are 0)."""
+
+
+def _same_run(a: _RunKey, b: _RunKey) -> bool:
+    """Whether ``a`` and ``b`` give the same bits through :meth:`Terms.term`: both None, or the same
+    dtype and the same multiplier (the same tensor, or Python numbers of the same type, value and
+    sign: ``0.0`` and ``-0.0`` compare equal but differ)."""
+    if a is None or b is None:
         return a is b
-    return type(a) is type(b) and a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    (dtype_a, lr_a), (dtype_b, lr_b) = a, b
+    if dtype_a != dtype_b:
+        return False
+    if isinstance(lr_a, Tensor) or isinstance(lr_b, Tensor):
+        return lr_a is lr_b
+    return type(lr_a) is type(lr_b) and lr_a == lr_b and math.copysign(1.0, lr_a) == math.copysign(1.0, lr_b)
 
 
 def summed_terms(directions: dict[Tensor, Tensor], params: list[Tensor], lrs: list[float | Tensor],
@@ -182,35 +193,32 @@ def summed_terms(directions: dict[Tensor, Tensor], params: list[Tensor], lrs: li
     entry per parameter, on the device: a non-finite gradient makes its layer's whole direction
     non-finite). Returns ``(rule.terms,)``.
 
-    Consecutive parameters with the same lr and products' dtype take ``rule.term`` together (one
-    elementwise op per term for the whole run, usually every parameter): the same bits as one
-    ``rule.term`` per parameter, as elementwise products by the same scalar are; a tensor lr first
-    promotes the products as a 0-dim product of two tensors would."""
+    Consecutive parameters with the same lr and products' dtype (:func:`_same_run`) take ``rule.term``
+    together (one elementwise op per term for the whole run, usually every parameter): the same bits
+    as one ``rule.term`` per parameter, as elementwise products by the same scalar are; a tensor lr
+    first promotes the products as a 0-dim product of two tensors would."""
     zero = nonfinite.new_zeros(rule.terms, dtype=next(iter(directions.values())).dtype)
-    runs: list[tuple[Any, list[list[Tensor]]]] = []  # ((dtype, lr) or None for zero rows, rows)
+    runs: list[tuple[_RunKey, list[list[Tensor]]]] = []  # in parameter order: (key, each parameter's products)
     for param, lr in zip(params, lrs, strict=True):
-        key: Any = None
-        row: list[Tensor] = []
+        key: _RunKey = None
+        products: list[Tensor] = []
         if param in directions and param.grad is not None:
             rows, grad = strategy.local(directions[param]), strategy.local(param.grad)
-            row = rule.products(rows.reshape(-1), grad.to(rows.dtype).reshape(-1))
-            key = (rows.dtype, lr)
-        previous = runs[-1][0] if runs else None
-        if (runs and (key is None) == (previous is None)
-                and (key is None or (key[0] == previous[0] and _same_multiplier(key[1], previous[1])))):
-            runs[-1][1].append(row)
+            key, products = (rows.dtype, lr), rule.products(rows.reshape(-1), grad.to(rows.dtype).reshape(-1))
+        if runs and _same_run(runs[-1][0], key):
+            runs[-1][1].append(products)
         else:
-            runs.append((key, [row]))
+            runs.append((key, [products]))
     blocks = []
-    for key, rows_of_run in runs:
+    for key, run in runs:
         if key is None:
-            blocks.append(zero.repeat(len(rows_of_run), 1))
+            blocks.append(zero.repeat(len(run), 1))
             continue
-        products = torch.stack([product for row in rows_of_run for product in row]).reshape(len(rows_of_run), -1)
+        stacked = torch.stack([product for products in run for product in products]).reshape(len(run), -1)
         lr = key[1]
         if isinstance(lr, Tensor):
-            products = products.to(torch.promote_types(products.dtype, lr.dtype))
-        blocks.append(rule.term(products, lr))
+            stacked = stacked.to(torch.promote_types(stacked.dtype, lr.dtype))
+        blocks.append(rule.term(stacked, lr))
     per_parameter = strategy.summed_over_shards(blocks[0] if len(blocks) == 1 else torch.cat(blocks), params)
     finite = torch.isfinite(per_parameter).all(dim=1)
     nonfinite += ~finite
