@@ -13,7 +13,10 @@ their ratio, the intervals K-FAC chose (counted from shapes, so the same on ever
 (``--out``, default ``runs/default_cost_<model>.json``) with every step's time. Models: ``resnet18`` (32 px,
 batch 64, torchvision), ``resnet50`` (224 px, batch 32, torchvision, 1000 classes) and ``gpt`` (the peer
 benchmark's character GPT, ``benchmarks/peers/tasks.py``: 2 layers, width 64, context 64, tied head;
-batch 32 of random bytes); ``--size`` and ``--batch`` change the images' side and the batch.
+batch 32 of random bytes), ``mlp1d`` (the large-batch study's MLP 40-256-256-10,
+``benchmarks/large_batch/tasks.py``, on consecutive slices of its training split, batch 128) and every
+model of the zoo by its name (``benchmarks/zoo``: its own batches, batch 16, and loss); ``--size`` and
+``--batch`` change the images' side and the batch.
 
 ``--conv-positions`` runs one ``KFAC(model, lr)`` per entry, each with that
 ``CurvatureConfig(conv_positions=...)`` ("default": the library's default, ``expand``/``reduce``:
@@ -36,14 +39,18 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from benchmarks.large_batch.data import splits
+from benchmarks.large_batch.tasks import STUDIES
 from benchmarks.peers.tasks import CharGPT
 from benchmarks.step_time import build_model
+from benchmarks.zoo import ZOO
 from kfac_optim import KFAC, CurvatureConfig
 from kfac_optim.layers import ConvStatistics, Expand, Reduce, ReduceAbove, SampledPositions
 
@@ -56,18 +63,36 @@ CONV_POSITIONS: dict[str, ConvStatistics | None] = {
 
 
 def workload(name: str, steps: int, size: int | None = None, batch: int | None = None
-             ) -> tuple[Callable[[], nn.Module], list[tuple[Tensor, Tensor]], Callable[[Tensor, Tensor], Tensor]]:
-    """``(build the model, batches, loss(outputs, targets))``."""
+             ) -> tuple[Callable[[], nn.Module], list[Any], Callable[[nn.Module, Any], Tensor]]:
+    """``(build the model, batches, loss(model, batch))``."""
     generator = torch.Generator().manual_seed(1)
     if name in IMAGE_MODELS:
         default_size, default_batch, classes = IMAGE_MODELS[name]
         size, batch = size or default_size, batch or default_batch
         batches = [(torch.randn(batch, 3, size, size, generator=generator),
                     torch.randint(0, classes, (batch,), generator=generator)) for _ in range(steps)]
-        return lambda: build_model(name, size, classes), batches, F.cross_entropy
+        return lambda: build_model(name, size, classes), batches, lambda model, b: F.cross_entropy(model(b[0]), b[1])
+    if name == "mlp1d":
+        study, (x, y), batch = STUDIES["mlp"], splits().train, batch or 128
+        starts = [(i * batch) % (len(x) - batch) for i in range(steps)]
+        return study.task.build, [(x[s : s + batch], y[s : s + batch]) for s in starts], lambda model, b: study.loss(
+            model, *b)
+    if name in ZOO:
+        entry = ZOO[name]
+        return entry.build, [entry.batch(batch or 16, generator) for _ in range(steps)], entry.loss
     tokens = [torch.randint(0, 256, (batch or 32, 65), generator=generator) for _ in range(steps)]
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
-    return CharGPT, batches, lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    def gpt_loss(model: nn.Module, b: tuple[Tensor, Tensor]) -> Tensor:
+        out = model(b[0])
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), b[1].reshape(-1))
+
+    return CharGPT, batches, gpt_loss
+
+
+def _batch_size(batch: Any) -> int:
+    """The samples in one of :func:`workload`'s batches (a pair's targets, a zoo batch's first input)."""
+    return len(batch[1]) if isinstance(batch, tuple) else len([*batch.args, *batch.kwargs.values()][0])
 
 
 def _after_calibration(times: list[float]) -> float:
@@ -88,9 +113,10 @@ class _Collect(logging.Handler):
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=(*IMAGE_MODELS, "gpt"), default="resnet18")
+    parser.add_argument("--model", choices=(*IMAGE_MODELS, "gpt", "mlp1d", *ZOO), default="resnet18")
     parser.add_argument("--size", type=int, help="image side in px (default: 32 for resnet18, 224 for resnet50)")
-    parser.add_argument("--batch", type=int, help="batch size (default: 64 for resnet18, 32 otherwise)")
+    parser.add_argument("--batch", type=int,
+                        help="batch size (default: 64 for resnet18, 128 for mlp1d, 16 for the zoo, 32 otherwise)")
     parser.add_argument("--conv-positions", default="default",
                         help="comma-separated K-FAC runs, each a CurvatureConfig.conv_positions: "
                              f"{', '.join(CONV_POSITIONS)}")
@@ -124,11 +150,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     times: dict[str, list[float]] = {name: [] for name in names}
     load_before = os.getloadavg()[0]
     try:
-        for index, (x, y) in enumerate(tqdm(batches, desc=f"{args.model} {'+'.join(names)} steps", file=sys.stderr)):
+        for index, batch in enumerate(tqdm(batches, desc=f"{args.model} {'+'.join(names)} steps", file=sys.stderr)):
             for name in names[index % len(names):] + names[: index % len(names)]:  # rotate the order
                 start = time.perf_counter()
                 optimizers[name].zero_grad(set_to_none=True)
-                loss_of(models[name](x), y).backward()
+                loss_of(models[name], batch).backward()
                 optimizers[name].step()
                 times[name].append(time.perf_counter() - start)
     finally:
@@ -137,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     load_after = os.getloadavg()[0]
     sgd = statistics.fmean(times["sgd"])
     result: dict[str, object] = {
-        "model": args.model, "size": args.size, "batch": len(batches[0][1]), "steps": args.steps,
+        "model": args.model, "size": args.size, "batch": args.batch or _batch_size(batches[0]), "steps": args.steps,
         "threads": args.threads, "torch": torch.__version__, "load": [load_before, load_after],
         "sgd_mean_s": sgd, "sgd_median_s": statistics.median(times["sgd"]), "log": collect.lines,
         "sgd_step_s": times["sgd"], "kfac": {},

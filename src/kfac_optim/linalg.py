@@ -9,8 +9,11 @@ Must not know: layers, modules, ranks or optimizer state.
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,6 +37,10 @@ class Eigen:
     Q: Tensor
     d: Tensor
     complement: Tensor | None = None
+    derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Tensors computed from this decomposition (and a partner's) that the solves reuse while it is
+    held, by name (:func:`complement_weights`); never saved or shipped: a decomposition received,
+    loaded or refreshed is a new ``Eigen`` that starts without any."""
 
     @property
     def thin(self) -> bool:
@@ -279,6 +286,37 @@ def complement_precondition(grad: Tensor, eig_a: Eigen, eig_g: Eigen, damping: f
     The last term vanishes when ``σ_A`` is 0 by structure (``complement`` None: ``w_G = c``) and
     is then not computed; with both ``σ`` 0 this is :func:`eigen_precondition`'s thin formula.
     """
+    weights = complement_weights(eig_a, eig_g, damping)
+    m = grad @ eig_a.Q
+    rotated = (eig_g.Q.T @ m).mul_(weights.core)
+    left = torch.addcmul(eig_g.Q @ rotated, m, weights.a)
+    direction = torch.addmm(grad * weights.c, left, eig_a.Q.T)
+    if weights.g is not None:
+        l_part = (eig_g.Q.T @ grad).mul_(weights.g)
+        direction.addmm_(eig_g.Q, l_part)
+    return direction
+
+
+@dataclass(frozen=True)
+class ComplementWeights:
+    """What :func:`complement_precondition` computes from the pair's eigenvalues and ``λ`` alone:
+    ``c (1,)``; ``core (r_G, r_A)``, ``1/(d_G d_Aᵀ + λ) − w_G − w_Aᵀ + c``; ``a = w_A − c`` as
+    ``(1, r_A)``; ``g = w_G − c`` as ``(r_G, 1)``, or None when ``σ_A`` is 0 by structure."""
+
+    c: Tensor
+    core: Tensor
+    a: Tensor
+    g: Tensor | None
+
+
+def complement_weights(eig_a: Eigen, eig_g: Eigen, damping: float) -> ComplementWeights:
+    """:class:`ComplementWeights` of the pair at ``damping``, computed once for as long as both
+    decompositions are held and the damping is the same: kept in ``eig_a.derived`` with a weak
+    reference to the ``eig_g`` they were computed with (the same tensors, and so the same bits, as
+    computing them at every step)."""
+    held = eig_a.derived.get("complement")
+    if held is not None and held[0]() is eig_g and not isinstance(damping, Tensor) and held[1] == damping:
+        return held[2]
     zero = eig_a.d.new_zeros(1)
     sigma_a = zero if eig_a.complement is None else eig_a.complement
     sigma_g = zero if eig_g.complement is None else eig_g.complement
@@ -287,14 +325,10 @@ def complement_precondition(grad: Tensor, eig_a: Eigen, eig_g: Eigen, damping: f
     w_a = (eig_a.d * sigma_g).add_(damping).reciprocal_()
     core = torch.outer(eig_g.d, eig_a.d).add_(damping).reciprocal_()
     core.sub_(w_g.unsqueeze(1)).sub_(w_a.unsqueeze(0)).add_(c)
-    m = grad @ eig_a.Q
-    rotated = (eig_g.Q.T @ m).mul_(core)
-    left = torch.addcmul(eig_g.Q @ rotated, m, w_a.sub(c).unsqueeze(0))
-    direction = torch.addmm(grad * c, left, eig_a.Q.T)
-    if eig_a.complement is not None:
-        l_part = (eig_g.Q.T @ grad).mul_(w_g.sub(c).unsqueeze(1))
-        direction.addmm_(eig_g.Q, l_part)
-    return direction
+    weights = ComplementWeights(c=c, core=core, a=w_a.sub(c).unsqueeze(0),
+                                g=None if eig_a.complement is None else w_g.sub(c).unsqueeze(1))
+    eig_a.derived["complement"] = (weakref.ref(eig_g), damping, weights)
+    return weights
 
 
 def inverse_precondition(grad: Tensor, a_inverse: Tensor, g_inverse: Tensor) -> Tensor:
@@ -327,7 +361,8 @@ def mirror_upper_(
     transposed read is from a buffer in cache: ~25% less time than reading it strided from the
     matrix (measured at n = 2048 and 4096); larger tiles (e.g. :func:`add_gram_`'s blocks) are
     read in place. ``diagonal_tiles=False`` leaves the diagonal tiles as they are, for callers that
-    computed those tiles whole.
+    computed those tiles whole. The diagonal tiles' entries come out plus 0.0 (a -0.0 there becomes
+    +0.0; a factor holds none), the others as copied.
     """
     n = matrix.shape[-1]
     if spans is None:
@@ -335,13 +370,21 @@ def mirror_upper_(
     for j, (lo, hi) in enumerate(spans):
         if diagonal_tiles:
             tile = matrix[..., lo:hi, lo:hi]
-            tile.copy_(tile.triu() + tile.triu(1).mT)
+            # The upper entry at every position, plus 0.0: the same bits as ``triu + triu(1)ᵀ``
+            # (x + 0.0 is x, but +0.0 for -0.0), with one temporary instead of three.
+            tile.copy_(torch.where(_strictly_lower(hi - lo, tile.device), tile.mT, tile).add_(0.0))
         for lo2, hi2 in spans[j + 1 :]:
             upper = matrix[..., lo:hi, lo2:hi2]
             if (hi - lo) * (hi2 - lo2) <= MIRROR_TILE**2:
                 upper = upper.clone()
             matrix[..., lo2:hi2, lo:hi].copy_(upper.mT)
     return matrix
+
+
+@functools.lru_cache(maxsize=16)
+def _strictly_lower(n: int, device: torch.device) -> Tensor:
+    """The ``(n, n)`` bool mask of the entries below the diagonal, on ``device`` (made once per size)."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril_(-1)
 
 
 def _spans(edges: list[int]) -> list[tuple[int, int]]:

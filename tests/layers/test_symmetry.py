@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_optim import KFAC, CurvatureConfig
+from kfac_optim import KFAC, CurvatureConfig, linalg
 from kfac_optim.layers import LayerNormBlock
 from kfac_optim.layers.factor import Factor
 
@@ -167,3 +167,22 @@ def test_an_asymmetric_all_reduced_total_becomes_an_exactly_symmetric_factor(gro
     total += torch.randn_like(total).triu(1) * 1e-3
     factor.set_global(total.squeeze(0), torch.tensor(2.0), 10)
     assert torch.equal(factor.running, factor.running.mT)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 5), (300, 300), (2, 7, 7)])
+def test_mirror_upper_copies_each_upper_entry_bit_for_bit(shape: tuple[int, ...]) -> None:
+    """Every entry becomes the upper triangle's at its position, bit for bit (inf and nan too), but
+    that the diagonal tiles' entries come out plus 0.0 (a -0.0 there becomes +0.0): over one tile,
+    several (300 > ``MIRROR_TILE``) and a batch."""
+    generator = torch.Generator().manual_seed(0)
+    matrix = torch.randn(shape, generator=generator)
+    special = torch.tensor([-0.0, 0.0, float("inf"), -float("inf"), float("nan")])
+    picks = torch.randint(0, matrix.numel(), (max(5, matrix.numel() // 7),), generator=generator)
+    matrix.view(-1)[picks] = special[torch.arange(len(picks)) % len(special)]
+    n = shape[-1]
+    rows, columns = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    upper = matrix[..., rows.minimum(columns), rows.maximum(columns)]
+    same_tile = rows // linalg.MIRROR_TILE == columns // linalg.MIRROR_TILE
+    expected = torch.where(same_tile, upper + 0.0, upper)
+    mirrored = linalg.mirror_upper_(matrix.clone())
+    assert torch.equal(mirrored.view(torch.int32), expected.view(torch.int32))

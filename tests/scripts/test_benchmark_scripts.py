@@ -20,6 +20,7 @@ from benchmarks import (
     compiled_steps,
     conv_statistics,
     cost_constants,
+    default_cost,
     interval_rules,
     peer_steps,
     scaling,
@@ -51,6 +52,16 @@ def test_comm_bytes_counts_fsdp_rows_to_and_from_the_preconditioner(world: int, 
     assert numbers["kfac_rows_per_step_mean"] == 2 * (world - 1) * rows / world == mean
     assert numbers["fsdp_reduce_scatter_per_step"] == 1000 * (world - 1) / world
     assert numbers["fsdp_all_gather_per_step"] == 2 * numbers["fsdp_reduce_scatter_per_step"]
+
+
+def test_default_cost_times_the_large_batch_mlp_interleaved_with_sgd(tmp_path: Path) -> None:
+    """``--model mlp1d``: both optimizers take every step, on batches of the size asked for."""
+    out = tmp_path / "default_cost.json"
+    result = default_cost.main(["--model", "mlp1d", "--batch", "8", "--steps", "3", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["batch"] == result["batch"] == 8
+    assert len(saved["sgd_step_s"]) == len(saved["kfac_step_s"]) == 3
+    assert saved["ratio"] == pytest.approx(saved["kfac_mean_s"] / saved["sgd_mean_s"])
 
 
 def test_step_time_reports_every_part_and_the_whole_step(tmp_path: Path) -> None:

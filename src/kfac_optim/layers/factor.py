@@ -203,9 +203,9 @@ class Factor:
         """Count ``rows`` more rows; with a bias, add their sum and count to ``target``'s trailing row/column."""
         if row_sum is not None:
             n = row_sum.shape[-1]
-            target[..., :n, n] += row_sum
-            target[..., n, :n] += row_sum
-            target[..., n, n] += rows
+            target[..., :n, n].add_(row_sum)  # in place on the views (``+=`` would copy each back onto itself)
+            target[..., n, :n].add_(row_sum)
+            target[..., n, n].add_(rows)
         self.pending_rows += rows
 
     def discard_pending(self) -> None:

@@ -15,6 +15,7 @@ distribution strategy and the counter the estimator reports), where tensors live
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -123,50 +124,102 @@ class KLClip:
         self.nonfinite = nonfinite
 
     terms = 1
-    """How many sums :meth:`scale` reads (``summed_terms``' ``count``)."""
+    """How many sums :meth:`scale` reads (the columns of :meth:`term`)."""
 
     @record_function("kfac.kl_clip")
     def apply(self, directions: dict[Tensor, Tensor], groups: list[dict[str, Any]],
               state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, Tensor]:
         if not directions:
             return directions
-        lr_of = {p: self.trust_region.lr(group) for group in groups for p in group["params"]}
-
-        def term(direction: Tensor, grad: Tensor, param: Tensor) -> Tensor:
-            return self.term(direction, grad, lr_of[param])
-
-        sums = summed_terms(directions, self._parameters(), self._strategy, self.nonfinite, term, self.terms)
+        lr_of = {p: lr for group in groups for lr in (self.trust_region.lr(group),) for p in group["params"]}
+        params = self._parameters()
+        sums = summed_terms(directions, params, [lr_of[p] for p in params], self._strategy, self.nonfinite, self)
         torch._foreach_mul_([self._strategy.local(d) for d in directions.values()], self.scale(sums))
         return directions
 
-    def term(self, direction: Tensor, grad: Tensor, lr: float | Tensor) -> Tensor:
-        """One parameter's terms ``(terms,)`` from its flattened direction and gradient rows and its
-        :meth:`TrustRegion.lr`: the KL estimate ``lr² ⟨V, ∇⟩``."""
-        return torch.vdot(direction, grad).reshape(1) * lr**2
+    def products(self, direction: Tensor, grad: Tensor) -> list[Tensor]:
+        """The inner products :meth:`term` reads, 0-dim each, of one parameter's flattened direction
+        and gradient rows: ``⟨V, ∇⟩``."""
+        return [torch.vdot(direction, grad)]
+
+    def term(self, products: Tensor, lr: float | Tensor) -> Tensor:
+        """The terms ``(R, terms)`` of R parameters from their :meth:`products` ``(R, k)`` and their
+        :meth:`TrustRegion.lr`, the same for all R: the KL estimate ``lr² ⟨V, ∇⟩``."""
+        return products * lr**2
 
     def scale(self, sums: Tensor) -> Tensor:
         """ν from the summed terms ``(terms,)``."""
         return (self.kl_clip / sums[0].abs()).sqrt().clamp(max=1.0)
 
 
-def summed_terms(directions: dict[Tensor, Tensor], params: list[Tensor], strategy: DistributionStrategy,
-                 nonfinite: Tensor,
-                 term: Callable[[Tensor, Tensor, Tensor], Tensor], count: int) -> Tensor:
-    """``Σ_p term(V_p, ∇p, p)`` over the K-FAC parameters ``params`` (block order) whose terms are finite:
-    ``term`` maps a parameter's flattened local direction rows, gradient rows (in the direction's dtype)
-    and the parameter to ``count`` terms ``(count,)``; a parameter without a direction or gradient
-    contributes 0. Sharded parameters' terms are summed over the shards first (``strategy``). A parameter
-    with a non-finite term is left out and counted in ``nonfinite`` (one entry per parameter, on the
-    device: a non-finite gradient makes its layer's whole direction non-finite). Returns ``(count,)``."""
-    zero = nonfinite.new_zeros(count, dtype=next(iter(directions.values())).dtype)
+class Terms(Protocol):
+    """What :func:`summed_terms` sums: per parameter a few inner products, turned into ``terms`` terms
+    at the parameter's trust-region lr (:class:`KLClip`, :class:`SGDDecrease`)."""
 
-    def terms_of(param: Tensor) -> Tensor:
-        if param not in directions or param.grad is None:
-            return zero
-        rows, grad = strategy.local(directions[param]), strategy.local(param.grad)
-        return term(rows.reshape(-1), grad.to(rows.dtype).reshape(-1), param)
+    terms: int
 
-    per_parameter = strategy.summed_over_shards(torch.stack([terms_of(param) for param in params]), params)
+    def products(self, direction: Tensor, grad: Tensor) -> list[Tensor]: ...
+
+    def term(self, products: Tensor, lr: float | Tensor) -> Tensor: ...
+
+
+_RunKey = tuple[torch.dtype, float | Tensor] | None
+"""What parameters must share to take :meth:`Terms.term` together: their products' dtype and their lr
+(None: parameters without a direction or gradient, whose terms are 0)."""
+
+
+def _same_run(a: _RunKey, b: _RunKey) -> bool:
+    """Whether ``a`` and ``b`` give the same bits through :meth:`Terms.term`: both None, or the same
+    dtype and the same multiplier (the same tensor, or Python numbers of the same type, value and
+    sign: ``0.0`` and ``-0.0`` compare equal but differ)."""
+    if a is None or b is None:
+        return a is b
+    (dtype_a, lr_a), (dtype_b, lr_b) = a, b
+    if dtype_a != dtype_b:
+        return False
+    if isinstance(lr_a, Tensor) or isinstance(lr_b, Tensor):
+        return lr_a is lr_b
+    return type(lr_a) is type(lr_b) and lr_a == lr_b and math.copysign(1.0, lr_a) == math.copysign(1.0, lr_b)
+
+
+def summed_terms(directions: dict[Tensor, Tensor], params: list[Tensor], lrs: list[float | Tensor],
+                 strategy: DistributionStrategy, nonfinite: Tensor, rule: Terms) -> Tensor:
+    """``Σ_p rule.term(products of p, lr of p)`` over the K-FAC parameters ``params`` (block order; ``lrs``
+    their trust-region lrs) whose terms are finite: ``rule.products`` maps a parameter's flattened local
+    direction rows and gradient rows (in the direction's dtype) to its inner products, ``rule.term``
+    maps those of R parameters ``(R, k)`` to their ``(R, rule.terms)`` terms; a parameter without a
+    direction or gradient contributes 0. Sharded parameters' terms are summed over the shards first
+    (``strategy``). A parameter with a non-finite term is left out and counted in ``nonfinite`` (one
+    entry per parameter, on the device: a non-finite gradient makes its layer's whole direction
+    non-finite). Returns ``(rule.terms,)``.
+
+    Consecutive parameters with the same lr and products' dtype (:func:`_same_run`) take ``rule.term``
+    together (one elementwise op per term for the whole run, usually every parameter): the same bits
+    as one ``rule.term`` per parameter, as elementwise products by the same scalar are; a tensor lr
+    first promotes the products as a 0-dim product of two tensors would."""
+    zero = nonfinite.new_zeros(rule.terms, dtype=next(iter(directions.values())).dtype)
+    runs: list[tuple[_RunKey, list[list[Tensor]]]] = []  # in parameter order: (key, each parameter's products)
+    for param, lr in zip(params, lrs, strict=True):
+        key: _RunKey = None
+        products: list[Tensor] = []
+        if param in directions and param.grad is not None:
+            rows, grad = strategy.local(directions[param]), strategy.local(param.grad)
+            key, products = (rows.dtype, lr), rule.products(rows.reshape(-1), grad.to(rows.dtype).reshape(-1))
+        if runs and _same_run(runs[-1][0], key):
+            runs[-1][1].append(products)
+        else:
+            runs.append((key, [products]))
+    blocks = []
+    for key, run in runs:
+        if key is None:
+            blocks.append(zero.repeat(len(run), 1))
+            continue
+        stacked = torch.stack([product for products in run for product in products]).reshape(len(run), -1)
+        lr = key[1]
+        if isinstance(lr, Tensor):
+            stacked = stacked.to(torch.promote_types(stacked.dtype, lr.dtype))
+        blocks.append(rule.term(stacked, lr))
+    per_parameter = strategy.summed_over_shards(blocks[0] if len(blocks) == 1 else torch.cat(blocks), params)
     finite = torch.isfinite(per_parameter).all(dim=1)
     nonfinite += ~finite
     return per_parameter.where(finite[:, None], 0.0).sum(dim=0)
@@ -198,10 +251,14 @@ class SGDDecrease(KLClip):
 
     terms = 3
 
-    def term(self, direction: Tensor, grad: Tensor, lr: float | Tensor) -> Tensor:
+    def products(self, direction: Tensor, grad: Tensor) -> list[Tensor]:
+        """``‖∇‖²`` and ``⟨V, ∇⟩``."""
+        return [torch.vdot(grad, grad), torch.vdot(direction, grad)]
+
+    def term(self, products: Tensor, lr: float | Tensor) -> Tensor:
         """SGD's decrease ``lr ‖∇‖²``, K-FAC's ``lr ⟨V, ∇⟩`` and the KL estimate ``lr² ⟨V, ∇⟩``."""
-        inner = torch.vdot(direction, grad)
-        return torch.stack([torch.vdot(grad, grad) * lr, inner * lr, inner * lr**2])
+        squared, inner = products.unbind(1)
+        return torch.stack([squared * lr, inner * lr, inner * lr**2], dim=1)
 
     def scale(self, sums: Tensor) -> Tensor:
         sgd, kfac, kl_estimate = sums
