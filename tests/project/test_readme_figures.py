@@ -263,3 +263,19 @@ def test_every_row_of_the_table_is_checked_here() -> None:
                  if not any(r.task.startswith(start) and r.link == link for start, link in CHECKED_ROWS)]
     assert len(pays_rows()) == len(CHECKED_ROWS) and unchecked == [], \
         f"README 'When K-FAC pays': rows whose figures no test here recomputes: {unchecked}"
+
+
+def test_the_zoo_sentence_counts_each_optimizers_lowest_losses_in_zoo_all() -> None:
+    """The sentence under the table: on how many zoo models each optimizer as users get it (not the
+    ``eigen_adam_m`` variant) ends lowest after equal steps."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8").split("## When K-FAC pays", 1)[1]
+    quoted = re.search(r"On all (\d+)\s+zoo models with Muon and SOAP, the drop-in or EigenAdam ends lowest after "
+                       r"(\d+) steps on (\d+)\s+\(SOAP (\d+), Muon (\d+),\s+AdamW (\d+): \[zoo_all\]"
+                       r"\(benchmarks/results/zoo_all/zoo\.md\)\)", text)
+    assert quoted is not None, "README: the zoo_all sentence under 'When K-FAC pays' is gone or reworded"
+    data = read_result("zoo_all/zoo.json")
+    lowest = [min((o for o in r if o != "eigen_adam_m"), key=lambda o: r[o]["final"]) for r in data["results"].values()]
+    assert all({"sgd", "kfac", "adamw", "eigen_adam", "muon", "soap"} <= set(r) for r in data["results"].values())
+    found = (len(lowest), int(data["settings"]["steps"]), sum(o in ("kfac", "eigen_adam") for o in lowest),
+             lowest.count("soap"), lowest.count("muon"), lowest.count("adamw"))
+    assert tuple(int(g) for g in quoted.groups()) == found, f"README zoo_all sentence: the file says {found}"
