@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     load_after = os.getloadavg()[0]
     sgd = statistics.fmean(times["sgd"])
     result: dict[str, object] = {
-        "model": args.model, "size": args.size, "batch": args.batch or _batch_size(batches[0]), "steps": args.steps,
+        "model": args.model, "size": args.size, "batch": _batch_size(batches[0]), "steps": args.steps,
         "threads": args.threads, "torch": torch.__version__, "load": [load_before, load_after],
         "sgd_mean_s": sgd, "sgd_median_s": statistics.median(times["sgd"]), "log": collect.lines,
         "sgd_step_s": times["sgd"], "kfac": {},

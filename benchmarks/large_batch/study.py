@@ -143,23 +143,17 @@ def selection_key(run: Run) -> tuple[float, float]:
 MAX_EXTENSIONS = optimizers.MAX_EXTENSIONS
 
 
-def rate(name: str, k: int) -> float:
-    """Point ``k`` of optimizer ``name``'s grid, ``centre·10^(k/2)`` (``optimizers.lr_grid``'s points)."""
-    return optimizers.grid_rate(optimizers.CENTRES[name], k)
-
-
 def search(run_all: Callable[[list[RunSpec]], list[Run]], task: str, names: list[str], batches: list[int],
            points: int, max_steps: int) -> tuple[list[Run], dict[tuple[str, int], Run]]:
     """The grid search of every optimizer at every batch (module docstring): ``run_all`` runs a list of
     seed-0 specs (a round at a time, so that parallel workers stay busy); every grid run, and the
     chosen lr's run per (optimizer, batch)."""
-    grids = {(n, b): list(range(-(points // 2), points - points // 2)) for b in batches for n in names}
+    grids = {(n, b): optimizers.grid_points(points) for b in batches for n in names}
     runs: dict[tuple[str, int, int], Run] = {}
     for extension in range(MAX_EXTENSIONS + 1):
         todo = [(n, b, k) for (n, b), ks in grids.items() for k in ks if (n, b, k) not in runs]
-        for key, run in zip(todo, run_all([RunSpec(task, n, b, rate(n, k), 0, max_steps) for n, b, k in todo]),
-                            strict=True):
-            runs[key] = run
+        specs = [RunSpec(task, n, b, optimizers.rate(n, k), 0, max_steps) for n, b, k in todo]
+        runs.update(zip(todo, run_all(specs), strict=True))
         if extension == MAX_EXTENSIONS:
             break
         grown = [optimizers.extend_at_edge(ks, min(ks, key=lambda k: selection_key(runs[(n, b, k)])))

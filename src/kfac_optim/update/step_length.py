@@ -131,7 +131,9 @@ class KLClip:
               state: dict[Tensor, dict[str, Any]]) -> dict[Tensor, Tensor]:
         if not directions:
             return directions
-        lr_of = {p: lr for group in groups for lr in (self.trust_region.lr(group),) for p in group["params"]}
+        lr_of: dict[Tensor, float | Tensor] = {}
+        for group in groups:
+            lr_of.update(dict.fromkeys(group["params"], self.trust_region.lr(group)))
         params = self._parameters()
         sums = summed_terms(directions, params, [lr_of[p] for p in params], self._strategy, self.nonfinite, self)
         torch._foreach_mul_([self._strategy.local(d) for d in directions.values()], self.scale(sums))
