@@ -60,7 +60,14 @@ from tqdm import tqdm
 
 import kfac_optim
 from benchmarks.output import join_searches, load_finished, write_json_whole
-from benchmarks.peers.optimizers import MAX_EXTENSIONS, OptimizerPair, build_kfac, extend_at_edge, grid_rate
+from benchmarks.peers.optimizers import (
+    MAX_EXTENSIONS,
+    OptimizerPair,
+    build_kfac,
+    extend_at_edge,
+    grid_points,
+    grid_rate,
+)
 from benchmarks.peers.optimizers import available as peer_available
 from benchmarks.zoo.models import ZOO, ZooModel, available
 
@@ -258,7 +265,7 @@ def _mean(values: list[float]) -> float:
 def choose(entry: ZooModel, name: str, args: argparse.Namespace, bar: tqdm) -> tuple[list[Run], dict[str, Any]]:
     """The grid search of optimizer ``name`` on ``entry``: every run, and the chosen lr's summary."""
     runs: dict[int, list[Run]] = {}
-    ks = [-1, 0, 1]
+    ks = grid_points(3)
     for extension in range(MAX_EXTENSIONS + 1):
         for k in ks:
             if k not in runs:
